@@ -1,0 +1,17 @@
+"""vllm-lens: read and change a model's internals per request, inside vLLM.
+
+Install next to vLLM and every request can ask, through ``SamplingParams.extra_args``, for
+residual-stream activations::
+
+    sp = SamplingParams(max_tokens=8, extra_args={"output_residual_stream": [3, 7]})
+    out = llm.generate(["Hello"], sp)[0]
+    out.activations["residual_stream"]   # [n_layers, n_positions, hidden], CPU, model dtype
+
+The plugin itself loads through vLLM's ``vllm.general_plugins`` entry point; this package's
+public names are the helpers a user imports.
+"""
+
+from vllm_lens.errors import LensError, LensRequestError, UnsupportedModelError, WireError
+from vllm_lens.spec import CaptureSpec
+
+__all__ = ["CaptureSpec", "LensError", "LensRequestError", "UnsupportedModelError", "WireError"]

@@ -1,0 +1,76 @@
+"""Lens support for ``AsyncLLM.generate`` (runs in: front end; the OpenAI server uses it too).
+
+The wrapper validates lens keys before the request enters the engine and, when the final
+output arrives, awaits the workers' buffers and attaches ``activations`` to it. A request that
+ends any other way (client gone, cancelled, failed) has its buffers released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from vllm_lens._patching import wrap_attribute
+from vllm_lens.frontend.collate import LensSession, facts_from_describe
+
+__all__ = ["install"]
+
+_background: set[asyncio.Task] = set()
+
+
+def install() -> None:
+    wrap_attribute(AsyncLLM, "generate", _wrap_generate)
+
+
+def _wrap_generate(original):
+    async def generate(
+        self: AsyncLLM, prompt: Any, sampling_params: Any, request_id: str, *args, **kwargs
+    ) -> AsyncGenerator[RequestOutput, None]:
+        session = LensSession.of(self)
+        is_core_request = isinstance(prompt, EngineCoreRequest)
+        target = prompt.sampling_params if is_core_request else sampling_params
+        if session.needs_facts(target):
+            session.facts = facts_from_describe(await self.collective_rpc("lens_describe"))
+        engine_params, lens = session.prepare(target, request_id)
+        if is_core_request:
+            prompt.sampling_params = engine_params
+        else:
+            sampling_params = engine_params
+        stream = original(self, prompt, sampling_params, request_id, *args, **kwargs)
+        if lens is None:
+            async for out in stream:
+                yield out
+            return
+
+        delta = engine_params.output_kind == RequestOutputKind.DELTA
+        generated: dict[int, int] = {}
+        attached = False
+        try:
+            async for out in stream:
+                for c in out.outputs:
+                    generated[c.index] = generated.get(c.index, 0) + len(c.token_ids) if delta \
+                        else len(c.token_ids)
+                if out.finished:
+                    args_ = session.fetch_args(
+                        lens, len(out.prompt_token_ids or ()), generated, engine_params.n
+                    )
+                    results = await self.collective_rpc("lens_fetch", args=([args_],))
+                    session.attach(out, lens, results)
+                    attached = True
+                yield out
+        finally:
+            if not attached:
+                keys = session.forget([request_id])
+                if keys:
+                    # Not awaited: this may run while the caller is being cancelled.
+                    task = asyncio.ensure_future(self.collective_rpc("lens_release", args=(keys,)))
+                    _background.add(task)
+                    task.add_done_callback(_background.discard)
+
+    return generate

@@ -1,0 +1,139 @@
+"""Response collator: turns the workers' buffers into ``activations`` on the outputs (runs in:
+front end).
+
+One ``LensSession`` lives on each engine object (``LLMEngine`` or ``AsyncLLM``). It validates
+lens requests before they enter the engine, remembers which requests carry one, and when such a
+request finishes builds the fetch arguments and attaches the merged result. The sync and async
+engines differ only in how they call ``collective_rpc``, so everything else lives here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.outputs import RequestOutput
+
+from vllm_lens import wire
+from vllm_lens.spec import PAYLOAD_KEY, LensRequest, ModelFacts, has_lens_keys, parse_extra_args
+
+__all__ = ["LensSession", "facts_from_describe", "merge_rank_payloads"]
+
+_SESSION_ATTR = "_vllm_lens_session"
+
+
+def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
+    """Combine every rank's ``lens_describe`` answer into one view of the model."""
+    first = results[0]
+    return ModelFacts(
+        model_class=first["model_class"],
+        n_layers=first["n_layers"],
+        hidden_size=first["hidden_size"],
+        max_model_len=first["max_model_len"],
+        mapped=all(r["mapped"] for r in results),
+        dtype=first["dtype"],
+    )
+
+
+def merge_rank_payloads(blobs: Sequence[bytes]) -> dict[str, torch.Tensor]:
+    """Merge one request's payloads from the pipeline stages that captured it (layer order)."""
+    parts = sorted((wire.loads(b) for b in blobs), key=lambda p: p["layers"][0])
+    stream = torch.cat([p["residual_stream"] for p in parts]) if len(parts) > 1 else parts[0][
+        "residual_stream"]
+    return {"residual_stream": stream, "positions": parts[0]["positions"]}
+
+
+class LensSession:
+    """Per-engine front-end state: model facts, in-flight lens requests, collation."""
+
+    def __init__(self) -> None:
+        self.facts: ModelFacts | None = None
+        self.in_flight: dict[str, LensRequest] = {}
+        """External request id -> its lens request, until it finishes or is aborted."""
+
+    @staticmethod
+    def of(engine: object) -> LensSession:
+        session = engine.__dict__.get(_SESSION_ATTR)
+        if session is None:
+            session = LensSession()
+            setattr(engine, _SESSION_ATTR, session)
+        return session
+
+    def needs_facts(self, params: object) -> bool:
+        return (
+            self.facts is None
+            and isinstance(params, SamplingParams)
+            and has_lens_keys(params.extra_args)
+        )
+
+    def prepare(self, params: Any, request_id: str) -> tuple[Any, LensRequest | None]:
+        """Validate ``params``' lens keys; return (params for the engine, lens request or None).
+
+        The caller's object is never mutated: a request with lens keys gets a clone whose
+        ``extra_args`` carry the validated payload instead of the user's keys.
+        """
+        if not isinstance(params, SamplingParams) or not params.extra_args:
+            return params, None
+        rest, lens = parse_extra_args(params.extra_args, self._facts, request_id=request_id)
+        if lens is None:
+            return params, None
+        engine_params = params.clone()
+        engine_params.extra_args = {**rest, PAYLOAD_KEY: lens.to_payload()}
+        if lens.capture is not None and lens.capture.wants_prompt_rows():
+            # Prompt tokens served from the prefix cache never run through the layers.
+            engine_params.skip_reading_prefix_cache = True
+        self.in_flight[request_id] = lens
+        return engine_params, lens
+
+    def _facts(self) -> ModelFacts:
+        assert self.facts is not None, "call the engine's lens_describe before prepare()"
+        return self.facts
+
+    def fetch_args(
+        self, lens: LensRequest, n_prompt: int, generated: Mapping[int, int], n: int
+    ) -> tuple[str, dict[str, int]]:
+        """Fetch arguments for one finished request (see ``LensWorkerExtension.lens_fetch``).
+
+        ``generated`` maps completion index -> tokens generated; a request sampled once runs
+        under one engine id, ``n > 1`` children under ids prefixed ``"{index}_"``.
+        """
+        if n == 1:
+            return lens.key, {"": n_prompt + generated.get(0, 0) - 1}
+        return lens.key, {f"{i}_": n_prompt + generated.get(i, 0) - 1 for i in range(n)}
+
+    def attach(
+        self,
+        output: RequestOutput,
+        lens: LensRequest,
+        rank_results: Sequence[Mapping[str, Mapping[str, bytes]]],
+    ) -> None:
+        """Attach ``activations`` to ``output`` (n == 1) and to each of its completions."""
+        self.in_flight.pop(output.request_id, None)
+        if lens.capture is None:
+            return
+        by_req: dict[str, list[bytes]] = {}
+        for result in rank_results:
+            for req_id, blob in (result or {}).get(lens.key, {}).items():
+                by_req.setdefault(req_id, []).append(blob)
+        merged = {req_id: merge_rank_payloads(blobs) for req_id, blobs in by_req.items()}
+        n = len(output.outputs)
+        for completion in output.outputs:
+            prefix = "" if n == 1 else f"{completion.index}_"
+            found = next((v for k, v in merged.items() if k.startswith(prefix)), None)
+            completion.activations = found if found is not None else self._empty(lens)
+        if n == 1:
+            output.activations = output.outputs[0].activations
+
+    def _empty(self, lens: LensRequest) -> dict[str, torch.Tensor]:
+        facts = self._facts()
+        dtype = getattr(torch, facts.dtype)
+        assert lens.capture is not None
+        shape = (len(lens.capture.layers), 0, facts.hidden_size)
+        return {"residual_stream": torch.empty(shape, dtype=dtype),
+                "positions": torch.empty(0, dtype=torch.int64)}
+
+    def forget(self, request_ids: Sequence[str]) -> list[str]:
+        """Drop aborted requests; returns the lens keys whose worker buffers should be released."""
+        return [lens.key for rid in request_ids if (lens := self.in_flight.pop(rid, None))]

@@ -1,0 +1,65 @@
+"""Engine configuration: make every engine load the vllm-lens worker extension (runs in: the
+process that builds the engine config, i.e. the front end).
+
+``EngineArgs.create_engine_config`` is the one place every engine path (``LLM``, ``AsyncLLM``,
+``vllm serve``) turns arguments into a ``VllmConfig``, which then travels to the engine-core
+and worker processes. vllm-lens fills in ``worker_extension_cls`` there. It does not touch
+``enforce_eager``: the taps are part of the compiled graph.
+
+On CUDA, vLLM replays decode steps from CUDA graphs, which would skip the taps' Python
+logic; the tap op is therefore added to the compilation's splitting ops (it then runs
+eagerly between graph pieces) and full-graph modes are reduced to piecewise.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.engine.arg_utils import EngineArgs
+
+from vllm_lens._patching import wrap_attribute
+from vllm_lens.worker.taps import TAP_OP_NAME
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["WORKER_EXTENSION", "install"]
+
+WORKER_EXTENSION = "vllm_lens.worker.extension.LensWorkerExtension"
+
+
+def install() -> None:
+    wrap_attribute(EngineArgs, "create_engine_config", _wrap_create_engine_config)
+
+
+def _wrap_create_engine_config(original):
+    def create_engine_config(self: EngineArgs, *args, **kwargs):
+        if not self.worker_extension_cls:
+            self.worker_extension_cls = WORKER_EXTENSION
+        elif self.worker_extension_cls != WORKER_EXTENSION:
+            logger.warning(
+                "vllm-lens: worker_extension_cls is already %s; lens requests will fail on "
+                "this engine.", self.worker_extension_cls,
+            )
+        _keep_taps_out_of_cuda_graphs(self)
+        return original(self, *args, **kwargs)
+
+    return create_engine_config
+
+
+def _keep_taps_out_of_cuda_graphs(args: EngineArgs) -> None:
+    from vllm.config import CompilationConfig, CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda_alike() or args.enforce_eager:
+        return
+    compilation = args.compilation_config
+    if isinstance(compilation, dict):
+        compilation = args.compilation_config = CompilationConfig(**compilation)
+    # None means "vLLM's default", which is the attention ops: keep them, add the taps.
+    ops = list(compilation.splitting_ops if compilation.splitting_ops is not None
+               else CompilationConfig._attention_ops)
+    if TAP_OP_NAME not in ops:
+        compilation.splitting_ops = [*ops, TAP_OP_NAME]
+    mode = compilation.cudagraph_mode
+    if mode is None or mode.has_full_cudagraphs():
+        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE

@@ -1,0 +1,84 @@
+"""Lens support for the synchronous engine behind ``LLM.generate`` / ``LLM.chat`` (runs in:
+front end).
+
+``LLM`` feeds every request through ``LLMEngine.add_request`` and collects results from
+``LLMEngine.step``, so wrapping those two (plus ``abort_request``) covers both entry points:
+validation happens before the request enters the engine, and a finished request's activations
+are fetched from the workers in the same step call that reports it finished.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine.llm_engine import LLMEngine
+
+from vllm_lens._patching import wrap_attribute
+from vllm_lens.frontend.collate import LensSession, facts_from_describe
+
+__all__ = ["install"]
+
+
+def install() -> None:
+    wrap_attribute(LLMEngine, "add_request", _wrap_add_request)
+    wrap_attribute(LLMEngine, "step", _wrap_step)
+    wrap_attribute(LLMEngine, "abort_request", _wrap_abort_request)
+
+
+def _wrap_add_request(original):
+    def add_request(self: LLMEngine, request_id: str, prompt: Any, params: Any, *args, **kwargs):
+        session = LensSession.of(self)
+        target = prompt.sampling_params if isinstance(prompt, EngineCoreRequest) else params
+        if session.needs_facts(target):
+            session.facts = facts_from_describe(self.collective_rpc("lens_describe"))
+        engine_params, _ = session.prepare(target, request_id)
+        if isinstance(prompt, EngineCoreRequest):
+            prompt.sampling_params = engine_params  # the request object is the engine's own
+        else:
+            params = engine_params
+        try:
+            return original(self, request_id, prompt, params, *args, **kwargs)
+        except BaseException:
+            session.forget([request_id])
+            raise
+
+    return add_request
+
+
+def _wrap_step(original):
+    def step(self: LLMEngine):
+        outputs = original(self)
+        session = LensSession.of(self)
+        if not session.in_flight:
+            return outputs
+        done = [o for o in outputs if o.finished and o.request_id in session.in_flight]
+        if not done:
+            return outputs
+        lenses = [session.in_flight[o.request_id] for o in done]
+        args = [
+            session.fetch_args(
+                lens,
+                len(o.prompt_token_ids or ()),
+                {c.index: len(c.token_ids) for c in o.outputs},
+                len(o.outputs),
+            )
+            for o, lens in zip(done, lenses)
+        ]
+        results = self.collective_rpc("lens_fetch", args=(args,))
+        for o, lens in zip(done, lenses):
+            session.attach(o, lens, results)
+        return outputs
+
+    return step
+
+
+def _wrap_abort_request(original):
+    def abort_request(self: LLMEngine, request_ids: list[str], internal: bool = False):
+        result = original(self, request_ids, internal)
+        keys = LensSession.of(self).forget(request_ids)
+        if keys:
+            self.collective_rpc("lens_release", args=(keys,))
+        return result
+
+    return abort_request

@@ -1,0 +1,32 @@
+"""vLLM general-plugin entry point (runs in: every vLLM process — front end, engine core and
+each worker — possibly several times per process).
+
+``register`` installs the pieces and nothing else; each piece is idempotent:
+
+- front end: engine config gets the worker extension (``frontend.engine_args``); ``LLMEngine``
+  and ``AsyncLLM`` validate lens requests and collate activations (``frontend.offline``,
+  ``frontend.async_engine``);
+- worker: every model vLLM constructs gets taps on its decoder layers (``worker.taps``), by
+  wrapping the class vLLM's model loader resolves for the architecture.
+
+``VLLM_LENS_DISABLE=1`` makes it a complete no-op.
+"""
+
+from __future__ import annotations
+
+from vllm_lens import envs
+
+__all__ = ["register"]
+
+
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group (see pyproject.toml)."""
+    if envs.disabled():
+        return
+    from vllm_lens.frontend import async_engine, engine_args, offline
+    from vllm_lens.worker import taps
+
+    engine_args.install()
+    offline.install()
+    async_engine.install()
+    taps.install_model_hook()

@@ -1,0 +1,243 @@
+"""Lens request keys -> validated, typed specs (runs in: front end; decoded again in workers).
+
+Users put lens keys in ``SamplingParams.extra_args`` (offline) or ``vllm_xargs`` (HTTP). The
+front end validates them here, before the request reaches the engine, so a bad request fails
+alone with an error naming the key. The validated spec then travels *inside* the request as one
+reserved ``extra_args`` entry, ``"vllm_lens"``: a versioned map of plain msgpack types that
+vLLM's own serializer carries to every worker.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_lens.errors import LensRequestError, UnsupportedModelError
+
+__all__ = [
+    "CAPTURE_KEY",
+    "LENS_KEYS",
+    "PAYLOAD_KEY",
+    "POSITION_SELECTORS",
+    "REDUCTIONS",
+    "CaptureSpec",
+    "LensRequest",
+    "ModelFacts",
+    "has_lens_keys",
+    "parse_extra_args",
+]
+
+CAPTURE_KEY = "output_residual_stream"
+#: Every key vllm-lens reads from ``extra_args``; near-misses of these are reported as typos.
+LENS_KEYS = (CAPTURE_KEY, "apply_steering_vectors", "apply_hooks")
+#: The reserved ``extra_args`` entry that carries the validated spec to the workers.
+PAYLOAD_KEY = "vllm_lens"
+PAYLOAD_VERSION = 1
+POSITION_SELECTORS = ("all", "prompt", "generated", "last_prompt")
+REDUCTIONS = (None, "mean", "last")
+_CAPTURE_FIELDS = ("layers", "positions", "reduce")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the front end must know about the served model to validate lens requests."""
+
+    model_class: str
+    n_layers: int
+    hidden_size: int
+    max_model_len: int
+    mapped: bool
+    """False when the workers could not find the model's decoder layers (no taps installed)."""
+    dtype: str = "float32"
+    """The model's dtype name (``torch.<dtype>``): the dtype of captured activations."""
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """Which residual-stream rows a request wants.
+
+    ``positions`` is a selector name or a sorted tuple of absolute token positions;
+    ``reduce`` collapses the selected positions per layer (``"mean"`` or ``"last"``).
+    """
+
+    layers: tuple[int, ...]
+    positions: str | tuple[int, ...] = "all"
+    reduce: str | None = None
+
+    def wants_prompt_rows(self) -> bool:
+        """True if any prompt position may be selected (so prefix-cache hits must be recomputed)."""
+        return self.positions != "generated"
+
+
+@dataclass(frozen=True)
+class LensRequest:
+    """The validated lens part of one request, as carried in ``extra_args[PAYLOAD_KEY]``."""
+
+    key: str
+    """Unique per request: names its buffers on the workers."""
+    capture: CaptureSpec | None = None
+
+    def to_payload(self) -> dict[str, Any]:
+        payload: dict[str, Any] = {"v": PAYLOAD_VERSION, "key": self.key}
+        if self.capture is not None:
+            c = self.capture
+            payload["capture"] = {
+                "layers": list(c.layers),
+                "positions": c.positions if isinstance(c.positions, str) else list(c.positions),
+                "reduce": c.reduce,
+            }
+        return payload
+
+    @classmethod
+    def from_payload(cls, payload: Any) -> LensRequest:
+        """Decode a payload written by :meth:`to_payload` (raises ``ValueError`` otherwise)."""
+        if not isinstance(payload, Mapping) or payload.get("v") != PAYLOAD_VERSION:
+            raise ValueError(f"not a vllm-lens v{PAYLOAD_VERSION} payload")
+        capture = None
+        if (c := payload.get("capture")) is not None:
+            positions = c["positions"]
+            capture = CaptureSpec(
+                layers=tuple(int(x) for x in c["layers"]),
+                positions=positions if isinstance(positions, str) else tuple(positions),
+                reduce=c["reduce"],
+            )
+        return cls(key=str(payload["key"]), capture=capture)
+
+
+def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
+    """Cheap check: does this request ask for anything vllm-lens does?"""
+    return bool(extra_args) and any(extra_args.get(k) is not None for k in LENS_KEYS)
+
+
+def parse_extra_args(
+    extra_args: Mapping[str, Any] | None,
+    facts: Callable[[], ModelFacts],
+    *,
+    request_id: str | None = None,
+) -> tuple[dict[str, Any], LensRequest | None]:
+    """Split ``extra_args`` into (the caller's other keys, the validated lens request).
+
+    ``facts`` is called only when a lens key is present, so plain requests never ask the
+    workers anything. Returns the non-lens keys untouched and ``None`` when no lens key is set.
+
+    Raises:
+        LensRequestError: a lens key is malformed, misspelt, or unusable on this model.
+    """
+    rest = dict(extra_args or {})
+    if PAYLOAD_KEY in rest:
+        raise LensRequestError(
+            PAYLOAD_KEY, "this extra_args key is reserved for vllm-lens itself", request_id=request_id
+        )
+    for name in rest:
+        if name not in LENS_KEYS and (close := difflib.get_close_matches(name, LENS_KEYS, 1, 0.8)):
+            raise LensRequestError(
+                name, f"unknown key; did you mean '{close[0]}'?", request_id=request_id
+            )
+    for name in ("apply_steering_vectors", "apply_hooks"):
+        if rest.get(name) is not None:
+            raise LensRequestError(name, "not supported by this version of vllm-lens",
+                                   request_id=request_id)
+    raw = rest.pop(CAPTURE_KEY, None)
+    if raw is None or raw is False:
+        return rest, None
+    facts = facts()
+    if not facts.mapped:
+        raise UnsupportedModelError(
+            CAPTURE_KEY,
+            f"vllm-lens cannot find the decoder layers of model class {facts.model_class}; "
+            "lens features are unavailable for it (plain requests still work)",
+            request_id=request_id,
+        )
+    capture = _parse_capture(raw, facts, request_id)
+    return rest, LensRequest(key=uuid.uuid4().hex, capture=capture)
+
+
+def _parse_capture(raw: Any, facts: ModelFacts, request_id: str | None) -> CaptureSpec:
+    field = CAPTURE_KEY
+    if isinstance(raw, str):  # HTTP's vllm_xargs carries structured values as JSON strings
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise LensRequestError(field, f"not valid JSON ({exc.msg})", request_id=request_id) from None
+    if isinstance(raw, Mapping):
+        unknown = [k for k in raw if k not in _CAPTURE_FIELDS]
+        if unknown:
+            raise LensRequestError(
+                f"{field}.{unknown[0]}",
+                f"unknown field; allowed fields are {', '.join(_CAPTURE_FIELDS)}",
+                request_id=request_id,
+            )
+        if "layers" not in raw:
+            raise LensRequestError(f"{field}.layers", "missing (a list of layer indices, or true)",
+                                   request_id=request_id)
+        return CaptureSpec(
+            layers=_parse_layers(raw["layers"], facts, f"{field}.layers", request_id),
+            positions=_parse_positions(raw.get("positions", "all"), facts, f"{field}.positions",
+                                       request_id),
+            reduce=_parse_reduce(raw.get("reduce"), f"{field}.reduce", request_id),
+        )
+    return CaptureSpec(layers=_parse_layers(raw, facts, field, request_id))
+
+
+def _parse_layers(raw: Any, facts: ModelFacts, field: str, request_id: str | None) -> tuple[int, ...]:
+    if raw is True:
+        return tuple(range(facts.n_layers))
+    if not isinstance(raw, (list, tuple)):
+        raise LensRequestError(
+            field, f"expected a list of layer indices or true, got {type(raw).__name__}",
+            request_id=request_id,
+        )
+    if not raw:
+        raise LensRequestError(field, "empty list; name at least one layer", request_id=request_id)
+    for i, layer in enumerate(raw):
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise LensRequestError(
+                f"{field}[{i}]", f"expected an integer layer index, got {layer!r}",
+                request_id=request_id,
+            )
+        if not 0 <= layer < facts.n_layers:
+            raise LensRequestError(
+                f"{field}[{i}]",
+                f"layer {layer} is out of range; the model has layers 0..{facts.n_layers - 1}",
+                request_id=request_id,
+            )
+    return tuple(sorted(set(raw)))
+
+
+def _parse_positions(
+    raw: Any, facts: ModelFacts, field: str, request_id: str | None
+) -> str | tuple[int, ...]:
+    if isinstance(raw, str):
+        if raw not in POSITION_SELECTORS:
+            raise LensRequestError(
+                field, f"unknown selector {raw!r}; use one of {', '.join(POSITION_SELECTORS)} "
+                "or a list of absolute positions", request_id=request_id,
+            )
+        return raw
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise LensRequestError(
+            field, "expected a selector name or a non-empty list of absolute positions",
+            request_id=request_id,
+        )
+    for i, pos in enumerate(raw):
+        if isinstance(pos, bool) or not isinstance(pos, int):
+            raise LensRequestError(f"{field}[{i}]", f"expected an integer position, got {pos!r}",
+                                   request_id=request_id)
+        if not 0 <= pos < facts.max_model_len:
+            raise LensRequestError(
+                f"{field}[{i}]",
+                f"position {pos} is outside the model's context (0..{facts.max_model_len - 1})",
+                request_id=request_id,
+            )
+    return tuple(sorted(set(raw)))
+
+
+def _parse_reduce(raw: Any, field: str, request_id: str | None) -> str | None:
+    if raw not in REDUCTIONS:
+        raise LensRequestError(field, f"unknown reduction {raw!r}; use null, 'mean' or 'last'",
+                               request_id=request_id)
+    return raw

@@ -1,0 +1,1 @@
+"""Worker-side half of vllm-lens (runs in: every worker process, one per TP/PP rank)."""

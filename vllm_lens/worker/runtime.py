@@ -1,0 +1,116 @@
+"""The per-process tap handler: builds the step plan and dispatches to capture (runs in: worker).
+
+One ``LensRuntime`` exists per worker process once the front end has asked for lens features
+(``lens_describe``); until then the taps have no handler and cost one Python call per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.forward_context import get_forward_context, is_forward_context_available
+
+from vllm_lens import envs
+from vllm_lens.spec import PAYLOAD_KEY, LensRequest
+from vllm_lens.worker.capture import capture_rows
+from vllm_lens.worker.plan import RequestSlice, StepPlan
+from vllm_lens.worker.store import CaptureStore
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LensRuntime"]
+
+_EMPTY_PLAN = StepPlan(slices=[])
+
+
+class LensRuntime:
+    """Reads the model runner's batch state; one plan per forward step, shared by all taps."""
+
+    def __init__(self, runner: Any, *, capture: bool) -> None:
+        self.runner = runner
+        self.capture_enabled = capture
+        self.store = CaptureStore(envs.worker_max_bytes(), envs.finished_ttl_s())
+        self._lens_by_req: dict[str, LensRequest | None] = {}
+        self._plan_ctx: object | None = None
+        self._plan: StepPlan = _EMPTY_PLAN
+
+    # -- tap handler ---------------------------------------------------------------------------
+    def on_tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
+        plan = self._plan_for_step(hidden.device)
+        if plan.empty:
+            return
+        group = plan.capture.get(layer)
+        if group is not None:
+            capture_rows(group, hidden, residual, layer, self.store)
+
+    # -- per-step plan -------------------------------------------------------------------------
+    def _plan_for_step(self, device: torch.device) -> StepPlan:
+        """The plan of the running step, built on its first tap (vLLM makes a fresh forward
+        context object per step, so the object's identity marks the step)."""
+        if not is_forward_context_available():
+            return _EMPTY_PLAN
+        ctx = get_forward_context()
+        if ctx is not self._plan_ctx:
+            self._plan_ctx = ctx
+            self._plan = self._build_plan(device)
+        return self._plan
+
+    def _build_plan(self, device: torch.device) -> StepPlan:
+        runner = self.runner
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        req_ids = batch.req_ids
+        query_start = runner.query_start_loc.np  # host mirror: reading it never syncs
+        computed = batch.num_computed_tokens_cpu
+        slices = []
+        for i in range(num_reqs):
+            req_id = req_ids[i]
+            lens = self._lens_of(req_id)
+            if lens is None:
+                continue
+            slices.append(
+                RequestSlice(
+                    req_id=req_id,
+                    lens=lens,
+                    start=int(query_start[i]),
+                    end=int(query_start[i + 1]),
+                    pos0=int(computed[i]),
+                    n_prompt=runner.requests[req_id].num_prompt_tokens,
+                )
+            )
+        self._forget_finished()
+        if not slices:
+            return _EMPTY_PLAN
+        plan = StepPlan.build(slices, device, capture=self.capture_enabled)
+        for s in slices:
+            positions = plan.captured_positions.get(s.req_id)
+            if positions is not None:
+                self.store.begin_step(s.lens.key, s.req_id, positions, s.lens.capture.reduce)
+        return plan
+
+    def _lens_of(self, req_id: str) -> LensRequest | None:
+        try:
+            return self._lens_by_req[req_id]
+        except KeyError:
+            pass
+        lens = None
+        state = self.runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        payload = (params.extra_args or {}).get(PAYLOAD_KEY) if params is not None else None
+        if payload is not None:
+            try:
+                lens = LensRequest.from_payload(payload)
+            except (ValueError, KeyError, TypeError) as exc:
+                # The front end validated it; anything else did not come from vllm-lens.
+                logger.warning("vllm-lens: ignoring malformed payload of %s: %s", req_id, exc)
+        self._lens_by_req[req_id] = lens
+        return lens
+
+    def _forget_finished(self) -> None:
+        live = self.runner.requests
+        if len(self._lens_by_req) > 2 * len(live) + 64:
+            self._lens_by_req = {r: v for r, v in self._lens_by_req.items() if r in live}
+        if len(self.store):
+            self.store.mark_finished(live)

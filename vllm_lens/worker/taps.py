@@ -1,0 +1,182 @@
+"""Tap points: one per decoder layer, inside the traced graph (runs in: worker).
+
+PyTorch forward hooks do not fire in vLLM's compiled model, so vllm-lens changes what is
+traced instead: right after the model is constructed (before weights load and before the first
+forward pass, which is when vLLM compiles) every decoder layer's class is swapped for a thin
+subclass whose ``forward`` calls the original and then the custom op ``vllm_lens::tap``.
+Swapping the class keeps parameter names, so weight loading is untouched, and one code path
+serves compiled and eager mode: Dynamo sees an ordinary op, eager mode calls it directly.
+
+The op is declared as mutating ``hidden`` so steering can add to the stream in place; what it
+does is delegated to a per-process handler (``set_tap_handler``). With no handler (plain
+traffic before any lens request) it returns at once.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["TAP_OP_NAME", "TapInfo", "install_taps", "set_tap_handler", "tap_info"]
+
+TAP_OP_NAME = "vllm_lens::tap"
+
+#: handler(hidden, residual, layer_index); ``residual`` is None for layers without one.
+TapHandler = Callable[[torch.Tensor, "torch.Tensor | None", int], None]
+_handler: TapHandler | None = None
+
+
+def set_tap_handler(handler: TapHandler | None) -> None:
+    """Route every tap in this process to ``handler`` (``None``: taps do nothing)."""
+    global _handler
+    _handler = handler
+
+
+@torch.library.custom_op(TAP_OP_NAME, mutates_args=("hidden",))
+def _tap(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
+    # hidden/residual: [num_tokens, hidden_size]; the residual stream after the layer is
+    # hidden + residual for fused-residual models (Llama, Qwen2), hidden alone otherwise.
+    handler = _handler
+    if handler is not None:
+        handler(hidden, residual, layer)
+
+
+@_tap.register_fake
+def _tap_fake(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class TapInfo:
+    """What ``install_taps`` found in a model."""
+
+    model_class: str
+    n_layers: int
+    """Total decoder layers of the model (on every pipeline stage)."""
+    local_layers: tuple[int, ...]
+    """Layers owned (and tapped) by this pipeline stage."""
+    hidden_size: int
+
+
+# Where Llama/Qwen2-style models (and multimodal wrappers around them) keep their layers.
+_LAYER_PATHS = (
+    ("model", "layers"),
+    ("language_model", "model", "layers"),
+    ("model", "language_model", "layers"),
+    ("language_model", "layers"),
+)
+_TAPPED_CLASSES: dict[type, type] = {}
+_INFO_ATTR = "_vllm_lens_taps"
+
+
+def _find_layers(model: nn.Module) -> nn.ModuleList | None:
+    for path in _LAYER_PATHS:
+        obj: object = model
+        for name in path:
+            obj = getattr(obj, name, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
+            return obj
+    return None
+
+
+def _tapped_class(cls: type[nn.Module]) -> type[nn.Module]:
+    tapped = _TAPPED_CLASSES.get(cls)
+    if tapped is None:
+
+        def forward(self, *args, **kwargs):
+            out = cls.forward(self, *args, **kwargs)
+            hidden, residual = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+            torch.ops.vllm_lens.tap(hidden, residual, self._vllm_lens_layer)
+            return out
+
+        tapped = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+        _TAPPED_CLASSES[cls] = tapped
+    return tapped
+
+
+def install_taps(model: nn.Module) -> TapInfo | None:
+    """Swap every local decoder layer of ``model`` for its tapped twin; idempotent.
+
+    Returns what was found, or ``None`` when the model's layers cannot be located (then lens
+    requests on this model are refused with an error naming its class).
+    """
+    layers = _find_layers(model)
+    if layers is None:
+        return None
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    local = []
+    for index, layer in enumerate(layers):
+        if isinstance(layer, PPMissingLayer):
+            continue  # owned by another pipeline stage
+        if type(layer) not in _TAPPED_CLASSES.values():
+            layer.__class__ = _tapped_class(type(layer))
+        layer._vllm_lens_layer = index
+        local.append(index)
+    config = getattr(model, "config", None)
+    text_config = getattr(config, "get_text_config", lambda: config)()
+    info = TapInfo(
+        model_class=type(model).__name__,
+        n_layers=len(layers),
+        local_layers=tuple(local),
+        hidden_size=int(getattr(text_config, "hidden_size", 0) or 0),
+    )
+    setattr(model, _INFO_ATTR, info)
+    return info
+
+
+def tap_info(model: nn.Module) -> TapInfo | None:
+    """The ``TapInfo`` recorded on ``model`` by ``install_taps``, if any."""
+    return getattr(model, _INFO_ATTR, None)
+
+
+_TAPPED_MODELS: dict[type, type] = {}
+
+
+def tapped_model_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """A subclass of ``cls`` that installs taps as soon as the model is constructed.
+
+    Construction happens before weights load and before the first (compiling) forward pass,
+    which is the last moment the taps can join the traced graph.
+    """
+    if getattr(cls, "_vllm_lens_model_hook", False):
+        return cls
+    sub = _TAPPED_MODELS.get(cls)
+    if sub is None:
+
+        # wraps(): vLLM inspects the constructor's signature to pick its calling convention.
+        @functools.wraps(cls.__init__)
+        def __init__(self, *args, **kwargs):
+            cls.__init__(self, *args, **kwargs)
+            install_taps(self)
+
+        sub = type(cls.__name__, (cls,), {
+            "__init__": __init__,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_vllm_lens_model_hook": True,
+        })
+        _TAPPED_MODELS[cls] = sub
+    return sub
+
+
+def install_model_hook() -> None:
+    """Make vLLM's model loader construct tapped model classes (idempotent)."""
+    from vllm.model_executor.model_loader import utils as loader_utils
+
+    from vllm_lens._patching import wrap_attribute
+
+    def wrap(original):
+        def get_model_architecture(model_config):
+            model_cls, arch = original(model_config)
+            return tapped_model_class(model_cls), arch
+
+        return get_model_architecture
+
+    wrap_attribute(loader_utils, "get_model_architecture", wrap)

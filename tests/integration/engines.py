@@ -1,0 +1,68 @@
+"""Starting and stopping real vLLM CPU engines for tests, with settings that fit the CI box."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from vllm import LLM
+
+#: Small, deterministic engines: float32 for exact comparisons, a bounded KV cache so that
+#: two or three engines fit in memory at once.
+DEFAULTS: dict[str, Any] = dict(
+    dtype="float32",
+    max_model_len=1024,
+    kv_cache_memory_bytes=256 << 20,
+    seed=0,
+)
+
+
+def engine_kwargs(**overrides: Any) -> dict[str, Any]:
+    return {**DEFAULTS, **overrides}
+
+
+@contextlib.contextmanager
+def running_llm(model: str, **overrides: Any) -> Iterator[LLM]:
+    llm = LLM(model, **engine_kwargs(**overrides))
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+@contextlib.contextmanager
+def env(**values: str) -> Iterator[None]:
+    """Set environment variables for engines started inside the block (workers inherit them)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def generate_without_plugin(model: str, prompts: list[str], max_tokens: int,
+                            **overrides: Any) -> list[list[int]]:
+    """Greedy token ids from a separate process started with ``VLLM_LENS_DISABLE=1``."""
+    script = Path(__file__).with_name("plain_generate.py")
+    request = json.dumps({"model": model, "prompts": prompts, "max_tokens": max_tokens,
+                          "engine": engine_kwargs(**overrides)})
+    proc = subprocess.run(
+        [sys.executable, str(script)], input=request, capture_output=True, text=True,
+        env={**os.environ, "VLLM_LENS_DISABLE": "1"}, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -65,4 +65,5 @@ def generate_without_plugin(model: str, prompts: list[str], max_tokens: int,
         env={**os.environ, "VLLM_LENS_DISABLE": "1"}, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    return json.loads(line.removeprefix("RESULT "))

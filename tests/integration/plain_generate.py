@@ -22,4 +22,4 @@ if __name__ == "__main__":
         pass
     else:
         raise AssertionError("VLLM_LENS_DISABLE=1 but the worker extension was loaded")
-    print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+    print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)

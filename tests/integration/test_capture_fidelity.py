@@ -87,7 +87,7 @@ def test_selectors_and_reductions_are_views_of_the_full_capture(smol_llm):
         "prompt": ({"positions": "prompt"}, stream[:, :n_prompt]),
         "generated": ({"positions": "generated"}, stream[:, n_prompt:]),
         "last_prompt": ({"positions": "last_prompt"}, stream[:, n_prompt - 1 : n_prompt]),
-        "list": ({"positions": [n_prompt + 2, 1, 0, 4000]}, stream[:, [0, 1, n_prompt + 2]]),
+        "list": ({"positions": [n_prompt + 2, 1, 0, 1000]}, stream[:, [0, 1, n_prompt + 2]]),
         "mean": ({"reduce": "mean"}, stream.mean(dim=1)),
         "last": ({"positions": "prompt", "reduce": "last"}, stream[:, n_prompt - 1]),
     }

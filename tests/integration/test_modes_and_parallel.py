@@ -1,0 +1,68 @@
+"""Compiled vs eager mode, tensor and pipeline parallelism: all give the same activations.
+
+The reference is the session's tiny engine (eager, TP=1, PP=1), itself checked against
+transformers in test_chunked_and_mixed.py.
+"""
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from tests.integration.engines import env, running_llm
+from tests.integration.reference import max_relative_error
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "In a hole in the ground there lived a hobbit, not a nasty dirty wet hole.",
+]
+ALL_LAYERS = SamplingParams(max_tokens=6, temperature=0,
+                            extra_args={"output_residual_stream": True})
+# One worker per core on the CPU backend.
+TWO_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def _assert_same_as_reference(outs, ref_outs, tol):
+    for out, ref in zip(outs, ref_outs):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        a, b = out.activations["residual_stream"], ref.activations["residual_stream"]
+        assert a.shape == b.shape
+        assert max_relative_error(a, b) <= tol
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llm):
+    return tiny_llm.generate(PROMPTS, ALL_LAYERS)
+
+
+def test_compiled_mode_matches_eager(tiny_path, reference):
+    with running_llm(tiny_path, max_num_batched_tokens=16, max_num_seqs=8) as llm:
+        assert llm.llm_engine.vllm_config.compilation_config.mode != 0  # really compiled
+        outs = llm.generate(PROMPTS, ALL_LAYERS)
+    _assert_same_as_reference(outs, reference, tol=1e-5)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_matches_tp1(tiny_path, reference):
+    with env(**TWO_WORKERS), running_llm(tiny_path, tensor_parallel_size=2,
+                                         enforce_eager=True) as llm:
+        outs = llm.generate(PROMPTS, ALL_LAYERS)
+        describe = llm.collective_rpc("lens_describe")
+    assert [d["tp_rank"] for d in describe] == [0, 1]
+    _assert_same_as_reference(outs, reference, tol=1e-4)
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_2_matches_pp1(tiny_path, reference):
+    # vLLM 0.32's CPU runner supports PP only in compiled mode.
+    with env(**TWO_WORKERS), running_llm(tiny_path, pipeline_parallel_size=2) as llm:
+        describe = llm.collective_rpc("lens_describe")
+        outs = llm.generate(PROMPTS, ALL_LAYERS)
+        one_per_stage = llm.generate(
+            PROMPTS, SamplingParams(max_tokens=6, temperature=0,
+                                    extra_args={"output_residual_stream": [1, 3]}))
+    assert [d["local_layers"] for d in describe] == [[0, 1], [2, 3]]
+    _assert_same_as_reference(outs, reference, tol=1e-4)
+    for out, ref in zip(one_per_stage, reference):
+        torch.testing.assert_close(out.activations["residual_stream"],
+                                   ref.activations["residual_stream"][[1, 3]],
+                                   rtol=1e-4, atol=1e-5)

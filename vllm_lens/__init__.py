@@ -7,11 +7,24 @@ residual-stream activations::
     out = llm.generate(["Hello"], sp)[0]
     out.activations["residual_stream"]   # [n_layers, n_positions, hidden], CPU, model dtype
 
+and for steering vectors added to the residual stream::
+
+    sv = SteeringVector(activations=direction[None], layer_indices=[10], scale=4.0)
+    SamplingParams(max_tokens=20, extra_args={"apply_steering_vectors": [sv]})
+
 The plugin itself loads through vLLM's ``vllm.general_plugins`` entry point; this package's
 public names are the helpers a user imports.
 """
 
 from vllm_lens.errors import LensError, LensRequestError, UnsupportedModelError, WireError
 from vllm_lens.spec import CaptureSpec
+from vllm_lens.steering import SteeringVector
 
-__all__ = ["CaptureSpec", "LensError", "LensRequestError", "UnsupportedModelError", "WireError"]
+__all__ = [
+    "CaptureSpec",
+    "LensError",
+    "LensRequestError",
+    "SteeringVector",
+    "UnsupportedModelError",
+    "WireError",
+]

@@ -5,7 +5,8 @@ each worker — possibly several times per process).
 
 - front end: engine config gets the worker extension (``frontend.engine_args``); ``LLMEngine``
   and ``AsyncLLM`` validate lens requests and collate activations (``frontend.offline``,
-  ``frontend.async_engine``);
+  ``frontend.async_engine``); steered requests get a prefix-cache salt
+  (``frontend.prefix_cache``);
 - worker: every model vLLM constructs gets taps on its decoder layers (``worker.taps``), by
   wrapping the class vLLM's model loader resolves for the architecture.
 
@@ -23,10 +24,11 @@ def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group (see pyproject.toml)."""
     if envs.disabled():
         return
-    from vllm_lens.frontend import async_engine, engine_args, offline
+    from vllm_lens.frontend import async_engine, engine_args, offline, prefix_cache
     from vllm_lens.worker import taps
 
     engine_args.install()
     offline.install()
     async_engine.install()
+    prefix_cache.install()
     taps.install_model_hook()

@@ -10,17 +10,21 @@ vLLM's own serializer carries to every worker.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_lens import wire
 from vllm_lens.errors import LensRequestError, UnsupportedModelError
 
 __all__ = [
     "CAPTURE_KEY",
     "LENS_KEYS",
+    "STEER_KEY",
+    "SteerSpec",
     "PAYLOAD_KEY",
     "POSITION_SELECTORS",
     "REDUCTIONS",
@@ -32,8 +36,9 @@ __all__ = [
 ]
 
 CAPTURE_KEY = "output_residual_stream"
+STEER_KEY = "apply_steering_vectors"
 #: Every key vllm-lens reads from ``extra_args``; near-misses of these are reported as typos.
-LENS_KEYS = (CAPTURE_KEY, "apply_steering_vectors", "apply_hooks")
+LENS_KEYS = (CAPTURE_KEY, STEER_KEY, "apply_hooks")
 #: The reserved ``extra_args`` entry that carries the validated spec to the workers.
 PAYLOAD_KEY = "vllm_lens"
 PAYLOAD_VERSION = 1
@@ -74,15 +79,65 @@ class CaptureSpec:
 
 
 @dataclass(frozen=True)
+class SteerSpec:
+    """One validated steering vector, in the form that travels to the workers."""
+
+    layers: tuple[int, ...]
+    vectors: bytes
+    """``wire.dumps`` of the activations: ``[n_layers, hidden]`` or ``[n_layers, n_pos, hidden]``
+    in the caller's dtype (the worker casts to the model dtype)."""
+    scale: float
+    norm_match: bool
+    positions: tuple[int, ...] | None
+    """Absolute positions of 3D rows; ``None`` for 2D vectors, which apply at every position."""
+
+    def to_payload(self) -> dict[str, Any]:
+        return {
+            "layers": list(self.layers), "vectors": self.vectors, "scale": self.scale,
+            "norm_match": self.norm_match,
+            "positions": None if self.positions is None else list(self.positions),
+        }
+
+    @classmethod
+    def from_payload(cls, d: Mapping[str, Any]) -> SteerSpec:
+        positions = d["positions"]
+        return cls(
+            layers=tuple(int(x) for x in d["layers"]), vectors=bytes(d["vectors"]),
+            scale=float(d["scale"]), norm_match=bool(d["norm_match"]),
+            positions=None if positions is None else tuple(int(p) for p in positions),
+        )
+
+
+@dataclass(frozen=True)
 class LensRequest:
     """The validated lens part of one request, as carried in ``extra_args[PAYLOAD_KEY]``."""
 
     key: str
     """Unique per request: names its buffers on the workers."""
     capture: CaptureSpec | None = None
+    steer: tuple[SteerSpec, ...] = ()
+
+    @property
+    def cache_salt(self) -> str | None:
+        """Prefix-cache salt: requests share KV blocks only with identically steered ones.
+
+        Any steering changes the KV of every later position of the steered layers' successors,
+        so every steered request is salted (also when it steers generated positions only:
+        their blocks could otherwise be reused by a prompt that repeats them).
+        """
+        if not self.steer:
+            return None
+        digest = hashlib.sha256()
+        for s in self.steer:
+            digest.update(repr((s.layers, s.scale, s.norm_match, s.positions)).encode())
+            digest.update(s.vectors)
+        return "vllm-lens:" + digest.hexdigest()[:32]
 
     def to_payload(self) -> dict[str, Any]:
         payload: dict[str, Any] = {"v": PAYLOAD_VERSION, "key": self.key}
+        if self.steer:
+            payload["steer"] = [s.to_payload() for s in self.steer]
+            payload["salt"] = self.cache_salt
         if self.capture is not None:
             c = self.capture
             payload["capture"] = {
@@ -105,7 +160,8 @@ class LensRequest:
                 positions=positions if isinstance(positions, str) else tuple(positions),
                 reduce=c["reduce"],
             )
-        return cls(key=str(payload["key"]), capture=capture)
+        steer = tuple(SteerSpec.from_payload(d) for d in payload.get("steer", ()))
+        return cls(key=str(payload["key"]), capture=capture, steer=steer)
 
 
 def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
@@ -137,23 +193,26 @@ def parse_extra_args(
             raise LensRequestError(
                 name, f"unknown key; did you mean '{close[0]}'?", request_id=request_id
             )
-    for name in ("apply_steering_vectors", "apply_hooks"):
-        if rest.get(name) is not None:
-            raise LensRequestError(name, "not supported by this version of vllm-lens",
-                                   request_id=request_id)
-    raw = rest.pop(CAPTURE_KEY, None)
-    if raw is None or raw is False:
+    if rest.get("apply_hooks") is not None:
+        raise LensRequestError("apply_hooks", "not supported by this version of vllm-lens",
+                               request_id=request_id)
+    raw_capture = rest.pop(CAPTURE_KEY, None)
+    raw_steer = rest.pop(STEER_KEY, None)
+    if raw_capture is False:
+        raw_capture = None
+    if raw_capture is None and raw_steer is None:
         return rest, None
     facts = facts()
     if not facts.mapped:
         raise UnsupportedModelError(
-            CAPTURE_KEY,
+            CAPTURE_KEY if raw_capture is not None else STEER_KEY,
             f"vllm-lens cannot find the decoder layers of model class {facts.model_class}; "
             "lens features are unavailable for it (plain requests still work)",
             request_id=request_id,
         )
-    capture = _parse_capture(raw, facts, request_id)
-    return rest, LensRequest(key=uuid.uuid4().hex, capture=capture)
+    capture = None if raw_capture is None else _parse_capture(raw_capture, facts, request_id)
+    steer = () if raw_steer is None else _parse_steering(raw_steer, facts, request_id)
+    return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer)
 
 
 def _parse_capture(raw: Any, facts: ModelFacts, request_id: str | None) -> CaptureSpec:
@@ -241,3 +300,76 @@ def _parse_reduce(raw: Any, field: str, request_id: str | None) -> str | None:
         raise LensRequestError(field, f"unknown reduction {raw!r}; use null, 'mean' or 'last'",
                                request_id=request_id)
     return raw
+
+
+def _parse_steering(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[SteerSpec, ...]:
+    from pydantic import ValidationError
+
+    from vllm_lens.steering import SteeringVector
+
+    field = STEER_KEY
+    if isinstance(raw, str):
+        text = raw.strip()
+        if text.startswith("["):  # json.dumps([sv.model_dump(mode="json"), ...])
+            try:
+                raw = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise LensRequestError(field, f"not valid JSON ({exc.msg})",
+                                       request_id=request_id) from None
+        else:  # one SteeringVector.to_wire() string
+            raw = [text]
+    elif isinstance(raw, (SteeringVector, Mapping)):
+        raw = [raw]
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise LensRequestError(
+            field, "expected a non-empty list of SteeringVector objects, dicts or wire strings",
+            request_id=request_id)
+    specs = []
+    for i, item in enumerate(raw):
+        where = f"{field}[{i}]"
+        try:
+            if isinstance(item, SteeringVector):
+                sv = item
+            elif isinstance(item, Mapping):
+                sv = SteeringVector.model_validate(dict(item))
+            elif isinstance(item, str):
+                sv = SteeringVector.from_wire(item)
+            else:
+                raise ValueError(f"expected a SteeringVector, dict or wire string, got "
+                                 f"{type(item).__name__}")
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"])
+            raise LensRequestError(f"{where}.{loc}" if loc else where,
+                                   err["msg"].removeprefix("Value error, "),
+                                   request_id=request_id) from None
+        except ValueError as exc:  # WireError included
+            raise LensRequestError(where, str(exc), request_id=request_id) from None
+        specs.append(_check_against_model(sv, facts, where, request_id))
+    return tuple(specs)
+
+
+def _check_against_model(sv: Any, facts: ModelFacts, where: str,
+                         request_id: str | None) -> SteerSpec:
+    hidden = sv.activations.shape[-1]
+    if hidden != facts.hidden_size:
+        raise LensRequestError(
+            f"{where}.activations",
+            f"hidden size is {hidden} but the model's is {facts.hidden_size}",
+            request_id=request_id)
+    for j, layer in enumerate(sv.layer_indices):
+        if isinstance(layer, bool) or not 0 <= layer < facts.n_layers:
+            raise LensRequestError(
+                f"{where}.layer_indices[{j}]",
+                f"layer {layer} is out of range; the model has layers 0..{facts.n_layers - 1}",
+                request_id=request_id)
+    positions = sv.positions
+    if positions is not None and max(positions) >= facts.max_model_len:
+        raise LensRequestError(
+            f"{where}.position_indices",
+            f"position {max(positions)} is outside the model's context "
+            f"(0..{facts.max_model_len - 1})", request_id=request_id)
+    return SteerSpec(
+        layers=tuple(sv.layer_indices), vectors=wire.dumps(sv.activations), scale=sv.scale,
+        norm_match=sv.norm_match, positions=None if positions is None else tuple(positions),
+    )

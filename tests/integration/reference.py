@@ -39,6 +39,39 @@ class HFReference:
         return tuple(h[0] for h in out.hidden_states)
 
     @torch.no_grad()
+    def steered_greedy(self, prompt_ids: list[int], max_new_tokens: int, vectors) -> list[int]:
+        """Greedy generation with forward hooks adding ``SteeringVector``s to layer outputs.
+
+        Recomputes the whole sequence every step (no KV cache), so every position is steered
+        exactly as its absolute position says.
+        """
+        by_layer: dict[int, list] = {}
+        for sv in vectors:
+            for i, layer in enumerate(sv.layer_indices):
+                by_layer.setdefault(layer, []).append((sv, i))
+
+        def hook(layer):
+            def add(_module, _inputs, out):
+                h = out[0] if isinstance(out, tuple) else out  # [1, T, hidden]
+                total = torch.zeros_like(h)
+                for sv, i in by_layer[layer]:
+                    total += _steering_delta(sv, i, h[0])[None]
+                steered = h + total
+                return (steered, *out[1:]) if isinstance(out, tuple) else steered
+            return add
+
+        handles = [self.layers[layer].register_forward_hook(hook(layer)) for layer in by_layer]
+        ids = list(prompt_ids)
+        try:
+            for _ in range(max_new_tokens):
+                logits = self.model(torch.tensor([ids])).logits[0, -1]
+                ids.append(int(logits.argmax()))
+        finally:
+            for h in handles:
+                h.remove()
+        return ids[len(prompt_ids):]
+
+    @torch.no_grad()
     def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         out = self.model.generate(
             torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
@@ -52,3 +85,22 @@ def max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     err = (actual.float() - expected.float()).norm(dim=-1) / expected.float().norm(dim=-1)
     return float(err.max())
+
+
+def _steering_delta(sv, i: int, h: torch.Tensor) -> torch.Tensor:
+    """What ``sv`` adds at its ``i``-th layer to the stream ``h`` ``[T, hidden]``."""
+    T = h.shape[0]
+    delta = torch.zeros_like(h)
+    acts = sv.activations.float()
+    if acts.dim() == 2:
+        delta[:] = acts[i]
+    else:
+        positions = sv.position_indices or list(range(acts.shape[1]))
+        for j, p in enumerate(positions):
+            if p < T:
+                delta[p] = acts[i, j]
+    if sv.norm_match:
+        direction = delta / delta.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+        delta = torch.where(delta.norm(dim=-1, keepdim=True) > 0,
+                            h.norm(dim=-1, keepdim=True) * direction, delta)
+    return sv.scale * delta

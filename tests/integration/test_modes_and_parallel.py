@@ -1,4 +1,5 @@
-"""Compiled vs eager mode, tensor and pipeline parallelism: all give the same activations.
+"""Compiled vs eager mode, tensor and pipeline parallelism: all give the same activations and
+the same steered tokens.
 
 The reference is the session's tiny engine (eager, TP=1, PP=1), itself checked against
 transformers in test_chunked_and_mixed.py.
@@ -10,6 +11,7 @@ from vllm import SamplingParams
 
 from tests.integration.engines import env, running_llm
 from tests.integration.reference import max_relative_error
+from vllm_lens import SteeringVector
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -17,8 +19,20 @@ PROMPTS = [
 ]
 ALL_LAYERS = SamplingParams(max_tokens=6, temperature=0,
                             extra_args={"output_residual_stream": True})
+STEER = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args={
+    "apply_steering_vectors": [
+        SteeringVector(activations=torch.linspace(-3, 3, 128).repeat(2, 1), layer_indices=[0, 3]),
+        SteeringVector(activations=torch.ones(1, 2, 128) * 2, layer_indices=[2],
+                       position_indices=[3, 12], norm_match=True, scale=0.5),
+    ],
+    "output_residual_stream": [3],
+})
 # One worker per core on the CPU backend.
 TWO_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def _run(llm):
+    return llm.generate(PROMPTS, ALL_LAYERS), llm.generate(PROMPTS, STEER)
 
 
 def _assert_same_as_reference(outs, ref_outs, tol):
@@ -31,24 +45,31 @@ def _assert_same_as_reference(outs, ref_outs, tol):
 
 @pytest.fixture(scope="module")
 def reference(tiny_llm):
-    return tiny_llm.generate(PROMPTS, ALL_LAYERS)
+    captured, steered = _run(tiny_llm)
+    unsteered = tiny_llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0,
+                                                          ignore_eos=True))
+    assert all(a.outputs[0].token_ids != b.outputs[0].token_ids
+               for a, b in zip(steered, unsteered))  # the steering matters
+    return captured, steered
 
 
 def test_compiled_mode_matches_eager(tiny_path, reference):
     with running_llm(tiny_path, max_num_batched_tokens=16, max_num_seqs=8) as llm:
         assert llm.llm_engine.vllm_config.compilation_config.mode != 0  # really compiled
-        outs = llm.generate(PROMPTS, ALL_LAYERS)
-    _assert_same_as_reference(outs, reference, tol=1e-5)
+        outs = _run(llm)
+    for got, expected in zip(outs, reference):
+        _assert_same_as_reference(got, expected, tol=1e-5)
 
 
 @pytest.mark.slow
 def test_tensor_parallel_2_matches_tp1(tiny_path, reference):
     with env(**TWO_WORKERS), running_llm(tiny_path, tensor_parallel_size=2,
                                          enforce_eager=True) as llm:
-        outs = llm.generate(PROMPTS, ALL_LAYERS)
+        outs = _run(llm)
         describe = llm.collective_rpc("lens_describe")
     assert [d["tp_rank"] for d in describe] == [0, 1]
-    _assert_same_as_reference(outs, reference, tol=1e-4)
+    for got, expected in zip(outs, reference):
+        _assert_same_as_reference(got, expected, tol=1e-4)
 
 
 @pytest.mark.slow
@@ -56,13 +77,20 @@ def test_pipeline_parallel_2_matches_pp1(tiny_path, reference):
     # vLLM 0.32's CPU runner supports PP only in compiled mode.
     with env(**TWO_WORKERS), running_llm(tiny_path, pipeline_parallel_size=2) as llm:
         describe = llm.collective_rpc("lens_describe")
-        outs = llm.generate(PROMPTS, ALL_LAYERS)
+        outs = _run(llm)
         one_per_stage = llm.generate(
             PROMPTS, SamplingParams(max_tokens=6, temperature=0,
                                     extra_args={"output_residual_stream": [1, 3]}))
+        first_stage_only = llm.generate(
+            PROMPTS, SamplingParams(max_tokens=6, temperature=0,
+                                    extra_args={"output_residual_stream": [1]}))
     assert [d["local_layers"] for d in describe] == [[0, 1], [2, 3]]
-    _assert_same_as_reference(outs, reference, tol=1e-4)
-    for out, ref in zip(one_per_stage, reference):
+    for got, expected in zip(outs, reference):
+        _assert_same_as_reference(got, expected, tol=1e-4)
+    for out, first, ref in zip(one_per_stage, first_stage_only, reference[0]):
         torch.testing.assert_close(out.activations["residual_stream"],
                                    ref.activations["residual_stream"][[1, 3]],
+                                   rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(first.activations["residual_stream"],
+                                   ref.activations["residual_stream"][[1]],
                                    rtol=1e-4, atol=1e-5)

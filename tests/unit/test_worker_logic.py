@@ -37,7 +37,7 @@ def test_plan_groups_rows_per_layer():
     # batch rows: a = 0..2 (prefill), plain request at 3, b = 4 (decode at position 9)
     a = _slice("a", 0, 3, 0, 3, (0, 2))
     b = _slice("b", 4, 5, 9, 5, (2,))
-    plan = StepPlan.build([a, b], torch.device("cpu"), capture=True)
+    plan = StepPlan.build([a, b], torch.device("cpu"), frozenset(range(4)))
     assert set(plan.capture) == {0, 2}
     assert plan.capture[0].rows == slice(0, 3)
     assert plan.capture[2].rows.tolist() == [0, 1, 2, 4]
@@ -46,14 +46,22 @@ def test_plan_groups_rows_per_layer():
 
 
 def test_plan_without_capture_rank_has_no_groups():
-    plan = StepPlan.build([_slice("a", 0, 3, 0, 3, (0,))], torch.device("cpu"), capture=False)
+    plan = StepPlan.build([_slice("a", 0, 3, 0, 3, (0,))], torch.device("cpu"), frozenset())
     assert not plan.empty and plan.capture == {}
+
+
+def test_plan_captures_only_this_stages_layers():
+    a = _slice("a", 0, 3, 0, 3, (0, 3))
+    b = _slice("b", 3, 4, 5, 5, (1,))
+    plan = StepPlan.build([a, b], torch.device("cpu"), frozenset({2, 3}))
+    assert set(plan.capture) == {3}
+    assert set(plan.captured_positions) == {"req-a"}
 
 
 def _run_steps(store, steps, hidden_size=4):
     """Feed (slices, hidden, residual) steps through plan + capture like the runtime does."""
     for slices, hidden, residual, layers in steps:
-        plan = StepPlan.build(slices, hidden.device, capture=True)
+        plan = StepPlan.build(slices, hidden.device, frozenset(range(4)))
         for s in slices:
             if s.req_id in plan.captured_positions:
                 store.begin_step(s.lens.key, s.req_id, plan.captured_positions[s.req_id],

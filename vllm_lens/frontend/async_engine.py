@@ -56,7 +56,10 @@ def _wrap_generate(original):
                 for c in out.outputs:
                     generated[c.index] = generated.get(c.index, 0) + len(c.token_ids) if delta \
                         else len(c.token_ids)
-                if out.finished:
+                if out.finished and lens.capture is None:
+                    session.forget([request_id])
+                    attached = True
+                elif out.finished:
                     args_ = session.fetch_args(
                         lens, len(out.prompt_token_ids or ()), generated, engine_params.n
                     )

@@ -111,8 +111,7 @@ class LensSession:
     ) -> None:
         """Attach ``activations`` to ``output`` (n == 1) and to each of its completions."""
         self.in_flight.pop(output.request_id, None)
-        if lens.capture is None:
-            return
+        assert lens.capture is not None
         by_req: dict[str, list[bytes]] = {}
         for result in rank_results:
             for req_id, blob in (result or {}).get(lens.key, {}).items():

@@ -55,7 +55,10 @@ def _wrap_step(original):
         done = [o for o in outputs if o.finished and o.request_id in session.in_flight]
         if not done:
             return outputs
-        lenses = [session.in_flight[o.request_id] for o in done]
+        lenses = [session.in_flight.pop(o.request_id) for o in done]
+        captured = [(o, lens) for o, lens in zip(done, lenses) if lens.capture is not None]
+        if not captured:
+            return outputs
         args = [
             session.fetch_args(
                 lens,
@@ -63,10 +66,10 @@ def _wrap_step(original):
                 {c.index: len(c.token_ids) for c in o.outputs},
                 len(o.outputs),
             )
-            for o, lens in zip(done, lenses)
+            for o, lens in captured
         ]
         results = self.collective_rpc("lens_fetch", args=(args,))
-        for o, lens in zip(done, lenses):
+        for o, lens in captured:
             session.attach(o, lens, results)
         return outputs
 

@@ -56,17 +56,39 @@ def assemble(entry: Entry, valid_len: int) -> dict[str, Any]:
     dropped; a position captured twice (a preempted request recomputed) keeps its last copy.
     """
     layers = sorted(entry.chunks)
+    if not layers:
+        raise ValueError(f"request {entry.req_id} has no captured layer on this rank")
     positions = np.concatenate(entry.positions) if entry.positions else np.zeros(0, np.int64)
     # Last occurrence of each valid position, in ascending position order.
     order = np.arange(positions.size)
     keep_rev = np.unique(positions[::-1], return_index=True)[1]
     keep = order[::-1][keep_rev]
     keep = keep[positions[keep] < valid_len]
-    index = torch.from_numpy(keep.astype(np.int64))
-    stacked = torch.stack([torch.cat(entry.chunks[layer]).index_select(0, index) for layer in layers])
+    stacked = _stack_rows(entry, layers, keep)
     kept_positions = torch.from_numpy(positions[keep].astype(np.int64))
     if entry.reduce == "mean" and kept_positions.numel():
         stacked = stacked.float().mean(dim=1).to(stacked.dtype)
     elif entry.reduce == "last" and kept_positions.numel():
         stacked = stacked[:, -1]
     return {"layers": layers, "positions": kept_positions, "residual_stream": stacked}
+
+
+def _stack_rows(entry: Entry, layers: list[int], keep: np.ndarray) -> torch.Tensor:
+    """``[n_layers, len(keep), hidden]`` from the per-step chunks, copying each row once."""
+    first = entry.chunks[layers[0]][0]
+    out = torch.empty((len(layers), keep.size, first.shape[-1]), dtype=first.dtype)
+    if np.array_equal(keep, np.arange(keep.size)):
+        # The usual case: rows arrived in order, only a surplus tail (if any) to drop.
+        for i, layer in enumerate(layers):
+            offset = 0
+            for chunk in entry.chunks[layer]:
+                take = min(chunk.shape[0], keep.size - offset)
+                if take <= 0:
+                    break
+                out[i, offset : offset + take] = chunk[:take]
+                offset += take
+        return out
+    index = torch.from_numpy(keep.astype(np.int64))
+    for i, layer in enumerate(layers):
+        torch.index_select(torch.cat(entry.chunks[layer]), 0, index, out=out[i])
+    return out

@@ -38,7 +38,9 @@ class LensWorkerExtension:
         info = tap_info(model)
         tp_rank, pp_rank = _ranks()
         if info is not None and (_runtime is None or _runtime.runner is not runner):
-            _runtime = LensRuntime(runner, capture=tp_rank == 0)
+            # Every TP rank holds the full residual stream; rank 0 alone captures it.
+            capture_layers = frozenset(info.local_layers) if tp_rank == 0 else frozenset()
+            _runtime = LensRuntime(runner, capture_layers=capture_layers)
             set_tap_handler(_runtime.on_tap)
         model_config = runner.model_config
         return {

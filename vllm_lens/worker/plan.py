@@ -11,6 +11,7 @@ state only, so no tap ever waits on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,16 +88,21 @@ class StepPlan:
     """Layer index -> rows to capture there (layers nobody captures are absent)."""
     captured_positions: dict[str, np.ndarray] = field(default_factory=dict)
     """Request id -> absolute positions of the rows it captures in this step."""
+    steer: dict[int, Any] = field(default_factory=dict)
+    """Layer index -> ``steer.SteerGroup`` (layers nobody steers are absent)."""
 
     @property
     def empty(self) -> bool:
         return not self.slices
 
     @classmethod
-    def build(cls, slices: list[RequestSlice], device: torch.device, capture: bool) -> StepPlan:
-        """Group capture rows by layer; ``capture=False`` on ranks that do not capture."""
+    def build(
+        cls, slices: list[RequestSlice], device: torch.device, capture_layers: frozenset[int]
+    ) -> StepPlan:
+        """Group capture rows by layer, for the layers this rank captures (its pipeline
+        stage's layers on TP rank 0, none elsewhere)."""
         plan = cls(slices=slices)
-        if not capture:
+        if not capture_layers:
             return plan
         # Requests asking for the same layers share one gathered tensor per layer.
         by_layers: dict[tuple[int, ...], list[tuple[RequestSlice, np.ndarray]]] = {}
@@ -104,11 +110,12 @@ class StepPlan:
             spec = s.lens.capture
             if spec is None:
                 continue
+            layers = tuple(layer for layer in spec.layers if layer in capture_layers)
             offsets = select_rows(spec, s.pos0, s.end - s.start, s.n_prompt)
-            if offsets.size == 0:
+            if not layers or offsets.size == 0:
                 continue
             plan.captured_positions[s.req_id] = offsets + s.pos0
-            by_layers.setdefault(spec.layers, []).append((s, offsets + s.start))
+            by_layers.setdefault(layers, []).append((s, offsets + s.start))
         # A layer may be wanted by several layer-sets: merge them per layer.
         per_layer: dict[int, list[tuple[RequestSlice, np.ndarray]]] = {}
         for layers, members in by_layers.items():

@@ -1,4 +1,5 @@
-"""The per-process tap handler: builds the step plan and dispatches to capture (runs in: worker).
+"""The per-process tap handler: builds the step plan, then at each layer steers and captures, in
+that order, so captures show the steered stream (runs in: worker).
 
 One ``LensRuntime`` exists per worker process once the front end has asked for lens features
 (``lens_describe``); until then the taps have no handler and cost one Python call per layer.
@@ -16,6 +17,7 @@ from vllm_lens import envs
 from vllm_lens.spec import PAYLOAD_KEY, LensRequest
 from vllm_lens.worker.capture import capture_rows
 from vllm_lens.worker.plan import RequestSlice, StepPlan
+from vllm_lens.worker.steer import PreparedSteer, apply_steering, build_steer_groups, prepare
 from vllm_lens.worker.store import CaptureStore
 
 logger = logging.getLogger(__name__)
@@ -28,25 +30,30 @@ _EMPTY_PLAN = StepPlan(slices=[])
 class LensRuntime:
     """Reads the model runner's batch state; one plan per forward step, shared by all taps."""
 
-    def __init__(self, runner: Any, *, capture: bool) -> None:
+    def __init__(self, runner: Any, *, capture_layers: frozenset[int]) -> None:
         self.runner = runner
-        self.capture_enabled = capture
+        self.capture_layers = capture_layers
+        """Layers whose rows this rank captures: its stage's layers on TP rank 0, else none."""
         self.store = CaptureStore(envs.worker_max_bytes(), envs.finished_ttl_s())
         self._lens_by_req: dict[str, LensRequest | None] = {}
+        self._steer_by_req: dict[str, list[PreparedSteer]] = {}
         self._plan_ctx: object | None = None
         self._plan: StepPlan = _EMPTY_PLAN
 
     # -- tap handler ---------------------------------------------------------------------------
     def on_tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
-        plan = self._plan_for_step(hidden.device)
+        plan = self._plan_for_step(hidden)
         if plan.empty:
             return
+        steering = plan.steer.get(layer)
+        if steering is not None:
+            apply_steering(steering, hidden, residual)
         group = plan.capture.get(layer)
         if group is not None:
             capture_rows(group, hidden, residual, layer, self.store)
 
     # -- per-step plan -------------------------------------------------------------------------
-    def _plan_for_step(self, device: torch.device) -> StepPlan:
+    def _plan_for_step(self, hidden: torch.Tensor) -> StepPlan:
         """The plan of the running step, built on its first tap (vLLM makes a fresh forward
         context object per step, so the object's identity marks the step)."""
         if not is_forward_context_available():
@@ -54,10 +61,10 @@ class LensRuntime:
         ctx = get_forward_context()
         if ctx is not self._plan_ctx:
             self._plan_ctx = ctx
-            self._plan = self._build_plan(device)
+            self._plan = self._build_plan(hidden.device, hidden.dtype)
         return self._plan
 
-    def _build_plan(self, device: torch.device) -> StepPlan:
+    def _build_plan(self, device: torch.device, dtype: torch.dtype) -> StepPlan:
         runner = self.runner
         batch = runner.input_batch
         num_reqs = batch.num_reqs
@@ -83,12 +90,23 @@ class LensRuntime:
         self._forget_finished()
         if not slices:
             return _EMPTY_PLAN
-        plan = StepPlan.build(slices, device, capture=self.capture_enabled)
+        plan = StepPlan.build(slices, device, self.capture_layers)
         for s in slices:
             positions = plan.captured_positions.get(s.req_id)
             if positions is not None:
                 self.store.begin_step(s.lens.key, s.req_id, positions, s.lens.capture.reduce)
+        steered = [(s, self._prepared(s, device, dtype)) for s in slices if s.lens.steer]
+        if steered:
+            plan.steer = build_steer_groups(steered, device)
         return plan
+
+    def _prepared(self, s: RequestSlice, device: torch.device,
+                  dtype: torch.dtype) -> list[PreparedSteer]:
+        prepared = self._steer_by_req.get(s.req_id)
+        if prepared is None:
+            prepared = [prepare(spec, device, dtype) for spec in s.lens.steer]
+            self._steer_by_req[s.req_id] = prepared
+        return prepared
 
     def _lens_of(self, req_id: str) -> LensRequest | None:
         try:
@@ -112,5 +130,6 @@ class LensRuntime:
         live = self.runner.requests
         if len(self._lens_by_req) > 2 * len(live) + 64:
             self._lens_by_req = {r: v for r, v in self._lens_by_req.items() if r in live}
+            self._steer_by_req = {r: v for r, v in self._steer_by_req.items() if r in live}
         if len(self.store):
             self.store.mark_finished(live)

@@ -1,0 +1,109 @@
+"""AsyncLLM: concurrent lens requests, streaming, aborts and bad input."""
+
+import asyncio
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from tests.integration.conftest import TINY_CHUNKED
+from tests.integration.engines import engine_kwargs
+
+PROMPTS = [
+    "Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi.",
+    "One two three.",
+    "The rain in Spain stays mainly in the plain, said the professor, twice.",
+]
+SPECS = [[0], {"layers": [1, 2], "positions": "generated"}, True]
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_path):
+    loop = asyncio.new_event_loop()
+    engine = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(model=tiny_path, **engine_kwargs(**TINY_CHUNKED)))
+    yield engine, loop.run_until_complete
+    engine.shutdown()
+    # Let the engine's background tasks finish in their own loop, or their zmq sockets stay
+    # open and block interpreter exit.
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
+
+
+async def _final(engine, prompt, sp, request_id):
+    last = None
+    async for out in engine.generate(prompt, sp, request_id):
+        last = out
+    return last
+
+
+def _sp(spec, **kw):
+    return SamplingParams(max_tokens=6, temperature=0, extra_args={"output_residual_stream": spec},
+                          **kw)
+
+
+def test_concurrent_requests_match_offline(async_engine, tiny_llm):
+    engine, run = async_engine
+
+    async def many():
+        return await asyncio.gather(*[
+            _final(engine, p, _sp(s), f"conc-{i}") for i, (p, s) in enumerate(zip(PROMPTS, SPECS))
+        ])
+
+    outs = run(many())
+    offline = tiny_llm.generate(PROMPTS, [_sp(s) for s in SPECS])
+    for out, ref in zip(outs, offline):
+        assert out.finished and out.outputs[0].token_ids == ref.outputs[0].token_ids
+        torch.testing.assert_close(out.activations["residual_stream"],
+                                   ref.activations["residual_stream"], rtol=1e-5, atol=1e-6)
+
+
+def test_streaming_delta_outputs_carry_full_capture_at_the_end(async_engine):
+    engine, run = async_engine
+    sp = _sp([3], output_kind=RequestOutputKind.DELTA)
+
+    async def stream():
+        return [out async for out in engine.generate(PROMPTS[1], sp, "stream-1")]
+
+    outs = run(stream())
+    n_generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert all(getattr(o, "activations", None) is None for o in outs[:-1])
+    final = outs[-1].activations["residual_stream"]
+    assert final.shape[1] == len(outs[0].prompt_token_ids) + n_generated - 1
+
+
+def test_aborted_request_leaves_nothing_behind(async_engine):
+    engine, run = async_engine
+    sp = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True,
+                        extra_args={"output_residual_stream": True})
+
+    async def abandon():
+        gen = engine.generate(PROMPTS[0], sp, "abandoned")
+        async for _ in gen:
+            break
+        await gen.aclose()
+        for _ in range(100):
+            stats = await engine.collective_rpc("lens_stats")
+            if stats == [{"entries": 0, "bytes": 0}]:
+                return stats
+            await asyncio.sleep(0.05)
+        return stats
+
+    assert run(abandon()) == [{"entries": 0, "bytes": 0}]
+
+
+def test_bad_input_fails_alone(async_engine):
+    engine, run = async_engine
+
+    async def bad_then_good():
+        with pytest.raises(ValueError, match=r"output_residual_stream\[0\]"):
+            await _final(engine, PROMPTS[1], _sp([99]), "bad-1")
+        return await _final(engine, PROMPTS[1], _sp([1]), "good-1")
+
+    assert run(bad_then_good()).activations["residual_stream"].shape[0] == 1

@@ -1,0 +1,149 @@
+"""SteeringVector validation and serialization, steering specs, and the worker's steering math."""
+
+import json
+
+import pytest
+import torch
+
+from vllm_lens import LensRequestError, SteeringVector, WireError
+from vllm_lens.spec import CaptureSpec, LensRequest, ModelFacts, parse_extra_args
+from vllm_lens.worker.plan import RequestSlice
+from vllm_lens.worker.steer import apply_steering, build_steer_groups, prepare
+
+H = 8
+FACTS = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=H, max_model_len=64,
+                   mapped=True)
+
+
+def sv(**kw):
+    base = dict(activations=torch.randn(1, H), layer_indices=[2])
+    return SteeringVector(**{**base, **kw})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_wire_and_json_round_trips(dtype):
+    v = sv(activations=torch.randn(2, 3, H).to(dtype), layer_indices=[0, 3], scale=2.5,
+           norm_match=True, position_indices=[4, 1, 9])
+    for back in (SteeringVector.from_wire(v.to_wire()),
+                 SteeringVector.model_validate(json.loads(json.dumps(v.model_dump(mode="json"))))):
+        assert back.activations.dtype == dtype
+        assert torch.equal(back.activations, v.activations)
+        assert back.model_dump(exclude={"activations"}) == v.model_dump(exclude={"activations"})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (dict(activations=torch.randn(2, H)), "len\\(layer_indices\\)"),
+        (dict(activations=torch.randn(H)), "2D"),
+        (dict(activations=torch.ones(1, H, dtype=torch.int64)), "float32"),
+        (dict(activations=torch.full((1, H), float("nan"))), "NaN"),
+        (dict(activations=torch.full((1, H), float("inf"))), "NaN or inf"),
+        (dict(activations=torch.randn(1, 2, H), position_indices=[0]), "position_indices"),
+        (dict(activations=torch.randn(1, 2, H), position_indices=[0, -1]), "non-negative"),
+        (dict(position_indices=[0]), "3D"),
+        (dict(activations=torch.zeros(1, H), norm_match=True), "non-zero"),
+    ],
+)
+def test_invalid_vectors_are_rejected(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        sv(**kwargs)
+
+
+def test_undecodable_wire_string():
+    with pytest.raises(WireError):
+        SteeringVector.from_wire("not base64 !!")
+    with pytest.raises(WireError):
+        SteeringVector.from_wire("aGVsbG8=")  # base64 of "hello": not zstd
+
+
+def parse(value):
+    return parse_extra_args({"apply_steering_vectors": value}, lambda: FACTS)[1]
+
+
+def test_every_accepted_form_gives_the_same_spec():
+    v = sv(scale=3.0)
+    forms = [[v], v, [v.model_dump()], [v.to_wire()], v.to_wire(),
+             json.dumps([v.model_dump(mode="json")])]
+    specs = [parse(form).steer for form in forms]
+    assert all(s == specs[0] for s in specs)
+    assert specs[0][0].layers == (2,) and specs[0][0].scale == 3.0
+
+
+@pytest.mark.parametrize(
+    ("value", "field", "words"),
+    [
+        ([sv(activations=torch.randn(1, H + 1))], "apply_steering_vectors[0].activations",
+         "hidden size"),
+        ([sv(layer_indices=[4])], "apply_steering_vectors[0].layer_indices[0]", "out of range"),
+        ([sv(activations=torch.randn(1, 1, H), position_indices=[64])],
+         "apply_steering_vectors[0].position_indices", "outside"),
+        ([{"activations": torch.ones(1, H, dtype=torch.int32), "layer_indices": [0]}],
+         "apply_steering_vectors[0]", "float32"),
+        (["@@@"], "apply_steering_vectors[0]", "base64"),
+        ("[{", "apply_steering_vectors", "JSON"),
+        ([], "apply_steering_vectors", "non-empty"),
+        ([3], "apply_steering_vectors[0]", "got int"),
+    ],
+)
+def test_bad_steering_names_the_field(value, field, words):
+    with pytest.raises(LensRequestError, match=words) as info:
+        parse(value)
+    assert info.value.field == field
+
+
+def test_cache_salt_depends_on_the_steering_only():
+    v = sv()
+    a, b = parse([v]), parse([v])
+    assert a.key != b.key and a.cache_salt == b.cache_salt
+    assert parse([sv(activations=v.activations, scale=2.0)]).cache_salt != a.cache_salt
+    assert LensRequest(key="k", capture=CaptureSpec(layers=(0,))).cache_salt is None
+    assert LensRequest.from_payload(a.to_payload()) == a
+
+
+def _slice(lens, start, end, pos0, n_prompt=4):
+    return RequestSlice(req_id="r", lens=lens, start=start, end=end, pos0=pos0, n_prompt=n_prompt)
+
+
+def test_2d_and_3d_steering_land_on_the_right_rows():
+    vec2 = torch.randn(1, H)
+    vec3 = torch.randn(1, 3, H)
+    a = parse([sv(activations=vec2, scale=2.0)])
+    b = parse([sv(activations=vec3, position_indices=[7, 2, 5])])
+    cpu = torch.device("cpu")
+    steered = [
+        (_slice(a, 0, 3, 0), [prepare(s, cpu, torch.float32) for s in a.steer]),
+        # rows 3..6 of the batch hold positions 4..7 of request b
+        (_slice(b, 3, 7, 4), [prepare(s, cpu, torch.float32) for s in b.steer]),
+    ]
+    groups = build_steer_groups(steered, cpu)
+    hidden = torch.zeros(8, H)
+    apply_steering(groups[2], hidden, None)
+    expected = torch.zeros(8, H)
+    expected[0:3] += 2.0 * vec2[0]
+    expected[3 + (5 - 4)] += vec3[0, 2]  # position 5 -> vector row 2
+    expected[3 + (7 - 4)] += vec3[0, 0]  # position 7 -> vector row 0; position 2 not in slice
+    torch.testing.assert_close(hidden, expected)
+
+
+def test_norm_match_scales_with_the_full_stream():
+    v = torch.tensor([[3.0, 4.0] + [0.0] * (H - 2)])
+    lens = parse([sv(activations=v, norm_match=True, scale=0.5)])
+    cpu = torch.device("cpu")
+    groups = build_steer_groups(
+        [(_slice(lens, 0, 2, 0), [prepare(s, cpu, torch.float32) for s in lens.steer])], cpu)
+    hidden = torch.randn(2, H)
+    residual = torch.randn(2, H)
+    before = hidden + residual
+    out = hidden.clone()
+    apply_steering(groups[2], out, residual)
+    expected = hidden + 0.5 * before.norm(dim=-1, keepdim=True) * v / 5.0
+    torch.testing.assert_close(out, expected)
+
+
+def test_positions_beyond_the_slice_are_skipped():
+    lens = parse([sv(activations=torch.randn(1, 2, H), position_indices=[10, 11])])
+    cpu = torch.device("cpu")
+    groups = build_steer_groups(
+        [(_slice(lens, 0, 4, 0), [prepare(s, cpu, torch.float32) for s in lens.steer])], cpu)
+    assert groups == {}

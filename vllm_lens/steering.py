@@ -1,0 +1,122 @@
+"""``SteeringVector``: what a user adds to the residual stream (runs in: the caller's process
+and the front end).
+
+A steering vector is a pydantic model so that it validates itself on construction and
+round-trips through JSON (``model_dump(mode="json")`` / ``model_validate``) and through the
+compact wire string (``to_wire`` / ``from_wire``, msgpack + zstd in base64) that the HTTP API
+carries in ``vllm_xargs``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, field_serializer, field_validator, model_validator
+
+from vllm_lens import wire
+from vllm_lens.errors import WireError
+
+__all__ = ["STEERING_DTYPES", "SteeringVector"]
+
+#: Floating dtypes a steering tensor may have; it is cast to the model dtype on the worker.
+STEERING_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class SteeringVector(BaseModel):
+    """Vectors added to the residual stream after the listed decoder layers.
+
+    Example::
+
+        sv = SteeringVector(activations=direction[None], layer_indices=[10], scale=4.0)
+        SamplingParams(max_tokens=20, extra_args={"apply_steering_vectors": [sv]})
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+
+    activations: torch.Tensor
+    """``(n_layers, hidden)``: added at every position; or ``(n_layers, n_positions, hidden)``:
+    row ``j`` added at absolute position ``position_indices[j]``."""
+    layer_indices: list[int]
+    """Decoder layer after which each ``activations[i]`` is added."""
+    scale: float = 1.0
+    norm_match: bool = False
+    """Add ``scale * ||h|| * v / ||v||`` instead of ``scale * v`` (``h``: the residual stream at
+    that token and layer), so the push is relative to the stream's size."""
+    position_indices: list[int] | None = None
+    """Absolute token positions for 3D activations (default ``0 .. n_positions - 1``)."""
+
+    @field_validator("activations", mode="before")
+    @classmethod
+    def _tensor_from_json(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return wire.tensor_from_json(value)
+        return value
+
+    @field_serializer("activations", when_used="json")
+    def _tensor_to_json(self, value: torch.Tensor) -> dict[str, Any]:
+        return wire.tensor_to_json(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> SteeringVector:
+        acts = self.activations
+        if not isinstance(acts, torch.Tensor):
+            raise ValueError(f"activations must be a torch.Tensor, got {type(acts).__name__}")
+        if acts.dtype not in STEERING_DTYPES:
+            raise ValueError(
+                f"activations must be float32, float16 or bfloat16, got {acts.dtype}")
+        if acts.dim() not in (2, 3):
+            raise ValueError(
+                f"activations must be 2D (n_layers, hidden) or 3D (n_layers, n_positions, "
+                f"hidden), got shape {tuple(acts.shape)}")
+        if acts.shape[0] != len(self.layer_indices):
+            raise ValueError(
+                f"activations.shape[0] is {acts.shape[0]} but len(layer_indices) is "
+                f"{len(self.layer_indices)}")
+        if not self.layer_indices:
+            raise ValueError("layer_indices is empty")
+        if not torch.isfinite(acts).all():
+            raise ValueError("activations contain NaN or inf")
+        if self.norm_match and (acts.float().norm(dim=-1) == 0).any():
+            raise ValueError("norm_match needs non-zero vectors (a zero row has no direction)")
+        if not math.isfinite(self.scale):
+            raise ValueError(f"scale must be finite, got {self.scale}")
+        if self.position_indices is not None:
+            if acts.dim() != 3:
+                raise ValueError("position_indices is only meaningful with 3D activations")
+            if len(self.position_indices) != acts.shape[1]:
+                raise ValueError(
+                    f"len(position_indices) is {len(self.position_indices)} but activations "
+                    f"have {acts.shape[1]} positions")
+            if any(p < 0 for p in self.position_indices):
+                raise ValueError("position_indices must be non-negative")
+            if len(set(self.position_indices)) != len(self.position_indices):
+                raise ValueError("position_indices contains duplicates")
+        return self
+
+    @property
+    def positions(self) -> list[int] | None:
+        """Absolute positions of 3D rows (``None`` for 2D vectors, which apply everywhere)."""
+        if self.activations.dim() == 2:
+            return None
+        return self.position_indices or list(range(self.activations.shape[1]))
+
+    def to_wire(self) -> str:
+        """Compact ASCII form: base64 of msgpack + zstd (what ``vllm_xargs`` can carry)."""
+        fields = self.model_dump(exclude={"activations"})
+        return base64.b64encode(wire.dumps({**fields, "activations": self.activations})).decode()
+
+    @classmethod
+    def from_wire(cls, text: str) -> SteeringVector:
+        """Inverse of :meth:`to_wire`; undecodable input raises :class:`WireError`."""
+        try:
+            blob = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError, TypeError):
+            raise WireError("steering vector wire string is not valid base64") from None
+        fields = wire.loads(blob)
+        if not isinstance(fields, dict):
+            raise WireError("steering vector wire string does not hold a vector")
+        return cls.model_validate(fields)

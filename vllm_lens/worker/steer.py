@@ -1,0 +1,118 @@
+"""Apply steering vectors to this rank's rows of the residual stream (runs in: worker, every
+TP rank; under PP each stage steers the layers it owns).
+
+Each rank holds the full residual stream after the all-reduce, so every rank adds the same
+vectors and the ranks stay in agreement. Steering adds to ``hidden``: for fused-residual layers
+the stream is ``hidden + residual`` and the next layer sums them, so adding to either is the
+same; ``norm_match`` measures the full ``hidden + residual``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vllm_lens import wire
+from vllm_lens.spec import SteerSpec
+from vllm_lens.worker.plan import RequestSlice
+
+__all__ = ["PreparedSteer", "SteerGroup", "apply_steering", "build_steer_groups", "prepare"]
+
+
+@dataclass(frozen=True)
+class PreparedSteer:
+    """One steering vector, decoded once per request onto the model's device and dtype."""
+
+    spec: SteerSpec
+    vectors: torch.Tensor  # [n_layers, hidden] or [n_layers, n_pos, hidden]
+    positions_sorted: np.ndarray | None
+    position_rows: np.ndarray | None  # row of ``vectors[:, j]`` for each sorted position
+
+
+def prepare(spec: SteerSpec, device: torch.device, dtype: torch.dtype) -> PreparedSteer:
+    vectors = wire.loads(spec.vectors).to(device=device, dtype=dtype)
+    if spec.positions is None:
+        return PreparedSteer(spec, vectors, None, None)
+    positions = np.asarray(spec.positions, dtype=np.int64)
+    order = np.argsort(positions, kind="stable")
+    return PreparedSteer(spec, vectors, positions[order], order)
+
+
+@dataclass
+class SteerGroup:
+    """All steering at one layer in one step."""
+
+    rows: torch.Tensor | None = None
+    """Rows receiving a plain (not norm-matched) addition, with ``delta`` the additions."""
+    delta: torch.Tensor | None = None
+    norm_matched: list[tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=list)
+    """(rows, unit vectors per row, scale) for norm-matched vectors."""
+
+
+def build_steer_groups(
+    slices: list[tuple[RequestSlice, list[PreparedSteer]]], device: torch.device
+) -> dict[int, SteerGroup]:
+    """Per layer, the rows to steer and what to add, for every steered request of the step."""
+    plain: dict[int, tuple[list[np.ndarray], list[torch.Tensor]]] = {}
+    groups: dict[int, SteerGroup] = {}
+    for s, prepared in slices:
+        for p in prepared:
+            offsets, vector_rows = _rows_for(p, s)
+            if offsets.size == 0:
+                continue
+            rows = offsets + s.start
+            for i, layer in enumerate(p.spec.layers):
+                vecs = _vectors_for(p, i, vector_rows, offsets.size)
+                if p.spec.norm_match:
+                    unit = vecs / vecs.float().norm(dim=-1, keepdim=True).to(vecs.dtype)
+                    groups.setdefault(layer, SteerGroup()).norm_matched.append(
+                        (_index(rows, device), unit, p.spec.scale))
+                else:
+                    row_lists, deltas = plain.setdefault(layer, ([], []))
+                    row_lists.append(rows)
+                    deltas.append(vecs * p.spec.scale)
+    for layer, (row_lists, deltas) in plain.items():
+        group = groups.setdefault(layer, SteerGroup())
+        group.rows = _index(np.concatenate(row_lists), device)
+        group.delta = torch.cat(deltas)
+    return groups
+
+
+def _rows_for(p: PreparedSteer, s: RequestSlice) -> tuple[np.ndarray, np.ndarray | None]:
+    """Offsets within the slice to steer, and (3D) which vector row each one gets."""
+    n = s.end - s.start
+    if p.positions_sorted is None:
+        return np.arange(n), None
+    positions = np.arange(s.pos0, s.pos0 + n)
+    idx = np.searchsorted(p.positions_sorted, positions)
+    idx_clipped = np.minimum(idx, p.positions_sorted.size - 1)
+    hit = p.positions_sorted[idx_clipped] == positions
+    return np.flatnonzero(hit), p.position_rows[idx_clipped[hit]]
+
+
+def _vectors_for(p: PreparedSteer, i: int, vector_rows: np.ndarray | None, n: int) -> torch.Tensor:
+    layer_vectors = p.vectors[i]
+    if vector_rows is None:
+        return layer_vectors.expand(n, -1)
+    index = torch.from_numpy(vector_rows.astype(np.int64)).to(layer_vectors.device)
+    return layer_vectors.index_select(0, index)
+
+
+def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(rows.astype(np.int64)).to(device, non_blocking=True)
+
+
+def apply_steering(group: SteerGroup, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """Add this layer's steering to ``hidden`` in place (norms taken before any addition)."""
+    norm_deltas = []
+    if group.norm_matched:
+        stream = hidden if residual is None else hidden + residual
+        for rows, unit, scale in group.norm_matched:
+            norms = stream.index_select(0, rows).float().norm(dim=-1, keepdim=True)
+            norm_deltas.append((rows, (scale * norms * unit.float()).to(hidden.dtype)))
+    if group.rows is not None:
+        hidden.index_add_(0, group.rows, group.delta)
+    for rows, delta in norm_deltas:
+        hidden.index_add_(0, rows, delta)

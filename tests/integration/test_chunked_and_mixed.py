@@ -29,13 +29,19 @@ def test_chunked_prefill_rows_match_transformers(tiny_llm, tiny_ref):
         assert max_relative_error(acts, tiny_ref.residual_stream(ids[:-1], [0, 1, 2, 3])) <= 1e-4
 
 
-def test_prefix_cache_hits_still_return_every_prompt_row(tiny_llm):
-    prompt = PROMPTS[1]
+def test_prefix_cache_hits_still_return_every_prompt_row(tiny_llm, tiny_ref):
+    block = tiny_llm.llm_engine.vllm_config.cache_config.block_size
+    prompt = " ".join(PROMPTS * 8)  # several full KV blocks
     plain = SamplingParams(max_tokens=2, temperature=0)
     tiny_llm.generate([prompt], plain)  # fills the prefix cache
+    assert tiny_llm.generate([prompt], plain)[0].num_cached_tokens >= block  # it is used
     sp = SamplingParams(max_tokens=2, temperature=0, extra_args={"output_residual_stream": [1]})
     out = tiny_llm.generate([prompt], sp)[0]
-    assert out.activations["residual_stream"].shape[1] == len(out.prompt_token_ids) + 1
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    assert len(out.prompt_token_ids) > 2 * block
+    acts = out.activations["residual_stream"]
+    assert acts.shape[1] == len(ids) - 1
+    assert max_relative_error(acts, tiny_ref.residual_stream(ids[:-1], [1])) <= 1e-4
 
 
 def test_mixed_batch_each_request_gets_only_its_rows(tiny_llm):

@@ -9,7 +9,8 @@ from vllm_lens import SteeringVector
 
 SMOL_PROMPT = "Tell me about your favourite animal."
 TINY_PROMPT = ("A long prompt for the tiny model, long enough to be prefilled in several chunks "
-               "of sixteen tokens each, so steering positions cross chunk boundaries.")
+               "of sixteen tokens each, so that the steering positions cross the boundaries "
+               "between chunks, which is the whole point of this particular test case.")
 
 
 def _direction(hidden: int, seed: int, norm: float) -> torch.Tensor:
@@ -33,7 +34,7 @@ def _prompt_ids(llm, prompt):
 def smol_cases(n_prompt: int) -> dict[str, list[SteeringVector]]:
     d = _direction(576, 0, 1.0)
     return {
-        "2d": [SteeringVector(activations=d[None] * 12, layer_indices=[10])],
+        "2d": [SteeringVector(activations=d[None] * 60, layer_indices=[10])],
         "3d-prompt-and-decode": [SteeringVector(
             activations=torch.stack([d * 40, -d * 40, d * 60])[None], layer_indices=[6],
             position_indices=[1, n_prompt - 1, n_prompt + 2])],
@@ -136,8 +137,10 @@ def test_mixed_batch_each_request_gets_exactly_its_steering(tiny_llm):
 
 
 def test_prefix_cache_never_mixes_steered_and_unsteered_blocks(tiny_llm):
-    assert tiny_llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
-    prompt = TINY_PROMPT + " " + TINY_PROMPT  # many full blocks
+    cache = tiny_llm.llm_engine.vllm_config.cache_config
+    assert cache.enable_prefix_caching
+    prompt = " ".join([TINY_PROMPT] * 12)  # several full KV blocks (128 tokens on CPU)
+    assert len(_prompt_ids(tiny_llm, prompt)) > 2 * cache.block_size
     sv = [SteeringVector(activations=_direction(128, 30, 4.0)[None], layer_indices=[0])]
 
     def cold(vectors):
@@ -151,6 +154,7 @@ def test_prefix_cache_never_mixes_steered_and_unsteered_blocks(tiny_llm):
     _tokens(tiny_llm, prompt, sv)
     after_steered = _tokens(tiny_llm, prompt, None)
     assert after_steered.outputs[0].token_ids == plain_cold
+    assert _tokens(tiny_llm, prompt, None).num_cached_tokens > 0  # the cache does get used
 
     tiny_llm.reset_prefix_cache()
     _tokens(tiny_llm, prompt, None)

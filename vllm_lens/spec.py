@@ -252,18 +252,31 @@ def _parse_layers(raw: Any, facts: ModelFacts, field: str, request_id: str | Non
         )
     if not raw:
         raise LensRequestError(field, "empty list; name at least one layer", request_id=request_id)
-    for i, layer in enumerate(raw):
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise LensRequestError(
-                f"{field}[{i}]", f"expected an integer layer index, got {layer!r}",
-                request_id=request_id,
-            )
-        if not 0 <= layer < facts.n_layers:
-            raise LensRequestError(
-                f"{field}[{i}]",
-                f"layer {layer} is out of range; the model has layers 0..{facts.n_layers - 1}",
-                request_id=request_id,
-            )
+    return _sorted_indices(raw, field, _layer_rule(facts), request_id)
+
+
+def _layer_rule(facts: ModelFacts) -> tuple[str, int, str]:
+    return ("layer index", facts.n_layers,
+            f"is out of range; the model has layers 0..{facts.n_layers - 1}")
+
+
+def _position_rule(facts: ModelFacts) -> tuple[str, int, str]:
+    return ("position", facts.max_model_len,
+            f"is outside the model's context (0..{facts.max_model_len - 1})")
+
+
+def _sorted_indices(
+    raw: list | tuple, field: str, rule: tuple[str, int, str], request_id: str | None
+) -> tuple[int, ...]:
+    """Check every item is an int in ``[0, upper)``; ``rule`` is (what, upper, complaint)."""
+    what, upper, complaint = rule
+    for i, value in enumerate(raw):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise LensRequestError(f"{field}[{i}]", f"expected an integer {what}, got {value!r}",
+                                   request_id=request_id)
+        if not 0 <= value < upper:
+            raise LensRequestError(f"{field}[{i}]", f"{what} {value} {complaint}",
+                                   request_id=request_id)
     return tuple(sorted(set(raw)))
 
 
@@ -282,17 +295,7 @@ def _parse_positions(
             field, "expected a selector name or a non-empty list of absolute positions",
             request_id=request_id,
         )
-    for i, pos in enumerate(raw):
-        if isinstance(pos, bool) or not isinstance(pos, int):
-            raise LensRequestError(f"{field}[{i}]", f"expected an integer position, got {pos!r}",
-                                   request_id=request_id)
-        if not 0 <= pos < facts.max_model_len:
-            raise LensRequestError(
-                f"{field}[{i}]",
-                f"position {pos} is outside the model's context (0..{facts.max_model_len - 1})",
-                request_id=request_id,
-            )
-    return tuple(sorted(set(raw)))
+    return _sorted_indices(raw, field, _position_rule(facts), request_id)
 
 
 def _parse_reduce(raw: Any, field: str, request_id: str | None) -> str | None:
@@ -357,18 +360,10 @@ def _check_against_model(sv: Any, facts: ModelFacts, where: str,
             f"{where}.activations",
             f"hidden size is {hidden} but the model's is {facts.hidden_size}",
             request_id=request_id)
-    for j, layer in enumerate(sv.layer_indices):
-        if isinstance(layer, bool) or not 0 <= layer < facts.n_layers:
-            raise LensRequestError(
-                f"{where}.layer_indices[{j}]",
-                f"layer {layer} is out of range; the model has layers 0..{facts.n_layers - 1}",
-                request_id=request_id)
+    _sorted_indices(sv.layer_indices, f"{where}.layer_indices", _layer_rule(facts), request_id)
     positions = sv.positions
-    if positions is not None and max(positions) >= facts.max_model_len:
-        raise LensRequestError(
-            f"{where}.position_indices",
-            f"position {max(positions)} is outside the model's context "
-            f"(0..{facts.max_model_len - 1})", request_id=request_id)
+    if positions is not None:
+        _sorted_indices(positions, f"{where}.position_indices", _position_rule(facts), request_id)
     return SteerSpec(
         layers=tuple(sv.layer_indices), vectors=wire.dumps(sv.activations), scale=sv.scale,
         norm_match=sv.norm_match, positions=None if positions is None else tuple(positions),

@@ -107,3 +107,18 @@ def test_bad_input_fails_alone(async_engine):
         return await _final(engine, PROMPTS[1], _sp([1]), "good-1")
 
     assert run(bad_then_good()).activations["residual_stream"].shape[0] == 1
+
+
+def test_steering_through_async_matches_offline(async_engine, tiny_llm):
+    engine, run = async_engine
+    from vllm_lens import SteeringVector
+
+    sv = SteeringVector(activations=torch.linspace(-2, 2, 128)[None], layer_indices=[1])
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                        extra_args={"apply_steering_vectors": sv.to_wire()})
+    out = run(_final(engine, PROMPTS[2], sp, "steer-1"))
+    offline = tiny_llm.generate([PROMPTS[2]], sp)[0]
+    plain = tiny_llm.generate([PROMPTS[2]], SamplingParams(max_tokens=8, temperature=0,
+                                                           ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == offline.outputs[0].token_ids
+    assert out.outputs[0].token_ids != plain.outputs[0].token_ids

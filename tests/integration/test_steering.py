@@ -190,3 +190,17 @@ def test_bad_steering_fails_alone(tiny_llm, value, field):
         tiny_llm.generate(["Hello"], bad)
     good = [SteeringVector(activations=torch.ones(1, 128), layer_indices=[1])]
     assert len(_tokens(tiny_llm, "Hello", good, max_tokens=2).outputs[0].token_ids) == 2
+
+
+def test_chat_steering_equals_generate_on_the_same_tokens(tiny_llm):
+    from vllm.inputs import TokensPrompt
+
+    sv = [SteeringVector(activations=_direction(128, 40, 3.0)[None], layer_indices=[2])]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                        extra_args={"apply_steering_vectors": sv})
+    chat = tiny_llm.chat([{"role": "user", "content": "Hi there!"}], sp)[0]
+    same = tiny_llm.generate(TokensPrompt(prompt_token_ids=list(chat.prompt_token_ids)), sp)[0]
+    plain = tiny_llm.chat([{"role": "user", "content": "Hi there!"}],
+                          SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert chat.outputs[0].token_ids == same.outputs[0].token_ids
+    assert chat.outputs[0].token_ids != plain.outputs[0].token_ids

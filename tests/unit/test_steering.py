@@ -77,7 +77,7 @@ def test_every_accepted_form_gives_the_same_spec():
          "hidden size"),
         ([sv(layer_indices=[4])], "apply_steering_vectors[0].layer_indices[0]", "out of range"),
         ([sv(activations=torch.randn(1, 1, H), position_indices=[64])],
-         "apply_steering_vectors[0].position_indices", "outside"),
+         "apply_steering_vectors[0].position_indices[0]", "outside"),
         ([{"activations": torch.ones(1, H, dtype=torch.int32), "layer_indices": [0]}],
          "apply_steering_vectors[0]", "float32"),
         (["@@@"], "apply_steering_vectors[0]", "base64"),

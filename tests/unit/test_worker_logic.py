@@ -143,3 +143,11 @@ def test_store_byte_budget_evicts_oldest_finished():
     store.mark_finished(live_req_ids={"r2"})
     assert store.nbytes <= 40
     assert store.pop("k2")  # the live one survives
+
+
+def test_assemble_with_no_valid_rows_is_empty():
+    store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
+    _run_steps(store, [([_slice("a", 0, 2, 5, 2, (0, 1))], torch.randn(2, 4), None, [0, 1])])
+    (entry,) = store.pop("a").values()
+    out = assemble(entry, valid_len=3)
+    assert out["residual_stream"].shape == (2, 0, 4) and out["positions"].numel() == 0

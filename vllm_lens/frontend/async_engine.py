@@ -63,7 +63,8 @@ def _wrap_generate(original):
                     args_ = session.fetch_args(
                         lens, len(out.prompt_token_ids or ()), generated, engine_params.n
                     )
-                    results = await self.collective_rpc("lens_fetch", args=([args_],))
+                    results = await self.collective_rpc(
+                        "lens_fetch", args=session.fetch_rpc_args([args_]))
                     session.attach(out, lens, results)
                     attached = True
                 yield out

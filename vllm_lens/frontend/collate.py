@@ -16,7 +16,7 @@ import torch
 from vllm import SamplingParams
 from vllm.outputs import RequestOutput
 
-from vllm_lens import wire
+from vllm_lens import handoff, wire
 from vllm_lens.spec import PAYLOAD_KEY, LensRequest, ModelFacts, has_lens_keys, parse_extra_args
 
 __all__ = ["LensSession", "facts_from_describe", "merge_rank_payloads"]
@@ -91,6 +91,11 @@ class LensSession:
         assert self.facts is not None, "call the engine's lens_describe before prepare()"
         return self.facts
 
+    @staticmethod
+    def fetch_rpc_args(requests: list[tuple[str, dict[str, int]]]) -> tuple[Any, ...]:
+        """``collective_rpc`` args of ``lens_fetch`` for these ``fetch_args`` results."""
+        return (requests, handoff.host_id())
+
     def fetch_args(
         self, lens: LensRequest, n_prompt: int, generated: Mapping[int, int], n: int
     ) -> tuple[str, dict[str, int]]:
@@ -107,15 +112,15 @@ class LensSession:
         self,
         output: RequestOutput,
         lens: LensRequest,
-        rank_results: Sequence[Mapping[str, Mapping[str, bytes]]],
+        rank_results: Sequence[Mapping[str, Mapping[str, handoff.Handoff]]],
     ) -> None:
         """Attach ``activations`` to ``output`` (n == 1) and to each of its completions."""
         self.in_flight.pop(output.request_id, None)
         assert lens.capture is not None
         by_req: dict[str, list[bytes]] = {}
         for result in rank_results:
-            for req_id, blob in (result or {}).get(lens.key, {}).items():
-                by_req.setdefault(req_id, []).append(blob)
+            for req_id, sent in (result or {}).get(lens.key, {}).items():
+                by_req.setdefault(req_id, []).append(handoff.receive(sent))
         merged = {req_id: merge_rank_payloads(blobs) for req_id, blobs in by_req.items()}
         n = len(output.outputs)
         for completion in output.outputs:

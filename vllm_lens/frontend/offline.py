@@ -68,7 +68,7 @@ def _wrap_step(original):
             )
             for o, lens in captured
         ]
-        results = self.collective_rpc("lens_fetch", args=(args,))
+        results = self.collective_rpc("lens_fetch", args=session.fetch_rpc_args(args))
         for o, lens in captured:
             session.attach(o, lens, results)
         return outputs

@@ -77,16 +77,18 @@ def _stack_rows(entry: Entry, layers: list[int], keep: np.ndarray) -> torch.Tens
     """``[n_layers, len(keep), hidden]`` from the per-step chunks, copying each row once."""
     first = entry.chunks[layers[0]][0]
     out = torch.empty((len(layers), keep.size, first.shape[-1]), dtype=first.dtype)
+    if keep.size == 0:
+        return out
     if np.array_equal(keep, np.arange(keep.size)):
         # The usual case: rows arrived in order, only a surplus tail (if any) to drop.
         for i, layer in enumerate(layers):
-            offset = 0
+            parts, total = [], 0
             for chunk in entry.chunks[layer]:
-                take = min(chunk.shape[0], keep.size - offset)
-                if take <= 0:
+                if total >= keep.size:
                     break
-                out[i, offset : offset + take] = chunk[:take]
-                offset += take
+                parts.append(chunk[: keep.size - total])
+                total += parts[-1].shape[0]
+            torch.cat(parts, out=out[i])
         return out
     index = torch.from_numpy(keep.astype(np.int64))
     for i, layer in enumerate(layers):

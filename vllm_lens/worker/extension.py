@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from vllm_lens import wire
+from vllm_lens import handoff, wire
 from vllm_lens.worker.capture import assemble
 from vllm_lens.worker.runtime import LensRuntime
 from vllm_lens.worker.taps import set_tap_handler, tap_info
@@ -56,18 +56,20 @@ class LensWorkerExtension:
         }
 
     def lens_fetch(
-        self, requests: list[tuple[str, dict[str, int]]]
-    ) -> dict[str, dict[str, bytes]]:
+        self, requests: list[tuple[str, dict[str, int]]], front_end_host: str | None = None
+    ) -> dict[str, dict[str, handoff.Handoff]]:
         """Pop the rows of finished requests.
 
         Args:
             requests: ``(lens key, {request id prefix: valid positions})`` per finished request;
                 positions at or past the valid count come from surplus steps and are dropped.
                 The prefix is ``""`` for ``n == 1`` and ``"{index}_"`` for sampled children.
+            front_end_host: the caller's ``handoff.host_id()``; on the same host large payloads
+                are handed over through shared memory instead of the RPC result.
 
         Returns:
-            ``{lens key: {engine request id: bytes}}`` where the bytes are ``wire.dumps`` of
-            ``{"layers", "positions", "residual_stream"}``, trimmed and reduced here so that
+            ``{lens key: {engine request id: handoff}}`` where the handoff holds ``wire.dumps``
+            of ``{"layers", "positions", "residual_stream"}``, trimmed and reduced here so that
             rows nobody asked for never leave the worker. Ranks that did not capture return
             nothing.
         """
@@ -80,7 +82,8 @@ class LensWorkerExtension:
             for req_id, entry in _runtime.store.pop(key).items():
                 valid = next((n for p, n in valid_lens.items() if req_id.startswith(p)), None)
                 if valid is not None:
-                    out.setdefault(key, {})[req_id] = wire.dumps(assemble(entry, valid))
+                    blob = wire.dumps(assemble(entry, valid))
+                    out.setdefault(key, {})[req_id] = handoff.send(blob, front_end_host)
         return out
 
     def lens_release(self, keys: list[str]) -> None:

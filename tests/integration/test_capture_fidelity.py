@@ -121,3 +121,14 @@ def test_buffers_are_freed_after_many_requests(smol_llm, n_requests):
         smol_llm.generate(PROMPTS * (n_requests // 3 // len(PROMPTS) + 1), sp)
         stats = smol_llm.collective_rpc("lens_stats")
         assert stats == [{"entries": 0, "bytes": 0}]
+
+
+def test_plain_requests_in_compiled_mode_match_vllm_without_plugin(smol_llm, smollm2_path):
+    """The traced graph with taps must not change plain requests (default compiled mode)."""
+    from tests.integration.engines import generate_without_plugin
+
+    sps = [SamplingParams(max_tokens=16, temperature=0,
+                          extra_args={"output_residual_stream": [4]} if i == 1 else None)
+           for i in range(len(PROMPTS))]
+    with_plugin = [list(o.outputs[0].token_ids) for o in smol_llm.generate(PROMPTS, sps)]
+    assert generate_without_plugin(smollm2_path, PROMPTS, 16) == with_plugin

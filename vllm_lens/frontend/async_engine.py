@@ -48,28 +48,28 @@ def _wrap_generate(original):
                 yield out
             return
 
+        # DELTA outputs carry only new tokens; the trim length needs the running total.
         delta = engine_params.output_kind == RequestOutputKind.DELTA
         generated: dict[int, int] = {}
-        attached = False
+        completed = False
         try:
             async for out in stream:
                 for c in out.outputs:
-                    generated[c.index] = generated.get(c.index, 0) + len(c.token_ids) if delta \
-                        else len(c.token_ids)
-                if out.finished and lens.capture is None:
-                    session.forget([request_id])
-                    attached = True
-                elif out.finished:
+                    earlier = generated.get(c.index, 0) if delta else 0
+                    generated[c.index] = earlier + len(c.token_ids)
+                if out.finished and lens.capture is not None:
                     args_ = session.fetch_args(
                         lens, len(out.prompt_token_ids or ()), generated, engine_params.n
                     )
                     results = await self.collective_rpc(
                         "lens_fetch", args=session.fetch_rpc_args([args_]))
                     session.attach(out, lens, results)
-                    attached = True
+                elif out.finished:
+                    session.forget([request_id])
+                completed = out.finished
                 yield out
         finally:
-            if not attached:
+            if not completed:
                 keys = session.forget([request_id])
                 if keys:
                     # Not awaited: this may run while the caller is being cancelled.

@@ -40,8 +40,8 @@ def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
 def merge_rank_payloads(blobs: Sequence[bytes]) -> dict[str, torch.Tensor]:
     """Merge one request's payloads from the pipeline stages that captured it (layer order)."""
     parts = sorted((wire.loads(b) for b in blobs), key=lambda p: p["layers"][0])
-    stream = torch.cat([p["residual_stream"] for p in parts]) if len(parts) > 1 else parts[0][
-        "residual_stream"]
+    streams = [p["residual_stream"] for p in parts]
+    stream = streams[0] if len(streams) == 1 else torch.cat(streams)
     return {"residual_stream": stream, "positions": parts[0]["positions"]}
 
 

@@ -1,0 +1,54 @@
+"""What a tap costs plain traffic: per-call time of ``vllm_lens::tap`` with nothing to do.
+
+    python benchmarks/tap_overhead.py [--calls 200000]
+
+The throughput benchmark compares whole engines in separate processes, so on a shared machine
+its plain-traffic ratio carries run-to-run noise of several percent. This measures the one
+thing the plugin adds to a step without lens requests — one tap call per decoder layer — and
+prints it next to the duration of a SmolLM2 decode step measured in throughput.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from vllm_lens.worker import taps
+
+
+def per_call_us(hidden: torch.Tensor, residual: torch.Tensor, calls: int) -> float:
+    op = torch.ops.vllm_lens.tap
+    for _ in range(1000):
+        op(hidden, residual, 3)
+    start = time.perf_counter()
+    for _ in range(calls):
+        op(hidden, residual, 3)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=200_000)
+    parser.add_argument("--step-ms", type=float, default=213.0,
+                        help="decode step of 64 requests (64 tokens / 300 tokens/s)")
+    parser.add_argument("--layers", type=int, default=30)
+    args = parser.parse_args()
+
+    hidden, residual = torch.randn(64, 576), torch.randn(64, 576)
+    taps.set_tap_handler(None)
+    idle = per_call_us(hidden, residual, args.calls)
+    # A handler that returns at once, like the runtime's with an empty plan.
+    taps.set_tap_handler(lambda h, r, layer: None)
+    attached = per_call_us(hidden, residual, args.calls)
+    taps.set_tap_handler(None)
+    for name, us in (("no handler (before any lens request)", idle),
+                     ("handler attached, nothing to do", attached)):
+        per_step_ms = us * args.layers / 1000
+        print(f"{name}: {us:.2f} us/call -> {per_step_ms:.3f} ms/step over {args.layers} "
+              f"layers = {per_step_ms / args.step_ms:.3%} of a {args.step_ms:.0f} ms decode step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """Build a steering vector from contrastive prompts and steer SmolLM2 with it.
 
-    python examples/steering.py [--layer 12] [--scales 0 2 4 8] [--eager]
+    python examples/steering.py [--layer 12] [--scales -60 0 30 60] [--eager]
 
 1. Capture the mean residual stream after ``--layer`` over the prompt of each contrastive
    prompt (vllm-lens reduces on the worker: ``{"positions": "prompt", "reduce": "mean"}``).
@@ -33,7 +33,8 @@ QUESTIONS = ["Tell me about your weekend.", "Describe the weather outside."]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layer", type=int, default=12)
-    parser.add_argument("--scales", type=float, nargs="+", default=[0.0, 4.0, 8.0, 16.0])
+    # Scales are absolute: compare them with the stream's norm at the layer, printed below.
+    parser.add_argument("--scales", type=float, nargs="+", default=[-60.0, 0.0, 30.0, 60.0])
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--eager", action="store_true", help="run vLLM with enforce_eager")
     args = parser.parse_args()
@@ -51,7 +52,9 @@ def main() -> None:
     means = [o.activations["residual_stream"][0] for o in llm.generate(HAPPY + SAD, capture)]
     direction = torch.stack(means[: len(HAPPY)]).mean(0) - torch.stack(means[len(HAPPY):]).mean(0)
     direction /= direction.norm()
-    print(f"\nsteering vector: layer {args.layer}, mean(happy) - mean(sad), unit norm")
+    typical = torch.stack(means).norm(dim=-1).mean()
+    print(f"\nsteering vector: layer {args.layer}, mean(happy) - mean(sad), unit norm "
+          f"(the residual stream's mean norm there is {typical:.0f})")
 
     conversations, params, labels = [], [], []
     for question in QUESTIONS:

@@ -59,7 +59,6 @@ class TapInfo:
     """Total decoder layers of the model (on every pipeline stage)."""
     local_layers: tuple[int, ...]
     """Layers owned (and tapped) by this pipeline stage."""
-    hidden_size: int
 
 
 # Where Llama/Qwen2-style models (and multimodal wrappers around them) keep their layers.
@@ -119,14 +118,8 @@ def install_taps(model: nn.Module) -> TapInfo | None:
             layer.__class__ = _tapped_class(type(layer))
         layer._vllm_lens_layer = index
         local.append(index)
-    config = getattr(model, "config", None)
-    text_config = getattr(config, "get_text_config", lambda: config)()
-    info = TapInfo(
-        model_class=type(model).__name__,
-        n_layers=len(layers),
-        local_layers=tuple(local),
-        hidden_size=int(getattr(text_config, "hidden_size", 0) or 0),
-    )
+    info = TapInfo(model_class=type(model).__name__, n_layers=len(layers),
+                   local_layers=tuple(local))
     setattr(model, _INFO_ATTR, info)
     return info
 

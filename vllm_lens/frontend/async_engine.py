@@ -57,6 +57,8 @@ def _wrap_generate(original):
                 for c in out.outputs:
                     earlier = generated.get(c.index, 0) if delta else 0
                     generated[c.index] = earlier + len(c.token_ids)
+                if out.finished:
+                    session.forget([request_id])
                 if out.finished and lens.capture is not None:
                     args_ = session.fetch_args(
                         lens, len(out.prompt_token_ids or ()), generated, engine_params.n
@@ -64,8 +66,6 @@ def _wrap_generate(original):
                     results = await self.collective_rpc(
                         "lens_fetch", args=session.fetch_rpc_args([args_]))
                     session.attach(out, lens, results)
-                elif out.finished:
-                    session.forget([request_id])
                 completed = out.finished
                 yield out
         finally:

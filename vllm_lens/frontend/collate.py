@@ -115,7 +115,6 @@ class LensSession:
         rank_results: Sequence[Mapping[str, Mapping[str, handoff.Handoff]]],
     ) -> None:
         """Attach ``activations`` to ``output`` (n == 1) and to each of its completions."""
-        self.in_flight.pop(output.request_id, None)
         assert lens.capture is not None
         by_req: dict[str, list[bytes]] = {}
         for result in rank_results:
@@ -139,5 +138,6 @@ class LensSession:
                 "positions": torch.empty(0, dtype=torch.int64)}
 
     def forget(self, request_ids: Sequence[str]) -> list[str]:
-        """Drop aborted requests; returns the lens keys whose worker buffers should be released."""
+        """Stop tracking finished or aborted requests; returns their lens keys (whose worker
+        buffers an aborted request should release)."""
         return [lens.key for rid in request_ids if (lens := self.in_flight.pop(rid, None))]

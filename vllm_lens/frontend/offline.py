@@ -55,7 +55,8 @@ def _wrap_step(original):
         done = [o for o in outputs if o.finished and o.request_id in session.in_flight]
         if not done:
             return outputs
-        lenses = [session.in_flight.pop(o.request_id) for o in done]
+        lenses = [session.in_flight[o.request_id] for o in done]
+        session.forget([o.request_id for o in done])
         captured = [(o, lens) for o, lens in zip(done, lenses) if lens.capture is not None]
         if not captured:
             return outputs

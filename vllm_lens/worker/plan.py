@@ -18,7 +18,14 @@ import torch
 
 from vllm_lens.spec import CaptureSpec, LensRequest
 
-__all__ = ["CaptureGroup", "CaptureOwner", "RequestSlice", "StepPlan", "select_rows"]
+__all__ = [
+    "CaptureGroup", "CaptureOwner", "RequestSlice", "StepPlan", "device_index", "select_rows",
+]
+
+
+def device_index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host row indices as an int64 tensor on ``device`` (asynchronous copy, never a sync)."""
+    return torch.from_numpy(rows.astype(np.int64)).to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -142,5 +149,4 @@ def _make_group(members: list[tuple[RequestSlice, np.ndarray]], device: torch.de
     first, last = int(all_rows[0]), int(all_rows[-1])
     if last - first + 1 == all_rows.size and np.all(np.diff(all_rows) == 1):
         return CaptureGroup(rows=slice(first, last + 1), owners=owners)
-    index = torch.from_numpy(all_rows.astype(np.int64)).to(device, non_blocking=True)
-    return CaptureGroup(rows=index, owners=owners)
+    return CaptureGroup(rows=device_index(all_rows, device), owners=owners)

@@ -16,7 +16,7 @@ import torch
 
 from vllm_lens import wire
 from vllm_lens.spec import SteerSpec
-from vllm_lens.worker.plan import RequestSlice
+from vllm_lens.worker.plan import RequestSlice, device_index
 
 __all__ = ["PreparedSteer", "SteerGroup", "apply_steering", "build_steer_groups", "prepare"]
 
@@ -26,13 +26,20 @@ class PreparedSteer:
     """One steering vector, decoded once per request onto the model's device and dtype."""
 
     spec: SteerSpec
-    vectors: torch.Tensor  # [n_layers, hidden] or [n_layers, n_pos, hidden]
+    vectors: torch.Tensor
+    """``[n_layers, hidden]`` or ``[n_layers, n_pos, hidden]``, ready to use: already scaled
+    for plain vectors, unit length for norm-matched ones (scaled per token at apply time)."""
     positions_sorted: np.ndarray | None
     position_rows: np.ndarray | None  # row of ``vectors[:, j]`` for each sorted position
 
 
 def prepare(spec: SteerSpec, device: torch.device, dtype: torch.dtype) -> PreparedSteer:
-    vectors = wire.loads(spec.vectors).to(device=device, dtype=dtype)
+    vectors = wire.loads(spec.vectors).to(device=device, dtype=torch.float32)
+    if spec.norm_match:
+        vectors = vectors / vectors.norm(dim=-1, keepdim=True)
+    else:
+        vectors = vectors * spec.scale
+    vectors = vectors.to(dtype)
     if spec.positions is None:
         return PreparedSteer(spec, vectors, None, None)
     positions = np.asarray(spec.positions, dtype=np.int64)
@@ -66,16 +73,15 @@ def build_steer_groups(
             for i, layer in enumerate(p.spec.layers):
                 vecs = _vectors_for(p, i, vector_rows, offsets.size)
                 if p.spec.norm_match:
-                    unit = vecs / vecs.float().norm(dim=-1, keepdim=True).to(vecs.dtype)
                     groups.setdefault(layer, SteerGroup()).norm_matched.append(
-                        (_index(rows, device), unit, p.spec.scale))
+                        (device_index(rows, device), vecs, p.spec.scale))
                 else:
                     row_lists, deltas = plain.setdefault(layer, ([], []))
                     row_lists.append(rows)
-                    deltas.append(vecs * p.spec.scale)
+                    deltas.append(vecs)
     for layer, (row_lists, deltas) in plain.items():
         group = groups.setdefault(layer, SteerGroup())
-        group.rows = _index(np.concatenate(row_lists), device)
+        group.rows = device_index(np.concatenate(row_lists), device)
         group.delta = torch.cat(deltas)
     return groups
 
@@ -96,12 +102,7 @@ def _vectors_for(p: PreparedSteer, i: int, vector_rows: np.ndarray | None, n: in
     layer_vectors = p.vectors[i]
     if vector_rows is None:
         return layer_vectors.expand(n, -1)
-    index = torch.from_numpy(vector_rows.astype(np.int64)).to(layer_vectors.device)
-    return layer_vectors.index_select(0, index)
-
-
-def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(rows.astype(np.int64)).to(device, non_blocking=True)
+    return layer_vectors.index_select(0, device_index(vector_rows, layer_vectors.device))
 
 
 def apply_steering(group: SteerGroup, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:

@@ -5,13 +5,21 @@
   end to fetch them (default 4 GiB); past it, the oldest unfetched finished requests are dropped.
 - ``VLLM_LENS_FINISHED_TTL_S``: seconds a finished request's rows wait for their fetch before
   the worker drops them (default 600): covers aborted requests and front ends that went away.
+- ``VLLM_LENS_HTTP_STORE_MAX_BYTES``: capacity of the OpenAI server's store behind the binary
+  transport (default 2 GiB); past it the oldest entries are evicted.
+- ``VLLM_LENS_HTTP_STORE_TTL_S``: seconds a binary-transport handle stays readable (default 300).
+- ``VLLM_LENS_MAX_REQUEST_BYTES``: largest lens value (e.g. steering vectors) the OpenAI server
+  accepts in one request's ``vllm_xargs`` (default 64 MiB); larger ones get HTTP 400.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["disabled", "finished_ttl_s", "worker_max_bytes"]
+__all__ = [
+    "disabled", "finished_ttl_s", "http_store_max_bytes", "http_store_ttl_s",
+    "max_request_bytes", "worker_max_bytes",
+]
 
 
 def disabled() -> bool:
@@ -24,3 +32,15 @@ def worker_max_bytes() -> int:
 
 def finished_ttl_s() -> float:
     return float(os.environ.get("VLLM_LENS_FINISHED_TTL_S", "600"))
+
+
+def http_store_max_bytes() -> int:
+    return int(os.environ.get("VLLM_LENS_HTTP_STORE_MAX_BYTES", str(2 << 30)))
+
+
+def http_store_ttl_s() -> float:
+    return float(os.environ.get("VLLM_LENS_HTTP_STORE_TTL_S", "300"))
+
+
+def max_request_bytes() -> int:
+    return int(os.environ.get("VLLM_LENS_MAX_REQUEST_BYTES", str(64 << 20)))

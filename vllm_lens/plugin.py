@@ -6,7 +6,9 @@ each worker — possibly several times per process).
 - front end: engine config gets the worker extension (``frontend.engine_args``); ``LLMEngine``
   and ``AsyncLLM`` validate lens requests and collate activations (``frontend.offline``,
   ``frontend.async_engine``); steered requests get a prefix-cache salt
-  (``frontend.prefix_cache``);
+  (``frontend.prefix_cache``); in a process that builds vLLM's OpenAI server, the server's
+  completions and chat endpoints return activations and ``/v1/lens/*`` routes are added
+  (``frontend.server``);
 - worker: every model vLLM constructs gets taps on its decoder layers (``worker.taps``), by
   wrapping the class vLLM's model loader resolves for the architecture.
 
@@ -14,6 +16,8 @@ each worker — possibly several times per process).
 """
 
 from __future__ import annotations
+
+import sys
 
 from vllm_lens import envs
 
@@ -32,3 +36,9 @@ def register() -> None:
     async_engine.install()
     prefix_cache.install()
     taps.install_model_hook()
+    # The API server imports its app builder before it creates the engine (which loads the
+    # plugins); other processes never pay for importing the server stack.
+    if "vllm.entrypoints.launchers.app" in sys.modules:
+        from vllm_lens.frontend import server
+
+        server.install()

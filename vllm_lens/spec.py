@@ -25,6 +25,8 @@ __all__ = [
     "LENS_KEYS",
     "STEER_KEY",
     "SteerSpec",
+    "TRANSPORT_KEY",
+    "TRANSPORTS",
     "PAYLOAD_KEY",
     "POSITION_SELECTORS",
     "REDUCTIONS",
@@ -37,8 +39,12 @@ __all__ = [
 
 CAPTURE_KEY = "output_residual_stream"
 STEER_KEY = "apply_steering_vectors"
+#: How the OpenAI server returns activations (``"json"`` inline, ``"binary"`` by handle).
+#: Offline engines return tensors and only validate it.
+TRANSPORT_KEY = "activations_transport"
+TRANSPORTS = ("json", "binary")
 #: Every key vllm-lens reads from ``extra_args``; near-misses of these are reported as typos.
-LENS_KEYS = (CAPTURE_KEY, STEER_KEY, "apply_hooks")
+LENS_KEYS = (CAPTURE_KEY, STEER_KEY, "apply_hooks", TRANSPORT_KEY)
 #: The reserved ``extra_args`` entry that carries the validated spec to the workers.
 PAYLOAD_KEY = "vllm_lens"
 PAYLOAD_VERSION = 1
@@ -193,6 +199,10 @@ def parse_extra_args(
             raise LensRequestError(
                 name, f"unknown key; did you mean '{close[0]}'?", request_id=request_id
             )
+    transport = rest.get(TRANSPORT_KEY)
+    if transport is not None and transport not in TRANSPORTS:
+        raise LensRequestError(TRANSPORT_KEY, f"unknown transport {transport!r}; use 'json' or "
+                               "'binary'", request_id=request_id)
     if rest.get("apply_hooks") is not None:
         raise LensRequestError("apply_hooks", "not supported by this version of vllm-lens",
                                request_id=request_id)

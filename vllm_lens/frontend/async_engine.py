@@ -17,15 +17,25 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from vllm_lens._patching import wrap_attribute
+from vllm_lens.frontend import response_scope
 from vllm_lens.frontend.collate import LensSession, facts_from_describe
+from vllm_lens.spec import ModelFacts
 
-__all__ = ["install"]
+__all__ = ["install", "model_facts"]
 
 _background: set[asyncio.Task] = set()
 
 
 def install() -> None:
     wrap_attribute(AsyncLLM, "generate", _wrap_generate)
+
+
+async def model_facts(engine: AsyncLLM) -> ModelFacts:
+    """The served model's facts, asked of the workers once per engine."""
+    session = LensSession.of(engine)
+    if session.facts is None:
+        session.facts = facts_from_describe(await engine.collective_rpc("lens_describe"))
+    return session.facts
 
 
 def _wrap_generate(original):
@@ -36,7 +46,7 @@ def _wrap_generate(original):
         is_core_request = isinstance(prompt, EngineCoreRequest)
         target = prompt.sampling_params if is_core_request else sampling_params
         if session.needs_facts(target):
-            session.facts = facts_from_describe(await self.collective_rpc("lens_describe"))
+            await model_facts(self)
         engine_params, lens = session.prepare(target, request_id)
         if is_core_request:
             prompt.sampling_params = engine_params
@@ -65,7 +75,8 @@ def _wrap_generate(original):
                     )
                     results = await self.collective_rpc(
                         "lens_fetch", args=session.fetch_rpc_args([args_]))
-                    session.attach(out, lens, results)
+                    by_index = session.attach(out, lens, results, engine_params.n)
+                    response_scope.report(request_id, by_index)
                 completed = out.finished
                 yield out
         finally:

@@ -113,21 +113,29 @@ class LensSession:
         output: RequestOutput,
         lens: LensRequest,
         rank_results: Sequence[Mapping[str, Mapping[str, handoff.Handoff]]],
-    ) -> None:
-        """Attach ``activations`` to ``output`` (n == 1) and to each of its completions."""
+        n: int,
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Attach ``activations`` to ``output`` (n == 1) and to each of its completions.
+
+        Returns the activations of all ``n`` completions by index: a streamed (DELTA) final
+        output holds only the completions that changed in its step, not all of them.
+        """
         assert lens.capture is not None
         by_req: dict[str, list[bytes]] = {}
         for result in rank_results:
             for req_id, sent in (result or {}).get(lens.key, {}).items():
                 by_req.setdefault(req_id, []).append(handoff.receive(sent))
         merged = {req_id: merge_rank_payloads(blobs) for req_id, blobs in by_req.items()}
-        n = len(output.outputs)
-        for completion in output.outputs:
-            prefix = "" if n == 1 else f"{completion.index}_"
+        by_index = {}
+        for index in range(n):
+            prefix = "" if n == 1 else f"{index}_"
             found = next((v for k, v in merged.items() if k.startswith(prefix)), None)
-            completion.activations = found if found is not None else self._empty(lens)
+            by_index[index] = found if found is not None else self._empty(lens)
+        for completion in output.outputs:
+            completion.activations = by_index[completion.index]
         if n == 1:
-            output.activations = output.outputs[0].activations
+            output.activations = by_index[0]
+        return by_index
 
     def _empty(self, lens: LensRequest) -> dict[str, torch.Tensor]:
         facts = self._facts()

@@ -71,7 +71,7 @@ def _wrap_step(original):
         ]
         results = self.collective_rpc("lens_fetch", args=session.fetch_rpc_args(args))
         for o, lens in captured:
-            session.attach(o, lens, results)
+            session.attach(o, lens, results, len(o.outputs))
         return outputs
 
     return step

@@ -1,0 +1,360 @@
+"""HTTP clients for a vLLM OpenAI server with vllm-lens: ``LensClient`` and ``AsyncLensClient``
+(runs in: the user's process; needs httpx, not vLLM).
+
+Both have the same methods with the same arguments; the async one's are coroutines (and
+async iterators when streaming). The protocol is written once, as generators that yield
+``httpx.Request`` objects and receive the responses (httpx's own sans-I/O habit); each client
+only sends them, so the two cannot drift apart.
+
+The clients never unpickle anything: activations arrive as JSON tensor records or as msgpack
+bytes (``vllm_lens.activations``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import httpx
+import torch
+
+from vllm_lens.activations import (
+    decode_activation_bytes,
+    decode_activations,
+    is_binary_descriptor,
+)
+from vllm_lens.errors import LensError
+from vllm_lens.spec import CAPTURE_KEY, STEER_KEY, TRANSPORT_KEY
+
+__all__ = ["AsyncLensClient", "LensClient", "LensHTTPError", "LensResult"]
+
+#: One protocol step: send the request, get the response back; the return value is the result.
+_Steps = Generator[httpx.Request, httpx.Response, Any]
+
+
+class LensHTTPError(LensError):
+    """The server answered with an error (bad lens input is status 400, ``param`` its field)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        self.status = status
+        self.message = message
+        self.param = param
+        super().__init__(f"HTTP {status}: {message}")
+
+
+@dataclass
+class LensResult:
+    """One choice of a response; ``choices`` holds every choice of the same response.
+
+    While streaming, ``text`` and ``token_ids`` are what arrived so far and ``delta`` the newest
+    piece; ``activations`` is set on the last result of each choice.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    activations: dict[str, torch.Tensor] | None
+    raw: dict[str, Any]
+    """The response JSON (or, when streaming, the chunk this result came from)."""
+    prompt_token_ids: list[int] | None = None
+    delta: str = ""
+    choices: list[LensResult] = field(default_factory=list, repr=False)
+
+
+class _Protocol:
+    """Request building and response parsing shared by both clients."""
+
+    def __init__(self, base_url: str, model: str | None, api_key: str | None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def request(self, method: str, path: str, body: Any = None) -> httpx.Request:
+        return httpx.Request(method, self.base_url + path, json=body, headers=self.headers)
+
+    def model_steps(self) -> _Steps:
+        if self.model is None:
+            response = yield self.request("GET", "/v1/models")
+            self.model = _json_or_raise(response)["data"][0]["id"]
+        return self.model
+
+    def body(self, kind: str, content: Any, *, max_tokens: int, temperature: float,
+             capture_layers: Sequence[int] | bool | None, capture: Mapping[str, Any] | None,
+             steering_vectors: Any, stream: bool, transport: str,
+             openai_kwargs: dict[str, Any]) -> dict[str, Any]:
+        if transport not in ("json", "binary"):
+            raise ValueError(f"transport must be 'json' or 'binary', got {transport!r}")
+        if capture_layers is not None and capture is not None:
+            raise ValueError("pass capture_layers or capture, not both")
+        xargs = dict(openai_kwargs.pop("vllm_xargs", None) or {})
+        if capture is not None:
+            xargs[CAPTURE_KEY] = json.dumps(dict(capture))
+        elif capture_layers is True:
+            xargs[CAPTURE_KEY] = "true"
+        elif capture_layers is not None:
+            xargs[CAPTURE_KEY] = [int(x) for x in capture_layers]
+        if steering_vectors is not None:
+            xargs[STEER_KEY] = _steering_json(steering_vectors)
+        if transport == "binary":
+            xargs[TRANSPORT_KEY] = "binary"
+        body = {"model": self.model, kind: content, "max_tokens": max_tokens,
+                "temperature": temperature, "stream": stream, "return_token_ids": True,
+                **openai_kwargs}
+        if xargs:
+            body["vllm_xargs"] = xargs
+        return body
+
+    def call_steps(self, path: str, body: dict[str, Any]) -> _Steps:
+        """POST a non-streaming request; returns the first choice's ``LensResult``."""
+        response = yield self.request("POST", path, body)
+        data = _json_or_raise(response)
+        choices = sorted(data.get("choices", []), key=lambda c: c["index"])
+        results = [_choice_result(c, data) for c in choices]
+        for result, choice in zip(results, choices):
+            result.activations = yield from self.activations_steps(choice.get("activations"))
+            result.choices = results
+        return results[0]
+
+    def activations_steps(self, payload: Any) -> _Steps:
+        """Decode a choice's ``activations``, fetching (then deleting) binary ones."""
+        if payload is None:
+            return None
+        if not is_binary_descriptor(payload):
+            return decode_activations(payload)
+        response = yield self.request("GET", payload["url"])
+        if response.status_code != 200:
+            _json_or_raise(response)
+        acts = decode_activation_bytes(response.content)
+        yield self.request("DELETE", payload["url"])  # free the server's copy at once
+        return acts
+
+
+class _StreamState:
+    """Turns streamed server-sent events into partial ``LensResult`` objects."""
+
+    def __init__(self) -> None:
+        self.by_index: dict[int, LensResult] = {}
+
+    def feed(self, line: str) -> list[tuple[LensResult, Any]]:
+        """One line of the event stream -> [(result so far, activations payload or None)]."""
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return []
+        chunk = json.loads(line.removeprefix("data: "))
+        if "error" in chunk:
+            _raise_error_body(chunk, 200)
+        out = []
+        for choice in chunk.get("choices", []):
+            index = choice["index"]
+            previous = self.by_index.get(index) or LensResult(
+                index=index, text="", token_ids=[], finish_reason=None, activations=None,
+                raw=chunk)
+            delta = choice.get("text")
+            if delta is None:
+                delta = (choice.get("delta") or {}).get("content") or ""
+            result = replace(
+                previous, text=previous.text + delta, delta=delta, raw=chunk,
+                token_ids=previous.token_ids + list(choice.get("token_ids") or ()),
+                finish_reason=choice.get("finish_reason") or previous.finish_reason,
+                prompt_token_ids=chunk.get("prompt_token_ids") or previous.prompt_token_ids,
+            )
+            self.by_index[index] = result
+            out.append((result, choice.get("activations")))
+        return out
+
+
+class LensClient:
+    """Synchronous client (httpx) for a lens-enabled vLLM OpenAI server.
+
+    >>> client = LensClient("http://127.0.0.1:8000")            # doctest: +SKIP
+    >>> r = client.generate("The capital of France is", max_tokens=5, capture_layers=[3, 7])
+    ... # doctest: +SKIP
+    >>> r.text, r.activations["residual_stream"].shape          # doctest: +SKIP
+    """
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None,
+                 api_key: str | None = None, timeout: float = 600.0) -> None:
+        self._protocol = _Protocol(base_url, model, api_key)
+        self._http = httpx.Client(timeout=timeout)
+
+    def generate(self, prompt: str | list[int] | list[str], *, max_tokens: int = 16,
+                 temperature: float = 0.0, capture_layers: Sequence[int] | bool | None = None,
+                 capture: Mapping[str, Any] | None = None, steering_vectors: Any = None,
+                 stream: bool = False, transport: str = "json", **openai_kwargs: Any) -> Any:
+        """``/v1/completions``. Returns a ``LensResult`` or, with ``stream=True``, an iterator
+        of partial ones. ``openai_kwargs`` go into the request body (``n``, ``seed``, ...)."""
+        return self._run("/v1/completions", "prompt", prompt, stream, dict(
+            max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
+            capture=capture, steering_vectors=steering_vectors, transport=transport,
+            openai_kwargs=openai_kwargs))
+
+    def chat(self, messages: list[dict[str, Any]], *, max_tokens: int = 16,
+             temperature: float = 0.0, capture_layers: Sequence[int] | bool | None = None,
+             capture: Mapping[str, Any] | None = None, steering_vectors: Any = None,
+             stream: bool = False, transport: str = "json", **openai_kwargs: Any) -> Any:
+        """``/v1/chat/completions``; arguments and result as for :meth:`generate`."""
+        return self._run("/v1/chat/completions", "messages", messages, stream, dict(
+            max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
+            capture=capture, steering_vectors=steering_vectors, transport=transport,
+            openai_kwargs=openai_kwargs))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> LensClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _run(self, path: str, kind: str, content: Any, stream: bool, options: dict) -> Any:
+        self._drive(self._protocol.model_steps())
+        body = self._protocol.body(kind, content, stream=stream, **options)
+        if stream:
+            return self._stream(path, body)
+        return self._drive(self._protocol.call_steps(path, body))
+
+    def _drive(self, steps: _Steps) -> Any:
+        try:
+            request = next(steps)
+            while True:
+                request = steps.send(self._http.send(request))
+        except StopIteration as stop:
+            return stop.value
+
+    def _stream(self, path: str, body: dict[str, Any]) -> Iterator[LensResult]:
+        state = _StreamState()
+        response = self._http.send(self._protocol.request("POST", path, body), stream=True)
+        try:
+            if response.status_code != 200:
+                response.read()
+                _json_or_raise(response)
+            for line in response.iter_lines():
+                for result, payload in state.feed(line):
+                    if payload is not None:
+                        result.activations = self._drive(self._protocol.activations_steps(payload))
+                    yield result
+        finally:
+            response.close()
+
+
+class AsyncLensClient:
+    """Asynchronous twin of :class:`LensClient` (same methods, awaited)."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None,
+                 api_key: str | None = None, timeout: float = 600.0) -> None:
+        self._protocol = _Protocol(base_url, model, api_key)
+        self._http = httpx.AsyncClient(timeout=timeout)
+
+    async def generate(self, prompt: str | list[int] | list[str], *, max_tokens: int = 16,
+                       temperature: float = 0.0,
+                       capture_layers: Sequence[int] | bool | None = None,
+                       capture: Mapping[str, Any] | None = None, steering_vectors: Any = None,
+                       stream: bool = False, transport: str = "json",
+                       **openai_kwargs: Any) -> Any:
+        """See :meth:`LensClient.generate`; with ``stream=True`` an async iterator."""
+        return await self._run("/v1/completions", "prompt", prompt, stream, dict(
+            max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
+            capture=capture, steering_vectors=steering_vectors, transport=transport,
+            openai_kwargs=openai_kwargs))
+
+    async def chat(self, messages: list[dict[str, Any]], *, max_tokens: int = 16,
+                   temperature: float = 0.0,
+                   capture_layers: Sequence[int] | bool | None = None,
+                   capture: Mapping[str, Any] | None = None, steering_vectors: Any = None,
+                   stream: bool = False, transport: str = "json",
+                   **openai_kwargs: Any) -> Any:
+        """See :meth:`LensClient.chat`."""
+        return await self._run("/v1/chat/completions", "messages", messages, stream, dict(
+            max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
+            capture=capture, steering_vectors=steering_vectors, transport=transport,
+            openai_kwargs=openai_kwargs))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncLensClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def _run(self, path: str, kind: str, content: Any, stream: bool, options: dict) -> Any:
+        await self._drive(self._protocol.model_steps())
+        body = self._protocol.body(kind, content, stream=stream, **options)
+        if stream:
+            return self._stream(path, body)
+        return await self._drive(self._protocol.call_steps(path, body))
+
+    async def _drive(self, steps: _Steps) -> Any:
+        try:
+            request = next(steps)
+            while True:
+                request = steps.send(await self._http.send(request))
+        except StopIteration as stop:
+            return stop.value
+
+    async def _stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[LensResult]:
+        state = _StreamState()
+        response = await self._http.send(self._protocol.request("POST", path, body), stream=True)
+        try:
+            if response.status_code != 200:
+                await response.aread()
+                _json_or_raise(response)
+            async for line in response.aiter_lines():
+                for result, payload in state.feed(line):
+                    if payload is not None:
+                        result.activations = await self._drive(
+                            self._protocol.activations_steps(payload))
+                    yield result
+        finally:
+            await response.aclose()
+
+
+def _steering_json(vectors: Any) -> str:
+    from vllm_lens.steering import SteeringVector
+
+    items = vectors if isinstance(vectors, (list, tuple)) else [vectors]
+    dumped = []
+    for item in items:
+        if isinstance(item, str):
+            item = SteeringVector.from_wire(item)
+        if isinstance(item, SteeringVector):
+            item = item.model_dump(mode="json")
+        dumped.append(item)
+    return json.dumps(dumped)
+
+
+def _choice_result(choice: dict[str, Any], data: dict[str, Any]) -> LensResult:
+    message = choice.get("message") or {}
+    text = choice.get("text")
+    return LensResult(
+        index=choice["index"],
+        text=text if text is not None else message.get("content") or "",
+        token_ids=list(choice.get("token_ids") or ()),
+        finish_reason=choice.get("finish_reason"),
+        activations=None,
+        raw=data,
+        prompt_token_ids=choice.get("prompt_token_ids") or data.get("prompt_token_ids"),
+    )
+
+
+def _json_or_raise(response: httpx.Response) -> dict[str, Any]:
+    try:
+        data = response.json()
+    except ValueError:
+        data = {"error": {"message": response.text[:1000]}}
+    if response.status_code >= 400 or (isinstance(data, dict) and "error" in data
+                                       and "choices" not in data):
+        _raise_error_body(data, response.status_code)
+    return data
+
+
+def _raise_error_body(data: Any, status: int) -> None:
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict):
+        raise LensHTTPError(int(error.get("code") or status), str(error.get("message")),
+                            error.get("param"))
+    raise LensHTTPError(status, str(error or data))

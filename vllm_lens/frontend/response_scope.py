@@ -1,0 +1,73 @@
+"""Which activations belong to which choice of one HTTP response (runs in: API server).
+
+vLLM's serving classes turn ``RequestOutput`` objects into OpenAI responses deep inside their
+own code, and a completions request with several prompts runs one engine request per prompt.
+Rather than re-implement those classes, the server wrapper opens a ``ResponseScope`` around one
+HTTP request; the ``AsyncLLM.generate`` wrapper, which attaches activations to each finished
+output, also reports them to the scope that is current in its context (``contextvars`` follow
+the tasks vLLM spawns). The wrapper then places them on the response's choices.
+
+Engine request ids are what vLLM's serving code makes of the response id ``R``: ``R`` itself
+(chat), ``f"{R}-{i}"`` (completions, prompt ``i``) or ``f"{R}_{i}"``. Choice ``i * n + c``
+belongs to completion ``c`` of prompt ``i``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
+import torch
+
+__all__ = ["ResponseScope", "report"]
+
+Activations = Mapping[str, torch.Tensor]
+
+_current: ContextVar[ResponseScope | None] = ContextVar("vllm_lens_response_scope", default=None)
+
+
+def report(request_id: str, by_index: Mapping[int, Activations]) -> None:
+    """Record a finished request's activations (completion index -> dict) in the current
+    scope, if any."""
+    scope = _current.get()
+    if scope is not None:
+        scope.found[request_id] = dict(by_index)
+
+
+class ResponseScope:
+    """The activations reported while one HTTP request was being served."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, dict[int, Activations]] = {}
+        """Engine request id -> completion index -> activations."""
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Make this the scope that ``report`` writes to, in this context and tasks it spawns."""
+        token = _current.set(self)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(ValueError):  # reset from another context (a stream)
+                _current.reset(token)
+
+    def by_choice(self, response_id: str, n: int) -> dict[int, Activations]:
+        """Map the response's choice indices to their activations (``n`` choices per prompt)."""
+        choices: dict[int, Activations] = {}
+        for request_id, per_completion in self.found.items():
+            prompt = _prompt_index(response_id, request_id)
+            if prompt is None:
+                continue
+            for index, acts in per_completion.items():
+                choices[prompt * n + index] = acts
+        return choices
+
+
+def _prompt_index(response_id: str, request_id: str) -> int | None:
+    if request_id == response_id:
+        return 0
+    head, suffix = request_id[: len(response_id)], request_id[len(response_id):]
+    if head != response_id or suffix[:1] not in ("-", "_") or not suffix[1:].isdigit():
+        return None
+    return int(suffix[1:])
+

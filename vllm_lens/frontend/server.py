@@ -1,0 +1,188 @@
+"""Lens support in vLLM's OpenAI-compatible server (runs in: the API server process).
+
+Nothing to configure: when the plugin loads in a process that builds the API server, it
+
+- wraps ``/v1/completions`` and ``/v1/chat/completions``: lens keys in ``vllm_xargs`` are
+  validated *before* the request is scheduled (a bad one gets HTTP 400 naming the field, also
+  for ``stream: true``), and each choice of the response gets its own ``activations``;
+- with ``stream: true``, activations arrive in one extra chunk per choice, sent after the
+  choice's last token and before ``data: [DONE]`` (a chunk with empty text / delta, no
+  finish reason, and ``activations``);
+- with ``"activations_transport": "binary"`` a choice carries a handle instead of the tensors
+  (see ``vllm_lens.activations``); the bytes are served by ``GET /v1/lens/activations/{handle}``
+  and freed by ``DELETE`` on the same path or when they expire;
+- adds ``GET /v1/lens/stats`` (bytes waiting in the binary store and on each worker).
+
+All routes live under ``/v1``, so ``--api-key`` guards them like vLLM's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+from vllm_lens import envs, wire
+from vllm_lens._patching import wrap_attribute
+from vllm_lens.activations import ACTIVATIONS_PATH, activations_to_json, binary_descriptor
+from vllm_lens.errors import LensRequestError
+from vllm_lens.frontend.async_engine import model_facts
+from vllm_lens.frontend.blob_store import BlobStore
+from vllm_lens.frontend.response_scope import ResponseScope
+from vllm_lens.spec import LENS_KEYS, TRANSPORT_KEY, has_lens_keys, parse_extra_args
+
+__all__ = ["install", "store"]
+
+_DONE = "data: [DONE]\n\n"
+_store: BlobStore | None = None
+
+
+def store() -> BlobStore:
+    """This process's binary-transport store (created on first use from the environment)."""
+    global _store
+    if _store is None:
+        _store = BlobStore(envs.http_store_max_bytes(), envs.http_store_ttl_s())
+    return _store
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    """What differs between the completions and chat endpoints' streamed chunks."""
+
+    empty_choice: Mapping[str, Any]
+
+
+_COMPLETIONS = _Endpoint(empty_choice={"text": "", "logprobs": None})
+_CHAT = _Endpoint(empty_choice={"delta": {}, "logprobs": None})
+
+
+def install() -> None:
+    from vllm.entrypoints.launchers import app as app_module
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    wrap_attribute(OpenAIServingCompletion, "create_completion", _wrap_endpoint(_COMPLETIONS))
+    wrap_attribute(OpenAIServingChat, "create_chat_completion", _wrap_endpoint(_CHAT))
+    wrap_attribute(app_module, "register_api_routers", _wrap_register_api_routers)
+
+
+def _wrap_register_api_routers(original):
+    def register_api_routers(args: Any, app: Any, *rest: Any, **kwargs: Any) -> None:
+        original(args, app, *rest, **kwargs)
+        app.include_router(_router)
+
+    return register_api_routers
+
+
+def _wrap_endpoint(endpoint: _Endpoint):
+    def make(original):
+        async def serve(self: Any, request: Any, raw_request: Request | None = None) -> Any:
+            xargs = request.vllm_xargs
+            if not has_lens_keys(xargs):
+                return await original(self, request, raw_request)
+            try:
+                encode = await _validate(self.engine_client, xargs)
+            except LensRequestError as exc:
+                return self.create_error_response(str(exc), param=exc.field)
+            scope = ResponseScope()
+            with scope.active():
+                result = await original(self, request, raw_request)
+            if isinstance(result, ErrorResponse):
+                return result
+            n = request.n or 1
+            if hasattr(result, "choices"):
+                found = scope.by_choice(result.id, n)
+                for choice in result.choices:
+                    if (acts := found.get(choice.index)) is not None:
+                        choice.activations = await asyncio.to_thread(encode, acts)
+                return result
+            return _with_activation_chunks(result, scope, n, endpoint, encode)
+
+        return serve
+
+    return make
+
+
+async def _validate(engine: Any, xargs: Mapping[str, Any]) -> Callable[[Any], dict[str, Any]]:
+    """Check the lens keys as the engine will (raises LensRequestError); returns the encoder."""
+    limit = envs.max_request_bytes()
+    for key in LENS_KEYS:
+        value = xargs.get(key)
+        size = len(value) if isinstance(value, str) else len(json.dumps(value))
+        if size > limit:
+            raise LensRequestError(
+                key, f"is {size} bytes, above this server's limit of {limit} bytes "
+                "(VLLM_LENS_MAX_REQUEST_BYTES)")
+    facts = await model_facts(engine)
+    parse_extra_args(xargs, lambda: facts)
+    return _encode_binary if xargs.get(TRANSPORT_KEY) == "binary" else activations_to_json
+
+
+def _encode_binary(acts: Mapping[str, Any]) -> dict[str, Any]:
+    blob = wire.dumps(dict(acts))
+    return binary_descriptor(acts, store().put(blob), len(blob))
+
+
+async def _with_activation_chunks(
+    stream: AsyncGenerator[str, None], scope: ResponseScope, n: int, endpoint: _Endpoint,
+    encode: Callable[[Any], dict[str, Any]],
+) -> AsyncGenerator[str, None]:
+    """Pass the stream through, adding one activations chunk per choice before ``[DONE]``."""
+    header: dict[str, Any] | None = None
+    with scope.active():  # the engine requests start when this stream is first iterated
+        async for item in stream:
+            if header is None and item.startswith("data: {"):
+                header = _chunk_header(item)
+            if item == _DONE and header is not None:
+                for index, acts in sorted(scope.by_choice(header["id"], n).items()):
+                    choice = {"index": index, **endpoint.empty_choice, "finish_reason": None,
+                              "activations": await asyncio.to_thread(encode, acts)}
+                    yield f"data: {json.dumps({**header, 'choices': [choice]})}\n\n"
+            yield item
+
+
+def _chunk_header(item: str) -> dict[str, Any] | None:
+    chunk = json.loads(item.removeprefix("data: "))
+    if "id" not in chunk:  # an error event
+        return None
+    return {k: chunk[k] for k in ("id", "object", "created", "model") if k in chunk}
+
+
+_router = APIRouter()
+
+
+def _not_found(handle: str) -> JSONResponse:
+    err = create_error_response(
+        f"no activations under handle {handle!r}: it never existed, was deleted, or expired "
+        f"(handles live {envs.http_store_ttl_s():g} s; VLLM_LENS_HTTP_STORE_TTL_S)",
+        err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND, param="handle")
+    return JSONResponse(err.model_dump(), status_code=HTTPStatus.NOT_FOUND)
+
+
+@_router.get(ACTIVATIONS_PATH + "/{handle}")
+async def get_activations(handle: str) -> Response:
+    data = store().get(handle)
+    if data is None:
+        return _not_found(handle)
+    return Response(content=data, media_type="application/octet-stream")
+
+
+@_router.delete(ACTIVATIONS_PATH + "/{handle}")
+async def delete_activations(handle: str) -> Response:
+    if not store().delete(handle):
+        return _not_found(handle)
+    return JSONResponse({"deleted": handle})
+
+
+@_router.get("/v1/lens/stats")
+async def lens_stats(raw_request: Request) -> JSONResponse:
+    workers = await raw_request.app.state.engine_client.collective_rpc("lens_stats")
+    return JSONResponse({"store": store().stats(), "workers": workers})

@@ -18,6 +18,7 @@ public names are the helpers a user imports.
 
 from vllm_lens.errors import LensError, LensRequestError, UnsupportedModelError, WireError
 from vllm_lens.spec import CaptureSpec
+from vllm_lens.activations import decode_activations
 from vllm_lens.steering import SteeringVector
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "SteeringVector",
     "UnsupportedModelError",
     "WireError",
+    "decode_activations",
 ]

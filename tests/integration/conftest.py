@@ -32,3 +32,17 @@ def tiny_llm(tiny_path):
 @pytest.fixture(scope="session")
 def tiny_ref(tiny_path):
     return HFReference(tiny_path)
+
+
+#: The test server keeps binary handles briefly (the load test waits for their expiry) and
+#: caps lens values at 1 MiB (the oversize test sends more).
+SERVER_ENV = {"VLLM_LENS_HTTP_STORE_TTL_S": "20", "VLLM_LENS_MAX_REQUEST_BYTES": str(1 << 20)}
+
+
+@pytest.fixture(scope="session")
+def smol_server(smollm2_path):
+    """SmolLM2 behind vLLM's OpenAI server (compiled mode, like ``smol_llm``)."""
+    from tests.integration.server import running_server
+
+    with running_server(smollm2_path, env=SERVER_ENV) as server:
+        yield server

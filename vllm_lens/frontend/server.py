@@ -86,12 +86,14 @@ def _wrap_endpoint(endpoint: _Endpoint):
     def make(original):
         async def serve(self: Any, request: Any, raw_request: Request | None = None) -> Any:
             xargs = request.vllm_xargs
-            if not has_lens_keys(xargs):
+            if not xargs:
                 return await original(self, request, raw_request)
             try:
                 encode = await _validate(self.engine_client, xargs)
             except LensRequestError as exc:
                 return self.create_error_response(str(exc), param=exc.field)
+            if encode is None:
+                return await original(self, request, raw_request)
             scope = ResponseScope()
             with scope.active():
                 result = await original(self, request, raw_request)
@@ -111,8 +113,11 @@ def _wrap_endpoint(endpoint: _Endpoint):
     return make
 
 
-async def _validate(engine: Any, xargs: Mapping[str, Any]) -> Callable[[Any], dict[str, Any]]:
-    """Check the lens keys as the engine will (raises LensRequestError); returns the encoder."""
+async def _validate(
+    engine: Any, xargs: Mapping[str, Any]
+) -> Callable[[Any], dict[str, Any]] | None:
+    """Check ``vllm_xargs`` as the engine will (raises LensRequestError, also for misspelt lens
+    keys); returns the activations encoder, or ``None`` when no lens key is set."""
     limit = envs.max_request_bytes()
     for key in LENS_KEYS:
         value = xargs.get(key)
@@ -121,8 +126,10 @@ async def _validate(engine: Any, xargs: Mapping[str, Any]) -> Callable[[Any], di
             raise LensRequestError(
                 key, f"is {size} bytes, above this server's limit of {limit} bytes "
                 "(VLLM_LENS_MAX_REQUEST_BYTES)")
-    facts = await model_facts(engine)
-    parse_extra_args(xargs, lambda: facts)
+    facts = await model_facts(engine) if has_lens_keys(xargs) else None
+    _, lens = parse_extra_args(xargs, lambda: facts)
+    if lens is None:
+        return None
     return _encode_binary if xargs.get(TRANSPORT_KEY) == "binary" else activations_to_json
 
 

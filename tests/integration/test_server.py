@@ -1,0 +1,309 @@
+"""The OpenAI-compatible server: activations and steering over HTTP equal the offline engine's."""
+
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+import zstandard
+from vllm import SamplingParams
+
+from tests.integration.reference import max_relative_error
+from vllm_lens import SteeringVector, decode_activations
+from vllm_lens.client import AsyncLensClient, LensClient, LensHTTPError
+
+PROMPT = "The capital of France is"
+PROMPTS = [PROMPT, "Write one sentence about the ocean and a small boat:"]
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+LAYERS = [0, 11, 29]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def client(smol_server):
+    with LensClient(smol_server.base_url) as c:
+        yield c
+
+
+def _offline(llm, prompt_ids, spec, max_tokens=6, **extra):
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0,
+                        extra_args={"output_residual_stream": spec, **extra})
+    return llm.generate([{"prompt_token_ids": prompt_ids}], sp)[0]
+
+
+def _assert_same(http_acts, offline_acts):
+    assert http_acts["positions"].tolist() == offline_acts["positions"].tolist()
+    assert http_acts["residual_stream"].shape == offline_acts["residual_stream"].shape
+    assert max_relative_error(http_acts["residual_stream"], offline_acts["residual_stream"]) <= TOL
+
+
+def _final(results):
+    """The last streamed result of each choice."""
+    last = {}
+    for r in results:
+        last[r.index] = r
+    return [last[i] for i in sorted(last)]
+
+
+@pytest.mark.parametrize("transport", ["json", "binary"])
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_completion_activations_equal_offline(client, smol_llm, transport, stream):
+    spec = {"layers": LAYERS, "positions": "all"}
+    result = client.generate(PROMPT, max_tokens=6, capture=spec, stream=stream,
+                             transport=transport)
+    if stream:
+        (result,) = _final(list(result))
+    offline = _offline(smol_llm, result.prompt_token_ids or _ids(smol_llm, PROMPT), spec)
+    assert result.token_ids == list(offline.outputs[0].token_ids)
+    assert result.text == offline.outputs[0].text
+    _assert_same(result.activations, offline.activations)
+
+
+@pytest.mark.parametrize("transport", ["json", "binary"])
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_chat_activations_equal_offline(client, smol_llm, transport, stream):
+    result = client.chat(MESSAGES, max_tokens=6, capture_layers=LAYERS, stream=stream,
+                         transport=transport)
+    if stream:
+        (result,) = _final(list(result))
+    prompt_ids = smol_llm.get_tokenizer().apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    offline = _offline(smol_llm, prompt_ids, LAYERS)
+    assert result.token_ids == list(offline.outputs[0].token_ids)
+    _assert_same(result.activations, offline.activations)
+
+
+def _ids(llm, prompt):
+    return llm.get_tokenizer()(prompt)["input_ids"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["full", "stream"])
+def test_each_choice_gets_its_own_activations(client, smol_llm, stream):
+    """Two prompts x n=2 sampled choices: every choice's rows are its own sequence's."""
+    result = client.generate(PROMPTS, max_tokens=5, temperature=1.0, seed=7, n=2,
+                             capture_layers=[4, 20], stream=stream)
+    choices = _final(list(result)) if stream else result.choices
+    assert [c.index for c in choices] == [0, 1, 2, 3]
+    texts = set()
+    for c in choices:
+        prompt_ids = _ids(smol_llm, PROMPTS[c.index // 2])
+        sequence = prompt_ids + c.token_ids
+        # The whole sequence as a prompt gives, at each position, the same residual stream.
+        replay = _offline(smol_llm, sequence, [4, 20], max_tokens=1)
+        rows = len(sequence) - 1
+        got = c.activations["residual_stream"]
+        assert got.shape == (2, rows, 576)
+        assert max_relative_error(got, replay.activations["residual_stream"][:, :rows]) <= 1e-4
+        texts.add(tuple(sequence))
+    assert len(texts) == 4  # the choices really differ, so a mix-up would be caught
+
+
+def test_steering_over_http_equals_offline(client, smol_llm):
+    g = torch.Generator().manual_seed(0)
+    d = torch.randn(576, generator=g)
+    vectors = [SteeringVector(activations=(d / d.norm() * 60)[None], layer_indices=[10])]
+    prompt = "Tell me about your favourite animal."
+    http = client.generate(prompt, max_tokens=10, steering_vectors=vectors, ignore_eos=True)
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                        extra_args={"apply_steering_vectors": vectors})
+    offline = smol_llm.generate([prompt], sp)[0].outputs[0]
+    plain = client.generate(prompt, max_tokens=10, ignore_eos=True)
+    assert http.token_ids == list(offline.token_ids)
+    assert http.token_ids != plain.token_ids
+    # The wire-string form of one vector is accepted too.
+    wire_form = client.generate(prompt, max_tokens=10, steering_vectors=vectors[0].to_wire(),
+                                ignore_eos=True)
+    assert wire_form.token_ids == http.token_ids
+
+
+def test_openai_sdk_with_extra_body(smol_server, smol_llm):
+    """The README's recipe: the official SDK, extra_body, and decode_activations."""
+    sdk = openai.OpenAI(base_url=smol_server.base_url + "/v1", api_key="unused")
+    model = sdk.models.list().data[0].id
+    response = sdk.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, temperature=0,
+        extra_body={"vllm_xargs": {"output_residual_stream": "[0, 11, 29]"}})
+    acts = decode_activations(response.model_dump())
+    offline = _offline(smol_llm, _ids(smol_llm, PROMPT), LAYERS, max_tokens=4)
+    _assert_same(acts, offline.activations)
+
+
+def test_json_tensors_decode_with_numpy_and_zstandard_alone(smol_server):
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+            "vllm_xargs": {"output_residual_stream": [3]}}
+    data = httpx.post(smol_server.base_url + "/v1/completions", json=body, timeout=120).json()
+    record = data["choices"][0]["activations"]["residual_stream"]
+    raw = zstandard.ZstdDecompressor().decompress(base64.b64decode(record["data"]))
+    array = np.frombuffer(raw, dtype=record["dtype"]).reshape(record["shape"])
+    assert np.array_equal(array, decode_activations(data)["residual_stream"].numpy())
+
+
+def test_binary_handles_are_freed_and_unknown_ones_are_404(smol_server):
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+            "vllm_xargs": {"output_residual_stream": [3], "activations_transport": "binary"}}
+    base = smol_server.base_url
+    data = httpx.post(base + "/v1/completions", json=body, timeout=120).json()
+    desc = data["choices"][0]["activations"]
+    assert desc["transport"] == "binary" and len(desc["handle"]) >= 40
+    first = httpx.get(base + desc["url"])
+    assert first.status_code == 200
+    assert first.headers["content-type"] == "application/octet-stream"
+    assert httpx.get(base + desc["url"]).content == first.content  # reads are repeatable
+    assert httpx.delete(base + desc["url"]).status_code == 200
+    gone = httpx.get(base + desc["url"])
+    assert gone.status_code == 404 and "expired" in gone.json()["error"]["message"]
+    assert httpx.get(base + "/v1/lens/activations/not-a-handle").status_code == 404
+    with pytest.raises(ValueError, match="fetch the bytes"):
+        decode_activations(data)
+
+
+BAD_XARGS = [
+    ({"output_residual_stream": [30]}, "output_residual_stream[0]"),
+    ({"output_residual_stream": [-1]}, "output_residual_stream[0]"),
+    ({"output_residual_stream": "[]"}, "output_residual_stream"),
+    ({"output_residual_stream": "[1, "}, "output_residual_stream"),
+    ({"output_residual_stream": '{"layers": [1], "positions": "middle"}'},
+     "output_residual_stream.positions"),
+    ({"output_residual_stream": '{"layers": [1], "reduce": "max"}'}, "output_residual_stream.reduce"),
+    ({"output_residual_stream": '{"layers": [1], "positions": [5000]}'},
+     "output_residual_stream.positions[0]"),
+    ({"output_residual_stream": '{"layers": [1], "colour": 1}'}, "output_residual_stream.colour"),
+    ({"output_residual_streams": [1]}, "output_residual_streams"),
+    ({"apply_steering_vectors": "[{\"activations\": 1"}, "apply_steering_vectors"),
+    ({"apply_steering_vectors": "not-a-wire-string"}, "apply_steering_vectors[0]"),
+    ({"activations_transport": "carrier-pigeon"}, "activations_transport"),
+    ({"vllm_lens": "{}"}, "vllm_lens"),
+    ({"apply_steering_vectors": "x" * ((1 << 20) + 1)}, "apply_steering_vectors"),  # oversize
+]
+
+
+@pytest.mark.parametrize("xargs,field", BAD_XARGS, ids=[f for _, f in BAD_XARGS])
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_bad_lens_input_is_400_naming_the_field(smol_server, xargs, field, endpoint):
+    base = smol_server.base_url
+    content = {"prompt": PROMPT} if endpoint == "completions" else {"messages": MESSAGES}
+    for stream in (False, True):
+        r = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={
+            **content, "max_tokens": 2, "stream": stream, "vllm_xargs": xargs})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == field and field.split("[")[0] in error["message"]
+    ok = httpx.post(f"{base}/v1/{endpoint}", timeout=120, json={
+        **content, "max_tokens": 2, "vllm_xargs": {"output_residual_stream": [1]}})
+    assert ok.status_code == 200 and "activations" in ok.json()["choices"][0]
+
+
+def test_client_raises_the_server_error(client):
+    with pytest.raises(LensHTTPError) as info:
+        client.generate(PROMPT, capture_layers=[99])
+    assert info.value.status == 400 and info.value.param == "output_residual_stream[0]"
+
+
+def test_async_client_matches_sync_client(smol_server, client):
+    import asyncio
+
+    async def run():
+        async with AsyncLensClient(smol_server.base_url) as ac:
+            full = await ac.generate(PROMPT, max_tokens=4, capture_layers=[2], transport="binary")
+            parts = [r async for r in await ac.chat(MESSAGES, max_tokens=4, capture_layers=[2],
+                                                     stream=True)]
+            return full, parts
+
+    full, parts = asyncio.run(run())
+    sync_full = client.generate(PROMPT, max_tokens=4, capture_layers=[2])
+    assert full.token_ids == sync_full.token_ids
+    assert torch.equal(full.activations["residual_stream"],
+                       sync_full.activations["residual_stream"])
+    (last,) = _final(parts)
+    assert last.activations["residual_stream"].shape[:1] == (1,)
+    assert "".join(p.delta for p in parts) == last.text
+
+
+LOAD_PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):",
+                "The three primary colours are"]
+LOAD_KINDS = ["plain", "capture", "binary", "steer", "stream"]
+
+
+def _load_request(kind: str) -> dict:
+    if kind == "plain":
+        return {}
+    if kind == "steer":
+        d = torch.ones(576) / 24 * 40
+        return {"steering_vectors": [SteeringVector(activations=d[None], layer_indices=[8])]}
+    capture = {"capture": {"layers": [2, 17], "positions": "all"}}
+    if kind == "binary":
+        return {**capture, "transport": "binary"}
+    if kind == "stream":
+        return {**capture, "stream": True}
+    return capture
+
+
+async def _load_one(ac, prompt, kind):
+    result = await ac.generate(prompt, max_tokens=8, ignore_eos=True, **_load_request(kind))
+    if kind == "stream":
+        (result,) = _final([r async for r in result])
+    return result
+
+
+def _check_load_result(result, expected, kind):
+    assert result.token_ids == expected.token_ids, kind
+    assert len(result.token_ids) == 8 and result.finish_reason == "length"
+    if expected.activations is None:
+        assert result.activations is None
+        return
+    got, want = result.activations, expected.activations
+    assert got["positions"].tolist() == want["positions"].tolist()
+    assert max_relative_error(got["residual_stream"], want["residual_stream"]) <= 1e-4
+
+
+def test_load_200_concurrent_mixed_requests(smol_server):
+    """200 concurrent requests of every kind: each complete and equal to the same request sent
+    alone; afterwards the server's lens memory drains back to empty."""
+    import asyncio
+    import time
+
+    from tests.integration.conftest import SERVER_ENV
+    from tests.integration.server import rss_bytes
+
+    jobs = [(LOAD_PROMPTS[i % len(LOAD_PROMPTS)], LOAD_KINDS[i % len(LOAD_KINDS)])
+            for i in range(200)]
+
+    async def run():
+        async with AsyncLensClient(smol_server.base_url) as ac:
+            alone = {}
+            for prompt, kind in sorted(set(jobs)):
+                alone[prompt, kind] = await _load_one(ac, prompt, kind)
+            baseline = rss_bytes(smol_server.pid)
+        # Several clients: one httpx pool holds at most 100 connections.
+        clients = [AsyncLensClient(smol_server.base_url) for _ in range(4)]
+        try:
+            results = await asyncio.gather(*(
+                _load_one(clients[i % 4], prompt, kind) for i, (prompt, kind) in enumerate(jobs)))
+        finally:
+            for c in clients:
+                await c.aclose()
+        return alone, baseline, results
+
+    alone, baseline, results = asyncio.run(run())
+    for (prompt, kind), result in zip(jobs, results):
+        _check_load_result(result, alone[prompt, kind], kind)
+
+    # Handles nobody fetches stay until they expire.
+    base = smol_server.base_url
+    unfetched = [httpx.post(base + "/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": 4, "vllm_xargs": {
+            "output_residual_stream": "true", "activations_transport": "binary"}}).json()
+        for prompt in LOAD_PROMPTS]
+    assert httpx.get(base + "/v1/lens/stats").json()["store"]["entries"] == len(LOAD_PROMPTS)
+
+    time.sleep(float(SERVER_ENV["VLLM_LENS_HTTP_STORE_TTL_S"]) + 1)
+    stats = httpx.get(base + "/v1/lens/stats").json()
+    assert stats["store"] == {"entries": 0, "bytes": 0}
+    url = unfetched[0]["choices"][0]["activations"]["url"]
+    assert httpx.get(base + url).status_code == 404
+    assert all(w == {"entries": 0, "bytes": 0} for w in stats["workers"])
+    grown = rss_bytes(smol_server.pid) - baseline
+    print(f"API server RSS grew by {grown / 2**20:.0f} MiB over the load test")
+    assert grown < 200 << 20

@@ -1,0 +1,72 @@
+"""Engine-free parts of the HTTP path: the binary store, choice mapping, activation forms."""
+
+import time
+
+import pytest
+import torch
+
+from vllm_lens import WireError, decode_activations, wire
+from vllm_lens.activations import (
+    activations_to_json,
+    binary_descriptor,
+    decode_activation_bytes,
+)
+from vllm_lens.frontend.blob_store import BlobStore
+from vllm_lens.frontend.response_scope import ResponseScope
+
+
+def test_store_evicts_oldest_past_its_byte_budget():
+    store = BlobStore(max_bytes=10, ttl_s=60)
+    a, b = store.put(b"aaaa"), store.put(b"bbbb")
+    c = store.put(b"cccc")
+    assert store.get(a) is None and store.get(b) == b"bbbb" and store.get(c) == b"cccc"
+    assert store.stats() == {"entries": 2, "bytes": 8}
+    with pytest.raises(ValueError, match="VLLM_LENS_HTTP_STORE_MAX_BYTES"):
+        store.put(b"x" * 11)
+
+
+def test_store_entries_expire_and_handles_are_unguessable():
+    store = BlobStore(max_bytes=100, ttl_s=0.05)
+    handles = {store.put(b"x") for _ in range(50)}
+    assert len(handles) == 50 and min(len(h) for h in handles) >= 40
+    time.sleep(0.1)
+    assert store.stats() == {"entries": 0, "bytes": 0}
+    assert not store.delete(next(iter(handles)))
+
+
+def test_choices_map_to_prompt_and_completion():
+    scope = ResponseScope()
+    acts = {i: {"residual_stream": torch.full((1,), float(i))} for i in range(2)}
+    scope.found = {"cmpl-x-0": acts, "cmpl-x-1": acts, "cmpl-y-0": acts, "cmpl-x-1a": acts}
+    by_choice = scope.by_choice("cmpl-x", n=2)
+    assert sorted(by_choice) == [0, 1, 2, 3]
+    assert by_choice[3]["residual_stream"].item() == 1.0
+    scope.found = {"chatcmpl-z": acts}
+    assert sorted(scope.by_choice("chatcmpl-z", n=2)) == [0, 1]
+
+
+def test_decode_activations_takes_response_choice_or_dict():
+    acts = {"residual_stream": torch.randn(2, 3, 4).to(torch.bfloat16),
+            "positions": torch.arange(3)}
+    encoded = activations_to_json(acts)
+    choice = {"index": 0, "text": "hi", "activations": encoded}
+    for form in ({"choices": [choice]}, choice, encoded):
+        decoded = decode_activations(form)
+        assert torch.equal(decoded["residual_stream"], acts["residual_stream"])
+        assert torch.equal(decoded["positions"], acts["positions"])
+    two = decode_activations({"choices": [{**choice, "index": 1}, choice]})
+    assert isinstance(two, list) and len(two) == 2
+    assert decode_activations({"index": 0, "text": "no capture"}) is None
+
+
+def test_binary_descriptor_and_bytes_round_trip():
+    acts = {"residual_stream": torch.randn(1, 5, 8), "positions": torch.arange(5)}
+    blob = wire.dumps(acts)
+    desc = binary_descriptor(acts, "h" * 43, len(blob))
+    assert desc["url"].endswith("h" * 43) and desc["shapes"]["residual_stream"] == [1, 5, 8]
+    assert desc["dtype"] == "float32"
+    assert torch.equal(decode_activation_bytes(blob)["residual_stream"], acts["residual_stream"])
+    with pytest.raises(WireError, match="fetch the bytes"):
+        decode_activations(desc)
+    with pytest.raises(WireError):
+        decode_activation_bytes(b"\x00garbage")

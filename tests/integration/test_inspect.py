@@ -1,0 +1,105 @@
+"""The Inspect AI provider ``vllm-lens`` against a real server, with a real Inspect eval."""
+
+import json
+import zipfile
+
+import pytest
+import torch
+from inspect_ai import Task, eval
+from inspect_ai.dataset import Sample
+from inspect_ai.model import ChatMessageUser, GenerateConfig, get_model
+from inspect_ai.scorer import Score, Target, mean, scorer
+from inspect_ai.solver import TaskState, generate
+from vllm import SamplingParams
+
+from tests.integration.reference import max_relative_error
+from vllm_lens import SteeringVector
+from vllm_lens.client import LensHTTPError
+
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+LAYERS = [0, 11, 29]
+
+
+@pytest.fixture(scope="module")
+def model(smol_server, smollm2_path):
+    return get_model(f"vllm-lens/{smollm2_path}", base_url=smol_server.base_url + "/v1",
+                     api_key="unused")
+
+
+def _generate(model, extra_args, max_tokens=6):
+    import asyncio
+
+    config = GenerateConfig(temperature=0, max_tokens=max_tokens,
+                            extra_body={"extra_args": extra_args})
+    return asyncio.run(model.generate([ChatMessageUser(content=MESSAGES[0]["content"])],
+                                      config=config))
+
+
+def test_activations_through_inspect_equal_offline(model, smol_llm):
+    output = _generate(model, {"output_residual_stream": LAYERS})
+    acts = output.metadata["activations"]
+    offline = smol_llm.chat(MESSAGES, SamplingParams(
+        max_tokens=6, temperature=0, extra_args={"output_residual_stream": LAYERS}))[0]
+    assert acts["prompt_token_ids"] == list(offline.prompt_token_ids)
+    assert acts["completion_token_ids"] == list(offline.outputs[0].token_ids)
+    assert output.completion == offline.outputs[0].text
+    assert acts["positions"].tolist() == offline.activations["positions"].tolist()
+    assert max_relative_error(acts["residual_stream"],
+                              offline.activations["residual_stream"]) <= 1e-5
+
+
+def test_steering_through_inspect_equals_offline(model, smol_llm):
+    d = torch.randn(576, generator=torch.Generator().manual_seed(3))
+    vectors = [SteeringVector(activations=(d / d.norm() * 50)[None], layer_indices=[9])]
+    steered = _generate(model, {"apply_steering_vectors": vectors}, max_tokens=10)
+    offline = smol_llm.chat(MESSAGES, SamplingParams(
+        max_tokens=10, temperature=0, extra_args={"apply_steering_vectors": vectors}))[0]
+    plain = _generate(model, {}, max_tokens=10)
+    assert steered.completion == offline.outputs[0].text
+    assert steered.completion != plain.completion
+
+
+def test_bad_lens_input_is_a_clear_error_not_a_retry(model):
+    with pytest.raises(LensHTTPError, match=r"output_residual_stream\[0\]"):
+        _generate(model, {"output_residual_stream": [99]})
+
+
+@scorer(metrics=[mean()])
+def probe_scorer(direction: torch.Tensor):
+    """Scores each sample by its mean last-layer activation projected on ``direction``."""
+
+    async def score(state: TaskState, target: Target) -> Score:
+        acts = state.output.metadata["activations"]["residual_stream"]  # [1, hidden] (mean)
+        return Score(value=float(acts[0] @ direction), explanation=str(list(acts.shape)))
+
+    return score
+
+
+def test_inspect_eval_scores_every_sample_and_logs_no_tensors(smol_server, smollm2_path,
+                                                              tmp_path):
+    samples = [Sample(input=text, target="") for text in
+               ["I love sunny days.", "This is terrible news.", "What a wonderful gift!",
+                "I feel sad and tired."]]
+    direction = torch.randn(576, generator=torch.Generator().manual_seed(0))
+    capture = {"output_residual_stream": {"layers": [20], "positions": "prompt",
+                                          "reduce": "mean"}}
+    task = Task(dataset=samples, solver=generate(), scorer=probe_scorer(direction),
+                config=GenerateConfig(max_tokens=4, temperature=0,
+                                      extra_body={"extra_args": capture}))
+    (log,) = eval(task, model=f"vllm-lens/{smollm2_path}", log_dir=str(tmp_path),
+                  model_args={"base_url": smol_server.base_url + "/v1", "api_key": "unused"},
+                  display="none")
+    assert log.status == "success", log.error
+    assert len(log.samples) == len(samples)
+    for sample in log.samples:
+        (score,) = sample.scores.values()
+        assert isinstance(score.value, float) and score.explanation == "[1, 576]"
+    # The eval log holds no tensor data: no base64 records, and it stays small.
+    (path,) = tmp_path.glob("*.eval")
+    with zipfile.ZipFile(path) as archive:
+        text = "".join(archive.read(n).decode("utf-8", "replace") for n in archive.namelist()
+                       if n.endswith(".json"))
+    assert '"<omitted>"' in text  # the logged model calls kept only a summary
+    assert '"compression": "zstd"' not in text and '"compression":"zstd"' not in text
+    assert path.stat().st_size < 200_000
+    json.loads(json.dumps(log.results.model_dump()))  # results serialise cleanly

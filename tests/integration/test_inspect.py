@@ -60,8 +60,15 @@ def test_steering_through_inspect_equals_offline(model, smol_llm):
 
 
 def test_bad_lens_input_is_a_clear_error_not_a_retry(model):
-    with pytest.raises(LensHTTPError, match=r"output_residual_stream\[0\]"):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(Exception, match=r"layer index 99 is out of range") as info:
         _generate(model, {"output_residual_stream": [99]})
+    causes = [info.value, info.value.__cause__, info.value.__context__]
+    assert any(isinstance(c, LensHTTPError) and c.param == "output_residual_stream[0]"
+               for c in causes)
+    assert time.monotonic() - start < 30  # failed at once, no retry loop
 
 
 @scorer(metrics=[mean()])
@@ -87,7 +94,7 @@ def test_inspect_eval_scores_every_sample_and_logs_no_tensors(smol_server, smoll
                 config=GenerateConfig(max_tokens=4, temperature=0,
                                       extra_body={"extra_args": capture}))
     (log,) = eval(task, model=f"vllm-lens/{smollm2_path}", log_dir=str(tmp_path),
-                  model_args={"base_url": smol_server.base_url + "/v1", "api_key": "unused"},
+                  model_base_url=smol_server.base_url + "/v1", model_args={"api_key": "unused"},
                   display="none")
     assert log.status == "success", log.error
     assert len(log.samples) == len(samples)
@@ -103,3 +110,37 @@ def test_inspect_eval_scores_every_sample_and_logs_no_tensors(smol_server, smoll
     assert '"compression": "zstd"' not in text and '"compression":"zstd"' not in text
     assert path.stat().st_size < 200_000
     json.loads(json.dumps(log.results.model_dump()))  # results serialise cleanly
+
+
+def _api_server_pids(model_path: str) -> list[int]:
+    import os
+
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in cmd and model_path.encode() in cmd:
+            pids.append(int(pid))
+    return pids
+
+
+def test_provider_starts_and_stops_its_own_server(tiny_path, tmp_path):
+    """Without base_url the provider starts the server itself (model args become server
+    flags); closing the model stops it (Inspect also stops it at interpreter exit)."""
+    capture = {"output_residual_stream": {"layers": [1], "positions": "last_prompt"}}
+    task = Task(dataset=[Sample(input="Hello there", target="")], solver=generate(),
+                config=GenerateConfig(max_tokens=3, temperature=0,
+                                      extra_body={"extra_args": capture}))
+    server_args = {"enforce_eager": True, "dtype": "float32", "max_model_len": 512,
+                   "kv_cache_memory_bytes": 64 << 20, "timeout": 600}
+    with get_model(f"vllm-lens/{tiny_path}", **server_args) as model:
+        (log,) = eval(task, model=model, display="none", log_dir=str(tmp_path))
+        assert log.status == "success", log.error
+        assert len(_api_server_pids(tiny_path)) == 1
+        assert model.api.server_is_running
+    (sample,) = log.samples
+    assert sample.output.completion
+    assert _api_server_pids(tiny_path) == []

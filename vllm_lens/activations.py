@@ -31,6 +31,8 @@ from vllm_lens.errors import WireError
 
 __all__ = [
     "activations_to_json",
+    "decode_json_tensors",
+    "hook_results_to_json",
     "binary_descriptor",
     "decode_activation_bytes",
     "decode_activations",
@@ -44,6 +46,32 @@ def activations_to_json(acts: Mapping[str, Any]) -> dict[str, Any]:
     """The json form of one choice's activations."""
     return {k: wire.tensor_to_json(v) if isinstance(v, torch.Tensor) else v
             for k, v in acts.items()}
+
+
+def hook_results_to_json(value: Any) -> Any:
+    """Hook results as JSON: tensors as records, containers recursively; anything else that
+    JSON cannot carry becomes its ``repr`` (the server never sends pickles)."""
+    if isinstance(value, torch.Tensor):
+        return wire.tensor_to_json(value)
+    if isinstance(value, dict):
+        return {str(k): hook_results_to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [hook_results_to_json(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return repr(value)
+
+
+def decode_json_tensors(value: Any) -> Any:
+    """Inverse of :func:`hook_results_to_json` for what it can invert: tensor records back to
+    tensors, containers recursively."""
+    if _is_tensor_record(value):
+        return wire.tensor_from_json(value)
+    if isinstance(value, dict):
+        return {k: decode_json_tensors(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode_json_tensors(v) for v in value]
+    return value
 
 
 def binary_descriptor(acts: Mapping[str, Any], handle: str, nbytes: int) -> dict[str, Any]:

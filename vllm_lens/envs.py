@@ -10,6 +10,11 @@
 - ``VLLM_LENS_HTTP_STORE_TTL_S``: seconds a binary-transport handle stays readable (default 300).
 - ``VLLM_LENS_MAX_REQUEST_BYTES``: largest lens value (e.g. steering vectors) the OpenAI server
   accepts in one request's ``vllm_xargs`` (default 64 MiB); larger ones get HTTP 400.
+- ``VLLM_LENS_ALLOW_PICKLED_HOOKS``: ``1`` lets requests carry pickled ``Hook`` functions,
+  i.e. lets anyone who can reach the server run arbitrary code on it. Off by default; named
+  hooks (entry-point group ``vllm_lens.hooks``) need no opt-in.
+- ``VLLM_LENS_HOOK_RESULTS_MAX``: results of persistent hooks kept per worker, in requests
+  (default 10000); past it the oldest requests' results are dropped.
 """
 
 from __future__ import annotations
@@ -17,13 +22,26 @@ from __future__ import annotations
 import os
 
 __all__ = [
-    "disabled", "finished_ttl_s", "http_store_max_bytes", "http_store_ttl_s",
+    "allow_pickled_hooks", "disabled", "finished_ttl_s", "hook_results_max",
+    "http_store_max_bytes", "http_store_ttl_s",
     "max_request_bytes", "worker_max_bytes",
 ]
 
 
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 def disabled() -> bool:
-    return os.environ.get("VLLM_LENS_DISABLE", "0").strip().lower() in ("1", "true", "yes", "on")
+    return _flag("VLLM_LENS_DISABLE")
+
+
+def allow_pickled_hooks() -> bool:
+    return _flag("VLLM_LENS_ALLOW_PICKLED_HOOKS")
+
+
+def hook_results_max() -> int:
+    return int(os.environ.get("VLLM_LENS_HOOK_RESULTS_MAX", "10000"))
 
 
 def worker_max_bytes() -> int:

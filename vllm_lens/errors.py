@@ -4,7 +4,8 @@ Split by who is to blame, like vLLM's own ``vllm/exceptions.py``::
 
     LensError                      base of everything vllm-lens raises
     ├── LensRequestError(ValueError)   the caller sent a bad lens request (HTTP 400)
-    │   └── UnsupportedModelError      the model's layers could not be mapped
+    │   ├── UnsupportedModelError      the model's layers could not be mapped
+    │   └── RemoteCodeRefusedError     a pickled hook without the operator's opt-in (HTTP 403)
     └── WireError(ValueError)          bytes that do not decode as a vllm-lens payload
 
 ``LensRequestError`` subclasses ``ValueError`` so that offline callers get the ``ValueError``
@@ -13,7 +14,10 @@ they expect and vLLM's OpenAI server turns it into a 400 response.
 
 from __future__ import annotations
 
-__all__ = ["LensError", "LensRequestError", "UnsupportedModelError", "WireError"]
+__all__ = [
+    "LensError", "LensRequestError", "RemoteCodeRefusedError", "UnsupportedModelError",
+    "WireError",
+]
 
 
 class LensError(Exception):
@@ -38,6 +42,10 @@ class LensRequestError(LensError, ValueError):
 
 class UnsupportedModelError(LensRequestError):
     """Lens features were asked for on a model whose decoder layers vllm-lens cannot find."""
+
+
+class RemoteCodeRefusedError(LensRequestError):
+    """A request carried pickled code (a ``Hook``) and the operator has not allowed that."""
 
 
 class WireError(LensError, ValueError):

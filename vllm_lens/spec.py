@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_lens import wire
-from vllm_lens.errors import LensRequestError, UnsupportedModelError
+from vllm_lens import envs, wire
+from vllm_lens.errors import LensRequestError, RemoteCodeRefusedError, UnsupportedModelError
 
 __all__ = [
     "CAPTURE_KEY",
@@ -31,6 +31,8 @@ __all__ = [
     "POSITION_SELECTORS",
     "REDUCTIONS",
     "CaptureSpec",
+    "HOOKS_KEY",
+    "HookSpec",
     "LensRequest",
     "ModelFacts",
     "has_lens_keys",
@@ -44,7 +46,8 @@ STEER_KEY = "apply_steering_vectors"
 TRANSPORT_KEY = "activations_transport"
 TRANSPORTS = ("json", "binary")
 #: Every key vllm-lens reads from ``extra_args``; near-misses of these are reported as typos.
-LENS_KEYS = (CAPTURE_KEY, STEER_KEY, "apply_hooks", TRANSPORT_KEY)
+HOOKS_KEY = "apply_hooks"
+LENS_KEYS = (CAPTURE_KEY, STEER_KEY, HOOKS_KEY, TRANSPORT_KEY)
 #: The reserved ``extra_args`` entry that carries the validated spec to the workers.
 PAYLOAD_KEY = "vllm_lens"
 PAYLOAD_VERSION = 1
@@ -115,6 +118,30 @@ class SteerSpec:
 
 
 @dataclass(frozen=True)
+class HookSpec:
+    """One validated hook, in the form that travels to the workers."""
+
+    layers: tuple[int, ...]
+    pre: bool
+    pickled: bytes | None = None
+    """``cloudpickle`` of a ``Hook`` (offline, or over HTTP with the operator's opt-in)."""
+    name: str | None = None
+    """A named hook (entry-point group ``vllm_lens.hooks``) and its JSON arguments."""
+    args: str = "{}"
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "pre": self.pre, "pickled": self.pickled,
+                "name": self.name, "args": self.args}
+
+    @classmethod
+    def from_payload(cls, d: Mapping[str, Any]) -> HookSpec:
+        pickled = d.get("pickled")
+        return cls(layers=tuple(int(x) for x in d["layers"]), pre=bool(d["pre"]),
+                   pickled=None if pickled is None else bytes(pickled), name=d.get("name"),
+                   args=str(d.get("args", "{}")))
+
+
+@dataclass(frozen=True)
 class LensRequest:
     """The validated lens part of one request, as carried in ``extra_args[PAYLOAD_KEY]``."""
 
@@ -122,6 +149,12 @@ class LensRequest:
     """Unique per request: names its buffers on the workers."""
     capture: CaptureSpec | None = None
     steer: tuple[SteerSpec, ...] = ()
+    hooks: tuple[HookSpec, ...] = ()
+
+    @property
+    def needs_fetch(self) -> bool:
+        """Whether the workers hold something for this request when it finishes."""
+        return self.capture is not None or bool(self.hooks)
 
     @property
     def cache_salt(self) -> str | None:
@@ -131,6 +164,9 @@ class LensRequest:
         so every steered request is salted (also when it steers generated positions only:
         their blocks could otherwise be reused by a prompt that repeats them).
         """
+        if self.hooks:
+            # A hook may change the stream in ways no digest can name: never share blocks.
+            return f"vllm-lens:hooks:{self.key}"
         if not self.steer:
             return None
         digest = hashlib.sha256()
@@ -143,7 +179,10 @@ class LensRequest:
         payload: dict[str, Any] = {"v": PAYLOAD_VERSION, "key": self.key}
         if self.steer:
             payload["steer"] = [s.to_payload() for s in self.steer]
+        if self.cache_salt is not None:
             payload["salt"] = self.cache_salt
+        if self.hooks:
+            payload["hooks"] = [h.to_payload() for h in self.hooks]
         if self.capture is not None:
             c = self.capture
             payload["capture"] = {
@@ -167,7 +206,8 @@ class LensRequest:
                 reduce=c["reduce"],
             )
         steer = tuple(SteerSpec.from_payload(d) for d in payload.get("steer", ()))
-        return cls(key=str(payload["key"]), capture=capture, steer=steer)
+        hooks = tuple(HookSpec.from_payload(d) for d in payload.get("hooks", ()))
+        return cls(key=str(payload["key"]), capture=capture, steer=steer, hooks=hooks)
 
 
 def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
@@ -203,14 +243,12 @@ def parse_extra_args(
     if transport is not None and transport not in TRANSPORTS:
         raise LensRequestError(TRANSPORT_KEY, f"unknown transport {transport!r}; use 'json' or "
                                "'binary'", request_id=request_id)
-    if rest.get("apply_hooks") is not None:
-        raise LensRequestError("apply_hooks", "not supported by this version of vllm-lens",
-                               request_id=request_id)
     raw_capture = rest.pop(CAPTURE_KEY, None)
     raw_steer = rest.pop(STEER_KEY, None)
+    raw_hooks = rest.pop(HOOKS_KEY, None)
     if raw_capture is False:
         raw_capture = None
-    if raw_capture is None and raw_steer is None:
+    if raw_capture is None and raw_steer is None and raw_hooks is None:
         return rest, None
     facts = facts()
     if not facts.mapped:
@@ -222,7 +260,8 @@ def parse_extra_args(
         )
     capture = None if raw_capture is None else _parse_capture(raw_capture, facts, request_id)
     steer = () if raw_steer is None else _parse_steering(raw_steer, facts, request_id)
-    return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer)
+    hooks = () if raw_hooks is None else parse_hooks(raw_hooks, facts, request_id)
+    return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks)
 
 
 def _parse_capture(raw: Any, facts: ModelFacts, request_id: str | None) -> CaptureSpec:
@@ -378,3 +417,85 @@ def _check_against_model(sv: Any, facts: ModelFacts, where: str,
         layers=tuple(sv.layer_indices), vectors=wire.dumps(sv.activations), scale=sv.scale,
         norm_match=sv.norm_match, positions=None if positions is None else tuple(positions),
     )
+
+
+def parse_hooks(raw: Any, facts: ModelFacts, request_id: str | None = None) -> tuple[HookSpec, ...]:
+    """Validate ``apply_hooks`` (also the hooks of ``register_hooks``).
+
+    Items: live ``Hook`` / ``NamedHook`` objects, or their JSON forms (``hook_to_json``): a
+    named hook's fields, or ``{"pickle": base64}`` — refused with ``RemoteCodeRefusedError``
+    unless the operator set ``VLLM_LENS_ALLOW_PICKLED_HOOKS=1``.
+    """
+    from vllm_lens.hooks import Hook, NamedHook
+
+    field = HOOKS_KEY
+    raw = _json_value(raw, field, request_id)
+    if isinstance(raw, (Hook, NamedHook, Mapping)):
+        raw = [raw]
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise LensRequestError(field, "expected a non-empty list of Hook or NamedHook objects "
+                               "(or their JSON forms)", request_id=request_id)
+    return tuple(_parse_hook(item, facts, f"{field}[{i}]", request_id)
+                 for i, item in enumerate(raw))
+
+
+def _json_value(raw: Any, field: str, request_id: str | None) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise LensRequestError(field, f"not valid JSON ({exc.msg})", request_id=request_id) from None
+
+
+def _parse_hook(item: Any, facts: ModelFacts, where: str, request_id: str | None) -> HookSpec:
+    import base64
+
+    import cloudpickle
+
+    from vllm_lens import named_hooks
+    from vllm_lens.hooks import Hook, NamedHook
+
+    if isinstance(item, Mapping) and "pickle" in item:
+        if not envs.allow_pickled_hooks():
+            raise RemoteCodeRefusedError(
+                where, "pickled hooks are code and this server does not run code sent by "
+                "clients; use a named hook (vllm_lens.hooks entry points), or the operator may "
+                "start the server with VLLM_LENS_ALLOW_PICKLED_HOOKS=1 (lets every client run "
+                "arbitrary code on it)", request_id=request_id)
+        try:
+            item = cloudpickle.loads(base64.b64decode(item["pickle"], validate=True))
+        except Exception as exc:  # unpickling runs arbitrary code: report whatever it raised
+            raise LensRequestError(where, f"cannot unpickle the hook: {exc!r}",
+                                   request_id=request_id) from None
+    if isinstance(item, Mapping):
+        unknown = set(item) - {"name", "layer_indices", "args", "pre"}
+        if unknown or "name" not in item or "layer_indices" not in item:
+            raise LensRequestError(where, "a named hook needs name and layer_indices (and "
+                                   "optional args, pre) only", request_id=request_id)
+        item = NamedHook(name=item["name"], layer_indices=item["layer_indices"],
+                         args=item.get("args") or {}, pre=item.get("pre", False))
+    if not isinstance(item, (Hook, NamedHook)):
+        raise LensRequestError(where, f"expected a Hook or NamedHook, got {type(item).__name__}",
+                               request_id=request_id)
+    if not isinstance(item.layer_indices, (list, tuple)) or not item.layer_indices:
+        raise LensRequestError(f"{where}.layer_indices", "expected a non-empty list of layers",
+                               request_id=request_id)
+    layers = _sorted_indices(item.layer_indices, f"{where}.layer_indices", _layer_rule(facts),
+                             request_id)
+    if not isinstance(item.pre, bool):
+        raise LensRequestError(f"{where}.pre", "expected true or false", request_id=request_id)
+    if isinstance(item, Hook):
+        if not callable(item.fn):
+            raise LensRequestError(f"{where}.fn", "is not callable", request_id=request_id)
+        return HookSpec(layers=layers, pre=item.pre, pickled=cloudpickle.dumps(item.fn))
+    if not isinstance(item.args, Mapping):
+        raise LensRequestError(f"{where}.args", "expected a JSON object", request_id=request_id)
+    try:
+        named_hooks.load(str(item.name))(item.args)
+    except KeyError as exc:
+        raise LensRequestError(f"{where}.name", exc.args[0], request_id=request_id) from None
+    except (ValueError, TypeError) as exc:
+        raise LensRequestError(f"{where}.args", str(exc), request_id=request_id) from None
+    return HookSpec(layers=layers, pre=item.pre, name=str(item.name),
+                    args=json.dumps(dict(item.args)))

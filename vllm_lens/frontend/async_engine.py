@@ -69,7 +69,7 @@ def _wrap_generate(original):
                     generated[c.index] = earlier + len(c.token_ids)
                 if out.finished:
                     session.forget([request_id])
-                if out.finished and lens.capture is not None:
+                if out.finished and lens.needs_fetch:
                     args_ = session.fetch_args(
                         lens, len(out.prompt_token_ids or ()), generated, engine_params.n
                     )
@@ -77,6 +77,11 @@ def _wrap_generate(original):
                         "lens_fetch", args=session.fetch_rpc_args([args_]))
                     by_index = session.attach(out, lens, results, engine_params.n)
                     response_scope.report(request_id, by_index)
+                    failed = next((f["hook_error"] for f in by_index.values()
+                                   if f.get("hook_error") is not None), None)
+                    if failed is not None:
+                        completed = True  # its buffers are gone; nothing to release
+                        raise failed
                 completed = out.finished
                 yield out
         finally:

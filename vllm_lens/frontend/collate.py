@@ -17,9 +17,11 @@ from vllm import SamplingParams
 from vllm.outputs import RequestOutput
 
 from vllm_lens import handoff, wire
+from vllm_lens.hooks import HookError
 from vllm_lens.spec import PAYLOAD_KEY, LensRequest, ModelFacts, has_lens_keys, parse_extra_args
+from vllm_lens.worker.hooks import decode_results
 
-__all__ = ["LensSession", "facts_from_describe", "merge_rank_payloads"]
+__all__ = ["LensSession", "facts_from_describe", "merge_hook_results", "merge_rank_payloads"]
 
 _SESSION_ATTR = "_vllm_lens_session"
 
@@ -43,6 +45,29 @@ def merge_rank_payloads(blobs: Sequence[bytes]) -> dict[str, torch.Tensor]:
     streams = [p["residual_stream"] for p in parts]
     stream = streams[0] if len(streams) == 1 else torch.cat(streams)
     return {"residual_stream": stream, "positions": parts[0]["positions"]}
+
+
+def merge_hook_results(
+    stages: Sequence[Mapping[str, Any]],
+) -> tuple[dict[str, Any] | None, HookError | None]:
+    """Merge one request's hook results from its pipeline stages (each reported by its TP rank
+    0, so nothing is duplicated): per hook, the ``saved`` dicts are united, and dict values
+    (e.g. per-layer entries) are united one level down. Returns (results, first error)."""
+    merged: dict[str, dict[str, Any]] = {}
+    error = None
+    for stage in stages:
+        if stage.get("error") and error is None:
+            error = HookError(stage["error"]["message"], stage["error"]["traceback"])
+        for index, saved in stage.get("results", {}).items():
+            into = merged.setdefault(index, {})
+            for name, value in saved.items():
+                if isinstance(value, dict) and isinstance(into.get(name), dict):
+                    into[name] = {**into[name], **value}
+                else:
+                    into[name] = value
+    if error is not None:
+        return None, error
+    return merged, None
 
 
 class LensSession:
@@ -81,7 +106,7 @@ class LensSession:
             return params, None
         engine_params = params.clone()
         engine_params.extra_args = {**rest, PAYLOAD_KEY: lens.to_payload()}
-        if lens.capture is not None and lens.capture.wants_prompt_rows():
+        if lens.hooks or (lens.capture is not None and lens.capture.wants_prompt_rows()):
             # Prompt tokens served from the prefix cache never run through the layers.
             engine_params.skip_reading_prefix_cache = True
         self.in_flight[request_id] = lens
@@ -112,29 +137,42 @@ class LensSession:
         self,
         output: RequestOutput,
         lens: LensRequest,
-        rank_results: Sequence[Mapping[str, Mapping[str, handoff.Handoff]]],
+        rank_results: Sequence[Mapping[str, Mapping[str, Mapping[str, Any]]]],
         n: int,
-    ) -> dict[int, dict[str, torch.Tensor]]:
-        """Attach ``activations`` to ``output`` (n == 1) and to each of its completions.
+    ) -> dict[int, dict[str, Any]]:
+        """Attach ``activations`` / ``hook_results`` / ``hook_error`` to ``output`` (n == 1)
+        and to each of its completions.
 
-        Returns the activations of all ``n`` completions by index: a streamed (DELTA) final
-        output holds only the completions that changed in its step, not all of them.
+        Returns what was attached for all ``n`` completions, by index: a streamed (DELTA)
+        final output holds only the completions that changed in its step, not all of them.
         """
-        assert lens.capture is not None
-        by_req: dict[str, list[bytes]] = {}
+        captures: dict[str, list[bytes]] = {}
+        hooks: dict[str, list[dict[str, Any]]] = {}
+        trusted = all(h.pickled is not None for h in lens.hooks)
         for result in rank_results:
-            for req_id, sent in (result or {}).get(lens.key, {}).items():
-                by_req.setdefault(req_id, []).append(handoff.receive(sent))
-        merged = {req_id: merge_rank_payloads(blobs) for req_id, blobs in by_req.items()}
-        by_index = {}
+            for req_id, parts in (result or {}).get(lens.key, {}).items():
+                if parts.get("capture") is not None:
+                    captures.setdefault(req_id, []).append(handoff.receive(parts["capture"]))
+                if parts.get("hooks") is not None:
+                    hooks.setdefault(req_id, []).append(decode_results(parts["hooks"], trusted))
+        by_index: dict[int, dict[str, Any]] = {}
         for index in range(n):
             prefix = "" if n == 1 else f"{index}_"
-            found = next((v for k, v in merged.items() if k.startswith(prefix)), None)
-            by_index[index] = found if found is not None else self._empty(lens)
+            found: dict[str, Any] = {}
+            if lens.capture is not None:
+                blobs = next((v for k, v in captures.items() if k.startswith(prefix)), None)
+                found["activations"] = (merge_rank_payloads(blobs) if blobs is not None
+                                        else self._empty(lens))
+            if lens.hooks:
+                stages = next((v for k, v in hooks.items() if k.startswith(prefix)), [])
+                found["hook_results"], found["hook_error"] = merge_hook_results(stages)
+            by_index[index] = found
         for completion in output.outputs:
-            completion.activations = by_index[completion.index]
+            for name, value in by_index[completion.index].items():
+                setattr(completion, name, value)
         if n == 1:
-            output.activations = by_index[0]
+            for name, value in by_index[0].items():
+                setattr(output, name, value)
         return by_index
 
     def _empty(self, lens: LensRequest) -> dict[str, torch.Tensor]:

@@ -57,7 +57,7 @@ def _wrap_step(original):
             return outputs
         lenses = [session.in_flight[o.request_id] for o in done]
         session.forget([o.request_id for o in done])
-        captured = [(o, lens) for o, lens in zip(done, lenses) if lens.capture is not None]
+        captured = [(o, lens) for o, lens in zip(done, lenses) if lens.needs_fetch]
         if not captured:
             return outputs
         args = [

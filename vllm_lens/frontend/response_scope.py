@@ -1,9 +1,10 @@
-"""Which activations belong to which choice of one HTTP response (runs in: API server).
+"""Which lens results (activations, hook results) belong to which choice of one HTTP response
+(runs in: API server).
 
 vLLM's serving classes turn ``RequestOutput`` objects into OpenAI responses deep inside their
 own code, and a completions request with several prompts runs one engine request per prompt.
 Rather than re-implement those classes, the server wrapper opens a ``ResponseScope`` around one
-HTTP request; the ``AsyncLLM.generate`` wrapper, which attaches activations to each finished
+HTTP request; the ``AsyncLLM.generate`` wrapper, which attaches lens results to each finished
 output, also reports them to the scope that is current in its context (``contextvars`` follow
 the tasks vLLM spawns). The wrapper then places them on the response's choices.
 
@@ -17,17 +18,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
-import torch
+from typing import Any
 
 __all__ = ["ResponseScope", "report"]
 
-Activations = Mapping[str, torch.Tensor]
+#: What ``LensSession.attach`` found for one completion: ``activations``, ``hook_results``.
+Results = Mapping[str, Any]
 
 _current: ContextVar[ResponseScope | None] = ContextVar("vllm_lens_response_scope", default=None)
 
 
-def report(request_id: str, by_index: Mapping[int, Activations]) -> None:
-    """Record a finished request's activations (completion index -> dict) in the current
+def report(request_id: str, by_index: Mapping[int, Results]) -> None:
+    """Record a finished request's lens results (completion index -> dict) in the current
     scope, if any."""
     scope = _current.get()
     if scope is not None:
@@ -35,11 +37,11 @@ def report(request_id: str, by_index: Mapping[int, Activations]) -> None:
 
 
 class ResponseScope:
-    """The activations reported while one HTTP request was being served."""
+    """The lens results reported while one HTTP request was being served."""
 
     def __init__(self) -> None:
-        self.found: dict[str, dict[int, Activations]] = {}
-        """Engine request id -> completion index -> activations."""
+        self.found: dict[str, dict[int, Results]] = {}
+        """Engine request id -> completion index -> results."""
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -51,9 +53,9 @@ class ResponseScope:
             with contextlib.suppress(ValueError):  # reset from another context (a stream)
                 _current.reset(token)
 
-    def by_choice(self, response_id: str, n: int) -> dict[int, Activations]:
-        """Map the response's choice indices to their activations (``n`` choices per prompt)."""
-        choices: dict[int, Activations] = {}
+    def by_choice(self, response_id: str, n: int) -> dict[int, Results]:
+        """Map the response's choice indices to their results (``n`` choices per prompt)."""
+        choices: dict[int, Results] = {}
         for request_id, per_completion in self.found.items():
             prompt = _prompt_index(response_id, request_id)
             if prompt is None:

@@ -32,7 +32,12 @@ from vllm.entrypoints.serve.exception_handling.error_response import create_erro
 
 from vllm_lens import envs, wire
 from vllm_lens._patching import wrap_attribute
-from vllm_lens.activations import ACTIVATIONS_PATH, activations_to_json, binary_descriptor
+from vllm_lens.activations import (
+    ACTIVATIONS_PATH,
+    activations_to_json,
+    binary_descriptor,
+    hook_results_to_json,
+)
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.async_engine import model_facts
 from vllm_lens.frontend.blob_store import BlobStore
@@ -103,8 +108,10 @@ def _wrap_endpoint(endpoint: _Endpoint):
             if hasattr(result, "choices"):
                 found = scope.by_choice(result.id, n)
                 for choice in result.choices:
-                    if (acts := found.get(choice.index)) is not None:
-                        choice.activations = await asyncio.to_thread(encode, acts)
+                    if (results := found.get(choice.index)) is not None:
+                        for name, value in (await asyncio.to_thread(
+                                _encode_results, results, encode)).items():
+                            setattr(choice, name, value)
                 return result
             return _with_activation_chunks(result, scope, n, endpoint, encode)
 
@@ -133,6 +140,17 @@ async def _validate(
     return _encode_binary if xargs.get(TRANSPORT_KEY) == "binary" else activations_to_json
 
 
+def _encode_results(results: Mapping[str, Any],
+                    encode: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """One choice's lens results as the JSON fields it gets."""
+    fields = {}
+    if results.get("activations") is not None:
+        fields["activations"] = encode(results["activations"])
+    if results.get("hook_results") is not None:
+        fields["hook_results"] = hook_results_to_json(results["hook_results"])
+    return fields
+
+
 def _encode_binary(acts: Mapping[str, Any]) -> dict[str, Any]:
     blob = wire.dumps(dict(acts))
     return binary_descriptor(acts, store().put(blob), len(blob))
@@ -149,9 +167,9 @@ async def _with_activation_chunks(
             if header is None and item.startswith("data: {"):
                 header = _chunk_header(item)
             if item == _DONE and header is not None:
-                for index, acts in sorted(scope.by_choice(header["id"], n).items()):
+                for index, results in sorted(scope.by_choice(header["id"], n).items()):
                     choice = {"index": index, **endpoint.empty_choice, "finish_reason": None,
-                              "activations": await asyncio.to_thread(encode, acts)}
+                              **await asyncio.to_thread(_encode_results, results, encode)}
                     yield f"data: {json.dumps({**header, 'choices': [choice]})}\n\n"
             yield item
 

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from vllm_lens import handoff, wire
+from vllm_lens.spec import HookSpec
 from vllm_lens.worker.capture import assemble
+from vllm_lens.worker.hooks import encode_results
 from vllm_lens.worker.runtime import LensRuntime
 from vllm_lens.worker.taps import set_tap_handler, tap_info
 
@@ -21,10 +23,15 @@ __all__ = ["LensWorkerExtension"]
 _runtime: LensRuntime | None = None
 
 
-def _ranks() -> tuple[int, int]:
-    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+def _ranks() -> tuple[int, int, int]:
+    from vllm.distributed import (
+        get_pp_group,
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
 
-    return get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+    return (get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
+            get_pp_group().rank_in_group)
 
 
 class LensWorkerExtension:
@@ -36,11 +43,12 @@ class LensWorkerExtension:
         runner = self.model_runner  # type: ignore[attr-defined]
         model = runner.get_model()
         info = tap_info(model)
-        tp_rank, pp_rank = _ranks()
+        tp_rank, tp_size, pp_rank = _ranks()
         if info is not None and (_runtime is None or _runtime.runner is not runner):
             # Every TP rank holds the full residual stream; rank 0 alone captures it.
             capture_layers = frozenset(info.local_layers) if tp_rank == 0 else frozenset()
-            _runtime = LensRuntime(runner, capture_layers=capture_layers)
+            _runtime = LensRuntime(runner, capture_layers=capture_layers, tp_rank=tp_rank,
+                                   tp_size=tp_size)
             set_tap_handler(_runtime.on_tap)
         model_config = runner.model_config
         return {
@@ -68,22 +76,28 @@ class LensWorkerExtension:
                 are handed over through shared memory instead of the RPC result.
 
         Returns:
-            ``{lens key: {engine request id: handoff}}`` where the handoff holds ``wire.dumps``
-            of ``{"layers", "positions", "residual_stream"}``, trimmed and reduced here so that
-            rows nobody asked for never leave the worker. Ranks that did not capture return
-            nothing.
+            ``{lens key: {engine request id: {"capture": handoff | None, "hooks": bytes |
+            None}}}``: the capture handoff holds ``wire.dumps`` of ``{"layers", "positions",
+            "residual_stream"}``, trimmed and reduced here so that rows nobody asked for never
+            leave the worker; ``hooks`` holds ``hooks.encode_results``. Only TP rank 0 of each
+            pipeline stage reports (the other TP ranks ran the same hooks on the same rows).
         """
         if _runtime is None:
             return {}
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()  # finish the asynchronous device->host copies
-        out: dict[str, dict[str, bytes]] = {}
+        out: dict[str, dict[str, dict[str, Any]]] = {}
         for key, valid_lens in requests:
+            hooks = _runtime.pop_hooks(key)
             for req_id, entry in _runtime.store.pop(key).items():
                 valid = next((n for p, n in valid_lens.items() if req_id.startswith(p)), None)
                 if valid is not None:
                     blob = wire.dumps(assemble(entry, valid))
-                    out.setdefault(key, {})[req_id] = handoff.send(blob, front_end_host)
+                    out.setdefault(key, {}).setdefault(req_id, {})["capture"] = handoff.send(
+                        blob, front_end_host)
+            if _runtime.tp_rank == 0:
+                for req_id, state in hooks.items():
+                    out.setdefault(key, {}).setdefault(req_id, {})["hooks"] = encode_results(state)
         return out
 
     def lens_release(self, keys: list[str]) -> None:
@@ -91,9 +105,55 @@ class LensWorkerExtension:
         if _runtime is not None:
             for key in keys:
                 _runtime.store.pop(key)
+                _runtime.pop_hooks(key)
 
     def lens_stats(self) -> dict[str, int]:
         """Buffered entries and bytes on this rank (for tests and monitoring)."""
         if _runtime is None:
             return {"entries": 0, "bytes": 0}
         return {"entries": len(_runtime.store), "bytes": _runtime.store.nbytes}
+
+    # -- persistent hooks ------------------------------------------------------------------------
+    def lens_register_hooks(self, payloads: list[dict[str, Any]]) -> None:
+        """Run these hooks (``HookSpec`` payloads) on every request from the next step on."""
+        _require_runtime().persistent_specs = tuple(HookSpec.from_payload(p) for p in payloads)
+
+    def lens_clear_hooks(self) -> None:
+        if _runtime is not None:
+            _runtime.persistent_specs = ()
+
+    def lens_collect_hook_results(self) -> dict[str, bytes]:
+        """Every kept request's persistent-hook results (non-destructive), TP rank 0 only."""
+        if _runtime is None or _runtime.tp_rank != 0:
+            return {}
+        return {req_id: encode_results(state)
+                for req_id, state in _runtime.persistent_results.items()}
+
+    def lens_clear_hook_results(self) -> None:
+        if _runtime is not None:
+            _runtime.persistent_results.clear()
+
+    def lens_prefetch_params(self, names: list[str]) -> dict[str, bytes]:
+        """Full parameters this stage owns (every TP rank joins the gather; rank 0 returns)."""
+        runtime = _require_runtime()
+        found = {name: runtime.params.local(name) for name in names}
+        if runtime.tp_rank != 0:
+            return {}
+        return {name: wire.dumps(t.to("cpu")) for name, t in found.items() if t is not None}
+
+    def lens_set_prefetched(self, blobs: dict[str, bytes]) -> None:
+        """Make parameters fetched from other stages available to ``ctx.get_parameter``."""
+        params = _require_runtime().params
+        device = next(params.model.parameters()).device
+        params.prefetched = {name: wire.loads(b).to(device) for name, b in blobs.items()}
+
+    def lens_clear_prefetched(self) -> None:
+        if _runtime is not None:
+            _runtime.params.prefetched = {}
+
+
+def _require_runtime() -> LensRuntime:
+    if _runtime is None:
+        raise RuntimeError("vllm-lens: lens_describe has not run on this worker (or the model's "
+                           "layers could not be mapped)")
+    return _runtime

@@ -97,10 +97,14 @@ class StepPlan:
     """Request id -> absolute positions of the rows it captures in this step."""
     steer: dict[int, Any] = field(default_factory=dict)
     """Layer index -> ``steer.SteerGroup`` (layers nobody steers are absent)."""
+    hook_calls: list[Any] = field(default_factory=list)
+    """``hooks.HookCall`` per request with hooks in this step."""
+    hook_layers: frozenset[tuple[int, bool]] = frozenset()
+    """(layer, pre) pairs where some hook of this step runs."""
 
     @property
     def empty(self) -> bool:
-        return not self.slices
+        return not self.slices and not self.hook_calls
 
     @classmethod
     def build(

@@ -3,7 +3,8 @@
 PyTorch forward hooks do not fire in vLLM's compiled model, so vllm-lens changes what is
 traced instead: right after the model is constructed (before weights load and before the first
 forward pass, which is when vLLM compiles) every decoder layer's class is swapped for a thin
-subclass whose ``forward`` calls the original and then the custom op ``vllm_lens::tap``.
+subclass whose ``forward`` calls the custom op ``vllm_lens::pre_tap`` on the layer's inputs
+(for pre-hooks), then the original, then ``vllm_lens::tap`` on its outputs.
 Swapping the class keeps parameter names, so weight loading is untouched, and one code path
 serves compiled and eager mode: Dynamo sees an ordinary op, eager mode calls it directly.
 
@@ -15,8 +16,10 @@ traffic before any lens request) it returns at once.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,8 +28,9 @@ __all__ = ["TAP_OP_NAME", "TapInfo", "install_taps", "set_tap_handler", "tap_inf
 
 TAP_OP_NAME = "vllm_lens::tap"
 
-#: handler(hidden, residual, layer_index); ``residual`` is None for layers without one.
-TapHandler = Callable[[torch.Tensor, "torch.Tensor | None", int], None]
+#: handler(hidden, residual, layer_index, pre); ``residual`` is None for layers without one
+#: (and entering the first layer); ``pre`` is True at a layer's input.
+TapHandler = Callable[[torch.Tensor, "torch.Tensor | None", int, bool], None]
 _handler: TapHandler | None = None
 
 
@@ -42,11 +46,25 @@ def _tap(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> Non
     # hidden + residual for fused-residual models (Llama, Qwen2), hidden alone otherwise.
     handler = _handler
     if handler is not None:
-        handler(hidden, residual, layer)
+        handler(hidden, residual, layer, False)
 
 
 @_tap.register_fake
 def _tap_fake(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
+    return None
+
+
+@torch.library.custom_op("vllm_lens::pre_tap", mutates_args=("hidden",))
+def _pre_tap(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
+    # The layer's inputs: the residual stream entering it is hidden + residual (hidden alone
+    # for the first layer, whose residual is None).
+    handler = _handler
+    if handler is not None:
+        handler(hidden, residual, layer, True)
+
+
+@_pre_tap.register_fake
+def _pre_tap_fake(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
     return None
 
 
@@ -84,11 +102,31 @@ def _find_layers(model: nn.Module) -> nn.ModuleList | None:
     return None
 
 
+def _input_slots(cls: type[nn.Module]) -> tuple[int, int] | None:
+    """Positions of ``hidden_states`` and ``residual`` among ``forward``'s positional args."""
+    names = [p for p in inspect.signature(cls.forward).parameters][1:]  # drop self
+    if "hidden_states" not in names or "residual" not in names:
+        return None
+    return names.index("hidden_states"), names.index("residual")
+
+
+def _inputs(args: tuple, kwargs: dict, slots: tuple[int, int]) -> tuple[Any, Any]:
+    h, r = slots
+    hidden = args[h] if len(args) > h else kwargs.get("hidden_states")
+    residual = args[r] if len(args) > r else kwargs.get("residual")
+    return hidden, residual
+
+
 def _tapped_class(cls: type[nn.Module]) -> type[nn.Module]:
     tapped = _TAPPED_CLASSES.get(cls)
     if tapped is None:
+        slots = _input_slots(cls)
 
         def forward(self, *args, **kwargs):
+            if slots is not None:
+                hidden_in, residual_in = _inputs(args, kwargs, slots)
+                if isinstance(hidden_in, torch.Tensor):
+                    torch.ops.vllm_lens.pre_tap(hidden_in, residual_in, self._vllm_lens_layer)
             out = cls.forward(self, *args, **kwargs)
             hidden, residual = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
             torch.ops.vllm_lens.tap(hidden, residual, self._vllm_lens_layer)

@@ -1,0 +1,116 @@
+"""Hooks published by name (entry-point group ``vllm_lens.hooks``) and the two vllm-lens ships
+(runs in: front end, to validate arguments; worker, to run).
+
+A named hook is a factory ``make(args: dict) -> fn(ctx, hidden)``; it raises ``ValueError``
+for bad arguments (the front end calls it once to validate them, so a bad request fails with
+HTTP 400 before it is scheduled). What it stores in ``ctx.saved`` must be tensors and plain
+JSON types, which is what crosses HTTP. Any installed package can publish more::
+
+    [project.entry-points."vllm_lens.hooks"]
+    my_hook = "my_package.hooks:make_my_hook"
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from importlib.metadata import entry_points
+from typing import Any
+
+import torch
+
+__all__ = ["ENTRY_POINT_GROUP", "linear_probe", "load", "logit_lens_topk"]
+
+ENTRY_POINT_GROUP = "vllm_lens.hooks"
+HookFn = Callable[[Any, torch.Tensor], "torch.Tensor | None"]
+
+
+@functools.cache
+def _factories() -> dict[str, Callable[[Mapping[str, Any]], HookFn]]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def load(name: str) -> Callable[[Mapping[str, Any]], HookFn]:
+    """The factory published as ``name``; ``KeyError`` lists the available names."""
+    found = _factories().get(name)
+    if found is None:
+        raise KeyError(f"no hook named {name!r}; installed: {', '.join(sorted(_factories()))}")
+    return found.load()
+
+
+def _append(saved: dict[str, Any], key: str, layer: int, rows: torch.Tensor) -> None:
+    """Accumulate per-layer rows across steps (as CPU tensors, concatenated on read)."""
+    per_layer = saved.setdefault(key, {})
+    previous = per_layer.get(str(layer))
+    rows = rows.detach().to("cpu")
+    per_layer[str(layer)] = rows if previous is None else torch.cat([previous, rows])
+
+
+def logit_lens_topk(args: Mapping[str, Any]) -> HookFn:
+    """Logit lens: the top-``k`` next-token ids of each position, read through the model's final
+    norm and unembedding at every hooked layer.
+
+    ``args``: ``{"k": int (default 5)}``. ``saved``: ``{"token_ids": {layer: [positions, k]},
+    "logprobs": {layer: [positions, k]}, "positions": {layer: [positions]}}``.
+    """
+    k = args.get("k", 5)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 100:
+        raise ValueError(f"k must be an integer in 1..100, got {k!r}")
+    unknown = set(args) - {"k"}
+    if unknown:
+        raise ValueError(f"unknown argument(s) {sorted(unknown)}; logit_lens_topk takes k")
+
+    def hook(ctx: Any, hidden: torch.Tensor) -> None:
+        norm = _final_norm(ctx.model)
+        weight = ctx.get_parameter("lm_head.weight")
+        normed = norm(hidden.to(weight.dtype)) if norm is not None else hidden
+        logprobs = torch.log_softmax((normed @ weight.T).float(), dim=-1)
+        top = logprobs.topk(k, dim=-1)
+        _append(ctx.saved, "token_ids", ctx.layer_idx, top.indices)
+        _append(ctx.saved, "logprobs", ctx.layer_idx, top.values)
+        _append(ctx.saved, "positions", ctx.layer_idx, ctx.positions)
+        return None
+
+    return hook
+
+
+def _final_norm(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    for path in ("model.norm", "language_model.model.norm", "model.language_model.norm"):
+        try:
+            norm = model.get_submodule(path)
+        except AttributeError:
+            continue
+        # vLLM's fused RMSNorm returns a tuple when given a residual; with none it returns the
+        # normalised tensor.
+        return lambda x, norm=norm: norm(x.contiguous())
+    return None
+
+
+def linear_probe(args: Mapping[str, Any]) -> HookFn:
+    """A linear probe's score ``hidden @ weight + bias`` at each position and hooked layer.
+
+    ``args``: ``{"weight": [hidden_size floats], "bias": float (default 0)}``. ``saved``:
+    ``{"scores": {layer: [positions]}, "positions": {layer: [positions]}}``.
+    """
+    weight = args.get("weight")
+    if not isinstance(weight, list) or not weight or not all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) for w in weight):
+        raise ValueError("weight must be a non-empty list of numbers (one per hidden unit)")
+    bias = args.get("bias", 0.0)
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+        raise ValueError(f"bias must be a number, got {bias!r}")
+    unknown = set(args) - {"weight", "bias"}
+    if unknown:
+        raise ValueError(f"unknown argument(s) {sorted(unknown)}; linear_probe takes weight, bias")
+    direction = torch.tensor(weight, dtype=torch.float32)
+
+    def hook(ctx: Any, hidden: torch.Tensor) -> None:
+        if hidden.shape[-1] != direction.numel():
+            raise ValueError(f"probe has {direction.numel()} weights but the hidden size is "
+                             f"{hidden.shape[-1]}")
+        scores = hidden.float() @ direction.to(hidden.device) + bias
+        _append(ctx.saved, "scores", ctx.layer_idx, scores)
+        _append(ctx.saved, "positions", ctx.layer_idx, ctx.positions)
+        return None
+
+    return hook

@@ -1,0 +1,233 @@
+"""Running hooks on the worker (runs in: worker, every TP/PP rank).
+
+Every TP rank runs every hook, so that replacements keep the ranks' residual streams
+identical; results are reported by TP rank 0 of each pipeline stage. A request's hooks share
+one ``HookState``: the hook functions, each hook's ``saved`` dict, and the first error. After an
+error the request's hooks stop running (the front end fails the request when it finishes).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_lens import named_hooks, wire
+from vllm_lens.spec import HookSpec
+
+__all__ = [
+    "HookCall", "HookState", "ParameterSource", "decode_results", "encode_results",
+    "run_hook_calls",
+]
+
+
+@dataclass
+class _Run:
+    fn: Any
+    layers: frozenset[int]
+    pre: bool
+    saved: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class HookState:
+    """One request's hooks (or one request's share of the persistent hooks)."""
+
+    runs: list[_Run]
+    trusted: bool
+    """All hooks were pickled by a trusted caller: results may be pickled back if needed."""
+    error: dict[str, str] | None = None
+
+    @classmethod
+    def build(cls, specs: Iterable[HookSpec]) -> HookState:
+        runs, trusted = [], True
+        state = cls(runs=runs, trusted=True)
+        try:
+            for spec in specs:
+                if spec.pickled is not None:
+                    fn = pickle.loads(spec.pickled)  # noqa: S301 - vetted by the front end
+                else:
+                    trusted = False
+                    fn = named_hooks.load(str(spec.name))(json.loads(spec.args))
+                runs.append(_Run(fn=fn, layers=frozenset(spec.layers), pre=spec.pre))
+        except Exception as exc:  # a hook that cannot even be built fails its request
+            state.fail(exc)
+        state.trusted = trusted
+        return state
+
+    def wants(self, layer: int, pre: bool) -> bool:
+        return self.error is None and any(r.pre == pre and layer in r.layers for r in self.runs)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            summary = traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3)
+            self.error = {"message": f"{type(exc).__name__}: {exc}",
+                          "traceback": "".join(summary)}
+
+    def results(self) -> dict[str, Any]:
+        return {str(i): run.saved for i, run in enumerate(self.runs)}
+
+
+@dataclass(frozen=True)
+class HookCall:
+    """One request's rows in this step, and the hook states that want them."""
+
+    req_id: str
+    start: int
+    end: int
+    pos0: int
+    states: tuple[HookState, ...]
+
+
+class _Context:
+    """The ``HookContext`` handed to hook functions (see ``vllm_lens.hooks``)."""
+
+    __slots__ = ("layer_idx", "model", "params", "positions", "request_id", "saved", "seq_len",
+                 "tp_rank")
+
+    def __init__(self, saved: dict, layer: int, call: HookCall, positions: torch.Tensor,
+                 model: Any, tp_rank: int, params: ParameterSource) -> None:
+        self.saved = saved
+        self.layer_idx = layer
+        self.seq_len = call.pos0 + call.end - call.start
+        self.positions = positions
+        self.request_id = call.req_id
+        self.model = model
+        self.tp_rank = tp_rank
+        self.params = params
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        return self.params.get(name)
+
+
+def run_hook_calls(calls: list[HookCall], layer: int, pre: bool, hidden: torch.Tensor,
+                   residual: torch.Tensor | None, model: Any, tp_rank: int,
+                   params: ParameterSource) -> None:
+    """Run the hooks of each request at this tap; replacements are written back in place.
+
+    The stream handed to a hook is ``hidden + residual`` (a copy); a replacement ``x`` is
+    written as ``hidden = x - residual`` so that the layer (or the next) sees exactly ``x`` as
+    the residual stream.
+    """
+    for call in calls:
+        rows = slice(call.start, call.end)
+        stream: torch.Tensor | None = None
+        positions = torch.arange(call.pos0, call.pos0 + call.end - call.start)
+        for state in call.states:
+            for run in state.runs:
+                if state.error is not None or run.pre != pre or layer not in run.layers:
+                    continue
+                if stream is None:
+                    stream = hidden[rows] + residual[rows] if residual is not None \
+                        else hidden[rows].clone()
+                ctx = _Context(run.saved, layer, call, positions, model, tp_rank, params)
+                try:
+                    out = run.fn(ctx, stream.clone())
+                    if out is not None:
+                        stream = _checked(out, stream, layer)
+                        hidden[rows] = stream - residual[rows] if residual is not None else stream
+                except Exception as exc:
+                    state.fail(exc)
+
+
+def _checked(out: Any, stream: torch.Tensor, layer: int) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"hook at layer {layer} returned {type(out).__name__}; return a tensor "
+                        "shaped like hidden, or None")
+    if out.shape != stream.shape or out.dtype != stream.dtype:
+        raise ValueError(f"hook at layer {layer} returned shape {tuple(out.shape)} {out.dtype}; "
+                         f"expected {tuple(stream.shape)} {stream.dtype} like hidden")
+    return out.to(stream.device)
+
+
+def encode_results(state: HookState) -> bytes:
+    """A request's hook results and error as bytes for the front end.
+
+    ``wire`` (msgpack + tensors) when the saved values allow it; results of trusted (pickled,
+    i.e. the operator's or an opted-in client's) hooks fall back to pickle for other objects.
+    """
+    body = {"results": state.results(), "error": state.error}
+    try:
+        return b"W" + wire.dumps(body)
+    except TypeError:
+        if not state.trusted:
+            body = {"results": {}, "error": {
+                "message": "TypeError: a named hook saved a value that is not a tensor or plain "
+                           "data", "traceback": ""}}
+            return b"W" + wire.dumps(body)
+        return b"P" + pickle.dumps(body)
+
+
+def decode_results(blob: bytes, allow_pickle: bool) -> dict[str, Any]:
+    """Inverse of ``encode_results``; pickled results only where the caller trusts them."""
+    if blob[:1] == b"P":
+        if not allow_pickle:
+            raise ValueError("refusing pickled hook results from a worker")
+        return pickle.loads(blob[1:])  # noqa: S301 - produced by a trusted hook
+    return wire.loads(blob[1:])
+
+
+class ParameterSource:
+    """Full parameters by name for ``ctx.get_parameter``: taken from this rank's model and
+    gathered across TP ranks on first use, or from parameters prefetched from the pipeline
+    stage that owns them."""
+
+    def __init__(self, model: Any, tp_size: int) -> None:
+        self.model = model
+        self.tp_size = tp_size
+        self.cache: dict[str, torch.Tensor] = {}
+        self.prefetched: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        found = self.prefetched.get(name)
+        if found is None:
+            found = self.cache.get(name)
+        if found is None:
+            found = self.cache[name] = self._gather(name)
+        return found
+
+    def local(self, name: str) -> torch.Tensor | None:
+        """The full parameter if this rank's pipeline stage owns it, else ``None``."""
+        try:
+            return self.get(name)
+        except KeyError:
+            return None
+
+    def _gather(self, name: str) -> torch.Tensor:
+        module_path, _, attr = name.rpartition(".")
+        try:
+            module = self.model.get_submodule(module_path)
+            param = getattr(module, attr)
+        except AttributeError:
+            raise KeyError(f"the model has no parameter {name!r}") from None
+        if not isinstance(param, torch.Tensor):
+            raise KeyError(f"{name!r} is not a parameter")
+        param = param.detach()
+        dim = _sharded_dim(module)
+        if self.tp_size == 1 or dim is None:
+            return param
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        full = tensor_model_parallel_all_gather(param.contiguous(), dim=dim)
+        vocab = getattr(module, "org_vocab_size", None)
+        if vocab is not None and dim == 0:
+            full = full[:vocab]  # vocab-parallel padding sits at the end when it divides evenly
+        return full
+
+
+def _sharded_dim(module: Any) -> int | None:
+    """The dimension a tensor-parallel module splits its weight along, if any."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+        return 0
+    if isinstance(module, RowParallelLinear):
+        return 1
+    return None
+

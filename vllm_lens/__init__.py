@@ -16,15 +16,27 @@ The plugin itself loads through vLLM's ``vllm.general_plugins`` entry point; thi
 public names are the helpers a user imports.
 """
 
-from vllm_lens.errors import LensError, LensRequestError, UnsupportedModelError, WireError
+from vllm_lens.errors import (
+    LensError,
+    LensRequestError,
+    RemoteCodeRefusedError,
+    UnsupportedModelError,
+    WireError,
+)
+from vllm_lens.hooks import Hook, HookContext, HookError, NamedHook
 from vllm_lens.spec import CaptureSpec
 from vllm_lens.activations import decode_activations
 from vllm_lens.steering import SteeringVector
 
 __all__ = [
     "CaptureSpec",
+    "Hook",
+    "HookContext",
+    "HookError",
     "LensError",
     "LensRequestError",
+    "NamedHook",
+    "RemoteCodeRefusedError",
     "SteeringVector",
     "UnsupportedModelError",
     "WireError",

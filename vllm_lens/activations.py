@@ -51,8 +51,12 @@ def activations_to_json(acts: Mapping[str, Any]) -> dict[str, Any]:
 def hook_results_to_json(value: Any) -> Any:
     """Hook results as JSON: tensors as records, containers recursively; anything else that
     JSON cannot carry becomes its ``repr`` (the server never sends pickles)."""
+    from vllm_lens.hooks import HookError
+
     if isinstance(value, torch.Tensor):
         return wire.tensor_to_json(value)
+    if isinstance(value, HookError):
+        return {"error": value.message, "traceback": value.traceback}
     if isinstance(value, dict):
         return {str(k): hook_results_to_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

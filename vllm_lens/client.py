@@ -23,10 +23,12 @@ import torch
 from vllm_lens.activations import (
     decode_activation_bytes,
     decode_activations,
+    decode_json_tensors,
     is_binary_descriptor,
 )
 from vllm_lens.errors import LensError
-from vllm_lens.spec import CAPTURE_KEY, STEER_KEY, TRANSPORT_KEY
+from vllm_lens.hooks import hook_to_json
+from vllm_lens.spec import CAPTURE_KEY, HOOKS_KEY, STEER_KEY, TRANSPORT_KEY
 
 __all__ = ["AsyncLensClient", "LensClient", "LensHTTPError", "LensResult", "encode_xargs"]
 
@@ -60,6 +62,8 @@ class LensResult:
     raw: dict[str, Any]
     """The response JSON (or, when streaming, the chunk this result came from)."""
     prompt_token_ids: list[int] | None = None
+    hook_results: dict[str, Any] | None = None
+    """``{"0": saved of the first hook, ...}`` for requests with ``hooks=``."""
     delta: str = ""
     choices: list[LensResult] = field(default_factory=list, repr=False)
 
@@ -83,7 +87,7 @@ class _Protocol:
 
     def body(self, kind: str, content: Any, *, max_tokens: int, temperature: float,
              capture_layers: Sequence[int] | bool | None, capture: Mapping[str, Any] | None,
-             steering_vectors: Any, stream: bool, transport: str,
+             steering_vectors: Any, hooks: Any, stream: bool, transport: str,
              openai_kwargs: dict[str, Any]) -> dict[str, Any]:
         if transport not in ("json", "binary"):
             raise ValueError(f"transport must be 'json' or 'binary', got {transport!r}")
@@ -96,6 +100,8 @@ class _Protocol:
             lens[CAPTURE_KEY] = capture_layers
         if steering_vectors is not None:
             lens[STEER_KEY] = steering_vectors
+        if hooks is not None:
+            lens[HOOKS_KEY] = hooks
         if transport == "binary":
             lens[TRANSPORT_KEY] = "binary"
         xargs = {**(openai_kwargs.pop("vllm_xargs", None) or {}), **encode_xargs(lens)}
@@ -116,6 +122,11 @@ class _Protocol:
             result.activations = yield from self.activations_steps(choice.get("activations"))
             result.choices = results
         return results[0]
+
+    def hooks_steps(self, method: str, path: str, body: Any = None) -> _Steps:
+        """Call one ``/v1/hooks/*`` route; returns its decoded ``result``."""
+        response = yield self.request(method, path, body)
+        return decode_json_tensors(_json_or_raise(response).get("result"))
 
     def activations_steps(self, payload: Any) -> _Steps:
         """Decode a choice's ``activations``, fetching (then deleting) binary ones."""
@@ -158,6 +169,8 @@ class _StreamState:
                 token_ids=previous.token_ids + list(choice.get("token_ids") or ()),
                 finish_reason=choice.get("finish_reason") or previous.finish_reason,
                 prompt_token_ids=chunk.get("prompt_token_ids") or previous.prompt_token_ids,
+                hook_results=decode_json_tensors(choice.get("hook_results"))
+                or previous.hook_results,
             )
             self.by_index[index] = result
             out.append((result, choice.get("activations")))
@@ -181,23 +194,51 @@ class LensClient:
     def generate(self, prompt: str | list[int] | list[str], *, max_tokens: int = 16,
                  temperature: float = 0.0, capture_layers: Sequence[int] | bool | None = None,
                  capture: Mapping[str, Any] | None = None, steering_vectors: Any = None,
-                 stream: bool = False, transport: str = "json", **openai_kwargs: Any) -> Any:
+                 hooks: Any = None, stream: bool = False, transport: str = "json",
+                 **openai_kwargs: Any) -> Any:
         """``/v1/completions``. Returns a ``LensResult`` or, with ``stream=True``, an iterator
         of partial ones. ``openai_kwargs`` go into the request body (``n``, ``seed``, ...)."""
         return self._run("/v1/completions", "prompt", prompt, stream, dict(
             max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
-            capture=capture, steering_vectors=steering_vectors, transport=transport,
-            openai_kwargs=openai_kwargs))
+            capture=capture, steering_vectors=steering_vectors, hooks=hooks,
+            transport=transport, openai_kwargs=openai_kwargs))
 
     def chat(self, messages: list[dict[str, Any]], *, max_tokens: int = 16,
              temperature: float = 0.0, capture_layers: Sequence[int] | bool | None = None,
              capture: Mapping[str, Any] | None = None, steering_vectors: Any = None,
-             stream: bool = False, transport: str = "json", **openai_kwargs: Any) -> Any:
+             hooks: Any = None, stream: bool = False, transport: str = "json",
+             **openai_kwargs: Any) -> Any:
         """``/v1/chat/completions``; arguments and result as for :meth:`generate`."""
         return self._run("/v1/chat/completions", "messages", messages, stream, dict(
             max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
-            capture=capture, steering_vectors=steering_vectors, transport=transport,
-            openai_kwargs=openai_kwargs))
+            capture=capture, steering_vectors=steering_vectors, hooks=hooks,
+            transport=transport, openai_kwargs=openai_kwargs))
+
+    # -- persistent hooks (``/v1/hooks/*``) ------------------------------------------------------
+    def register_hooks(self, hooks: Sequence[Any], prefetch_params: Sequence[str] | None = None
+                       ) -> Any:
+        """Run ``hooks`` (``NamedHook`` objects, or ``Hook`` objects where the server opted
+        in to pickled code) on every request until :meth:`clear_hooks`."""
+        return self._drive(self._protocol.hooks_steps(
+            "POST", "/v1/hooks/register", _register_body(hooks, prefetch_params)))
+
+    def collect_hook_results(self) -> dict[str, Any]:
+        """``{request id: {"0": saved, ...}}`` of the persistent hooks (non-destructive)."""
+        return self._drive(self._protocol.hooks_steps("GET", "/v1/hooks/collect"))
+
+    def clear_hook_results(self) -> None:
+        self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_results"))
+
+    def clear_hooks(self) -> None:
+        self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear"))
+
+    def prefetch_params(self, names: Sequence[str]) -> dict[str, Any]:
+        """Make these parameters available to hooks on every pipeline stage; returns shapes."""
+        return self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/prefetch",
+                                                      {"names": list(names)}))
+
+    def clear_prefetched(self) -> None:
+        self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_prefetched"))
 
     def close(self) -> None:
         self._http.close()
@@ -251,25 +292,47 @@ class AsyncLensClient:
                        temperature: float = 0.0,
                        capture_layers: Sequence[int] | bool | None = None,
                        capture: Mapping[str, Any] | None = None, steering_vectors: Any = None,
-                       stream: bool = False, transport: str = "json",
+                       hooks: Any = None, stream: bool = False, transport: str = "json",
                        **openai_kwargs: Any) -> Any:
         """See :meth:`LensClient.generate`; with ``stream=True`` an async iterator."""
         return await self._run("/v1/completions", "prompt", prompt, stream, dict(
             max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
-            capture=capture, steering_vectors=steering_vectors, transport=transport,
-            openai_kwargs=openai_kwargs))
+            capture=capture, steering_vectors=steering_vectors, hooks=hooks,
+            transport=transport, openai_kwargs=openai_kwargs))
 
     async def chat(self, messages: list[dict[str, Any]], *, max_tokens: int = 16,
                    temperature: float = 0.0,
                    capture_layers: Sequence[int] | bool | None = None,
                    capture: Mapping[str, Any] | None = None, steering_vectors: Any = None,
-                   stream: bool = False, transport: str = "json",
+                   hooks: Any = None, stream: bool = False, transport: str = "json",
                    **openai_kwargs: Any) -> Any:
         """See :meth:`LensClient.chat`."""
         return await self._run("/v1/chat/completions", "messages", messages, stream, dict(
             max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
-            capture=capture, steering_vectors=steering_vectors, transport=transport,
-            openai_kwargs=openai_kwargs))
+            capture=capture, steering_vectors=steering_vectors, hooks=hooks,
+            transport=transport, openai_kwargs=openai_kwargs))
+
+    # -- persistent hooks: see LensClient -------------------------------------------------------
+    async def register_hooks(self, hooks: Sequence[Any],
+                             prefetch_params: Sequence[str] | None = None) -> Any:
+        return await self._drive(self._protocol.hooks_steps(
+            "POST", "/v1/hooks/register", _register_body(hooks, prefetch_params)))
+
+    async def collect_hook_results(self) -> dict[str, Any]:
+        return await self._drive(self._protocol.hooks_steps("GET", "/v1/hooks/collect"))
+
+    async def clear_hook_results(self) -> None:
+        await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_results"))
+
+    async def clear_hooks(self) -> None:
+        await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear"))
+
+    async def prefetch_params(self, names: Sequence[str]) -> dict[str, Any]:
+        return await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/prefetch",
+                                                            {"names": list(names)}))
+
+    async def clear_prefetched(self) -> None:
+        await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_prefetched"))
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -312,6 +375,11 @@ class AsyncLensClient:
             await response.aclose()
 
 
+def _register_body(hooks: Sequence[Any], prefetch: Sequence[str] | None) -> dict[str, Any]:
+    return {"hooks": [h if isinstance(h, Mapping) else hook_to_json(h) for h in hooks],
+            "prefetch_params": list(prefetch) if prefetch else None}
+
+
 def encode_xargs(extra_args: Mapping[str, Any]) -> dict[str, Any]:
     """``extra_args`` as offline users write them -> ``vllm_xargs`` values the server accepts.
 
@@ -323,6 +391,10 @@ def encode_xargs(extra_args: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in extra_args.items():
         if key == STEER_KEY:
             out[key] = _steering_json(value)
+        elif key == HOOKS_KEY:
+            items = value if isinstance(value, (list, tuple)) else [value]
+            out[key] = json.dumps([h if isinstance(h, Mapping) else hook_to_json(h)
+                                   for h in items])
         elif value is True:
             out[key] = "true"
         elif isinstance(value, (Mapping, list, tuple)) and not _flat(value):
@@ -364,6 +436,7 @@ def _choice_result(choice: dict[str, Any], data: dict[str, Any]) -> LensResult:
         activations=None,
         raw=data,
         prompt_token_ids=choice.get("prompt_token_ids") or data.get("prompt_token_ids"),
+        hook_results=decode_json_tensors(choice.get("hook_results")),
     )
 
 

@@ -48,7 +48,8 @@ def _append(saved: dict[str, Any], key: str, layer: int, rows: torch.Tensor) -> 
 
 def logit_lens_topk(args: Mapping[str, Any]) -> HookFn:
     """Logit lens: the top-``k`` next-token ids of each position, read through the model's final
-    norm and unembedding at every hooked layer.
+    norm (RMSNorm, as in Llama and Qwen2) and unembedding at every hooked layer. Under
+    pipeline parallelism, prefetch ``lm_head.weight`` and ``model.norm.weight``.
 
     ``args``: ``{"k": int (default 5)}``. ``saved``: ``{"token_ids": {layer: [positions, k]},
     "logprobs": {layer: [positions, k]}, "positions": {layer: [positions]}}``.
@@ -61,10 +62,9 @@ def logit_lens_topk(args: Mapping[str, Any]) -> HookFn:
         raise ValueError(f"unknown argument(s) {sorted(unknown)}; logit_lens_topk takes k")
 
     def hook(ctx: Any, hidden: torch.Tensor) -> None:
-        norm = _final_norm(ctx.model)
         weight = ctx.get_parameter("lm_head.weight")
-        normed = norm(hidden.to(weight.dtype)) if norm is not None else hidden
-        logprobs = torch.log_softmax((normed @ weight.T).float(), dim=-1)
+        normed = _final_rms_norm(ctx, hidden.float())
+        logprobs = torch.log_softmax(normed @ weight.float().T, dim=-1)
         top = logprobs.topk(k, dim=-1)
         _append(ctx.saved, "token_ids", ctx.layer_idx, top.indices)
         _append(ctx.saved, "logprobs", ctx.layer_idx, top.values)
@@ -74,16 +74,12 @@ def logit_lens_topk(args: Mapping[str, Any]) -> HookFn:
     return hook
 
 
-def _final_norm(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    for path in ("model.norm", "language_model.model.norm", "model.language_model.norm"):
-        try:
-            norm = model.get_submodule(path)
-        except AttributeError:
-            continue
-        # vLLM's fused RMSNorm returns a tuple when given a residual; with none it returns the
-        # normalised tensor.
-        return lambda x, norm=norm: norm(x.contiguous())
-    return None
+def _final_rms_norm(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    """The model's final RMSNorm (Llama / Qwen2 style), from its parameters, so it works on a
+    pipeline stage that does not own the norm (prefetch ``model.norm.weight`` there)."""
+    weight = ctx.get_parameter("model.norm.weight").float()
+    eps = getattr(getattr(ctx.model, "config", None), "rms_norm_eps", 1e-6)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def linear_probe(args: Mapping[str, Any]) -> HookFn:

@@ -5,8 +5,9 @@ each worker — possibly several times per process).
 
 - front end: engine config gets the worker extension (``frontend.engine_args``); ``LLMEngine``
   and ``AsyncLLM`` validate lens requests and collate activations (``frontend.offline``,
-  ``frontend.async_engine``); steered requests get a prefix-cache salt
-  (``frontend.prefix_cache``); in a process that builds vLLM's OpenAI server, the server's
+  ``frontend.async_engine``); steered and hooked requests get a prefix-cache salt
+  (``frontend.prefix_cache``); ``LLM`` and ``AsyncLLM`` get the persistent-hook methods
+  (``frontend.persistent_hooks``); in a process that builds vLLM's OpenAI server, the server's
   completions and chat endpoints return activations and ``/v1/lens/*`` routes are added
   (``frontend.server``);
 - worker: every model vLLM constructs gets taps on its decoder layers (``worker.taps``), by
@@ -28,13 +29,20 @@ def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group (see pyproject.toml)."""
     if envs.disabled():
         return
-    from vllm_lens.frontend import async_engine, engine_args, offline, prefix_cache
+    from vllm_lens.frontend import (
+        async_engine,
+        engine_args,
+        offline,
+        persistent_hooks,
+        prefix_cache,
+    )
     from vllm_lens.worker import taps
 
     engine_args.install()
     offline.install()
     async_engine.install()
     prefix_cache.install()
+    persistent_hooks.install()
     taps.install_model_hook()
     # The API server imports its app builder before it creates the engine (which loads the
     # plugins); other processes never pay for importing the server stack.

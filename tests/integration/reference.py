@@ -38,29 +38,41 @@ class HFReference:
         out = self.model(torch.tensor([token_ids]), output_hidden_states=True)
         return tuple(h[0] for h in out.hidden_states)
 
-    @torch.no_grad()
     def steered_greedy(self, prompt_ids: list[int], max_new_tokens: int, vectors) -> list[int]:
-        """Greedy generation with forward hooks adding ``SteeringVector``s to layer outputs.
-
-        Recomputes the whole sequence every step (no KV cache), so every position is steered
-        exactly as its absolute position says.
-        """
+        """Greedy generation with ``SteeringVector``s added to layer outputs."""
         by_layer: dict[int, list] = {}
         for sv in vectors:
             for i, layer in enumerate(sv.layer_indices):
                 by_layer.setdefault(layer, []).append((sv, i))
 
-        def hook(layer):
-            def add(_module, _inputs, out):
-                h = out[0] if isinstance(out, tuple) else out  # [1, T, hidden]
+        def adder(layer):
+            def add(h: torch.Tensor) -> torch.Tensor:
                 total = torch.zeros_like(h)
                 for sv, i in by_layer[layer]:
-                    total += _steering_delta(sv, i, h[0])[None]
-                steered = h + total
-                return (steered, *out[1:]) if isinstance(out, tuple) else steered
+                    total += _steering_delta(sv, i, h)
+                return h + total
             return add
 
-        handles = [self.layers[layer].register_forward_hook(hook(layer)) for layer in by_layer]
+        return self.hooked_greedy(prompt_ids, max_new_tokens,
+                                  {layer: adder(layer) for layer in by_layer})
+
+    @torch.no_grad()
+    def hooked_greedy(self, prompt_ids: list[int], max_new_tokens: int,
+                      edits: dict[int, object]) -> list[int]:
+        """Greedy generation with ``edits[layer](stream [T, hidden]) -> stream`` applied to
+        decoder-layer outputs by forward hooks.
+
+        Recomputes the whole sequence every step (no KV cache), so every position is edited
+        exactly as its absolute position says.
+        """
+        def hook(layer):
+            def edit(_module, _inputs, out):
+                h = out[0] if isinstance(out, tuple) else out  # [1, T, hidden]
+                edited = edits[layer](h[0])[None]
+                return (edited, *out[1:]) if isinstance(out, tuple) else edited
+            return edit
+
+        handles = [self.layers[layer].register_forward_hook(hook(layer)) for layer in edits]
         ids = list(prompt_ids)
         try:
             for _ in range(max_new_tokens):

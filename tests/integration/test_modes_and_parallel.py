@@ -11,7 +11,7 @@ from vllm import SamplingParams
 
 from tests.integration.engines import env, running_llm
 from tests.integration.reference import max_relative_error
-from vllm_lens import SteeringVector
+from vllm_lens import Hook, NamedHook, SteeringVector
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -27,6 +27,27 @@ STEER = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args=
     ],
     "output_residual_stream": [3],
 })
+
+
+def _lm_head_shape(ctx, hidden):
+    ctx.saved["shape"] = list(ctx.get_parameter("lm_head.weight").shape)
+    ctx.saved.setdefault("ranks", set()).add(ctx.tp_rank)
+
+
+# Saves the full unembedding's shape, and a logit lens on a layer of each pipeline stage.
+HOOKED = SamplingParams(max_tokens=3, temperature=0, extra_args={"apply_hooks": [
+    Hook(_lm_head_shape, [3]), NamedHook("logit_lens_topk", [1, 3], {"k": 2})]})
+
+
+def _assert_hook_results(outs, vocab):
+    for out in outs:
+        first, lens = out.hook_results["0"], out.hook_results["1"]
+        assert first["shape"] == [vocab, 128] and first["ranks"] == {0}
+        n_rows = len(out.prompt_token_ids) + 2
+        assert {k: v.shape for k, v in lens["token_ids"].items()} == {
+            "1": (n_rows, 2), "3": (n_rows, 2)}
+
+
 # One worker per core on the CPU backend.
 TWO_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
@@ -67,7 +88,10 @@ def test_tensor_parallel_2_matches_tp1(tiny_path, reference):
                                          enforce_eager=True) as llm:
         outs = _run(llm)
         describe = llm.collective_rpc("lens_describe")
+        hooked = llm.generate(PROMPTS, HOOKED)
+        vocab = llm.llm_engine.model_config.get_vocab_size()
     assert [d["tp_rank"] for d in describe] == [0, 1]
+    _assert_hook_results(hooked, vocab)  # the parameter is gathered from both ranks
     for got, expected in zip(outs, reference):
         _assert_same_as_reference(got, expected, tol=1e-4)
 
@@ -84,6 +108,11 @@ def test_pipeline_parallel_2_matches_pp1(tiny_path, reference):
         first_stage_only = llm.generate(
             PROMPTS, SamplingParams(max_tokens=6, temperature=0,
                                     extra_args={"output_residual_stream": [1]}))
+        # The first stage has no lm_head or final norm: its hooks read prefetched copies.
+        llm.prefetch_params(["lm_head.weight", "model.norm.weight"])
+        hooked = llm.generate(PROMPTS, HOOKED)
+        vocab = llm.llm_engine.model_config.get_vocab_size()
+    _assert_hook_results(hooked, vocab)
     assert [d["local_layers"] for d in describe] == [[0, 1], [2, 3]]
     for got, expected in zip(outs, reference):
         _assert_same_as_reference(got, expected, tol=1e-4)

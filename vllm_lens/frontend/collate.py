@@ -77,6 +77,9 @@ class LensSession:
         self.facts: ModelFacts | None = None
         self.in_flight: dict[str, LensRequest] = {}
         """External request id -> its lens request, until it finishes or is aborted."""
+        self.persistent_trusted = False
+        """The registered persistent hooks were all pickled by this process's user (their
+        results may come back pickled)."""
 
     @staticmethod
     def of(engine: object) -> LensSession:

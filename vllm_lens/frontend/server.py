@@ -11,7 +11,12 @@ Nothing to configure: when the plugin loads in a process that builds the API ser
 - with ``"activations_transport": "binary"`` a choice carries a handle instead of the tensors
   (see ``vllm_lens.activations``); the bytes are served by ``GET /v1/lens/activations/{handle}``
   and freed by ``DELETE`` on the same path or when they expire;
-- adds ``GET /v1/lens/stats`` (bytes waiting in the binary store and on each worker).
+- adds ``GET /v1/lens/stats`` (bytes waiting in the binary store and on each worker) and the
+  persistent-hook routes ``/v1/hooks/{register, collect, clear, clear_results, prefetch,
+  clear_prefetched}`` (``frontend.persistent_hooks``);
+- refuses pickled hooks (per request or registered) with 403 unless the operator set
+  ``VLLM_LENS_ALLOW_PICKLED_HOOKS=1``; named hooks need no opt-in. A hook that raises fails its
+  HTTP request with a 500 whose message carries the hook's error and traceback summary.
 
 All routes live under ``/v1``, so ``--api-key`` guards them like vLLM's own.
 """
@@ -38,7 +43,7 @@ from vllm_lens.activations import (
     binary_descriptor,
     hook_results_to_json,
 )
-from vllm_lens.errors import LensRequestError
+from vllm_lens.errors import LensRequestError, RemoteCodeRefusedError
 from vllm_lens.frontend.async_engine import model_facts
 from vllm_lens.frontend.blob_store import BlobStore
 from vllm_lens.frontend.response_scope import ResponseScope
@@ -96,7 +101,7 @@ def _wrap_endpoint(endpoint: _Endpoint):
             try:
                 encode = await _validate(self.engine_client, xargs)
             except LensRequestError as exc:
-                return self.create_error_response(str(exc), param=exc.field)
+                return _request_error(exc)
             if encode is None:
                 return await original(self, request, raw_request)
             scope = ResponseScope()
@@ -138,6 +143,17 @@ async def _validate(
     if lens is None:
         return None
     return _encode_binary if xargs.get(TRANSPORT_KEY) == "binary" else activations_to_json
+
+
+def _request_error(exc: LensRequestError) -> ErrorResponse:
+    if isinstance(exc, RemoteCodeRefusedError):
+        return create_error_response(str(exc), err_type="PermissionDeniedError",
+                                     status_code=HTTPStatus.FORBIDDEN, param=exc.field)
+    return create_error_response(str(exc), param=exc.field)
+
+
+def _json_error(err: ErrorResponse) -> JSONResponse:
+    return JSONResponse(err.model_dump(), status_code=err.error.code)
 
 
 def _encode_results(results: Mapping[str, Any],
@@ -185,11 +201,10 @@ _router = APIRouter()
 
 
 def _not_found(handle: str) -> JSONResponse:
-    err = create_error_response(
+    return _json_error(create_error_response(
         f"no activations under handle {handle!r}: it never existed, was deleted, or expired "
         f"(handles live {envs.http_store_ttl_s():g} s; VLLM_LENS_HTTP_STORE_TTL_S)",
-        err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND, param="handle")
-    return JSONResponse(err.model_dump(), status_code=HTTPStatus.NOT_FOUND)
+        err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND, param="handle"))
 
 
 @_router.get(ACTIVATIONS_PATH + "/{handle}")
@@ -211,3 +226,59 @@ async def delete_activations(handle: str) -> Response:
 async def lens_stats(raw_request: Request) -> JSONResponse:
     workers = await raw_request.app.state.engine_client.collective_rpc("lens_stats")
     return JSONResponse({"store": store().stats(), "workers": workers})
+
+
+async def _hooks_call(raw_request: Request, name: str, *args: Any) -> JSONResponse:
+    engine = raw_request.app.state.engine_client
+    try:
+        result = await getattr(engine, name)(*args)
+    except LensRequestError as exc:
+        return _json_error(_request_error(exc))
+    except KeyError as exc:
+        return _json_error(create_error_response(str(exc.args[0]), param="names"))
+    return JSONResponse({"ok": True, "result": hook_results_to_json(result)})
+
+
+async def _json_body(raw_request: Request) -> dict[str, Any]:
+    try:
+        body = await raw_request.json()
+    except ValueError:
+        body = None
+    return body if isinstance(body, dict) else {}
+
+
+@_router.post("/v1/hooks/register")
+async def register_hooks(raw_request: Request) -> JSONResponse:
+    """Body: ``{"hooks": [named hook or {"pickle": ...}, ...], "prefetch_params": [...]}``."""
+    body = await _json_body(raw_request)
+    return await _hooks_call(raw_request, "register_hooks", body.get("hooks"),
+                             body.get("prefetch_params"))
+
+
+@_router.get("/v1/hooks/collect")
+async def collect_hook_results(raw_request: Request) -> JSONResponse:
+    return await _hooks_call(raw_request, "collect_hook_results")
+
+
+@_router.post("/v1/hooks/prefetch")
+async def prefetch_params(raw_request: Request) -> JSONResponse:
+    body = await _json_body(raw_request)
+    names = body.get("names")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return _json_error(create_error_response("names must be a list of parameter names",
+                                                 param="names"))
+    return await _hooks_call(raw_request, "prefetch_params", names)
+
+
+def _simple_hooks_route(path: str, name: str) -> None:
+    async def route(raw_request: Request) -> JSONResponse:
+        return await _hooks_call(raw_request, name)
+
+    route.__name__ = name
+    _router.post(path)(route)
+
+
+for _path, _name in (("/v1/hooks/clear", "clear_hooks"),
+                     ("/v1/hooks/clear_results", "clear_hook_results"),
+                     ("/v1/hooks/clear_prefetched", "clear_prefetched")):
+    _simple_hooks_route(_path, _name)

@@ -1,0 +1,131 @@
+"""Persistent hooks: hooks registered on the engine that run on every request until cleared
+(runs in: front end).
+
+Adds to ``vllm.LLM`` and ``AsyncLLM`` (the OpenAI server's ``/v1/hooks/*`` routes use the
+latter)::
+
+    register_hooks(hooks, prefetch_params=None)   collect_hook_results()   clear_hook_results()
+    clear_hooks()   prefetch_params(names)   clear_prefetched()
+
+``collect_hook_results`` is non-destructive and returns ``{request id: {"0": saved of the first
+hook, ...}}`` (a ``HookError`` in place of the dict for a request whose hook raised); workers
+keep the results of the last ``VLLM_LENS_HOOK_RESULTS_MAX`` requests. Each operation is written
+once as a generator of ``(rpc method, args)`` steps; ``LLM`` drives it with its blocking
+``collective_rpc`` and ``AsyncLLM`` with its awaitable one.
+
+Persistent hooks see the tokens each step computes: prompt tokens served from the prefix
+cache are not run again, so start the engine with ``enable_prefix_caching=False`` when the
+hooks must see every prompt token or change the stream.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Generator, Sequence
+from typing import Any
+
+from vllm_lens import wire
+from vllm_lens.frontend.collate import LensSession, facts_from_describe, merge_hook_results
+from vllm_lens.spec import parse_hooks
+from vllm_lens.worker.hooks import decode_results
+
+__all__ = ["METHODS", "install"]
+
+#: One step: (worker RPC name, args); the RPC's per-rank results are sent back in.
+_Steps = Generator[tuple[str, tuple[Any, ...]], list[Any], Any]
+# vLLM appends "-<8 random characters>" to each request id it is given (input_processor).
+_INTERNAL_SUFFIX = re.compile(r"-[0-9A-Za-z]{8}$")
+
+
+def _register(session: LensSession, hooks: Any,
+              prefetch_params: Sequence[str] | None = None) -> _Steps:
+    session.facts = facts_from_describe((yield "lens_describe", ()))
+    specs = parse_hooks(hooks, session.facts)
+    session.persistent_trusted = all(s.pickled is not None for s in specs)
+    if prefetch_params:
+        yield from _prefetch(prefetch_params)
+    yield "lens_register_hooks", ([s.to_payload() for s in specs],)
+
+
+def _collect(session: LensSession) -> _Steps:
+    stages_by_req: dict[str, list[dict[str, Any]]] = {}
+    trusted = getattr(session, "persistent_trusted", False)
+    for rank in (yield "lens_collect_hook_results", ()):
+        for req_id, blob in (rank or {}).items():
+            stages_by_req.setdefault(req_id, []).append(decode_results(blob, trusted))
+    out: dict[str, Any] = {}
+    for req_id, stages in stages_by_req.items():
+        results, error = merge_hook_results(stages)
+        out[_INTERNAL_SUFFIX.sub("", req_id)] = error if error is not None else results
+    return out
+
+
+def _prefetch(names: Sequence[str]) -> _Steps:
+    merged: dict[str, bytes] = {}
+    for rank in (yield "lens_prefetch_params", (list(names),)):
+        merged.update(rank or {})
+    missing = sorted(set(names) - set(merged))
+    if missing:
+        raise KeyError(f"no stage of the model has parameter(s) {missing}")
+    yield "lens_set_prefetched", (merged,)
+    return {name: tuple(wire.loads(b).shape) for name, b in merged.items()}
+
+
+def _single(method: str) -> Any:
+    def steps(session: LensSession) -> _Steps:
+        yield method, ()
+
+    return steps
+
+
+#: name -> generator function(session, *args); the public method names on LLM / AsyncLLM.
+METHODS = {
+    "register_hooks": _register,
+    "collect_hook_results": _collect,
+    "clear_hook_results": _single("lens_clear_hook_results"),
+    "clear_hooks": _single("lens_clear_hooks"),
+    "prefetch_params": lambda session, names: _prefetch(names),
+    "clear_prefetched": _single("lens_clear_prefetched"),
+}
+
+
+def _sync_method(name: str, steps_fn: Any) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        engine = self.llm_engine
+        steps = steps_fn(LensSession.of(engine), *args, **kwargs)
+        try:
+            rpc, rpc_args = next(steps)
+            while True:
+                rpc, rpc_args = steps.send(engine.collective_rpc(rpc, args=rpc_args))
+        except StopIteration as stop:
+            return stop.value
+
+    method.__name__ = name
+    method.__doc__ = f"vllm-lens persistent hooks: {name} (see vllm_lens.frontend.persistent_hooks)."
+    return method
+
+
+def _async_method(name: str, steps_fn: Any) -> Any:
+    async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        steps = steps_fn(LensSession.of(self), *args, **kwargs)
+        try:
+            rpc, rpc_args = next(steps)
+            while True:
+                rpc, rpc_args = steps.send(await self.collective_rpc(rpc, args=rpc_args))
+        except StopIteration as stop:
+            return stop.value
+
+    method.__name__ = name
+    method.__doc__ = f"vllm-lens persistent hooks: {name} (see vllm_lens.frontend.persistent_hooks)."
+    return method
+
+
+def install() -> None:
+    from vllm import LLM
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    for name, steps_fn in METHODS.items():
+        if not hasattr(LLM, name):
+            setattr(LLM, name, _sync_method(name, steps_fn))
+        if not hasattr(AsyncLLM, name):
+            setattr(AsyncLLM, name, _async_method(name, steps_fn))

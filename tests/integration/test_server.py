@@ -307,3 +307,72 @@ def test_load_200_concurrent_mixed_requests(smol_server):
     grown = rss_bytes(smol_server.pid) - baseline
     print(f"API server RSS grew by {grown / 2**20:.0f} MiB over the load test")
     assert grown < 200 << 20
+
+
+def _pickled_hook(ctx, hidden):
+    ctx.saved["n"] = ctx.saved.get("n", 0) + hidden.shape[0]
+
+
+def test_named_hook_over_http_needs_no_opt_in(client):
+    """The shipped logit lens at the last layer reads the model's own next-token choice."""
+    from vllm_lens import NamedHook
+
+    result = client.generate(PROMPT, max_tokens=5, ignore_eos=True,
+                             hooks=[NamedHook("logit_lens_topk", [29], {"k": 3})])
+    lens = result.hook_results["0"]
+    n_prompt = len(result.prompt_token_ids)
+    top1 = lens["token_ids"]["29"][:, 0]
+    assert lens["positions"]["29"].tolist() == list(range(n_prompt + 4))
+    assert top1[n_prompt - 1:].tolist() == result.token_ids
+
+
+def test_pickled_hooks_are_refused_with_403(smol_server, client):
+    from vllm_lens import Hook
+
+    with pytest.raises(LensHTTPError) as info:
+        client.generate(PROMPT, max_tokens=2, hooks=[Hook(_pickled_hook, [1])])
+    assert info.value.status == 403 and "VLLM_LENS_ALLOW_PICKLED_HOOKS" in info.value.message
+    with pytest.raises(LensHTTPError) as info:
+        client.register_hooks([Hook(_pickled_hook, [1])])
+    assert info.value.status == 403
+    assert client.generate(PROMPT, max_tokens=2).text  # still serving
+
+
+def test_persistent_named_hooks_over_http(client):
+    from vllm_lens import NamedHook
+
+    n_prompt = len(client.generate(PROMPT, max_tokens=1).prompt_token_ids)
+    client.register_hooks([NamedHook("linear_probe", [5], {"weight": [0.01] * 576})])
+    try:
+        result = client.generate(PROMPT, max_tokens=3, ignore_eos=True)
+        collected = client.collect_hook_results()
+        (mine,) = [v for k, v in collected.items() if k.startswith(result.raw["id"])]
+        assert mine["0"]["scores"]["5"].shape == (n_prompt + 2,)
+        assert client.collect_hook_results().keys() == collected.keys()
+        client.clear_hook_results()
+        assert client.collect_hook_results() == {}
+    finally:
+        client.clear_hooks()
+    client.generate(PROMPT, max_tokens=2)
+    assert client.collect_hook_results() == {}
+
+
+def test_pickled_hooks_work_when_the_operator_opts_in(tiny_path):
+    from tests.integration.server import running_server
+    from vllm_lens import Hook
+
+    with running_server(tiny_path, "--enforce-eager",
+                        env={"VLLM_LENS_ALLOW_PICKLED_HOOKS": "1"}) as server, \
+            LensClient(server.base_url) as c:
+        result = c.generate(PROMPT, max_tokens=3, ignore_eos=True,
+                            hooks=[Hook(_pickled_hook, [1])])
+        assert result.hook_results == {"0": {"n": len(result.prompt_token_ids) + 2}}
+
+        def broken(ctx, hidden):
+            raise RuntimeError("broken on purpose")
+
+        with pytest.raises(LensHTTPError) as info:
+            c.generate(PROMPT, max_tokens=2, hooks=[Hook(broken, [1])])
+        assert info.value.status == 500 and "broken on purpose" in info.value.message
+        assert info.value.param == "apply_hooks"
+        assert c.generate(PROMPT, max_tokens=2).text is not None  # still serving, same connection

@@ -47,7 +47,8 @@ from vllm_lens.errors import LensRequestError, RemoteCodeRefusedError
 from vllm_lens.frontend.async_engine import model_facts
 from vllm_lens.frontend.blob_store import BlobStore
 from vllm_lens.frontend.response_scope import ResponseScope
-from vllm_lens.spec import LENS_KEYS, TRANSPORT_KEY, has_lens_keys, parse_extra_args
+from vllm_lens.hooks import HookError
+from vllm_lens.spec import HOOKS_KEY, LENS_KEYS, TRANSPORT_KEY, has_lens_keys, parse_extra_args
 
 __all__ = ["install", "store"]
 
@@ -106,7 +107,12 @@ def _wrap_endpoint(endpoint: _Endpoint):
                 return await original(self, request, raw_request)
             scope = ResponseScope()
             with scope.active():
-                result = await original(self, request, raw_request)
+                try:
+                    result = await original(self, request, raw_request)
+                except HookError as exc:  # a client's hook raised: answer, don't crash the route
+                    return create_error_response(
+                        str(exc), err_type="InternalServerError",
+                        status_code=HTTPStatus.INTERNAL_SERVER_ERROR, param=HOOKS_KEY)
             if isinstance(result, ErrorResponse):
                 return result
             n = request.n or 1

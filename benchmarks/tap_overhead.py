@@ -40,7 +40,7 @@ def main() -> None:
     taps.set_tap_handler(None)
     idle = per_call_us(hidden, residual, args.calls)
     # A handler that returns at once, like the runtime's with an empty plan.
-    taps.set_tap_handler(lambda h, r, layer: None)
+    taps.set_tap_handler(lambda h, r, layer, pre: None)
     attached = per_call_us(hidden, residual, args.calls)
     taps.set_tap_handler(None)
     for name, us in (("no handler (before any lens request)", idle),

@@ -7,7 +7,7 @@ and worker processes. vllm-lens fills in ``worker_extension_cls`` there. It does
 ``enforce_eager``: the taps are part of the compiled graph.
 
 On CUDA, vLLM replays decode steps from CUDA graphs, which would skip the taps' Python
-logic; the tap op is therefore added to the compilation's splitting ops (it then runs
+logic; the tap ops are therefore added to the compilation's splitting ops (it then runs
 eagerly between graph pieces) and full-graph modes are reduced to piecewise.
 """
 
@@ -18,7 +18,7 @@ import logging
 from vllm.engine.arg_utils import EngineArgs
 
 from vllm_lens._patching import wrap_attribute
-from vllm_lens.worker.taps import TAP_OP_NAME
+from vllm_lens.worker.taps import TAP_OPS
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,9 @@ def _keep_taps_out_of_cuda_graphs(args: EngineArgs) -> None:
     # None means "vLLM's default", which is the attention ops: keep them, add the taps.
     ops = list(compilation.splitting_ops if compilation.splitting_ops is not None
                else CompilationConfig._attention_ops)
-    if TAP_OP_NAME not in ops:
-        compilation.splitting_ops = [*ops, TAP_OP_NAME]
+    missing = [op for op in TAP_OPS if op not in ops]
+    if missing:
+        compilation.splitting_ops = [*ops, *missing]
     mode = compilation.cudagraph_mode
     if mode is None or mode.has_full_cudagraphs():
         compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE

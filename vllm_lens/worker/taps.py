@@ -24,9 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TAP_OP_NAME", "TapInfo", "install_taps", "set_tap_handler", "tap_info"]
+__all__ = ["TAP_OPS", "TapInfo", "install_taps", "set_tap_handler", "tap_info"]
 
 TAP_OP_NAME = "vllm_lens::tap"
+PRE_TAP_OP_NAME = "vllm_lens::pre_tap"
+#: Every custom op vllm-lens puts in the traced graph.
+TAP_OPS = (PRE_TAP_OP_NAME, TAP_OP_NAME)
 
 #: handler(hidden, residual, layer_index, pre); ``residual`` is None for layers without one
 #: (and entering the first layer); ``pre`` is True at a layer's input.
@@ -54,7 +57,7 @@ def _tap_fake(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -
     return None
 
 
-@torch.library.custom_op("vllm_lens::pre_tap", mutates_args=("hidden",))
+@torch.library.custom_op(PRE_TAP_OP_NAME, mutates_args=("hidden",))
 def _pre_tap(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
     # The layer's inputs: the residual stream entering it is hidden + residual (hidden alone
     # for the first layer, whose residual is None).

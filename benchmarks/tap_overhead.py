@@ -4,8 +4,9 @@
 
 The throughput benchmark compares whole engines in separate processes, so on a shared machine
 its plain-traffic ratio carries run-to-run noise of several percent. This measures the one
-thing the plugin adds to a step without lens requests — one tap call per decoder layer — and
-prints it next to the duration of a SmolLM2 decode step measured in throughput.py.
+thing the plugin adds to a step without lens requests — two tap calls per decoder layer
+(``vllm_lens::pre_tap`` at its input, ``vllm_lens::tap`` at its output; both cost the same) —
+and prints it next to the duration of a SmolLM2 decode step measured in throughput.py.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ def main() -> None:
     taps.set_tap_handler(None)
     for name, us in (("no handler (before any lens request)", idle),
                      ("handler attached, nothing to do", attached)):
-        per_step_ms = us * args.layers / 1000
+        per_step_ms = 2 * us * args.layers / 1000  # pre_tap + tap per layer
         print(f"{name}: {us:.2f} us/call -> {per_step_ms:.3f} ms/step over {args.layers} "
-              f"layers = {per_step_ms / args.step_ms:.3%} of a {args.step_ms:.0f} ms decode step")
+              f"layers x 2 taps = {per_step_ms / args.step_ms:.3%} of a {args.step_ms:.0f} ms "
+              "decode step")
 
 
 if __name__ == "__main__":

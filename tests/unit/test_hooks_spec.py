@@ -1,0 +1,95 @@
+"""Hook requests: what is accepted, what is refused, and how hooks travel (no engine)."""
+
+import json
+
+import pytest
+
+from vllm_lens import Hook, LensRequestError, NamedHook, RemoteCodeRefusedError
+from vllm_lens.client import encode_xargs
+from vllm_lens.hooks import hook_to_json
+from vllm_lens.named_hooks import linear_probe, logit_lens_topk
+from vllm_lens.spec import LensRequest, ModelFacts, parse_extra_args
+from vllm_lens.worker.hooks import HookState, decode_results, encode_results
+
+FACTS = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=8, max_model_len=64,
+                   mapped=True)
+
+
+def _noop(ctx, hidden):
+    return None
+
+
+def parse(hooks):
+    return parse_extra_args({"apply_hooks": hooks}, lambda: FACTS)[1]
+
+
+def test_live_and_named_hooks_round_trip_through_the_payload():
+    lens = parse([Hook(_noop, [2, 1], pre=True),
+                  NamedHook("linear_probe", [3], {"weight": [1.0] * 8})])
+    again = LensRequest.from_payload(lens.to_payload())
+    assert again.hooks == lens.hooks
+    assert again.hooks[0].layers == (1, 2) and again.hooks[0].pre
+    assert again.hooks[1].name == "linear_probe" and json.loads(again.hooks[1].args)["weight"]
+    assert lens.cache_salt == f"vllm-lens:hooks:{lens.key}"  # hooked requests share no blocks
+
+
+def test_json_forms_are_accepted_but_pickles_need_the_operator(monkeypatch):
+    named = json.dumps([hook_to_json(NamedHook("logit_lens_topk", [0], {"k": 2}))])
+    assert parse(named).hooks[0].name == "logit_lens_topk"
+    pickled = json.dumps([hook_to_json(Hook(_noop, [1]))])
+    monkeypatch.delenv("VLLM_LENS_ALLOW_PICKLED_HOOKS", raising=False)
+    with pytest.raises(RemoteCodeRefusedError, match="VLLM_LENS_ALLOW_PICKLED_HOOKS"):
+        parse(pickled)
+    monkeypatch.setenv("VLLM_LENS_ALLOW_PICKLED_HOOKS", "1")
+    assert parse(pickled).hooks[0].pickled is not None
+
+
+@pytest.mark.parametrize("hooks,field", [
+    ([], "apply_hooks"),
+    ([Hook(_noop, [4])], "apply_hooks[0].layer_indices[0]"),
+    ([Hook(_noop, [])], "apply_hooks[0].layer_indices"),
+    ([Hook("not callable", [1])], "apply_hooks[0].fn"),
+    ([NamedHook("nope", [1])], "apply_hooks[0].name"),
+    ([NamedHook("linear_probe", [1], {"weight": "x"})], "apply_hooks[0].args"),
+    ([{"name": "linear_probe"}], "apply_hooks[0]"),
+    ([42], "apply_hooks[0]"),
+])
+def test_bad_hooks_name_their_field(hooks, field):
+    with pytest.raises(LensRequestError) as info:
+        parse(hooks)
+    assert info.value.field == field
+
+
+def test_named_hook_factories_validate_their_arguments():
+    with pytest.raises(ValueError, match="k must be"):
+        logit_lens_topk({"k": 1000})
+    with pytest.raises(ValueError, match="unknown argument"):
+        linear_probe({"weight": [1.0], "colour": 1})
+
+
+def test_results_travel_as_msgpack_and_pickle_only_for_trusted_hooks():
+    blob = encode_results(HookState(runs=[], trusted=True))
+    assert blob[:1] == b"W" and decode_results(blob, allow_pickle=False)["results"] == {}
+
+    from vllm_lens.worker.hooks import _Run
+
+    odd = HookState(runs=[_Run(fn=_noop, layers=frozenset({0}), pre=False, saved={"x": {1, 2}})],
+                    trusted=True)
+    blob = encode_results(odd)
+    assert blob[:1] == b"P"
+    with pytest.raises(ValueError, match="refusing pickled"):
+        decode_results(blob, allow_pickle=False)
+    assert decode_results(blob, allow_pickle=True)["results"] == {"0": {"x": {1, 2}}}
+    odd.trusted = False  # a named hook saving an odd value: an error, never a pickle
+    assert decode_results(encode_results(odd), allow_pickle=False)["error"]["message"]
+
+
+def test_encode_xargs_makes_vllm_xargs_values():
+    xargs = encode_xargs({"output_residual_stream": True, "apply_hooks": [NamedHook("x", [1])],
+                          "activations_transport": "binary"})
+    assert xargs["output_residual_stream"] == "true"
+    assert json.loads(xargs["apply_hooks"]) == [{"name": "x", "layer_indices": [1], "args": {},
+                                                 "pre": False}]
+    assert encode_xargs({"output_residual_stream": [1, 2]})["output_residual_stream"] == [1, 2]
+    spec = encode_xargs({"output_residual_stream": {"layers": [1], "reduce": "mean"}})
+    assert json.loads(spec["output_residual_stream"]) == {"layers": [1], "reduce": "mean"}

@@ -43,32 +43,25 @@ def set_tap_handler(handler: TapHandler | None) -> None:
     _handler = handler
 
 
-@torch.library.custom_op(TAP_OP_NAME, mutates_args=("hidden",))
-def _tap(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
-    # hidden/residual: [num_tokens, hidden_size]; the residual stream after the layer is
-    # hidden + residual for fused-residual models (Llama, Qwen2), hidden alone otherwise.
-    handler = _handler
-    if handler is not None:
-        handler(hidden, residual, layer, False)
+def _define_tap(name: str, pre: bool) -> None:
+    """Define one tap op. Its arguments are [num_tokens, hidden_size] tensors: at a layer's
+    output (``pre=False``) the residual stream is hidden + residual for fused-residual models
+    (Llama, Qwen2), hidden alone otherwise; at its input (``pre=True``) likewise, with no
+    residual entering the first layer."""
+
+    @torch.library.custom_op(name, mutates_args=("hidden",))
+    def tap(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
+        handler = _handler
+        if handler is not None:
+            handler(hidden, residual, layer, pre)
+
+    @tap.register_fake
+    def _(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
+        return None
 
 
-@_tap.register_fake
-def _tap_fake(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
-    return None
-
-
-@torch.library.custom_op(PRE_TAP_OP_NAME, mutates_args=("hidden",))
-def _pre_tap(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
-    # The layer's inputs: the residual stream entering it is hidden + residual (hidden alone
-    # for the first layer, whose residual is None).
-    handler = _handler
-    if handler is not None:
-        handler(hidden, residual, layer, True)
-
-
-@_pre_tap.register_fake
-def _pre_tap_fake(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
-    return None
+_define_tap(PRE_TAP_OP_NAME, pre=True)
+_define_tap(TAP_OP_NAME, pre=False)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,9 @@
 - ``VLLM_LENS_ALLOW_PICKLED_HOOKS``: ``1`` lets requests carry pickled ``Hook`` functions,
   i.e. lets anyone who can reach the server run arbitrary code on it. Off by default; named
   hooks (entry-point group ``vllm_lens.hooks``) need no opt-in.
+- ``VLLM_LENS_ALLOW_PERSISTENT_HOOKS``: ``1`` enables the OpenAI server's ``/v1/hooks/*``
+  routes. Persistent hooks see every client's requests and ``collect`` returns their results,
+  so they are an operator's tool: off by default (403).
 - ``VLLM_LENS_HOOK_RESULTS_MAX``: results of persistent hooks kept per worker, in requests
   (default 10000); past it the oldest requests' results are dropped.
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 import os
 
 __all__ = [
-    "allow_pickled_hooks", "disabled", "finished_ttl_s", "hook_results_max",
+    "allow_persistent_hooks", "allow_pickled_hooks", "disabled", "finished_ttl_s", "hook_results_max",
     "http_store_max_bytes", "http_store_ttl_s",
     "max_request_bytes", "worker_max_bytes",
 ]
@@ -38,6 +41,10 @@ def disabled() -> bool:
 
 def allow_pickled_hooks() -> bool:
     return _flag("VLLM_LENS_ALLOW_PICKLED_HOOKS")
+
+
+def allow_persistent_hooks() -> bool:
+    return _flag("VLLM_LENS_ALLOW_PERSISTENT_HOOKS")
 
 
 def hook_results_max() -> int:

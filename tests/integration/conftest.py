@@ -34,9 +34,10 @@ def tiny_ref(tiny_path):
     return HFReference(tiny_path)
 
 
-#: The test server keeps binary handles briefly (the load test waits for their expiry) and
-#: caps lens values at 1 MiB (the oversize test sends more).
-SERVER_ENV = {"VLLM_LENS_HTTP_STORE_TTL_S": "20", "VLLM_LENS_MAX_REQUEST_BYTES": str(1 << 20)}
+#: The test server keeps binary handles briefly (the load test waits for their expiry), caps
+#: lens values at 1 MiB (the oversize test sends more) and enables persistent hooks.
+SERVER_ENV = {"VLLM_LENS_HTTP_STORE_TTL_S": "20", "VLLM_LENS_MAX_REQUEST_BYTES": str(1 << 20),
+              "VLLM_LENS_ALLOW_PERSISTENT_HOOKS": "1"}
 
 
 @pytest.fixture(scope="session")

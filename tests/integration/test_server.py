@@ -367,6 +367,9 @@ def test_pickled_hooks_work_when_the_operator_opts_in(tiny_path):
         result = c.generate(PROMPT, max_tokens=3, ignore_eos=True,
                             hooks=[Hook(_pickled_hook, [1])])
         assert result.hook_results == {"0": {"n": len(result.prompt_token_ids) + 2}}
+        with pytest.raises(LensHTTPError) as info:  # this server did not enable /v1/hooks
+            c.collect_hook_results()
+        assert info.value.status == 403 and "VLLM_LENS_ALLOW_PERSISTENT_HOOKS" in info.value.message
 
         def broken(ctx, hidden):
             raise RuntimeError("broken on purpose")

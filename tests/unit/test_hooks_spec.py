@@ -80,7 +80,7 @@ def test_results_travel_as_msgpack_and_pickle_only_for_trusted_hooks():
     with pytest.raises(ValueError, match="refusing pickled"):
         decode_results(blob, allow_pickle=False)
     assert decode_results(blob, allow_pickle=True)["results"] == {"0": {"x": {1, 2}}}
-    odd.trusted = False  # a named hook saving an odd value: an error, never a pickle
+    odd.trusted = False  # only named hooks: an error, never a pickle
     assert decode_results(encode_results(odd), allow_pickle=False)["error"]["message"]
 
 

@@ -78,8 +78,8 @@ class LensSession:
         self.in_flight: dict[str, LensRequest] = {}
         """External request id -> its lens request, until it finishes or is aborted."""
         self.persistent_trusted = False
-        """The registered persistent hooks were all pickled by this process's user (their
-        results may come back pickled)."""
+        """Some registered persistent hook was pickled, i.e. registered by a trusted caller
+        (their results may come back pickled)."""
 
     @staticmethod
     def of(engine: object) -> LensSession:
@@ -151,7 +151,7 @@ class LensSession:
         """
         captures: dict[str, list[bytes]] = {}
         hooks: dict[str, list[dict[str, Any]]] = {}
-        trusted = all(h.pickled is not None for h in lens.hooks)
+        trusted = any(h.pickled is not None for h in lens.hooks)
         for result in rank_results:
             for req_id, parts in (result or {}).get(lens.key, {}).items():
                 if parts.get("capture") is not None:

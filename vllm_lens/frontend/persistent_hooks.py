@@ -41,7 +41,7 @@ def _register(session: LensSession, hooks: Any,
               prefetch_params: Sequence[str] | None = None) -> _Steps:
     session.facts = facts_from_describe((yield "lens_describe", ()))
     specs = parse_hooks(hooks, session.facts)
-    session.persistent_trusted = all(s.pickled is not None for s in specs)
+    session.persistent_trusted = any(s.pickled is not None for s in specs)
     if prefetch_params:
         yield from _prefetch(prefetch_params)
     yield "lens_register_hooks", ([s.to_payload() for s in specs],)

@@ -13,7 +13,8 @@ Nothing to configure: when the plugin loads in a process that builds the API ser
   and freed by ``DELETE`` on the same path or when they expire;
 - adds ``GET /v1/lens/stats`` (bytes waiting in the binary store and on each worker) and the
   persistent-hook routes ``/v1/hooks/{register, collect, clear, clear_results, prefetch,
-  clear_prefetched}`` (``frontend.persistent_hooks``);
+  clear_prefetched}`` (``frontend.persistent_hooks``), which answer 403 unless the operator
+  set ``VLLM_LENS_ALLOW_PERSISTENT_HOOKS=1`` (they see every client's traffic);
 - refuses pickled hooks (per request or registered) with 403 unless the operator set
   ``VLLM_LENS_ALLOW_PICKLED_HOOKS=1``; named hooks need no opt-in. A hook that raises fails its
   HTTP request with a 500 whose message carries the hook's error and traceback summary.
@@ -235,6 +236,12 @@ async def lens_stats(raw_request: Request) -> JSONResponse:
 
 
 async def _hooks_call(raw_request: Request, name: str, *args: Any) -> JSONResponse:
+    if not envs.allow_persistent_hooks():
+        return _json_error(create_error_response(
+            "persistent hooks run on every client's requests and collect returns their results, "
+            "so /v1/hooks/* is off; the operator may start the server with "
+            "VLLM_LENS_ALLOW_PERSISTENT_HOOKS=1 (only where all clients may see each other's "
+            "traffic)", err_type="PermissionDeniedError", status_code=HTTPStatus.FORBIDDEN))
     engine = raw_request.app.state.engine_client
     try:
         result = await getattr(engine, name)(*args)

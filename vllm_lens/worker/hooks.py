@@ -40,19 +40,20 @@ class HookState:
 
     runs: list[_Run]
     trusted: bool
-    """All hooks were pickled by a trusted caller: results may be pickled back if needed."""
+    """Some hook was pickled, so the request came from a trusted caller (offline, or a client
+    the operator allowed to send code): results may be pickled back if needed."""
     error: dict[str, str] | None = None
 
     @classmethod
     def build(cls, specs: Iterable[HookSpec]) -> HookState:
-        runs, trusted = [], True
-        state = cls(runs=runs, trusted=True)
+        runs, trusted = [], False
+        state = cls(runs=runs, trusted=False)
         try:
             for spec in specs:
                 if spec.pickled is not None:
+                    trusted = True
                     fn = pickle.loads(spec.pickled)  # noqa: S301 - vetted by the front end
                 else:
-                    trusted = False
                     fn = named_hooks.load(str(spec.name))(json.loads(spec.args))
                 runs.append(_Run(fn=fn, layers=frozenset(spec.layers), pre=spec.pre))
         except Exception as exc:  # a hook that cannot even be built fails its request
@@ -154,13 +155,26 @@ def encode_results(state: HookState) -> bytes:
     body = {"results": state.results(), "error": state.error}
     try:
         return b"W" + wire.dumps(body)
-    except TypeError:
-        if not state.trusted:
-            body = {"results": {}, "error": {
-                "message": "TypeError: a named hook saved a value that is not a tensor or plain "
-                           "data", "traceback": ""}}
-            return b"W" + wire.dumps(body)
-        return b"P" + pickle.dumps(body)
+    except Exception as exc:  # values msgpack cannot carry: never let them fail the batch
+        failure: Exception = exc
+    if state.trusted:
+        try:
+            return b"P" + pickle.dumps(_to_cpu(body))
+        except Exception as exc:
+            failure = exc
+    return b"W" + wire.dumps({"results": {}, "error": {
+        "message": f"{type(failure).__name__}: a hook saved a value that cannot be sent back "
+                   f"({failure}); save tensors and plain data", "traceback": ""}})
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu")
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 def decode_results(blob: bytes, allow_pickle: bool) -> dict[str, Any]:

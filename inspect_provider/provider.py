@@ -56,7 +56,7 @@ class VLLMLensAPI(VLLMAPI):
 
     def handle_bad_request(self, ex: APIStatusError) -> ModelOutput | Exception:
         body = ex.body if isinstance(ex.body, dict) else {}
-        error = body.get("error", body) if isinstance(body.get("error", body), dict) else body
+        error = body["error"] if isinstance(body.get("error"), dict) else body  # SDKs differ
         message = str(error.get("message") or ex.message)
         if ex.status_code == 400 and "vllm-lens" in message:
             return LensHTTPError(400, message, error.get("param"))

@@ -49,7 +49,7 @@ def _register(session: LensSession, hooks: Any,
 
 def _collect(session: LensSession) -> _Steps:
     stages_by_req: dict[str, list[dict[str, Any]]] = {}
-    trusted = getattr(session, "persistent_trusted", False)
+    trusted = session.persistent_trusted
     for rank in (yield "lens_collect_hook_results", ()):
         for req_id, blob in (rank or {}).items():
             stages_by_req.setdefault(req_id, []).append(decode_results(blob, trusted))

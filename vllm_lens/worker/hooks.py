@@ -46,23 +46,18 @@ class HookState:
 
     @classmethod
     def build(cls, specs: Iterable[HookSpec]) -> HookState:
-        runs, trusted = [], False
-        state = cls(runs=runs, trusted=False)
+        specs = tuple(specs)
+        state = cls(runs=[], trusted=any(s.pickled is not None for s in specs))
         try:
             for spec in specs:
                 if spec.pickled is not None:
-                    trusted = True
                     fn = pickle.loads(spec.pickled)  # noqa: S301 - vetted by the front end
                 else:
                     fn = named_hooks.load(str(spec.name))(json.loads(spec.args))
-                runs.append(_Run(fn=fn, layers=frozenset(spec.layers), pre=spec.pre))
+                state.runs.append(_Run(fn=fn, layers=frozenset(spec.layers), pre=spec.pre))
         except Exception as exc:  # a hook that cannot even be built fails its request
             state.fail(exc)
-        state.trusted = trusted
         return state
-
-    def wants(self, layer: int, pre: bool) -> bool:
-        return self.error is None and any(r.pre == pre and layer in r.layers for r in self.runs)
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
@@ -76,13 +71,20 @@ class HookState:
 
 @dataclass(frozen=True)
 class HookCall:
-    """One request's rows in this step, and the hook states that want them."""
+    """One request's rows in this step, and the hook states that want them (built once per
+    step by the plan, shared by every layer's taps)."""
 
     req_id: str
     start: int
     end: int
     pos0: int
     states: tuple[HookState, ...]
+    positions: torch.Tensor = field(init=False)
+    """Absolute positions of the rows (CPU, int64)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "positions",
+                           torch.arange(self.pos0, self.pos0 + self.end - self.start))
 
 
 class _Context:
@@ -91,12 +93,12 @@ class _Context:
     __slots__ = ("layer_idx", "model", "params", "positions", "request_id", "saved", "seq_len",
                  "tp_rank")
 
-    def __init__(self, saved: dict, layer: int, call: HookCall, positions: torch.Tensor,
-                 model: Any, tp_rank: int, params: ParameterSource) -> None:
+    def __init__(self, saved: dict, layer: int, call: HookCall, model: Any, tp_rank: int,
+                 params: ParameterSource) -> None:
         self.saved = saved
         self.layer_idx = layer
         self.seq_len = call.pos0 + call.end - call.start
-        self.positions = positions
+        self.positions = call.positions
         self.request_id = call.req_id
         self.model = model
         self.tp_rank = tp_rank
@@ -118,7 +120,6 @@ def run_hook_calls(calls: list[HookCall], layer: int, pre: bool, hidden: torch.T
     for call in calls:
         rows = slice(call.start, call.end)
         stream: torch.Tensor | None = None
-        positions = torch.arange(call.pos0, call.pos0 + call.end - call.start)
         for state in call.states:
             for run in state.runs:
                 if state.error is not None or run.pre != pre or layer not in run.layers:
@@ -126,7 +127,7 @@ def run_hook_calls(calls: list[HookCall], layer: int, pre: bool, hidden: torch.T
                 if stream is None:
                     stream = hidden[rows] + residual[rows] if residual is not None \
                         else hidden[rows].clone()
-                ctx = _Context(run.saved, layer, call, positions, model, tp_rank, params)
+                ctx = _Context(run.saved, layer, call, model, tp_rank, params)
                 try:
                     out = run.fn(ctx, stream.clone())
                     if out is not None:

@@ -2,11 +2,13 @@
 
     python benchmarks/tap_overhead.py [--calls 200000]
 
-The throughput benchmark compares whole engines in separate processes, so on a shared machine
-its plain-traffic ratio carries run-to-run noise of several percent. This measures the one
-thing the plugin adds to a step without lens requests — two tap calls per decoder layer
-(``vllm_lens::pre_tap`` at its input, ``vllm_lens::tap`` at its output; both cost the same) —
-and prints it next to the duration of a SmolLM2 decode step measured in throughput.py.
+The throughput benchmark compares whole engines, so on a shared machine its plain-traffic ratio
+carries run-to-run noise of several percent. This measures the one thing the plugin adds to a
+step without lens requests — two tap calls per decoder layer (``vllm_lens::pre_tap`` at its
+input, ``vllm_lens::tap`` at its output; both are registered the same way and cost the same) —
+and prints it next to the duration of a decode step (``--step-ms``: pass the one throughput.py
+implies on your machine, e.g. 64 tokens / (tokens/s) for the 64-request case, or
+1 / (tokens/s) for batch 1).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=200_000)
     parser.add_argument("--step-ms", type=float, default=213.0,
-                        help="decode step of 64 requests (64 tokens / 300 tokens/s)")
+                        help="duration of the decode step to compare with (default: 64 "
+                             "requests at 300 tokens/s)")
     parser.add_argument("--layers", type=int, default=30)
     args = parser.parse_args()
 

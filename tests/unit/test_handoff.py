@@ -1,28 +1,63 @@
-"""Worker -> front end handoff of large payloads through shared memory."""
+"""Worker -> front end handoff of captures: inline bytes, or a shared-memory file."""
 
 import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from vllm_lens import handoff
+from vllm_lens.errors import WireError
+
+HEADER = {"layers": [3, 7], "positions": torch.arange(5)}
+
+
+def _send(tensor, host):
+    return handoff.send(HEADER, tensor, host)
+
+
+def _check(received, tensor):
+    header, got = received
+    assert header["layers"] == [3, 7] and torch.equal(header["positions"], HEADER["positions"])
+    assert got.dtype == tensor.dtype and torch.equal(got, tensor)
 
 
 def test_small_payloads_and_other_hosts_travel_inline():
-    assert handoff.send(b"small", handoff.host_id()) == b"small"
-    big = os.urandom(handoff.INLINE_MAX_BYTES)
-    assert handoff.send(big, "another-host/boot") == big
-    assert handoff.send(big, None) == big
-    assert handoff.receive(b"x") == b"x"
+    small = torch.randn(2, 5, 8)
+    sent = _send(small, handoff.host_id())
+    assert isinstance(sent, bytes)
+    _check(handoff.receive(sent), small)
+    big = torch.randn(2, 5, handoff.INLINE_MAX_BYTES // 40 + 1)
+    for host in ("another-host/boot", None):
+        sent = _send(big, host)
+        assert isinstance(sent, bytes)
+        _check(handoff.receive(sent), big)
 
 
-def test_large_payload_goes_through_a_private_file_read_once():
-    big = os.urandom(handoff.INLINE_MAX_BYTES + 5)
-    sent = handoff.send(big, handoff.host_id())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_large_capture_goes_through_a_private_file_mapped_once(dtype):
+    big = torch.randn(3, 7, handoff.INLINE_MAX_BYTES // 21 + 3).to(dtype)
+    sent = _send(big, handoff.host_id())
     path = Path(sent["path"])
     assert path.exists() and (path.stat().st_mode & 0o777) == 0o600
-    assert handoff.receive(sent) == big
+    header, got = handoff.receive(sent)
     assert not path.exists()
+    _check((header, got), big)
+    got.add_(1)  # the tensor is the caller's to change
+    assert torch.equal(got, big + 1)
+
+
+def test_full_shared_memory_falls_back_to_inline(monkeypatch):
+    def no_space(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", no_space)
+    before = set(os.listdir(handoff._directory()))
+    big = torch.randn(2, handoff.INLINE_MAX_BYTES // 8 + 1)
+    sent = _send(big, handoff.host_id())
+    assert isinstance(sent, bytes)
+    _check(handoff.receive(sent), big)
+    assert set(os.listdir(handoff._directory())) == before  # nothing left behind
 
 
 def test_receive_refuses_paths_it_did_not_write(tmp_path):
@@ -31,3 +66,11 @@ def test_receive_refuses_paths_it_did_not_write(tmp_path):
     with pytest.raises(ValueError, match="unexpected handoff path"):
         handoff.receive({"path": str(victim)})
     assert victim.exists()
+
+
+def test_a_corrupt_file_is_a_clear_error():
+    path = handoff._directory() / f"{handoff._PREFIX}corrupt-test"
+    path.write_bytes(b"not a capture at all")
+    with pytest.raises(WireError, match="not a vllm-lens capture"):
+        handoff.receive({"path": str(path)})
+    assert not path.exists()

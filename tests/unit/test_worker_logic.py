@@ -1,11 +1,10 @@
 """Worker-side slicing, grouping, buffering and assembly, without an engine."""
 
-import numpy as np
 import pytest
 import torch
 
 from vllm_lens.spec import CaptureSpec, LensRequest
-from vllm_lens.worker.capture import assemble, capture_rows
+from vllm_lens.worker.capture import assemble, capture_layer
 from vllm_lens.worker.plan import RequestSlice, StepPlan, select_rows
 from vllm_lens.worker.store import CaptureStore
 
@@ -33,21 +32,25 @@ def _slice(key, start, end, pos0, n_prompt, layers, positions="all", reduce=None
                         n_prompt=n_prompt)
 
 
-def test_plan_groups_rows_per_layer():
+def test_plan_groups_requests_by_layer_set():
     # batch rows: a = 0..2 (prefill), plain request at 3, b = 4 (decode at position 9)
     a = _slice("a", 0, 3, 0, 3, (0, 2))
     b = _slice("b", 4, 5, 9, 5, (2,))
-    plan = StepPlan.build([a, b], torch.device("cpu"), frozenset(range(4)))
+    c = _slice("c", 5, 6, 7, 5, (0, 2))
+    plan = StepPlan.build([a, b, c], torch.device("cpu"), frozenset(range(4)))
     assert set(plan.capture) == {0, 2}
-    assert plan.capture[0].rows == slice(0, 3)
-    assert plan.capture[2].rows.tolist() == [0, 1, 2, 4]
-    assert [(o.key, o.lo, o.hi) for o in plan.capture[2].owners] == [("a", 0, 3), ("b", 3, 4)]
-    assert plan.captured_positions["req-b"].tolist() == [9]
+    ac, bb = plan.groups
+    assert ac.layers == (0, 2) and bb.layers == (2,)
+    assert ac.rows.tolist() == [0, 1, 2, 5] and bb.rows == slice(4, 5)
+    assert [(o.key, o.lo, o.hi) for o in ac.owners] == [("a", 0, 3), ("c", 3, 4)]
+    assert ac.owners[1].positions.tolist() == [7]
+    assert plan.capture[2] == [(ac, 1), (bb, 0)]
+    assert bb.owners[0].positions.tolist() == [9]
 
 
 def test_plan_without_capture_rank_has_no_groups():
     plan = StepPlan.build([_slice("a", 0, 3, 0, 3, (0,))], torch.device("cpu"), frozenset())
-    assert not plan.empty and plan.capture == {}
+    assert not plan.empty and plan.capture == {} and plan.groups == []
 
 
 def test_plan_captures_only_this_stages_layers():
@@ -55,20 +58,21 @@ def test_plan_captures_only_this_stages_layers():
     b = _slice("b", 3, 4, 5, 5, (1,))
     plan = StepPlan.build([a, b], torch.device("cpu"), frozenset({2, 3}))
     assert set(plan.capture) == {3}
-    assert set(plan.captured_positions) == {"req-a"}
+    assert [o.key for g in plan.groups for o in g.owners] == ["a"]
 
 
-def _run_steps(store, steps, hidden_size=4):
-    """Feed (slices, hidden, residual) steps through plan + capture like the runtime does."""
+def _run_steps(store, steps):
+    """Feed (slices, hidden, residual, layers) steps through plan + capture like the runtime:
+    plan and stage at the step's start, settle at the next step's start."""
     for slices, hidden, residual, layers in steps:
+        store.settle()
         plan = StepPlan.build(slices, hidden.device, frozenset(range(4)))
-        for s in slices:
-            if s.req_id in plan.captured_positions:
-                store.begin_step(s.lens.key, s.req_id, plan.captured_positions[s.req_id],
-                                 s.lens.capture.reduce)
+        for group in plan.groups:
+            store.stage(group)
         for layer in layers:
-            if layer in plan.capture:
-                capture_rows(plan.capture[layer], hidden, residual, layer, store)
+            for group, index in plan.capture.get(layer, ()):
+                capture_layer(group, index, hidden, residual)
+    store.settle(wait=True)
 
 
 def test_capture_sums_hidden_and_residual_and_assembles_across_steps():
@@ -92,6 +96,20 @@ def test_capture_sums_hidden_and_residual_and_assembles_across_steps():
     assert store.nbytes == 0 and len(store) == 0
 
 
+def test_requests_of_one_step_get_their_own_copies():
+    # Two requests share a step's staging tensor; each entry must hold its own rows only,
+    # so a fetched request's memory is not kept alive by the other one.
+    store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
+    h = torch.randn(3, 4)
+    _run_steps(store, [([_slice("a", 0, 2, 0, 2, (0,)), _slice("b", 2, 3, 0, 1, (0,))],
+                        h, None, [0])])
+    (a,) = store.pop("a").values()
+    (b,) = store.pop("b").values()
+    assert a.nbytes == 2 * 4 * 4 and b.nbytes == 4 * 4
+    assert a.chunks[0].untyped_storage().nbytes() == a.nbytes
+    assert torch.equal(assemble(b, 1)["residual_stream"][0], h[2:3])
+
+
 def test_assemble_trims_surplus_and_deduplicates_recomputed_positions():
     store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
     h = [torch.full((2, 4), float(i)) for i in range(3)]
@@ -110,37 +128,41 @@ def test_assemble_trims_surplus_and_deduplicates_recomputed_positions():
 @pytest.mark.parametrize("reduce", ["mean", "last"])
 def test_reductions(reduce):
     store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
-    h = torch.randn(3, 4)
-    _run_steps(store, [([_slice("a", 0, 3, 0, 3, (1,), reduce=reduce)], h, None, [1])])
+    h, h2 = torch.randn(3, 4), torch.randn(1, 4)
+    _run_steps(store, [([_slice("a", 0, 3, 0, 3, (1,), reduce=reduce)], h, None, [1]),
+                       ([_slice("a", 0, 1, 3, 3, (1,), reduce=reduce)], h2, None, [1]),
+                       ([_slice("a", 0, 1, 4, 3, (1,), reduce=reduce)], h2 + 1, None, [1])])
     (entry,) = store.pop("a").values()
-    out = assemble(entry, valid_len=3)["residual_stream"]
-    expected = h.mean(0) if reduce == "mean" else h[-1]
+    out = assemble(entry, valid_len=4)["residual_stream"]  # position 4 is a surplus step
+    rows = torch.cat([h, h2])
+    expected = rows.mean(0) if reduce == "mean" else rows[-1]
     torch.testing.assert_close(out, expected[None])
+
+
+def _one_row(store, key, position=0):
+    """Capture one row for request ``req-<key>``; returns the request id."""
+    _run_steps(store, [([_slice(key, 0, 1, position, 1, (0,))], torch.ones(1, 4), None, [0])])
+    return f"req-{key}"
 
 
 def test_store_closes_fetched_keys_and_expires_finished_entries():
     store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=0.0)
-    store.begin_step("k", "r1", np.array([0]), None)
-    store.add_rows("k", "r1", 0, torch.ones(1, 4))
+    _one_row(store, "k")
     store.pop("k")
-    store.begin_step("k", "r1", np.array([1]), None)  # surplus step after the fetch
-    store.add_rows("k", "r1", 0, torch.ones(1, 4))
+    _one_row(store, "k", position=1)  # surplus step after the fetch
     assert len(store) == 0 and store.nbytes == 0
-    store.begin_step("other", "r2", np.array([0]), None)
-    store.add_rows("other", "r2", 0, torch.ones(1, 4))
-    store.mark_finished(live_req_ids={"r2"})
+    other = _one_row(store, "other")
+    store.mark_finished(live_req_ids={other})
     assert len(store) == 1
-    store.mark_finished(live_req_ids=set())  # r2 finished, ttl 0 -> dropped on next sweep
+    store.mark_finished(live_req_ids=set())  # finished, ttl 0 -> dropped on next sweep
     store.mark_finished(live_req_ids=set())
     assert len(store) == 0 and store.nbytes == 0
 
 
 def test_store_byte_budget_evicts_oldest_finished():
     store = CaptureStore(max_bytes=40, finished_ttl_s=1e9)
-    for i in range(3):
-        store.begin_step(f"k{i}", f"r{i}", np.array([0]), None)
-        store.add_rows(f"k{i}", f"r{i}", 0, torch.ones(1, 4))  # 16 bytes each
-    store.mark_finished(live_req_ids={"r2"})
+    req_ids = [_one_row(store, f"k{i}") for i in range(3)]  # 16 bytes each
+    store.mark_finished(live_req_ids={req_ids[2]})
     assert store.nbytes <= 40
     assert store.pop("k2")  # the live one survives
 

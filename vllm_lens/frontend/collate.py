@@ -16,7 +16,7 @@ import torch
 from vllm import SamplingParams
 from vllm.outputs import RequestOutput
 
-from vllm_lens import handoff, wire
+from vllm_lens import handoff
 from vllm_lens.hooks import HookError
 from vllm_lens.spec import PAYLOAD_KEY, LensRequest, ModelFacts, has_lens_keys, parse_extra_args
 from vllm_lens.worker.hooks import decode_results
@@ -39,12 +39,15 @@ def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
     )
 
 
-def merge_rank_payloads(blobs: Sequence[bytes]) -> dict[str, torch.Tensor]:
-    """Merge one request's payloads from the pipeline stages that captured it (layer order)."""
-    parts = sorted((wire.loads(b) for b in blobs), key=lambda p: p["layers"][0])
-    streams = [p["residual_stream"] for p in parts]
+def merge_rank_payloads(
+    parts: Sequence[tuple[Mapping[str, Any], torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """Merge one request's captures (``handoff.receive`` results) from the pipeline stages
+    that captured it, in layer order."""
+    ordered = sorted(parts, key=lambda part: part[0]["layers"][0])
+    streams = [tensor for _, tensor in ordered]
     stream = streams[0] if len(streams) == 1 else torch.cat(streams)
-    return {"residual_stream": stream, "positions": parts[0]["positions"]}
+    return {"residual_stream": stream, "positions": ordered[0][0]["positions"]}
 
 
 def merge_hook_results(
@@ -149,7 +152,7 @@ class LensSession:
         Returns what was attached for all ``n`` completions, by index: a streamed (DELTA)
         final output holds only the completions that changed in its step, not all of them.
         """
-        captures: dict[str, list[bytes]] = {}
+        captures: dict[str, list[tuple[dict[str, Any], torch.Tensor]]] = {}
         hooks: dict[str, list[dict[str, Any]]] = {}
         trusted = any(h.pickled is not None for h in lens.hooks)
         for result in rank_results:
@@ -163,8 +166,8 @@ class LensSession:
             prefix = "" if n == 1 else f"{index}_"
             found: dict[str, Any] = {}
             if lens.capture is not None:
-                blobs = next((v for k, v in captures.items() if k.startswith(prefix)), None)
-                found["activations"] = (merge_rank_payloads(blobs) if blobs is not None
+                parts = next((v for k, v in captures.items() if k.startswith(prefix)), None)
+                found["activations"] = (merge_rank_payloads(parts) if parts is not None
                                         else self._empty(lens))
             if lens.hooks:
                 stages = next((v for k, v in hooks.items() if k.startswith(prefix)), [])

@@ -1,5 +1,10 @@
-"""Copy requested residual-stream rows to the per-request CPU buffers (runs in: worker, TP
-rank 0 of each pipeline stage), and assemble them into one tensor when the front end fetches.
+"""Copy requested residual-stream rows to the host (runs in: worker, TP rank 0 of each pipeline
+stage), and assemble a request's rows into one tensor when the front end fetches them.
+
+During a step each capturing layer does one gather and one copy into its capture group's
+staging tensor; after the step the store splits the staging tensor per request (one copy per
+request per step, ``CaptureStore.settle``). At fetch time a request's per-step chunks are
+concatenated once.
 """
 
 from __future__ import annotations
@@ -10,87 +15,87 @@ import numpy as np
 import torch
 
 from vllm_lens.worker.plan import CaptureGroup
-from vllm_lens.worker.store import CaptureStore, Entry
+from vllm_lens.worker.store import Entry
 
-__all__ = ["assemble", "capture_rows"]
+__all__ = ["assemble", "capture_layer"]
 
 
-def capture_rows(
-    group: CaptureGroup,
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    layer: int,
-    store: CaptureStore,
-) -> None:
-    """Gather ``group``'s rows of the residual stream (one gather, one host copy per layer)."""
+def capture_layer(group: CaptureGroup, index: int, hidden: torch.Tensor,
+                  residual: torch.Tensor | None) -> None:
+    """Write the residual stream at ``group``'s rows into ``group.staging[index]``."""
+    if group.staging is None:
+        group.staging = torch.empty(
+            (len(group.layers), group.n_rows, hidden.shape[-1]), dtype=hidden.dtype,
+            pin_memory=hidden.device.type != "cpu")
+    dest = group.staging[index]
     rows = group.rows
     if isinstance(rows, slice):
-        picked = hidden[rows]
-        fresh = False  # a view of ``hidden``, which later layers overwrite
-        if residual is not None:
-            picked = picked + residual[rows]
-            fresh = True
+        picked, extra = hidden[rows], None if residual is None else residual[rows]
     else:
         picked = hidden.index_select(0, rows)
-        if residual is not None:
-            picked = picked + residual.index_select(0, rows)
-        fresh = True
-    host = _to_host(picked, fresh)  # [n_rows, hidden]
-    for owner in group.owners:
-        store.add_rows(owner.key, owner.req_id, layer, host[owner.lo : owner.hi])
-
-
-def _to_host(t: torch.Tensor, fresh: bool) -> torch.Tensor:
-    if t.device.type == "cpu":
-        return t if fresh else t.clone()
-    # Asynchronous device->host copy: the fetch RPC synchronizes before reading it.
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    return out
+        extra = None if residual is None else residual.index_select(0, rows)
+    if hidden.device.type == "cpu":
+        if extra is None:
+            dest.copy_(picked)
+        else:
+            torch.add(picked, extra, out=dest)
+        return
+    # Asynchronous device->host copy; the store waits for ``ready`` before reading it.
+    dest.copy_(picked if extra is None else picked + extra, non_blocking=True)
+    if index == len(group.layers) - 1:
+        group.ready = torch.Event(device=hidden.device)
+        group.ready.record()
 
 
 def assemble(entry: Entry, valid_len: int) -> dict[str, Any]:
-    """Stack an entry's chunks into ``[n_layers, n_positions, hidden]`` (or reduce them).
+    """Stack an entry's chunks into ``[n_layers, n_positions, hidden]`` (or reduce them over
+    positions to ``[n_layers, hidden]``).
 
     Rows at positions ``>= valid_len`` come from steps the scheduler ran past the stop and are
     dropped; a position captured twice (a preempted request recomputed) keeps its last copy.
     """
-    layers = sorted(entry.chunks)
-    if not layers:
-        raise ValueError(f"request {entry.req_id} has no captured layer on this rank")
-    positions = np.concatenate(entry.positions) if entry.positions else np.zeros(0, np.int64)
+    if not entry.chunks:
+        raise ValueError(f"request {entry.req_id} has no captured rows on this rank")
+    first = entry.chunks[0]
+    positions = np.concatenate(entry.positions)
     # Last occurrence of each valid position, in ascending position order.
     order = np.arange(positions.size)
     keep_rev = np.unique(positions[::-1], return_index=True)[1]
     keep = order[::-1][keep_rev]
     keep = keep[positions[keep] < valid_len]
-    stacked = _stack_rows(entry, layers, keep)
     kept_positions = torch.from_numpy(positions[keep].astype(np.int64))
-    if entry.reduce == "mean" and kept_positions.numel():
-        stacked = stacked.float().mean(dim=1).to(stacked.dtype)
-    elif entry.reduce == "last" and kept_positions.numel():
-        stacked = stacked[:, -1]
-    return {"layers": layers, "positions": kept_positions, "residual_stream": stacked}
+    if entry.reduce == "last" and keep.size:
+        stream = _rows_at(entry.chunks, positions.size, int(keep[-1])).clone()
+    else:
+        stream = torch.empty((first.shape[0], keep.size, first.shape[-1]), dtype=first.dtype)
+        _concat_rows(entry.chunks, keep, stream)
+        if entry.reduce == "mean" and keep.size:
+            stream = stream.float().mean(dim=1).to(first.dtype)
+    return {"layers": list(entry.layers), "positions": kept_positions, "residual_stream": stream}
 
 
-def _stack_rows(entry: Entry, layers: list[int], keep: np.ndarray) -> torch.Tensor:
-    """``[n_layers, len(keep), hidden]`` from the per-step chunks, copying each row once."""
-    first = entry.chunks[layers[0]][0]
-    out = torch.empty((len(layers), keep.size, first.shape[-1]), dtype=first.dtype)
+def _concat_rows(chunks: list[torch.Tensor], keep: np.ndarray, out: torch.Tensor) -> None:
+    """``out[:, i] = rows[:, keep[i]]`` of the chunks laid end to end, copying each row once."""
     if keep.size == 0:
-        return out
+        return
     if np.array_equal(keep, np.arange(keep.size)):
         # The usual case: rows arrived in order, only a surplus tail (if any) to drop.
-        for i, layer in enumerate(layers):
-            parts, total = [], 0
-            for chunk in entry.chunks[layer]:
-                if total >= keep.size:
-                    break
-                parts.append(chunk[: keep.size - total])
-                total += parts[-1].shape[0]
-            torch.cat(parts, out=out[i])
-        return out
+        parts, total = [], 0
+        for chunk in chunks:
+            if total >= keep.size:
+                break
+            parts.append(chunk[:, : keep.size - total])
+            total += parts[-1].shape[1]
+        torch.cat(parts, dim=1, out=out)
+        return
     index = torch.from_numpy(keep.astype(np.int64))
-    for i, layer in enumerate(layers):
-        torch.index_select(torch.cat(entry.chunks[layer]), 0, index, out=out[i])
-    return out
+    torch.index_select(torch.cat(chunks, dim=1), 1, index, out=out)
+
+
+def _rows_at(chunks: list[torch.Tensor], total: int, row: int) -> torch.Tensor:
+    """Row ``row`` (of ``total``, counted across the chunks) of every layer."""
+    for chunk in reversed(chunks):
+        total -= chunk.shape[1]
+        if row >= total:
+            return chunk[:, row - total]
+    raise IndexError(row)

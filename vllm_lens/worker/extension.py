@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from vllm_lens import handoff, wire
 from vllm_lens.spec import HookSpec
 from vllm_lens.worker.capture import assemble
@@ -77,24 +75,24 @@ class LensWorkerExtension:
 
         Returns:
             ``{lens key: {engine request id: {"capture": handoff | None, "hooks": bytes |
-            None}}}``: the capture handoff holds ``wire.dumps`` of ``{"layers", "positions",
-            "residual_stream"}``, trimmed and reduced here so that rows nobody asked for never
-            leave the worker; ``hooks`` holds ``hooks.encode_results``. Only TP rank 0 of each
+            None}}}``: the capture handoff carries ``{"layers", "positions"}`` and the residual
+            stream (``handoff.receive``), trimmed and reduced here so that rows nobody asked for
+            never leave the worker; ``hooks`` holds ``hooks.encode_results``. Only TP rank 0 of each
             pipeline stage reports (the other TP ranks ran the same hooks on the same rows).
         """
         if _runtime is None:
             return {}
-        if torch.accelerator.is_available():
-            torch.accelerator.synchronize()  # finish the asynchronous device->host copies
+        _runtime.store.settle(wait=True)  # finishes the asynchronous device->host copies
         out: dict[str, dict[str, dict[str, Any]]] = {}
         for key, valid_lens in requests:
             hooks = _runtime.pop_hooks(key)
             for req_id, entry in _runtime.store.pop(key).items():
                 valid = next((n for p, n in valid_lens.items() if req_id.startswith(p)), None)
                 if valid is not None:
-                    blob = wire.dumps(assemble(entry, valid))
+                    capture = assemble(entry, valid)
+                    stream = capture.pop("residual_stream")
                     out.setdefault(key, {}).setdefault(req_id, {})["capture"] = handoff.send(
-                        blob, front_end_host)
+                        capture, stream, front_end_host)
             if _runtime.tp_rank == 0:
                 for req_id, state in hooks.items():
                     out.setdefault(key, {}).setdefault(req_id, {})["hooks"] = encode_results(state)
@@ -111,6 +109,7 @@ class LensWorkerExtension:
         """Buffered entries and bytes on this rank (for tests and monitoring)."""
         if _runtime is None:
             return {"entries": 0, "bytes": 0}
+        _runtime.store.settle(wait=True)
         return {"entries": len(_runtime.store), "bytes": _runtime.store.nbytes}
 
     # -- persistent hooks ------------------------------------------------------------------------

@@ -3,13 +3,14 @@
 
 vLLM packs the tokens of every scheduled request into one ``[num_tokens, hidden]`` tensor per
 step. The plan maps each lens request to its rows and their absolute token positions, and
-groups capture rows by layer so that each tap does one gather and one host copy for the whole
-batch. It is built once per forward step (on the first tap of the step) from host-side runner
-state only, so no tap ever waits on the device.
+groups capture rows so that each tap does one gather and one copy for the whole batch. It is
+built once per forward step (on the first tap of the step) from host-side runner state only, so
+no tap ever waits on the device.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,21 +45,35 @@ class RequestSlice:
 
 @dataclass(frozen=True)
 class CaptureOwner:
-    """Rows ``[lo, hi)`` of a capture group's gathered tensor belong to this request."""
+    """Rows ``[lo, hi)`` of a capture group's staging tensor belong to this request."""
 
     req_id: str
     key: str
     lo: int
     hi: int
+    positions: np.ndarray
+    """Absolute token positions of those rows."""
+    reduce: str | None
 
 
 @dataclass
 class CaptureGroup:
-    """All rows to capture at one layer, gathered in one go."""
+    """One step's capture for the requests that want the same layers (of this rank).
 
+    Each of those layers' taps gathers the group's rows into its slice of ``staging``; the
+    store hands each owner its rows once the step is over (``CaptureStore.settle``).
+    """
+
+    layers: tuple[int, ...]
+    """Ascending; ``staging[i]`` holds layer ``layers[i]``."""
     rows: torch.Tensor | slice
     """Row indices on the hidden states' device, or a slice when the rows are contiguous."""
     owners: list[CaptureOwner]
+    n_rows: int
+    staging: torch.Tensor | None = None
+    """``[len(layers), n_rows, hidden]`` on the host; allocated by the first tap that fills it."""
+    ready: Any = None
+    """On an accelerator: a ``torch.Event`` recorded after the last layer's copy to the host."""
 
 
 def select_rows(spec: CaptureSpec, pos0: int, n_rows: int, n_prompt: int) -> np.ndarray:
@@ -71,11 +86,11 @@ def select_rows(spec: CaptureSpec, pos0: int, n_rows: int, n_prompt: int) -> np.
     >>> select_rows(CaptureSpec(layers=(0,), positions=(0, 4, 6)), 3, 4, 5)
     array([1, 3])
     """
-    positions = np.arange(pos0, pos0 + n_rows)
     sel = spec.positions
     if sel == "all":
-        mask = np.ones(n_rows, dtype=bool)
-    elif sel == "prompt":
+        return np.arange(n_rows)
+    positions = np.arange(pos0, pos0 + n_rows)
+    if sel == "prompt":
         mask = positions < n_prompt
     elif sel == "generated":
         mask = positions >= n_prompt
@@ -91,10 +106,11 @@ class StepPlan:
     """Everything the taps of one forward step need; immutable once built."""
 
     slices: list[RequestSlice]
-    capture: dict[int, CaptureGroup] = field(default_factory=dict)
-    """Layer index -> rows to capture there (layers nobody captures are absent)."""
-    captured_positions: dict[str, np.ndarray] = field(default_factory=dict)
-    """Request id -> absolute positions of the rows it captures in this step."""
+    groups: list[CaptureGroup] = field(default_factory=list)
+    """This step's capture groups (disjoint sets of requests)."""
+    capture: dict[int, list[tuple[CaptureGroup, int]]] = field(default_factory=dict)
+    """Layer index -> (group, index of the layer in ``group.layers``) for every group capturing
+    there (layers nobody captures are absent)."""
     steer: dict[int, Any] = field(default_factory=dict)
     """Layer index -> ``steer.SteerGroup`` (layers nobody steers are absent)."""
     hook_calls: list[Any] = field(default_factory=list)
@@ -110,47 +126,47 @@ class StepPlan:
     def build(
         cls, slices: list[RequestSlice], device: torch.device, capture_layers: frozenset[int]
     ) -> StepPlan:
-        """Group capture rows by layer, for the layers this rank captures (its pipeline
-        stage's layers on TP rank 0, none elsewhere)."""
+        """Group capture rows by the set of layers wanted, for the layers this rank captures
+        (its pipeline stage's layers on TP rank 0, none elsewhere)."""
         plan = cls(slices=slices)
         if not capture_layers:
             return plan
-        # Requests asking for the same layers share one gathered tensor per layer.
         by_layers: dict[tuple[int, ...], list[tuple[RequestSlice, np.ndarray]]] = {}
         for s in slices:
             spec = s.lens.capture
             if spec is None:
                 continue
-            layers = tuple(layer for layer in spec.layers if layer in capture_layers)
+            layers = _local_layers(spec.layers, capture_layers)
             offsets = select_rows(spec, s.pos0, s.end - s.start, s.n_prompt)
-            if not layers or offsets.size == 0:
-                continue
-            plan.captured_positions[s.req_id] = offsets + s.pos0
-            by_layers.setdefault(layers, []).append((s, offsets + s.start))
-        # A layer may be wanted by several layer-sets: merge them per layer.
-        per_layer: dict[int, list[tuple[RequestSlice, np.ndarray]]] = {}
+            if layers and offsets.size:
+                by_layers.setdefault(layers, []).append((s, offsets))
         for layers, members in by_layers.items():
-            for layer in layers:
-                per_layer.setdefault(layer, []).extend(members)
-        shared: dict[tuple[int, ...], CaptureGroup] = {}
-        for layer, members in per_layer.items():
-            ident = tuple(id(s) for s, _ in members)
-            group = shared.get(ident)
-            if group is None:
-                group = _make_group(members, device)
-                shared[ident] = group
-            plan.capture[layer] = group
+            group = _make_group(layers, members, device)
+            plan.groups.append(group)
+            for index, layer in enumerate(layers):
+                plan.capture.setdefault(layer, []).append((group, index))
         return plan
 
 
-def _make_group(members: list[tuple[RequestSlice, np.ndarray]], device: torch.device) -> CaptureGroup:
+@functools.lru_cache(maxsize=1024)
+def _local_layers(layers: tuple[int, ...], capture_layers: frozenset[int]) -> tuple[int, ...]:
+    """The requested layers this rank captures (asked for every request in every step)."""
+    return tuple(layer for layer in layers if layer in capture_layers)
+
+
+def _make_group(layers: tuple[int, ...], members: list[tuple[RequestSlice, np.ndarray]],
+                device: torch.device) -> CaptureGroup:
     owners = []
     lo = 0
-    for s, rows in members:
-        owners.append(CaptureOwner(s.req_id, s.lens.key, lo, lo + rows.size))
-        lo += rows.size
-    all_rows = np.concatenate([rows for _, rows in members])
+    for s, offsets in members:
+        reduce = s.lens.capture.reduce if s.lens.capture is not None else None
+        owners.append(CaptureOwner(s.req_id, s.lens.key, lo, lo + offsets.size,
+                                   offsets + s.pos0, reduce))
+        lo += offsets.size
+    all_rows = np.concatenate([offsets + s.start for s, offsets in members])
     first, last = int(all_rows[0]), int(all_rows[-1])
     if last - first + 1 == all_rows.size and np.all(np.diff(all_rows) == 1):
-        return CaptureGroup(rows=slice(first, last + 1), owners=owners)
-    return CaptureGroup(rows=device_index(all_rows, device), owners=owners)
+        rows: torch.Tensor | slice = slice(first, last + 1)
+    else:
+        rows = device_index(all_rows, device)
+    return CaptureGroup(layers=layers, rows=rows, owners=owners, n_rows=all_rows.size)

@@ -18,7 +18,7 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 
 from vllm_lens import envs
 from vllm_lens.spec import PAYLOAD_KEY, HookSpec, LensRequest
-from vllm_lens.worker.capture import capture_rows
+from vllm_lens.worker.capture import capture_layer
 from vllm_lens.worker.hooks import HookCall, HookState, ParameterSource, run_hook_calls
 from vllm_lens.worker.plan import RequestSlice, StepPlan
 from vllm_lens.worker.steer import PreparedSteer, apply_steering, build_steer_groups, prepare
@@ -68,9 +68,8 @@ class LensRuntime:
             apply_steering(steering, hidden, residual)
         if (layer, False) in plan.hook_layers:
             self._run_hooks(plan, layer, False, hidden, residual)
-        group = plan.capture.get(layer)
-        if group is not None:
-            capture_rows(group, hidden, residual, layer, self.store)
+        for group, index in plan.capture.get(layer, ()):
+            capture_layer(group, index, hidden, residual)
 
     def _run_hooks(self, plan: StepPlan, layer: int, pre: bool, hidden: torch.Tensor,
                    residual: torch.Tensor | None) -> None:
@@ -121,6 +120,7 @@ class LensRuntime:
         req_ids = batch.req_ids
         query_start = runner.query_start_loc.np  # host mirror: reading it never syncs
         computed = batch.num_computed_tokens_cpu
+        self.store.settle()  # the previous step is over: file its captured rows
         slices, hook_calls = [], []
         for i in range(num_reqs):
             req_id = req_ids[i]
@@ -146,10 +146,8 @@ class LensRuntime:
             plan.hook_layers = frozenset(
                 (layer, run.pre) for call in hook_calls for state in call.states
                 for run in state.runs for layer in run.layers)
-        for s in slices:
-            positions = plan.captured_positions.get(s.req_id)
-            if positions is not None:
-                self.store.begin_step(s.lens.key, s.req_id, positions, s.lens.capture.reduce)
+        for group in plan.groups:
+            self.store.stage(group)
         steered = [(s, self._prepared(s, device, dtype)) for s in slices if s.lens.steer]
         if steered:
             plan.steer = build_steer_groups(steered, device)

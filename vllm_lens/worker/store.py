@@ -1,10 +1,16 @@
 """Per-request capture buffers on the worker (runs in: worker).
 
 Captured rows wait here, on the CPU, until the front end fetches them when the request
-finishes. Entries are keyed by (lens key, vLLM request id): the lens key is unique per user
-request, and a request sampled ``n > 1`` times runs as ``n`` engine requests that share it.
-Entries whose request finished without being fetched (aborted, failed, or a front end that went
-away) are dropped after a grace period, and the total size is bounded: past the byte budget the
+finishes. During a step the taps fill one staging tensor per capture group (``stage``); once
+the step is over, ``settle`` copies each request's rows out of it into the request's own entry,
+so an entry never holds a view that keeps other requests' rows alive. On an accelerator the
+staging tensors are filled by asynchronous copies, and a group settles once its ``ready``
+event has completed.
+
+Entries are keyed by (lens key, vLLM request id): the lens key is unique per user request,
+and a request sampled ``n > 1`` times runs as ``n`` engine requests that share it. Entries
+whose request finished without being fetched (aborted, failed, or a front end that went away)
+are dropped after a grace period, and the total size is bounded: past the byte budget the
 oldest finished entries are evicted first.
 """
 
@@ -17,17 +23,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_lens.worker.plan import CaptureGroup
+
 __all__ = ["CaptureStore", "Entry"]
 
 
 @dataclass
 class Entry:
     req_id: str
+    layers: tuple[int, ...]
     reduce: str | None
     positions: list[np.ndarray] = field(default_factory=list)
     """One array of absolute positions per step that captured rows."""
-    chunks: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    """Layer -> one ``[rows, hidden]`` CPU tensor per step, aligned with ``positions``."""
+    chunks: list[torch.Tensor] = field(default_factory=list)
+    """One ``[n_layers, rows, hidden]`` CPU tensor per step, aligned with ``positions``."""
     nbytes: int = 0
     finished_at: float | None = None
 
@@ -39,6 +48,7 @@ class CaptureStore:
         self.max_bytes = max_bytes
         self.finished_ttl_s = finished_ttl_s
         self._entries: dict[tuple[str, str], Entry] = {}
+        self._pending: list[CaptureGroup] = []
         self._nbytes = 0
         # Lens keys already fetched or released -> when. Their requests may still run one
         # surplus step (the scheduler can schedule a step before it sees the stop), whose rows
@@ -52,23 +62,48 @@ class CaptureStore:
     def nbytes(self) -> int:
         return self._nbytes
 
-    def begin_step(self, key: str, req_id: str, positions: np.ndarray, reduce: str | None) -> None:
-        """Open this step's chunk; the layers' ``add_rows`` calls fill it."""
-        if key in self._closed:
-            return
-        entry = self._entries.get((key, req_id))
-        if entry is None:
-            entry = self._entries[(key, req_id)] = Entry(req_id=req_id, reduce=reduce)
-        entry.positions.append(positions)
+    def stage(self, group: CaptureGroup) -> None:
+        """Take ``group``'s rows once its step is over (see ``settle``)."""
+        self._pending.append(group)
 
-    def add_rows(self, key: str, req_id: str, layer: int, rows: torch.Tensor) -> None:
-        entry = self._entries.get((key, req_id))
-        if entry is None:  # closed: a surplus step after the fetch
-            return
-        entry.chunks.setdefault(layer, []).append(rows)
-        size = rows.numel() * rows.element_size()
-        entry.nbytes += size
-        self._nbytes += size
+    def settle(self, wait: bool = False) -> None:
+        """File the rows of finished steps into their requests' entries.
+
+        Called between steps: every staged group whose copies have completed (at once on the
+        CPU; ``wait`` blocks for the accelerator) is split per request. A group whose step
+        never reached its layers holds nothing and is dropped.
+        """
+        still_pending = []
+        for group in self._pending:
+            if group.staging is None:
+                continue
+            if group.ready is not None and not group.ready.query():
+                if not wait:
+                    still_pending.append(group)
+                    continue
+                group.ready.synchronize()
+            self._file(group)
+        self._pending = still_pending
+
+    def _file(self, group: CaptureGroup) -> None:
+        staging = group.staging
+        assert staging is not None
+        whole = len(group.owners) == 1 and not staging.is_pinned()
+        for owner in group.owners:
+            if owner.key in self._closed:
+                continue  # a surplus step after the fetch
+            ident = (owner.key, owner.req_id)
+            entry = self._entries.get(ident)
+            if entry is None:
+                entry = self._entries[ident] = Entry(owner.req_id, group.layers, owner.reduce)
+            # Copy out (unless the request owns the whole tensor): pinned memory is scarce,
+            # and a view would keep the other requests' rows alive.
+            rows = staging if whole else staging[:, owner.lo : owner.hi].clone()
+            entry.positions.append(owner.positions)
+            entry.chunks.append(rows)
+            size = rows.numel() * rows.element_size()
+            entry.nbytes += size
+            self._nbytes += size
 
     def pop(self, key: str) -> dict[str, Entry]:
         """Remove every entry of lens key ``key`` (request id -> entry) and ignore later rows."""

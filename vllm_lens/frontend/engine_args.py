@@ -6,6 +6,12 @@ process that builds the engine config, i.e. the front end).
 and worker processes. vllm-lens fills in ``worker_extension_cls`` there. It does not touch
 ``enforce_eager``: the taps are part of the compiled graph.
 
+vLLM caches compiled models on disk under a hash of the config, which does not see that
+vllm-lens swapped the decoder layers' classes: a tapped and an untapped compile of the same
+model would share an entry, and an engine could load the other kind (then lens requests find
+no taps, or plain vLLM meets ops it does not know). A marker in ``additional_config``, which
+vLLM hashes, keeps the two apart.
+
 On CUDA, vLLM replays decode steps from CUDA graphs, which would skip the taps' Python
 logic; the tap ops are therefore added to the compilation's splitting ops (it then runs
 eagerly between graph pieces) and full-graph modes are reduced to piecewise.
@@ -41,9 +47,24 @@ def _wrap_create_engine_config(original):
                 "this engine.", self.worker_extension_cls,
             )
         _keep_taps_out_of_cuda_graphs(self)
+        _mark_compile_cache(self)
         return original(self, *args, **kwargs)
 
     return create_engine_config
+
+
+#: ``additional_config`` entry that separates tapped from untapped compile-cache entries.
+COMPILE_CACHE_MARKER = ("vllm_lens", "taps")
+
+
+def _mark_compile_cache(args: EngineArgs) -> None:
+    key, value = COMPILE_CACHE_MARKER
+    if isinstance(args.additional_config, dict):
+        args.additional_config = {**args.additional_config, key: value}
+    else:
+        logger.warning("vllm-lens: additional_config is not a dict; disable vLLM's compile "
+                       "cache (VLLM_DISABLE_COMPILE_CACHE=1) when this model is also served "
+                       "without vllm-lens")
 
 
 def _keep_taps_out_of_cuda_graphs(args: EngineArgs) -> None:

@@ -68,6 +68,9 @@ class ModelFacts:
     """False when the workers could not find the model's decoder layers (no taps installed)."""
     dtype: str = "float32"
     """The model's dtype name (``torch.<dtype>``): the dtype of captured activations."""
+    pre_hooks: bool = True
+    """False when the decoder layers' inputs cannot be tapped (their ``forward`` lacks
+    ``hidden_states`` / ``residual``): ``pre=True`` hooks are refused."""
 
 
 @dataclass(frozen=True)
@@ -485,6 +488,10 @@ def _parse_hook(item: Any, facts: ModelFacts, where: str, request_id: str | None
                              request_id)
     if not isinstance(item.pre, bool):
         raise LensRequestError(f"{where}.pre", "expected true or false", request_id=request_id)
+    if item.pre and not facts.pre_hooks:
+        raise LensRequestError(f"{where}.pre", f"the decoder layers of {facts.model_class} "
+                               "have no tappable input; use pre=False (a hook on the previous "
+                               "layer's output sees the same stream)", request_id=request_id)
     if isinstance(item, Hook):
         if not callable(item.fn):
             raise LensRequestError(f"{where}.fn", "is not callable", request_id=request_id)

@@ -93,3 +93,41 @@ def test_encode_xargs_makes_vllm_xargs_values():
     assert encode_xargs({"output_residual_stream": [1, 2]})["output_residual_stream"] == [1, 2]
     spec = encode_xargs({"output_residual_stream": {"layers": [1], "reduce": "mean"}})
     assert json.loads(spec["output_residual_stream"]) == {"layers": [1], "reduce": "mean"}
+
+
+def test_pre_hooks_are_refused_where_layer_inputs_cannot_be_tapped():
+    import dataclasses
+
+    facts = dataclasses.replace(FACTS, pre_hooks=False)
+    with pytest.raises(LensRequestError, match=r"apply_hooks\[0\]\.pre.*no tappable input"):
+        parse_extra_args({"apply_hooks": [Hook(_noop, [1], pre=True)]}, lambda: facts)
+    assert parse_extra_args({"apply_hooks": [Hook(_noop, [1])]}, lambda: facts)[1] is not None
+
+
+def test_taps_report_whether_layer_inputs_are_tapped():
+    import torch
+    from torch import nn
+
+    from vllm_lens.worker.taps import install_taps
+
+    class FusedLayer(nn.Module):
+        def forward(self, positions, hidden_states, residual):
+            return hidden_states, residual
+
+    class PlainLayer(nn.Module):
+        def forward(self, x):
+            return x
+
+    def model_of(layer_cls):
+        model = nn.Module()
+        model.model = nn.Module()
+        model.model.layers = nn.ModuleList([layer_cls(), layer_cls()])
+        return model
+
+    fused = model_of(FusedLayer)
+    assert install_taps(fused).pre_taps
+    assert install_taps(fused).pre_taps  # idempotent
+    assert install_taps(model_of(PlainLayer)).pre_taps is False
+    out = fused.model.layers[0](None, torch.ones(2, 3), torch.zeros(2, 3))  # taps are harmless
+    assert torch.equal(out[0], torch.ones(2, 3))
+

@@ -36,6 +36,7 @@ def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
         max_model_len=first["max_model_len"],
         mapped=all(r["mapped"] for r in results),
         dtype=first["dtype"],
+        pre_hooks=all(r.get("pre_taps", False) for r in results),
     )
 
 

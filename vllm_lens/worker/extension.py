@@ -54,6 +54,7 @@ class LensWorkerExtension:
             "mapped": info is not None,
             "n_layers": info.n_layers if info else 0,
             "local_layers": list(info.local_layers) if info else [],
+            "pre_taps": info.pre_taps if info else False,
             "hidden_size": model_config.get_hidden_size(),
             "dtype": str(model_config.dtype).removeprefix("torch."),
             "max_model_len": model_config.max_model_len,

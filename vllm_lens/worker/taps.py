@@ -84,6 +84,9 @@ class TapInfo:
     """Total decoder layers of the model (on every pipeline stage)."""
     local_layers: tuple[int, ...]
     """Layers owned (and tapped) by this pipeline stage."""
+    pre_taps: bool
+    """Whether every local layer taps its input too (its ``forward`` takes ``hidden_states``
+    and ``residual``), so pre-hooks can run."""
 
 
 # Where Llama/Qwen2-style models (and multimodal wrappers around them) keep their layers.
@@ -156,15 +159,19 @@ def install_taps(model: nn.Module) -> TapInfo | None:
     from vllm.model_executor.models.utils import PPMissingLayer
 
     local = []
+    pre_taps = True
     for index, layer in enumerate(layers):
         if isinstance(layer, PPMissingLayer):
             continue  # owned by another pipeline stage
         if type(layer) not in _TAPPED_CLASSES.values():
+            pre_taps = pre_taps and _input_slots(type(layer)) is not None
             layer.__class__ = _tapped_class(type(layer))
+        else:
+            pre_taps = pre_taps and _input_slots(type(layer).__mro__[1]) is not None
         layer._vllm_lens_layer = index
         local.append(index)
     info = TapInfo(model_class=type(model).__name__, n_layers=len(layers),
-                   local_layers=tuple(local))
+                   local_layers=tuple(local), pre_taps=pre_taps)
     setattr(model, _INFO_ATTR, info)
     return info
 

@@ -122,3 +122,29 @@ def test_steering_through_async_matches_offline(async_engine, tiny_llm):
                                                            ignore_eos=True))[0]
     assert out.outputs[0].token_ids == offline.outputs[0].token_ids
     assert out.outputs[0].token_ids != plain.outputs[0].token_ids
+
+
+def test_a_running_lens_requests_id_cannot_be_reused(async_engine, tiny_llm):
+    # vLLM accepts duplicate ids; outputs carry only the id, so a second request under the id
+    # of a running lens request could be handed its activations. It is refused instead.
+    engine, run = async_engine
+
+    async def clash():
+        sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                            extra_args={"output_residual_stream": [0]})
+        first = engine.generate(PROMPTS[0], sp, "same-id")
+        last = await first.__anext__()  # it is running now
+        with pytest.raises(ValueError, match=r"'request_id'.*already used"):
+            await _final(engine, PROMPTS[1], SamplingParams(max_tokens=2), "same-id")
+        async for last in first:
+            pass
+        return last
+
+    out = run(clash())
+    expected = tiny_llm.generate([PROMPTS[0]], SamplingParams(
+        max_tokens=24, temperature=0, ignore_eos=True,
+        extra_args={"output_residual_stream": [0]}))[0]
+    assert torch.equal(out.activations["residual_stream"],
+                       expected.activations["residual_stream"])
+    # once it finished, the id is free again
+    assert run(_final(engine, PROMPTS[1], _sp([0]), "same-id")).activations is not None

@@ -17,6 +17,7 @@ from vllm import SamplingParams
 from vllm.outputs import RequestOutput
 
 from vllm_lens import handoff
+from vllm_lens.errors import LensRequestError
 from vllm_lens.hooks import HookError
 from vllm_lens.spec import PAYLOAD_KEY, LensRequest, ModelFacts, has_lens_keys, parse_extra_args
 from vllm_lens.worker.hooks import decode_results
@@ -105,7 +106,14 @@ class LensSession:
 
         The caller's object is never mutated: a request with lens keys gets a clone whose
         ``extra_args`` carry the validated payload instead of the user's keys.
+
+        vLLM accepts duplicate request ids, but outputs name only that id: while a lens
+        request runs, no other request may reuse its id, or its results could be attached to
+        the wrong output.
         """
+        if request_id in self.in_flight:
+            raise LensRequestError("request_id", f"{request_id!r} is already used by a running "
+                                   "vllm-lens request; request ids must be unique while it runs")
         if not isinstance(params, SamplingParams) or not params.extra_args:
             return params, None
         rest, lens = parse_extra_args(params.extra_args, self._facts, request_id=request_id)

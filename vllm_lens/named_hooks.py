@@ -13,6 +13,7 @@ JSON types, which is what crosses HTTP. Any installed package can publish more::
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any
@@ -39,11 +40,27 @@ def load(name: str) -> Callable[[Mapping[str, Any]], HookFn]:
 
 
 def _append(saved: dict[str, Any], key: str, layer: int, rows: torch.Tensor) -> None:
-    """Accumulate per-layer rows across steps (as CPU tensors, concatenated on read)."""
+    """Accumulate per-layer rows across steps on the CPU.
+
+    ``saved[key][layer]`` is always the rows so far, but as a prefix view of a buffer whose
+    capacity doubles when full, so a generation of ``n`` steps copies O(n) rows, not O(n^2).
+    """
     per_layer = saved.setdefault(key, {})
-    previous = per_layer.get(str(layer))
+    name = str(layer)
     rows = rows.detach().to("cpu")
-    per_layer[str(layer)] = rows if previous is None else torch.cat([previous, rows])
+    previous = per_layer.get(name)
+    n, k = (0 if previous is None else previous.shape[0]), rows.shape[0]
+    row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
+    capacity = 0 if previous is None else previous.untyped_storage().nbytes() // row_bytes
+    if previous is not None and n + k <= capacity:
+        buffer = torch.empty(0, dtype=rows.dtype).set_(
+            previous.untyped_storage(), 0, (capacity, *rows.shape[1:]))
+    else:
+        buffer = torch.empty((max(2 * n, n + k), *rows.shape[1:]), dtype=rows.dtype)
+        if previous is not None:
+            buffer[:n] = previous
+    buffer[n : n + k] = rows
+    per_layer[name] = buffer[: n + k]
 
 
 def logit_lens_topk(args: Mapping[str, Any]) -> HookFn:

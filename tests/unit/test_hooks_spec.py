@@ -131,3 +131,17 @@ def test_taps_report_whether_layer_inputs_are_tapped():
     out = fused.model.layers[0](None, torch.ones(2, 3), torch.zeros(2, 3))  # taps are harmless
     assert torch.equal(out[0], torch.ones(2, 3))
 
+
+def test_named_hooks_accumulate_rows_without_recopying_them():
+    import torch
+
+    from vllm_lens import wire
+    from vllm_lens.named_hooks import _append
+
+    saved, steps = {}, [torch.arange(6).reshape(3, 2)] + [torch.full((1, 2), i) for i in range(40)]
+    for rows in steps:
+        _append(saved, "ids", 7, rows)
+    kept = saved["ids"]["7"]
+    assert torch.equal(kept, torch.cat(steps))
+    assert kept.untyped_storage().nbytes() <= 2 * kept.numel() * kept.element_size()
+    assert torch.equal(wire.loads(wire.dumps(saved))["ids"]["7"], torch.cat(steps))

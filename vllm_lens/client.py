@@ -214,6 +214,11 @@ class LensClient:
             capture=capture, steering_vectors=steering_vectors, hooks=hooks,
             transport=transport, openai_kwargs=openai_kwargs))
 
+    def fetch_activations(self, payload: Any) -> dict[str, torch.Tensor] | None:
+        """Decode one choice's ``activations`` from any response (e.g. one the ``openai`` SDK
+        returned): JSON tensors are decoded; a binary handle is fetched, then deleted."""
+        return self._drive(self._protocol.activations_steps(payload))
+
     # -- persistent hooks (``/v1/hooks/*``) ------------------------------------------------------
     def register_hooks(self, hooks: Sequence[Any], prefetch_params: Sequence[str] | None = None
                        ) -> Any:
@@ -311,6 +316,10 @@ class AsyncLensClient:
             max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
             capture=capture, steering_vectors=steering_vectors, hooks=hooks,
             transport=transport, openai_kwargs=openai_kwargs))
+
+    async def fetch_activations(self, payload: Any) -> dict[str, torch.Tensor] | None:
+        """See :meth:`LensClient.fetch_activations`."""
+        return await self._drive(self._protocol.activations_steps(payload))
 
     # -- persistent hooks: see LensClient -------------------------------------------------------
     async def register_hooks(self, hooks: Sequence[Any],

@@ -48,6 +48,22 @@ def test_activations_through_inspect_equal_offline(model, smol_llm):
                               offline.activations["residual_stream"]) <= 1e-5
 
 
+def test_binary_transport_through_inspect_is_fetched_and_freed(model, smol_server):
+    import httpx
+
+    def stored() -> int:
+        return httpx.get(smol_server.base_url + "/v1/lens/stats").json()["store"]["entries"]
+
+    before = stored()
+    by_json = _generate(model, {"output_residual_stream": LAYERS})
+    by_handle = _generate(model, {"output_residual_stream": LAYERS,
+                                  "activations_transport": "binary"})
+    json_acts, handle_acts = by_json.metadata["activations"], by_handle.metadata["activations"]
+    assert torch.equal(handle_acts["residual_stream"], json_acts["residual_stream"])
+    assert torch.equal(handle_acts["positions"], json_acts["positions"])
+    assert stored() == before  # the provider deleted the handle after reading it
+
+
 def test_steering_through_inspect_equals_offline(model, smol_llm):
     d = torch.randn(576, generator=torch.Generator().manual_seed(3))
     vectors = [SteeringVector(activations=(d / d.norm() * 50)[None], layer_indices=[9])]

@@ -52,6 +52,8 @@ class LensRuntime:
         """Request id -> state of the persistent hooks for it (bounded, oldest dropped)."""
         self._plan_ctx: object | None = None
         self._plan: StepPlan = _EMPTY_PLAN
+        self._steer_layout: tuple = ()
+        self._steer_groups: dict[int, Any] = {}
 
     # -- tap handler ---------------------------------------------------------------------------
     def on_tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: int,
@@ -150,8 +152,24 @@ class LensRuntime:
             self.store.stage(group)
         steered = [(s, self._prepared(s, device, dtype)) for s in slices if s.lens.steer]
         if steered:
-            plan.steer = build_steer_groups(steered, device)
+            plan.steer = self._steering_for(steered, device)
         return plan
+
+    def _steering_for(self, steered: list[tuple[RequestSlice, list[PreparedSteer]]],
+                      device: torch.device) -> dict[int, Any]:
+        """This step's per-layer steering, rebuilt only when the steered rows moved.
+
+        In steady decoding every step puts the same requests at the same rows, and vectors
+        without positions apply to every row, so the previous step's groups still hold.
+        """
+        layout = tuple(
+            (s.req_id, s.start, s.end,
+             s.pos0 if any(p.positions_sorted is not None for p in prepared) else None)
+            for s, prepared in steered)
+        if layout != self._steer_layout:
+            self._steer_layout = layout
+            self._steer_groups = build_steer_groups(steered, device)
+        return self._steer_groups
 
     def _prepared(self, s: RequestSlice, device: torch.device,
                   dtype: torch.dtype) -> list[PreparedSteer]:

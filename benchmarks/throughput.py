@@ -1,16 +1,30 @@
 """Throughput of vllm-lens vs plain vLLM, side by side in one run (SmolLM2-135M, CPU).
 
-    python benchmarks/throughput.py [--prompts 64] [--tokens 64] [--repeats 2] [--rounds 2]
-                                    [--modes compiled eager]
+    python benchmarks/throughput.py [--prompts 64] [--tokens 64] [--rounds 3]
+                                    [--modes compiled eager] [--cases NAME ...]
 
-For each mode (vLLM's default compiled mode, and eager), two engines run one after the other in
-fresh processes: plain vLLM (``VLLM_LENS_DISABLE=1``) and vLLM with the plugin; the pair is
-started ``--rounds`` times, alternating, so slow drift of the machine hits both alike. The plugin
-engine runs its cases round-robin (plain requests; capture of 1 layer, of all layers, of all
-layers at the last prompt token only; steering of 1 layer with one shared vector or with a
-distinct vector per request, and of every layer); each number is the best over all rounds of ``--repeats`` runs of
-``--prompts`` greedy requests of ``--tokens`` generated tokens. Ratios are to plain vLLM in the
-same mode. Results go to stdout as a Markdown table (paste into benchmarks/RESULTS.md).
+For each mode (vLLM's default compiled mode, and eager) two engines are started in their own
+processes and stay alive together: plain vLLM (``VLLM_LENS_DISABLE=1``: the plugin does
+nothing at all) and vLLM with the plugin. Every case then runs as a *pair*: the same batch on
+the plain engine and on the plugin engine back to back (the order alternating between
+rounds), and the pair's ratio is taken. The table gives, per case, the median ratio over
+``--rounds`` pairs and the lowest and highest one, with the plugin engine's median tokens/s.
+
+Wall-clock ratios on a shared 2-core machine carry noise of several percent even between
+runs seconds apart, so the plugin engine also times its own code: the share of each run's
+wall time spent in vllm-lens (the tap handler, the fetch of finished requests on the worker,
+validation and collation in the front end). That share is the plugin's cost, measured in the
+same run and far less noisy than a ratio of two runs; the per-call cost of the two taps per
+layer, which plain traffic pays, is measured by ``tap_overhead.py``. To make this possible the
+engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the worker runs in the
+benchmark's process, which also keeps vLLM's engine-core busy loop from competing with the
+model for the two cores).
+
+Cases: plain requests, captures (1 layer; all layers; all layers at the last prompt token
+only), steering (1 layer with one shared vector or a distinct vector per request; every
+layer), each with ``--prompts`` greedy requests of ``--tokens`` generated tokens; and plain
+requests one at a time (batch 1), where the plugin's fixed per-step cost weighs most.
+Results go to stdout as a Markdown table (paste into benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -18,9 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 HIDDEN, N_LAYERS = 576, 30
 
@@ -35,18 +52,20 @@ def _vector(seed: int, layers: list[int]):
                           layer_indices=layers, scale=0.5)
 
 
-# name -> (extra_args for request i) ; None: a plain request
-CASES = {
-    "plugin, plain requests": lambda i: None,
-    "capture 1 layer, all positions": lambda i: {"output_residual_stream": [15]},
-    "capture all 30 layers": lambda i: {"output_residual_stream": True},
-    "capture all layers, last_prompt":
-        lambda i: {"output_residual_stream": {"layers": True, "positions": "last_prompt"}},
-    "steer 1 layer, same vector": lambda i: {"apply_steering_vectors": [_vector(0, [15])]},
-    "steer 1 layer, 64 distinct vectors":
-        lambda i: {"apply_steering_vectors": [_vector(i, [15])]},
-    "steer all 30 layers":
-        lambda i: {"apply_steering_vectors": [_vector(0, list(range(N_LAYERS)))]},
+#: name -> (batch size: None = --prompts, extra_args for request i; None = a plain request)
+CASES: dict[str, tuple[int | None, Callable[[int], Any]]] = {
+    "plain requests": (None, lambda i: None),
+    "plain requests, batch 1": (1, lambda i: None),
+    "capture 1 layer, all positions": (None, lambda i: {"output_residual_stream": [15]}),
+    "capture all 30 layers": (None, lambda i: {"output_residual_stream": True}),
+    "capture all layers, last_prompt": (None, lambda i: {
+        "output_residual_stream": {"layers": True, "positions": "last_prompt"}}),
+    "steer 1 layer, same vector": (None, lambda i: {
+        "apply_steering_vectors": [_vector(0, [15])]}),
+    "steer 1 layer, distinct vectors": (None, lambda i: {
+        "apply_steering_vectors": [_vector(i, [15])]}),
+    "steer all 30 layers": (None, lambda i: {
+        "apply_steering_vectors": [_vector(0, list(range(N_LAYERS)))]}),
 }
 
 
@@ -57,67 +76,147 @@ def _prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
-def run_engine(cfg: dict) -> dict:
-    """In a child process: start one engine, time every case, return tokens/s per case."""
+def serve_engine(cfg: dict) -> None:
+    """In a child process: start one engine, then time the cases named on stdin, one per
+    line, answering ``RESULT <tokens/s> <share of the time spent in vllm-lens>``."""
     from vllm import LLM, SamplingParams
 
     from vllm_lens.demo_models import smollm2_dir
 
+    spent: dict[str, float] = {} if cfg["disabled"] else _time_plugin_code()
     llm = LLM(str(smollm2_dir()), dtype="float32", max_model_len=1024, seed=0,
               kv_cache_memory_bytes=1 << 30, enforce_eager=cfg["eager"])
-    prompts = _prompts(cfg["prompts"])
-    cases = {"plain vLLM": lambda i: None} if cfg["disabled"] else CASES
-    best: dict[str, float] = {}
-    llm.generate(prompts[:8], SamplingParams(max_tokens=8))  # warm-up
-    for _ in range(cfg["repeats"]):
-        for name, extra_for in cases.items():
-            sps = [SamplingParams(max_tokens=cfg["tokens"], temperature=0, ignore_eos=True,
-                                  extra_args=extra_for(i)) for i in range(len(prompts))]
+    llm.generate(_prompts(8), SamplingParams(max_tokens=8))  # warm-up
+    print("READY", flush=True)
+    for line in sys.stdin:
+        batch, extra_for = CASES[line.strip()]
+        n = batch or cfg["prompts"]
+        # A disabled plugin must not see lens keys (vLLM would ignore them anyway).
+        sps = [SamplingParams(max_tokens=cfg["tokens"], temperature=0, ignore_eos=True,
+                              extra_args=None if cfg["disabled"] else extra_for(i))
+               for i in range(n)]
+        prompts = _prompts(cfg["prompts"])[:n]
+        spent.clear()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, sps, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tps = sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+        print(f"RESULT {tps} {sum(spent.values()) / elapsed}", flush=True)
+
+
+def _time_plugin_code() -> dict[str, float]:
+    """Wrap vllm-lens' entry points (worker and front end) with timers; returns the totals,
+    by function, which the caller may reset."""
+    from vllm_lens.frontend.collate import LensSession
+    from vllm_lens.worker.extension import LensWorkerExtension
+    from vllm_lens.worker.runtime import LensRuntime
+
+    spent: dict[str, float] = {}
+
+    def timed(cls: type, name: str) -> None:
+        original = getattr(cls, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
-            outs = llm.generate(prompts, sps, use_tqdm=False)
-            elapsed = time.perf_counter() - start
-            n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            best[name] = max(best.get(name, 0.0), n_tokens / elapsed)
-    return best
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+
+        setattr(cls, name, wrapper)
+
+    for cls, name in ((LensRuntime, "on_tap"), (LensWorkerExtension, "lens_fetch"),
+                      (LensSession, "prepare"), (LensSession, "attach")):
+        timed(cls, name)
+    return spent
+
+
+class _Engine:
+    """A child process serving one engine (see ``serve_engine``)."""
+
+    def __init__(self, cfg: dict, disabled: bool) -> None:
+        env = {**os.environ, "VLLM_LENS_DISABLE": "1" if disabled else "0",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", json.dumps({**cfg, "disabled": disabled})],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._expect("READY")
+
+    def run(self, case: str) -> tuple[float, float]:
+        """(tokens/s, share of the time spent in vllm-lens) of one run of ``case``."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(case + "\n")
+        self.proc.stdin.flush()
+        tps, share = self._expect("RESULT ").split()
+        return float(tps), float(share)
+
+    def _expect(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        sys.exit(f"benchmark engine exited with {self.proc.wait()} (see its stderr above)")
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def measure_mode(cfg: dict, cases: list[str], rounds: int) -> dict[str, dict[str, float]]:
+    plain, lens = _Engine(cfg, disabled=True), _Engine(cfg, disabled=False)
+    try:
+        ratios: dict[str, list[float]] = {c: [] for c in cases}
+        speeds: dict[str, list[float]] = {c: [] for c in cases}
+        shares: dict[str, list[float]] = {c: [] for c in cases}
+        for r in range(rounds):
+            for case in cases:
+                if r % 2 == 0:
+                    (base, _), (tps, share) = plain.run(case), lens.run(case)
+                else:
+                    (tps, share), (base, _) = lens.run(case), plain.run(case)
+                ratios[case].append(tps / base)
+                speeds[case].append(tps)
+                shares[case].append(share)
+    finally:
+        plain.close()
+        lens.close()
+    return {c: {"median": statistics.median(ratios[c]), "low": min(ratios[c]),
+                "high": max(ratios[c]), "tps": statistics.median(speeds[c]),
+                "share": statistics.median(shares[c])} for c in cases}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=["compiled", "eager"],
                         choices=["compiled", "eager"])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES),
+                        metavar="CASE", help="default: all of " + "; ".join(CASES))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(run_engine(json.loads(args.child))), flush=True)
+        serve_engine(json.loads(args.child))
         return
 
     rows = []
     for mode in args.modes:
-        results: dict[str, float] = {}
-        for disabled in (True, False) * args.rounds:
-            cfg = dict(eager=mode == "eager", disabled=disabled, prompts=args.prompts,
-                       tokens=args.tokens, repeats=args.repeats)
-            env = {**os.environ, "VLLM_LENS_DISABLE": "1" if disabled else "0"}
-            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)],
-                                  env=env, capture_output=True, text=True)
-            if proc.returncode:
-                sys.exit(proc.stderr[-3000:])
-            line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-            for name, tps in json.loads(line.removeprefix("RESULT ")).items():
-                results[name] = max(results.get(name, 0.0), tps)
-        base = results["plain vLLM"]
-        rows += [(mode, name, tps, tps / base) for name, tps in results.items()]
+        cfg = dict(eager=mode == "eager", prompts=args.prompts, tokens=args.tokens)
+        for case, r in measure_mode(cfg, args.cases, args.rounds).items():
+            rows.append((mode, case, r))
+            print(f"{mode:8} {case:34} {r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f}) "
+                  f"in vllm-lens {r['share']:.2%}", file=sys.stderr, flush=True)
 
-    print(f"\n{args.prompts} prompts x {args.tokens} generated tokens, greedy, best of "
-          f"{args.rounds} rounds x {args.repeats} runs\n")
-    print("| mode | case | tokens/s | ratio to plain vLLM |")
-    print("|---|---|---:|---:|")
-    for mode, name, tps, ratio in rows:
-        print(f"| {mode} | {name} | {tps:.1f} | {ratio:.3f} |")
+    print(f"\n{args.prompts} prompts x {args.tokens} generated tokens (batch-1 case: one "
+          f"prompt), greedy, {args.rounds} paired rounds\n")
+    print("| mode | case | plugin tokens/s | ratio to plain vLLM (median) | lowest | highest | "
+          "time in vllm-lens |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for mode, case, r in rows:
+        print(f"| {mode} | {case} | {r['tps']:.1f} | {r['median']:.3f} | {r['low']:.3f} | "
+              f"{r['high']:.3f} | {r['share']:.2%} |")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import zstandard
 from vllm_lens.errors import WireError
 
 __all__ = [
-    "DTYPES", "dumps", "loads", "pack_tensor", "tensor_from_json", "tensor_to_json",
+    "DTYPES", "dtype_name", "dumps", "loads", "pack_tensor", "tensor_from_json", "tensor_to_json",
     "unpack_tensor",
 ]
 
@@ -49,11 +49,17 @@ _TENSOR_TAG = "__tensor__"
 _ZSTD_LEVEL = 1
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of ``dtype`` (a key of ``DTYPES``)."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        raise WireError(f"cannot encode tensors of dtype {dtype}")
+    return name
+
+
 def pack_tensor(tensor: torch.Tensor) -> dict[str, Any]:
     """Describe ``tensor`` as a msgpack-ready map (copies it to the CPU if needed)."""
-    name = _NAMES.get(tensor.dtype)
-    if name is None:
-        raise WireError(f"cannot encode tensors of dtype {tensor.dtype}")
+    name = dtype_name(tensor.dtype)
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     raw = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b""
     return {

@@ -1,6 +1,7 @@
 """Worker -> front end handoff of captures: inline bytes, or a shared-memory file."""
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ def test_small_payloads_and_other_hosts_travel_inline():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_large_capture_goes_through_a_private_file_mapped_once(dtype):
+def test_large_capture_goes_through_a_private_file_read_once(dtype):
     big = torch.randn(3, 7, handoff.INLINE_MAX_BYTES // 21 + 3).to(dtype)
     sent = _send(big, handoff.host_id())
     path = Path(sent["path"])
@@ -74,3 +75,39 @@ def test_a_corrupt_file_is_a_clear_error():
     with pytest.raises(WireError, match="not a vllm-lens capture"):
         handoff.receive({"path": str(path)})
     assert not path.exists()
+
+
+def test_a_truncated_file_is_a_clear_error():
+    sent = _send(torch.randn(2, handoff.INLINE_MAX_BYTES // 8 + 1), handoff.host_id())
+    path = Path(sent["path"])
+    os.truncate(path, path.stat().st_size - 1)
+    with pytest.raises(WireError, match="holds .* bytes of data"):
+        handoff.receive(sent)
+    assert not path.exists()
+
+
+def test_the_file_route_leaves_a_quarter_of_shared_memory_free(monkeypatch):
+    monkeypatch.setattr(handoff, "_KEEP_FREE", 1.0)  # as if /dev/shm were nearly full
+    assert isinstance(_send(torch.randn(2, handoff.INLINE_MAX_BYTES // 8 + 1),
+                            handoff.host_id()), bytes)
+
+
+def test_unread_results_are_discarded_and_orphans_swept():
+    big = torch.randn(2, handoff.INLINE_MAX_BYTES // 8 + 1)
+    fetched = {"key": {"req-0": {"capture": _send(big, handoff.host_id()), "hooks": None},
+                       "req-1": {"capture": _send(big[:, :4], handoff.host_id())}}}
+    path = Path(fetched["key"]["req-0"]["capture"]["path"])
+    handoff.discard_fetched(fetched)
+    assert not path.exists()
+
+    orphan = Path(_send(big, handoff.host_id())["path"])
+    recent = Path(_send(big, handoff.host_id())["path"])
+    hour_ago = time.time() - 3601
+    os.utime(orphan, (hour_ago, hour_ago))
+    try:
+        assert handoff.sweep() >= 1
+        assert not orphan.exists() and recent.exists()  # a file in flight is left alone
+    finally:
+        handoff.discard({"path": str(recent)})
+    with pytest.raises(ValueError, match="unexpected handoff path"):
+        handoff.discard({"path": "/etc/passwd"})

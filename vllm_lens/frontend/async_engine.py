@@ -18,7 +18,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from vllm_lens._patching import wrap_attribute
 from vllm_lens.frontend import response_scope
-from vllm_lens.frontend.collate import LensSession, facts_from_describe
+from vllm_lens.frontend.collate import LensSession, discard_unread, facts_from_describe
 from vllm_lens.spec import ModelFacts
 
 __all__ = ["install", "model_facts"]
@@ -73,9 +73,11 @@ def _wrap_generate(original):
                     args_ = session.fetch_args(
                         lens, len(out.prompt_token_ids or ()), generated, engine_params.n
                     )
-                    results = await self.collective_rpc(
-                        "lens_fetch", args=session.fetch_rpc_args([args_]))
-                    by_index = session.attach(out, lens, results, engine_params.n)
+                    results = await _fetch(self, session.fetch_rpc_args([args_]))
+                    try:
+                        by_index = session.attach(out, lens, results, engine_params.n)
+                    finally:
+                        discard_unread(results)
                     response_scope.report(request_id, by_index)
                     failed = next((f["hook_error"] for f in by_index.values()
                                    if f.get("hook_error") is not None), None)
@@ -94,3 +96,22 @@ def _wrap_generate(original):
                     task.add_done_callback(_background.discard)
 
     return generate
+
+
+async def _fetch(engine: AsyncLLM, args: tuple[Any, ...]) -> list[Any]:
+    """``lens_fetch`` that cleans up after itself when the caller is cancelled meanwhile (a
+    client disconnecting): the workers have popped the rows already, so the call is let
+    finish and any handoff files it produced are deleted."""
+    task = asyncio.ensure_future(engine.collective_rpc("lens_fetch", args=args))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        _background.add(task)
+        task.add_done_callback(_discard_fetched)
+        raise
+
+
+def _discard_fetched(task: asyncio.Task) -> None:
+    _background.discard(task)
+    if not task.cancelled() and task.exception() is None:
+        discard_unread(task.result())

@@ -52,6 +52,14 @@ def merge_rank_payloads(
     return {"residual_stream": stream, "positions": ordered[0][0]["positions"]}
 
 
+def discard_unread(rank_results: Sequence[Mapping[str, Any]] | None) -> None:
+    """Delete the handoff files of ``lens_fetch`` results that will not be (or were not all)
+    received: a cancelled request, or an attach that failed part-way. Received ones are gone
+    already, so calling this after a successful attach costs a few failed unlinks."""
+    for result in rank_results or ():
+        handoff.discard_fetched(result or {})
+
+
 def merge_hook_results(
     stages: Sequence[Mapping[str, Any]],
 ) -> tuple[dict[str, Any] | None, HookError | None]:

@@ -15,7 +15,7 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.llm_engine import LLMEngine
 
 from vllm_lens._patching import wrap_attribute
-from vllm_lens.frontend.collate import LensSession, facts_from_describe
+from vllm_lens.frontend.collate import LensSession, discard_unread, facts_from_describe
 
 __all__ = ["install"]
 
@@ -70,8 +70,11 @@ def _wrap_step(original):
             for o, lens in captured
         ]
         results = self.collective_rpc("lens_fetch", args=session.fetch_rpc_args(args))
-        for o, lens in captured:
-            session.attach(o, lens, results, len(o.outputs))
+        try:
+            for o, lens in captured:
+                session.attach(o, lens, results, len(o.outputs))
+        finally:
+            discard_unread(results)
         return outputs
 
     return step

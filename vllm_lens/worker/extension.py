@@ -48,6 +48,7 @@ class LensWorkerExtension:
             _runtime = LensRuntime(runner, capture_layers=capture_layers, tp_rank=tp_rank,
                                    tp_size=tp_size)
             set_tap_handler(_runtime.on_tap)
+            handoff.sweep()  # files orphaned by front ends that died before reading them
         model_config = runner.model_config
         return {
             "model_class": info.model_class if info else type(model).__name__,
@@ -64,7 +65,7 @@ class LensWorkerExtension:
 
     def lens_fetch(
         self, requests: list[tuple[str, dict[str, int]]], front_end_host: str | None = None
-    ) -> dict[str, dict[str, handoff.Handoff]]:
+    ) -> dict[str, dict[str, dict[str, Any]]]:
         """Pop the rows of finished requests.
 
         Args:
@@ -85,18 +86,23 @@ class LensWorkerExtension:
             return {}
         _runtime.store.settle(wait=True)  # finishes the asynchronous device->host copies
         out: dict[str, dict[str, dict[str, Any]]] = {}
-        for key, valid_lens in requests:
-            hooks = _runtime.pop_hooks(key)
-            for req_id, entry in _runtime.store.pop(key).items():
-                valid = next((n for p, n in valid_lens.items() if req_id.startswith(p)), None)
-                if valid is not None:
-                    capture = assemble(entry, valid)
-                    stream = capture.pop("residual_stream")
-                    out.setdefault(key, {}).setdefault(req_id, {})["capture"] = handoff.send(
-                        capture, stream, front_end_host)
-            if _runtime.tp_rank == 0:
-                for req_id, state in hooks.items():
-                    out.setdefault(key, {}).setdefault(req_id, {})["hooks"] = encode_results(state)
+        try:
+            for key, valid_lens in requests:
+                hooks = _runtime.pop_hooks(key)
+                for req_id, entry in _runtime.store.pop(key).items():
+                    valid = next((n for p, n in valid_lens.items() if req_id.startswith(p)), None)
+                    if valid is not None:
+                        capture = assemble(entry, valid)
+                        stream = capture.pop("residual_stream")
+                        out.setdefault(key, {}).setdefault(req_id, {})["capture"] = (
+                            handoff.send(capture, stream, front_end_host))
+                if _runtime.tp_rank == 0:
+                    for req_id, state in hooks.items():
+                        out.setdefault(key, {}).setdefault(req_id, {})["hooks"] = (
+                            encode_results(state))
+        except BaseException:
+            handoff.discard_fetched(out)  # nobody will read the files written so far
+            raise
         return out
 
     def lens_release(self, keys: list[str]) -> None:

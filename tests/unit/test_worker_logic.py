@@ -96,6 +96,18 @@ def test_capture_sums_hidden_and_residual_and_assembles_across_steps():
     assert store.nbytes == 0 and len(store) == 0
 
 
+def test_a_step_that_stops_part_way_files_nothing():
+    # Layer 0 of two ran, then the step failed: the staging tensor's layer-1 slice was never
+    # written, so none of it may reach the request's rows.
+    store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
+    h = torch.randn(3, 4)
+    _run_steps(store, [([_slice("a", 0, 3, 0, 3, (0, 1))], h, None, [0])])
+    assert store.pop("a") == {} and store.nbytes == 0
+    _run_steps(store, [([_slice("b", 0, 3, 0, 3, (0, 1))], h, None, [0, 1])])
+    (b,) = store.pop("b").values()
+    assert torch.equal(assemble(b, 3)["residual_stream"][1], h)
+
+
 def test_requests_of_one_step_get_their_own_copies():
     # Two requests share a step's staging tensor; each entry must hold its own rows only,
     # so a fetched request's memory is not kept alive by the other one.

@@ -34,17 +34,20 @@ def capture_layer(group: CaptureGroup, index: int, hidden: torch.Tensor,
     else:
         picked = hidden.index_select(0, rows)
         extra = None if residual is None else residual.index_select(0, rows)
+    last = index == len(group.layers) - 1
     if hidden.device.type == "cpu":
         if extra is None:
             dest.copy_(picked)
         else:
             torch.add(picked, extra, out=dest)
+        group.complete = last
         return
     # Asynchronous device->host copy; the store waits for ``ready`` before reading it.
     dest.copy_(picked if extra is None else picked + extra, non_blocking=True)
-    if index == len(group.layers) - 1:
+    if last:
         group.ready = torch.Event(device=hidden.device)
         group.ready.record()
+        group.complete = True
 
 
 def assemble(entry: Entry, valid_len: int) -> dict[str, Any]:

@@ -72,6 +72,8 @@ class CaptureGroup:
     n_rows: int
     staging: torch.Tensor | None = None
     """``[len(layers), n_rows, hidden]`` on the host; allocated by the first tap that fills it."""
+    complete: bool = False
+    """Set by the last layer's tap: a step that stopped part-way leaves nothing to file."""
     ready: Any = None
     """On an accelerator: a ``torch.Event`` recorded after the last layer's copy to the host."""
 
@@ -103,7 +105,8 @@ def select_rows(spec: CaptureSpec, pos0: int, n_rows: int, n_prompt: int) -> np.
 
 @dataclass
 class StepPlan:
-    """Everything the taps of one forward step need; immutable once built."""
+    """Everything the taps of one forward step need; only the capture groups' staging
+    fields change after it is built (the taps fill them)."""
 
     slices: list[RequestSlice]
     groups: list[CaptureGroup] = field(default_factory=list)

@@ -71,11 +71,11 @@ class CaptureStore:
 
         Called between steps: every staged group whose copies have completed (at once on the
         CPU; ``wait`` blocks for the accelerator) is split per request. A group whose step
-        never reached its layers holds nothing and is dropped.
+        did not reach its last layer (it never ran, or failed part-way) is dropped.
         """
         still_pending = []
         for group in self._pending:
-            if group.staging is None:
+            if not group.complete:
                 continue
             if group.ready is not None and not group.ready.query():
                 if not wait:
@@ -123,7 +123,9 @@ class CaptureStore:
             if entry.finished_at is None and entry.req_id not in live_req_ids:
                 entry.finished_at = now
         finished = sorted(
-            (e.finished_at, ident) for ident, e in self._entries.items() if e.finished_at is not None
+            (e.finished_at, ident)
+            for ident, e in self._entries.items()
+            if e.finished_at is not None
         )
         for finished_at, ident in finished:
             if now - finished_at <= ttl and self._nbytes <= self.max_bytes:

@@ -163,11 +163,10 @@ def install_taps(model: nn.Module) -> TapInfo | None:
     for index, layer in enumerate(layers):
         if isinstance(layer, PPMissingLayer):
             continue  # owned by another pipeline stage
-        if type(layer) not in _TAPPED_CLASSES.values():
-            pre_taps = pre_taps and _input_slots(type(layer)) is not None
-            layer.__class__ = _tapped_class(type(layer))
-        else:
-            pre_taps = pre_taps and _input_slots(type(layer).__mro__[1]) is not None
+        tapped_already = type(layer) in _TAPPED_CLASSES.values()
+        original = type(layer).__mro__[1] if tapped_already else type(layer)
+        pre_taps = pre_taps and _input_slots(original) is not None
+        layer.__class__ = _tapped_class(original)
         layer._vllm_lens_layer = index
         local.append(index)
     info = TapInfo(model_class=type(model).__name__, n_layers=len(layers),
@@ -220,8 +219,24 @@ def install_model_hook() -> None:
     def wrap(original):
         def get_model_architecture(model_config):
             model_cls, arch = original(model_config)
+            if _is_draft_model(model_config):
+                return model_cls, arch
             return tapped_model_class(model_cls), arch
 
         return get_model_architecture
 
     wrap_attribute(loader_utils, "get_model_architecture", wrap)
+
+
+def _is_draft_model(model_config: Any) -> bool:
+    """Whether ``model_config`` is a speculative-decoding draft model's. Drafts stay untapped:
+    their forward passes see other token counts under their own forward context, and their
+    layer indices are not the target model's."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    speculative = getattr(config, "speculative_config", None)
+    draft = getattr(speculative, "draft_model_config", None)
+    # Draft-free methods (n-gram, suffix) name the target model as their draft.
+    target = getattr(speculative, "target_model_config", None)
+    return draft is not None and model_config is draft and draft is not target

@@ -19,6 +19,7 @@ eagerly between graph pieces) and full-graph modes are reduced to piecewise.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 
 from vllm.engine.arg_utils import EngineArgs
@@ -53,8 +54,16 @@ def _wrap_create_engine_config(original):
     return create_engine_config
 
 
-#: ``additional_config`` entry that separates tapped from untapped compile-cache entries.
-COMPILE_CACHE_MARKER = ("vllm_lens", "taps")
+def _version() -> str:
+    try:
+        return importlib.metadata.version("vllm-lens")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "source"
+
+
+#: ``additional_config`` entry that separates tapped from untapped compile-cache entries; the
+#: version keeps a graph compiled with an older release's tap ops from being loaded.
+COMPILE_CACHE_MARKER = ("vllm_lens", f"taps-{_version()}")
 
 
 def _mark_compile_cache(args: EngineArgs) -> None:

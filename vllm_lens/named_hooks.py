@@ -51,7 +51,7 @@ def _append(saved: dict[str, Any], key: str, layer: int, rows: torch.Tensor) -> 
     previous = per_layer.get(name)
     n, k = (0 if previous is None else previous.shape[0]), rows.shape[0]
     row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
-    capacity = 0 if previous is None else previous.untyped_storage().nbytes() // row_bytes
+    capacity = previous.untyped_storage().nbytes() // row_bytes if n and row_bytes else 0
     if previous is not None and n + k <= capacity:
         buffer = torch.empty(0, dtype=rows.dtype).set_(
             previous.untyped_storage(), 0, (capacity, *rows.shape[1:]))

@@ -169,8 +169,13 @@ def encode_results(state: HookState) -> bytes:
 
 
 def _to_cpu(value: Any) -> Any:
+    """``value`` with its tensors on the CPU and compact: pickle writes a view's whole storage
+    (e.g. the spare capacity of ``named_hooks`` buffers)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu")
+        tensor = value.detach().to("cpu")
+        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()
+        return tensor
     if isinstance(value, dict):
         return {k: _to_cpu(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

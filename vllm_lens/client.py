@@ -137,9 +137,8 @@ class _Protocol:
         response = yield self.request("GET", payload["url"])
         if response.status_code != 200:
             _json_or_raise(response)
-        acts = decode_activation_bytes(response.content)
         yield self.request("DELETE", payload["url"])  # free the server's copy at once
-        return acts
+        return decode_activation_bytes(response.content)
 
 
 class _StreamState:

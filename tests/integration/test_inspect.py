@@ -26,11 +26,11 @@ def model(smol_server, smollm2_path):
                      api_key="unused")
 
 
-def _generate(model, extra_args, max_tokens=6):
+def _generate(model, extra_args, max_tokens=6, **config_fields):
     import asyncio
 
     config = GenerateConfig(temperature=0, max_tokens=max_tokens,
-                            extra_body={"extra_args": extra_args})
+                            extra_body={"extra_args": extra_args}, **config_fields)
     return asyncio.run(model.generate([ChatMessageUser(content=MESSAGES[0]["content"])],
                                       config=config))
 
@@ -62,6 +62,15 @@ def test_binary_transport_through_inspect_is_fetched_and_freed(model, smol_serve
     assert torch.equal(handle_acts["residual_stream"], json_acts["residual_stream"])
     assert torch.equal(handle_acts["positions"], json_acts["positions"])
     assert stored() == before  # the provider deleted the handle after reading it
+
+    # Several choices: every one is fetched (and freed), listed in choice order.
+    both = _generate(model, {"output_residual_stream": LAYERS, "activations_transport": "binary"},
+                     num_choices=2)
+    listed = both.metadata["choice_activations"]
+    assert len(listed) == 2 and listed[0] is both.metadata["activations"]
+    for acts in listed:  # greedy: both choices are the single-choice completion
+        assert torch.equal(acts["residual_stream"], json_acts["residual_stream"])
+    assert stored() == before
 
 
 def test_steering_through_inspect_equals_offline(model, smol_llm):

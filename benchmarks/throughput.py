@@ -86,7 +86,10 @@ def serve_engine(cfg: dict) -> None:
     spent: dict[str, float] = {} if cfg["disabled"] else _time_plugin_code()
     llm = LLM(str(smollm2_dir()), dtype="float32", max_model_len=1024, seed=0,
               kv_cache_memory_bytes=1 << 30, enforce_eager=cfg["eager"])
-    llm.generate(_prompts(8), SamplingParams(max_tokens=8))  # warm-up
+    # Warm-up; on the plugin engine with a lens request, so that every case, plain requests
+    # included, runs with the tap handler attached (as on a server that has seen lens traffic).
+    llm.generate(_prompts(8), SamplingParams(
+        max_tokens=8, extra_args=None if cfg["disabled"] else {"output_residual_stream": [0]}))
     print("READY", flush=True)
     for line in sys.stdin:
         batch, extra_for = CASES[line.strip()]

@@ -21,7 +21,13 @@ from vllm_lens.spec import PAYLOAD_KEY, HookSpec, LensRequest
 from vllm_lens.worker.capture import capture_layer
 from vllm_lens.worker.hooks import HookCall, HookState, ParameterSource, run_hook_calls
 from vllm_lens.worker.plan import RequestSlice, StepPlan
-from vllm_lens.worker.steer import PreparedSteer, apply_steering, build_steer_groups, prepare
+from vllm_lens.worker.steer import (
+    PreparedSteer,
+    SteerGroup,
+    apply_steering,
+    build_steer_groups,
+    prepare,
+)
 from vllm_lens.worker.store import CaptureStore
 
 logger = logging.getLogger(__name__)
@@ -52,8 +58,8 @@ class LensRuntime:
         """Request id -> state of the persistent hooks for it (bounded, oldest dropped)."""
         self._plan_ctx: object | None = None
         self._plan: StepPlan = _EMPTY_PLAN
-        self._steer_layout: tuple = ()
-        self._steer_groups: dict[int, Any] = {}
+        self._steer_layout: tuple[tuple[str, int, int, int | None], ...] = ()
+        self._steer_groups: dict[int, SteerGroup] = {}
 
     # -- tap handler ---------------------------------------------------------------------------
     def on_tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: int,
@@ -156,7 +162,7 @@ class LensRuntime:
         return plan
 
     def _steering_for(self, steered: list[tuple[RequestSlice, list[PreparedSteer]]],
-                      device: torch.device) -> dict[int, Any]:
+                      device: torch.device) -> dict[int, SteerGroup]:
         """This step's per-layer steering, rebuilt only when the steered rows moved.
 
         In steady decoding every step puts the same requests at the same rows, and vectors

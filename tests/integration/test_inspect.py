@@ -29,8 +29,8 @@ def model(smol_server, smollm2_path):
 def _generate(model, extra_args, max_tokens=6, **config_fields):
     import asyncio
 
-    config = GenerateConfig(temperature=0, max_tokens=max_tokens,
-                            extra_body={"extra_args": extra_args}, **config_fields)
+    config = GenerateConfig(**{"temperature": 0, **config_fields}, max_tokens=max_tokens,
+                            extra_body={"extra_args": extra_args})
     return asyncio.run(model.generate([ChatMessageUser(content=MESSAGES[0]["content"])],
                                       config=config))
 
@@ -63,13 +63,19 @@ def test_binary_transport_through_inspect_is_fetched_and_freed(model, smol_serve
     assert torch.equal(handle_acts["positions"], json_acts["positions"])
     assert stored() == before  # the provider deleted the handle after reading it
 
-    # Several choices: every one is fetched (and freed), listed in choice order.
+    # Several choices (sampled: vLLM refuses n > 1 with greedy sampling): every one is fetched
+    # and freed, and each holds its own completion's rows after the shared prompt's.
     both = _generate(model, {"output_residual_stream": LAYERS, "activations_transport": "binary"},
-                     num_choices=2)
+                     num_choices=2, temperature=1.0, seed=0)
     listed = both.metadata["choice_activations"]
     assert len(listed) == 2 and listed[0] is both.metadata["activations"]
-    for acts in listed:  # greedy: both choices are the single-choice completion
-        assert torch.equal(acts["residual_stream"], json_acts["residual_stream"])
+    n_prompt = len(json_acts["prompt_token_ids"])
+    for acts in listed:
+        stream = acts["residual_stream"]
+        assert stream.shape == (len(LAYERS), n_prompt + len(acts["completion_token_ids"]) - 1,
+                                576)
+        assert max_relative_error(stream[:, :n_prompt],
+                                  json_acts["residual_stream"][:, :n_prompt]) <= 1e-4
     assert stored() == before
 
 

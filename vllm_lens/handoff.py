@@ -191,7 +191,8 @@ def _read(file: Any, size: int) -> tuple[dict[str, Any], torch.Tensor]:
         raise WireError(f"handoff file of {size} bytes cannot hold a {meta_len}-byte header")
     meta = wire.loads(_read_exactly(file, offset - start)[:meta_len])
     try:
-        dtype, shape = wire.DTYPES[meta["dtype"]], tuple(int(s) for s in meta["shape"])
+        header, dtype = meta["header"], wire.DTYPES[meta["dtype"]]
+        shape = tuple(int(s) for s in meta["shape"])
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"malformed handoff header: {exc!r}") from None
     if any(s < 0 for s in shape):
@@ -201,20 +202,24 @@ def _read(file: Any, size: int) -> tuple[dict[str, Any], torch.Tensor]:
     if size - offset != data.nbytes:
         raise WireError(f"handoff file holds {size - offset} bytes of data, but dtype "
                         f"{meta['dtype']} and shape {list(shape)} need {data.nbytes}")
-    _read_exactly(file, data.nbytes, into=memoryview(data))
-    return meta["header"], tensor
+    _read_into(file, memoryview(data))
+    return header, tensor
 
 
-def _read_exactly(file: Any, n: int, into: memoryview | None = None) -> bytes:
-    """``n`` bytes from ``file``, into ``into`` when given (then returns ``b""``)."""
-    view = memoryview(bytearray(n)) if into is None else into
+def _read_exactly(file: Any, n: int) -> bytes:
+    buffer = bytearray(n)
+    _read_into(file, memoryview(buffer))
+    return bytes(buffer)
+
+
+def _read_into(file: Any, view: memoryview) -> None:
+    """Fill ``view`` from ``file`` (``readinto`` may return fewer bytes than asked)."""
     done = 0
-    while done < n:
+    while done < view.nbytes:
         got = file.readinto(view[done:])
         if not got:
-            raise WireError(f"handoff file ended after {done} of {n} bytes")
+            raise WireError(f"handoff file ended after {done} of {view.nbytes} bytes")
         done += got
-    return b"" if into is not None else view.obj
 
 
 def _data_offset(meta_len: int) -> int:

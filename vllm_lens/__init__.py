@@ -18,8 +18,10 @@ public names are the helpers a user imports.
 
 from vllm_lens.errors import (
     LensError,
+    LensExecutionError,
     LensRequestError,
     RemoteCodeRefusedError,
+    UnsupportedConfigError,
     UnsupportedModelError,
     WireError,
 )
@@ -34,10 +36,12 @@ __all__ = [
     "HookContext",
     "HookError",
     "LensError",
+    "LensExecutionError",
     "LensRequestError",
     "NamedHook",
     "RemoteCodeRefusedError",
     "SteeringVector",
+    "UnsupportedConfigError",
     "UnsupportedModelError",
     "WireError",
     "decode_activations",

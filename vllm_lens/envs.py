@@ -16,6 +16,11 @@
 - ``VLLM_LENS_ALLOW_PERSISTENT_HOOKS``: ``1`` enables the OpenAI server's ``/v1/hooks/*``
   routes. Persistent hooks see every client's requests and ``collect`` returns their results,
   so they are an operator's tool: off by default (403).
+- ``VLLM_LENS_SHM_HANDOFF``: ``0`` sends every fetched capture inline in the RPC result
+  (msgpack + zstd), as it travels between hosts, instead of through ``/dev/shm`` on the same
+  host (default ``1``).
+- ``VLLM_LENS_TEST_FAULTS``: ``1`` lets requests ask for an injected failure
+  (``vllm_lens.faults``); for the test suite only.
 - ``VLLM_LENS_HOOK_RESULTS_MAX``: results of persistent hooks kept per worker, in requests
   (default 10000); past it the oldest requests' results are dropped.
 """
@@ -27,7 +32,7 @@ import os
 __all__ = [
     "allow_persistent_hooks", "allow_pickled_hooks", "disabled", "finished_ttl_s", "hook_results_max",
     "http_store_max_bytes", "http_store_ttl_s",
-    "max_request_bytes", "worker_max_bytes",
+    "max_request_bytes", "shm_handoff", "test_faults", "worker_max_bytes",
 ]
 
 
@@ -69,3 +74,12 @@ def http_store_ttl_s() -> float:
 
 def max_request_bytes() -> int:
     return int(os.environ.get("VLLM_LENS_MAX_REQUEST_BYTES", str(64 << 20)))
+
+
+def shm_handoff() -> bool:
+    return os.environ.get("VLLM_LENS_SHM_HANDOFF", "1").strip().lower() not in (
+        "0", "false", "no", "off")
+
+
+def test_faults() -> bool:
+    return _flag("VLLM_LENS_TEST_FAULTS")

@@ -5,7 +5,10 @@ Split by who is to blame, like vLLM's own ``vllm/exceptions.py``::
     LensError                      base of everything vllm-lens raises
     ├── LensRequestError(ValueError)   the caller sent a bad lens request (HTTP 400)
     │   ├── UnsupportedModelError      the model's layers could not be mapped
+    │   ├── UnsupportedConfigError     the engine runs a configuration vllm-lens refuses
     │   └── RemoteCodeRefusedError     a pickled hook without the operator's opt-in (HTTP 403)
+    ├── LensExecutionError             the worker failed while handling this request (HTTP
+    │                                  500); the engine and every other request carry on
     └── WireError(ValueError)          bytes that do not decode as a vllm-lens payload
 
 ``LensRequestError`` subclasses ``ValueError`` so that offline callers get the ``ValueError``
@@ -15,8 +18,8 @@ they expect and vLLM's OpenAI server turns it into a 400 response.
 from __future__ import annotations
 
 __all__ = [
-    "LensError", "LensRequestError", "RemoteCodeRefusedError", "UnsupportedModelError",
-    "WireError",
+    "LensError", "LensExecutionError", "LensRequestError", "RemoteCodeRefusedError",
+    "UnsupportedConfigError", "UnsupportedModelError", "WireError",
 ]
 
 
@@ -42,6 +45,27 @@ class LensRequestError(LensError, ValueError):
 
 class UnsupportedModelError(LensRequestError):
     """Lens features were asked for on a model whose decoder layers vllm-lens cannot find."""
+
+
+class UnsupportedConfigError(LensRequestError):
+    """The engine's configuration (runner, scheduling, speculative decoding, ...) is one
+    vllm-lens has not proven, so lens requests are refused; the message names the setting."""
+
+
+class LensExecutionError(LensError):
+    """The worker failed while handling this request's lens work (a server-side error).
+
+    Attributes:
+        request_id: the engine request id.
+        message: what failed, and where (``plan``, ``steer``, ``hooks``, ``capture``,
+            ``fetch`` or ``handoff``).
+    """
+
+    def __init__(self, message: str, *, request_id: str | None = None) -> None:
+        self.message = message
+        self.request_id = request_id
+        where = f" (request {request_id})" if request_id else ""
+        super().__init__(f"{message}{where}")
 
 
 class RemoteCodeRefusedError(LensRequestError):

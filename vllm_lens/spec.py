@@ -17,8 +17,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_lens import envs, wire
-from vllm_lens.errors import LensRequestError, RemoteCodeRefusedError, UnsupportedModelError
+from vllm_lens import envs, faults, wire
+from vllm_lens.errors import (
+    LensRequestError,
+    RemoteCodeRefusedError,
+    UnsupportedConfigError,
+    UnsupportedModelError,
+)
 
 __all__ = [
     "CAPTURE_KEY",
@@ -65,12 +70,19 @@ class ModelFacts:
     hidden_size: int
     max_model_len: int
     mapped: bool
-    """False when the workers could not find the model's decoder layers (no taps installed)."""
+    """False when the workers could not find the model's decoder layers, or found them in a
+    model class the taps are not proven on (``worker.taps.PROVEN_MODEL_CLASSES``)."""
     dtype: str = "float32"
     """The model's dtype name (``torch.<dtype>``): the dtype of captured activations."""
     pre_hooks: bool = True
     """False when the decoder layers' inputs cannot be tapped (their ``forward`` lacks
     ``hidden_states`` / ``residual``): ``pre=True`` hooks are refused."""
+    unsupported: str | None = None
+    """Why this engine's configuration refuses every lens request (it names the setting),
+    or ``None`` (see ``worker.runner.unsupported_reason``)."""
+    speculative: bool = False
+    """Speculative decoding is on: hooks are refused (they would see draft tokens that the
+    sampler may reject)."""
 
 
 @dataclass(frozen=True)
@@ -153,11 +165,14 @@ class LensRequest:
     capture: CaptureSpec | None = None
     steer: tuple[SteerSpec, ...] = ()
     hooks: tuple[HookSpec, ...] = ()
+    fault: str | None = None
+    """Test-only: the stage at which the worker fails this request (``vllm_lens.faults``)."""
 
     @property
     def needs_fetch(self) -> bool:
-        """Whether the workers hold something for this request when it finishes."""
-        return self.capture is not None or bool(self.hooks)
+        """Whether the front end asks the workers about this request when it finishes:
+        always, since even a steering-only request must learn whether its steering ran."""
+        return True
 
     @property
     def cache_salt(self) -> str | None:
@@ -186,6 +201,8 @@ class LensRequest:
             payload["salt"] = self.cache_salt
         if self.hooks:
             payload["hooks"] = [h.to_payload() for h in self.hooks]
+        if self.fault is not None:
+            payload["fault"] = self.fault
         if self.capture is not None:
             c = self.capture
             payload["capture"] = {
@@ -210,7 +227,9 @@ class LensRequest:
             )
         steer = tuple(SteerSpec.from_payload(d) for d in payload.get("steer", ()))
         hooks = tuple(HookSpec.from_payload(d) for d in payload.get("hooks", ()))
-        return cls(key=str(payload["key"]), capture=capture, steer=steer, hooks=hooks)
+        fault = payload.get("fault")
+        return cls(key=str(payload["key"]), capture=capture, steer=steer, hooks=hooks,
+                   fault=None if fault is None else str(fault))
 
 
 def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
@@ -249,22 +268,48 @@ def parse_extra_args(
     raw_capture = rest.pop(CAPTURE_KEY, None)
     raw_steer = rest.pop(STEER_KEY, None)
     raw_hooks = rest.pop(HOOKS_KEY, None)
+    fault = _parse_fault(rest.pop(faults.FAULT_KEY, None), request_id)
     if raw_capture is False:
         raw_capture = None
     if raw_capture is None and raw_steer is None and raw_hooks is None:
         return rest, None
+    first_key = next(k for k, v in ((CAPTURE_KEY, raw_capture), (STEER_KEY, raw_steer),
+                                    (HOOKS_KEY, raw_hooks)) if v is not None)
     facts = facts()
+    if facts.unsupported is not None:
+        raise UnsupportedConfigError(
+            first_key, f"lens requests are refused on this engine: {facts.unsupported} "
+            "(plain requests still work)", request_id=request_id)
+    if raw_hooks is not None and facts.speculative:
+        raise UnsupportedConfigError(
+            HOOKS_KEY, "hooks are refused while speculative decoding is on (they would run on "
+            "draft tokens the sampler may reject); capture and steering work; start the "
+            "engine without speculative_config to use hooks", request_id=request_id)
     if not facts.mapped:
         raise UnsupportedModelError(
-            CAPTURE_KEY if raw_capture is not None else STEER_KEY,
-            f"vllm-lens cannot find the decoder layers of model class {facts.model_class}; "
-            "lens features are unavailable for it (plain requests still work)",
+            first_key,
+            f"vllm-lens does not support model class {facts.model_class} (its decoder layers "
+            "are not mapped, or not yet proven against transformers); lens features are "
+            "refused for it (plain requests still work)",
             request_id=request_id,
         )
     capture = None if raw_capture is None else _parse_capture(raw_capture, facts, request_id)
     steer = () if raw_steer is None else _parse_steering(raw_steer, facts, request_id)
     hooks = () if raw_hooks is None else parse_hooks(raw_hooks, facts, request_id)
-    return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks)
+    return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
+                             fault=fault)
+
+
+def _parse_fault(raw: Any, request_id: str | None) -> str | None:
+    if raw is None:
+        return None
+    if not envs.test_faults():
+        raise LensRequestError(faults.FAULT_KEY, "fault injection is for the test suite only "
+                               "(VLLM_LENS_TEST_FAULTS=1)", request_id=request_id)
+    if raw not in faults.STAGES:
+        raise LensRequestError(faults.FAULT_KEY, f"unknown stage {raw!r}; use one of "
+                               f"{', '.join(faults.STAGES)}", request_id=request_id)
+    return raw
 
 
 def _parse_capture(raw: Any, facts: ModelFacts, request_id: str | None) -> CaptureSpec:

@@ -19,6 +19,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm_lens._patching import wrap_attribute
 from vllm_lens.frontend import response_scope
 from vllm_lens.frontend.collate import LensSession, discard_unread, facts_from_describe
+from vllm_lens.frontend.rpc import all_workers
 from vllm_lens.spec import ModelFacts
 
 __all__ = ["install", "model_facts"]
@@ -34,7 +35,7 @@ async def model_facts(engine: AsyncLLM) -> ModelFacts:
     """The served model's facts, asked of the workers once per engine."""
     session = LensSession.of(engine)
     if session.facts is None:
-        session.facts = facts_from_describe(await engine.collective_rpc("lens_describe"))
+        session.facts = facts_from_describe(await all_workers(engine, "lens_describe"))
     return session.facts
 
 
@@ -79,8 +80,9 @@ def _wrap_generate(original):
                     finally:
                         discard_unread(results)
                     response_scope.report(request_id, by_index)
-                    failed = next((f["hook_error"] for f in by_index.values()
-                                   if f.get("hook_error") is not None), None)
+                    failed = next((f[name] for f in by_index.values()
+                                   for name in ("lens_error", "hook_error")
+                                   if f.get(name) is not None), None)
                     if failed is not None:
                         completed = True  # its buffers are gone; nothing to release
                         raise failed
@@ -91,7 +93,7 @@ def _wrap_generate(original):
                 keys = session.forget([request_id])
                 if keys:
                     # Not awaited: this may run while the caller is being cancelled.
-                    task = asyncio.ensure_future(self.collective_rpc("lens_release", args=(keys,)))
+                    task = asyncio.ensure_future(all_workers(self, "lens_release", (keys,)))
                     _background.add(task)
                     task.add_done_callback(_background.discard)
 
@@ -102,7 +104,7 @@ async def _fetch(engine: AsyncLLM, args: tuple[Any, ...]) -> list[Any]:
     """``lens_fetch`` that cleans up after itself when the caller is cancelled meanwhile (a
     client disconnecting): the workers have popped the rows already, so the call is let
     finish and any handoff files it produced are deleted."""
-    task = asyncio.ensure_future(engine.collective_rpc("lens_fetch", args=args))
+    task = asyncio.ensure_future(all_workers(engine, "lens_fetch", args))
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:

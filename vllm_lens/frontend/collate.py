@@ -16,8 +16,8 @@ import torch
 from vllm import SamplingParams
 from vllm.outputs import RequestOutput
 
-from vllm_lens import handoff
-from vllm_lens.errors import LensRequestError
+from vllm_lens import envs, handoff
+from vllm_lens.errors import LensExecutionError, LensRequestError
 from vllm_lens.hooks import HookError
 from vllm_lens.spec import PAYLOAD_KEY, LensRequest, ModelFacts, has_lens_keys, parse_extra_args
 from vllm_lens.worker.hooks import decode_results
@@ -38,6 +38,8 @@ def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
         mapped=all(r["mapped"] for r in results),
         dtype=first["dtype"],
         pre_hooks=all(r.get("pre_taps", False) for r in results),
+        unsupported=next((r["unsupported"] for r in results if r.get("unsupported")), None),
+        speculative=any(r.get("speculative", False) for r in results),
     )
 
 
@@ -142,7 +144,7 @@ class LensSession:
     @staticmethod
     def fetch_rpc_args(requests: list[tuple[str, dict[str, int]]]) -> tuple[Any, ...]:
         """``collective_rpc`` args of ``lens_fetch`` for these ``fetch_args`` results."""
-        return (requests, handoff.host_id())
+        return (requests, handoff.host_id() if envs.shm_handoff() else None)
 
     def fetch_args(
         self, lens: LensRequest, n_prompt: int, generated: Mapping[int, int], n: int
@@ -163,17 +165,24 @@ class LensSession:
         rank_results: Sequence[Mapping[str, Mapping[str, Mapping[str, Any]]]],
         n: int,
     ) -> dict[int, dict[str, Any]]:
-        """Attach ``activations`` / ``hook_results`` / ``hook_error`` to ``output`` (n == 1)
-        and to each of its completions.
+        """Attach ``activations`` / ``hook_results`` / ``hook_error`` / ``lens_error`` to
+        ``output`` (n == 1) and to each of its completions.
+
+        ``lens_error`` is a ``LensExecutionError`` when some worker failed the completion's
+        lens work (then ``activations`` and ``hook_results`` are ``None``: nothing partial is
+        returned), else ``None``.
 
         Returns what was attached for all ``n`` completions, by index: a streamed (DELTA)
         final output holds only the completions that changed in its step, not all of them.
         """
         captures: dict[str, list[tuple[dict[str, Any], torch.Tensor]]] = {}
         hooks: dict[str, list[dict[str, Any]]] = {}
+        errors: dict[str, str] = {}
         trusted = any(h.pickled is not None for h in lens.hooks)
         for result in rank_results:
             for req_id, parts in (result or {}).get(lens.key, {}).items():
+                if parts.get("error") is not None:
+                    errors.setdefault(req_id, parts["error"])
                 if parts.get("capture") is not None:
                     captures.setdefault(req_id, []).append(handoff.receive(parts["capture"]))
                 if parts.get("hooks") is not None:
@@ -181,7 +190,16 @@ class LensSession:
         by_index: dict[int, dict[str, Any]] = {}
         for index in range(n):
             prefix = "" if n == 1 else f"{index}_"
-            found: dict[str, Any] = {}
+            found: dict[str, Any] = {"lens_error": None}
+            error = next((m for k, m in errors.items() if k.startswith(prefix) or not k), None)
+            if error is not None:
+                found["lens_error"] = LensExecutionError(error, request_id=output.request_id)
+                if lens.capture is not None:
+                    found["activations"] = None
+                if lens.hooks:
+                    found["hook_results"], found["hook_error"] = None, None
+                by_index[index] = found
+                continue
             if lens.capture is not None:
                 parts = next((v for k, v in captures.items() if k.startswith(prefix)), None)
                 found["activations"] = (merge_rank_payloads(parts) if parts is not None

@@ -26,6 +26,7 @@ from typing import Any
 
 from vllm_lens import wire
 from vllm_lens.frontend.collate import LensSession, facts_from_describe, merge_hook_results
+from vllm_lens.frontend.rpc import all_workers
 from vllm_lens.spec import parse_hooks
 from vllm_lens.worker.hooks import decode_results
 
@@ -111,7 +112,7 @@ def _async_method(name: str, steps_fn: Any) -> Any:
         try:
             rpc, rpc_args = next(steps)
             while True:
-                rpc, rpc_args = steps.send(await self.collective_rpc(rpc, args=rpc_args))
+                rpc, rpc_args = steps.send(await all_workers(self, rpc, tuple(rpc_args)))
         except StopIteration as stop:
             return stop.value
 

@@ -44,9 +44,10 @@ from vllm_lens.activations import (
     binary_descriptor,
     hook_results_to_json,
 )
-from vllm_lens.errors import LensRequestError, RemoteCodeRefusedError
+from vllm_lens.errors import LensExecutionError, LensRequestError, RemoteCodeRefusedError
 from vllm_lens.frontend.async_engine import model_facts
 from vllm_lens.frontend.blob_store import BlobStore
+from vllm_lens.frontend.rpc import all_workers
 from vllm_lens.frontend.response_scope import ResponseScope
 from vllm_lens.hooks import HookError
 from vllm_lens.spec import HOOKS_KEY, LENS_KEYS, TRANSPORT_KEY, has_lens_keys, parse_extra_args
@@ -114,6 +115,10 @@ def _wrap_endpoint(endpoint: _Endpoint):
                     return create_error_response(
                         str(exc), err_type="InternalServerError",
                         status_code=HTTPStatus.INTERNAL_SERVER_ERROR, param=HOOKS_KEY)
+                except LensExecutionError as exc:  # the worker failed this request alone
+                    return create_error_response(
+                        str(exc), err_type="InternalServerError",
+                        status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
             if isinstance(result, ErrorResponse):
                 return result
             n = request.n or 1
@@ -231,7 +236,7 @@ async def delete_activations(handle: str) -> Response:
 
 @_router.get("/v1/lens/stats")
 async def lens_stats(raw_request: Request) -> JSONResponse:
-    workers = await raw_request.app.state.engine_client.collective_rpc("lens_stats")
+    workers = await all_workers(raw_request.app.state.engine_client, "lens_stats")
     return JSONResponse({"store": store().stats(), "workers": workers})
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_lens import handoff, wire
+from vllm_lens import faults, handoff, wire
 from vllm_lens.spec import HookSpec
 from vllm_lens.worker.capture import assemble
 from vllm_lens.worker.hooks import encode_results
+from vllm_lens.worker.runner import unsupported_reason
 from vllm_lens.worker.runtime import LensRuntime
-from vllm_lens.worker.taps import set_tap_handler, tap_info
+from vllm_lens.worker.taps import PROVEN_MODEL_CLASSES, set_tap_handler, tap_info
 
 __all__ = ["LensWorkerExtension"]
 
@@ -36,23 +37,38 @@ class LensWorkerExtension:
     """RPC surface of vllm-lens on each worker (mixed into vLLM's worker class)."""
 
     def lens_describe(self) -> dict[str, Any]:
-        """Attach the tap handler (once) and report what this rank's model looks like."""
+        """Check this engine's configuration, attach the tap handler (once, when supported)
+        and report what this rank's model looks like.
+
+        Never raises: whatever cannot be inspected is reported as ``unsupported`` so that the
+        front end refuses lens requests with the reason.
+        """
         global _runtime
-        runner = self.model_runner  # type: ignore[attr-defined]
-        model = runner.get_model()
-        info = tap_info(model)
-        tp_rank, tp_size, pp_rank = _ranks()
-        if info is not None and (_runtime is None or _runtime.runner is not runner):
+        try:
+            runner = self.model_runner  # type: ignore[attr-defined]
+            reason = unsupported_reason(self.vllm_config, runner)  # type: ignore[attr-defined]
+            model = runner.get_model()
+            info = tap_info(model)
+            model_config = runner.model_config
+            tp_rank, tp_size, pp_rank = _ranks()
+        except Exception as exc:  # e.g. a runner without the attributes read here
+            return {"unsupported": f"vllm-lens cannot inspect this worker ({exc!r})",
+                    "mapped": False, "model_class": "?", "n_layers": 0, "local_layers": [],
+                    "pre_taps": False, "hidden_size": 0, "dtype": "float32",
+                    "max_model_len": 0, "tp_rank": 0, "pp_rank": 0, "speculative": False}
+        supported_model = info is not None and info.model_class in PROVEN_MODEL_CLASSES
+        if (reason is None and supported_model
+                and (_runtime is None or _runtime.runner is not runner)):
             # Every TP rank holds the full residual stream; rank 0 alone captures it.
             capture_layers = frozenset(info.local_layers) if tp_rank == 0 else frozenset()
             _runtime = LensRuntime(runner, capture_layers=capture_layers, tp_rank=tp_rank,
                                    tp_size=tp_size)
             set_tap_handler(_runtime.on_tap)
             handoff.sweep()  # files orphaned by front ends that died before reading them
-        model_config = runner.model_config
         return {
+            "unsupported": reason,
             "model_class": info.model_class if info else type(model).__name__,
-            "mapped": info is not None,
+            "mapped": supported_model,
             "n_layers": info.n_layers if info else 0,
             "local_layers": list(info.local_layers) if info else [],
             "pre_taps": info.pre_taps if info else False,
@@ -61,48 +77,51 @@ class LensWorkerExtension:
             "max_model_len": model_config.max_model_len,
             "tp_rank": tp_rank,
             "pp_rank": pp_rank,
+            "speculative": self.vllm_config.speculative_config is not None,  # type: ignore[attr-defined]
         }
 
     def lens_fetch(
         self, requests: list[tuple[str, dict[str, int]]], front_end_host: str | None = None
     ) -> dict[str, dict[str, dict[str, Any]]]:
-        """Pop the rows of finished requests.
+        """Pop what this rank holds for finished requests.
 
         Args:
             requests: ``(lens key, {request id prefix: valid positions})`` per finished request;
                 positions at or past the valid count come from surplus steps and are dropped.
                 The prefix is ``""`` for ``n == 1`` and ``"{index}_"`` for sampled children.
             front_end_host: the caller's ``handoff.host_id()``; on the same host large payloads
-                are handed over through shared memory instead of the RPC result.
+                are handed over through shared memory instead of the RPC result. ``None``
+                (another host, or hand-off turned off) sends everything inline.
 
         Returns:
             ``{lens key: {engine request id: {"capture": handoff | None, "hooks": bytes |
-            None}}}``: the capture handoff carries ``{"layers", "positions"}`` and the residual
-            stream (``handoff.receive``), trimmed and reduced here so that rows nobody asked for
-            never leave the worker; ``hooks`` holds ``hooks.encode_results``. Only TP rank 0 of each
-            pipeline stage reports (the other TP ranks ran the same hooks on the same rows).
+            None, "error": str | None}}}``: the capture handoff carries ``{"layers",
+            "positions"}`` and the residual stream (``handoff.receive``), trimmed and reduced
+            here so that rows nobody asked for never leave the worker; ``hooks`` holds
+            ``hooks.encode_results`` (TP rank 0 of each stage only: the other TP ranks ran the
+            same hooks on the same rows); ``error`` says why this rank failed the request.
+            A failure while fetching one request fails that request only.
         """
         if _runtime is None:
             return {}
-        _runtime.store.settle(wait=True)  # finishes the asynchronous device->host copies
-        out: dict[str, dict[str, dict[str, Any]]] = {}
         try:
-            for key, valid_lens in requests:
-                hooks = _runtime.pop_hooks(key)
-                for req_id, entry in _runtime.store.pop(key).items():
-                    valid = next((n for p, n in valid_lens.items() if req_id.startswith(p)), None)
-                    if valid is not None:
-                        capture = assemble(entry, valid)
-                        stream = capture.pop("residual_stream")
-                        out.setdefault(key, {}).setdefault(req_id, {})["capture"] = (
-                            handoff.send(capture, stream, front_end_host))
-                if _runtime.tp_rank == 0:
-                    for req_id, state in hooks.items():
-                        out.setdefault(key, {}).setdefault(req_id, {})["hooks"] = (
-                            encode_results(state))
-        except BaseException:
-            handoff.discard_fetched(out)  # nobody will read the files written so far
-            raise
+            _runtime.store.settle(wait=True)  # finishes the asynchronous device->host copies
+        except Exception as exc:
+            return {key: {"": {"error": f"vllm-lens failed at fetch: {exc!r}"}}
+                    for key, _ in requests}
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        for key, valid_lens in requests:
+            found: dict[str, dict[str, Any]] = {}
+            try:
+                _fetch_one(_runtime, key, valid_lens, front_end_host, found)
+            except Exception as exc:
+                handoff.discard_fetched({key: found})
+                stage, cause = (("handoff", exc.__cause__) if isinstance(exc, _HandoffFailed)
+                                else ("fetch", exc))
+                error = {"error": f"vllm-lens failed at {stage}: {cause!r}"}
+                found = {req_id: error for req_id in found} or {"": error}
+            if found:
+                out[key] = found
         return out
 
     def lens_release(self, keys: list[str]) -> None:
@@ -110,14 +129,17 @@ class LensWorkerExtension:
         if _runtime is not None:
             for key in keys:
                 _runtime.store.pop(key)
-                _runtime.pop_hooks(key)
+                _runtime.pop_records(key)
 
     def lens_stats(self) -> dict[str, int]:
-        """Buffered entries and bytes on this rank (for tests and monitoring)."""
+        """What this rank holds for lens requests (for tests and monitoring): captured
+        ``entries`` and their host ``bytes``, request ``records`` and the ``device_bytes`` of
+        their steering vectors."""
         if _runtime is None:
-            return {"entries": 0, "bytes": 0}
+            return {"entries": 0, "bytes": 0, "records": 0, "device_bytes": 0}
         _runtime.store.settle(wait=True)
-        return {"entries": len(_runtime.store), "bytes": _runtime.store.nbytes}
+        return {"entries": len(_runtime.store), "bytes": _runtime.store.nbytes,
+                "records": len(_runtime.requests), "device_bytes": _runtime.requests.device_bytes}
 
     # -- persistent hooks ------------------------------------------------------------------------
     def lens_register_hooks(self, payloads: list[dict[str, Any]]) -> None:
@@ -163,3 +185,36 @@ def _require_runtime() -> LensRuntime:
         raise RuntimeError("vllm-lens: lens_describe has not run on this worker (or the model's "
                            "layers could not be mapped)")
     return _runtime
+
+
+class _HandoffFailed(Exception):
+    """Packaging a capture for the front end raised (the cause is chained)."""
+
+
+def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
+               front_end_host: str | None, out: dict[str, dict[str, Any]]) -> None:
+    """Fill ``out`` (request id -> parts) with what this rank holds for lens key ``key``."""
+    records = runtime.pop_records(key)
+    entries = runtime.store.pop(key)
+    for req_id, record in records.items():
+        faults.check(record.lens.fault, "fetch")
+        if record.error is not None:
+            out[req_id] = {"error": record.error}
+        elif runtime.tp_rank == 0 and record.hooks is not None:
+            out[req_id] = {"hooks": encode_results(record.hooks)}
+    for req_id, entry in entries.items():
+        if req_id in out and "error" in out[req_id]:
+            continue
+        valid = next((n for p, n in valid_lens.items() if req_id.startswith(p)), None)
+        if valid is None:
+            continue
+        record = records.get(req_id)
+        capture = assemble(entry, valid)
+        stream = capture.pop("residual_stream")
+        try:
+            if record is not None:
+                faults.check(record.lens.fault, "handoff")
+            sent = handoff.send(capture, stream, front_end_host)
+        except Exception as exc:
+            raise _HandoffFailed() from exc
+        out.setdefault(req_id, {})["capture"] = sent

@@ -76,6 +76,8 @@ class CaptureGroup:
     """Set by the last layer's tap: a step that stopped part-way leaves nothing to file."""
     ready: Any = None
     """On an accelerator: a ``torch.Event`` recorded after the last layer's copy to the host."""
+    failed: bool = False
+    """A layer's capture raised: later layers skip the group and nothing is filed."""
 
 
 def select_rows(spec: CaptureSpec, pos0: int, n_rows: int, n_prompt: int) -> np.ndarray:
@@ -120,6 +122,8 @@ class StepPlan:
     """``hooks.HookCall`` per request with hooks in this step."""
     hook_layers: frozenset[tuple[int, bool]] = frozenset()
     """(layer, pre) pairs where some hook of this step runs."""
+    faults: bool = False
+    """Some request of this step asked for an injected fault (test suite only)."""
 
     @property
     def empty(self) -> bool:

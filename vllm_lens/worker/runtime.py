@@ -4,30 +4,31 @@ layer's input (runs in: worker).
 
 One ``LensRuntime`` exists per worker process once the front end has asked for lens features
 (``lens_describe``); until then the taps have no handler and cost one Python call per layer.
+
+Nothing raised here may leave the tap: the tap runs inside the model's forward pass, and an
+exception there would kill the engine. A failure while handling a request fails that request
+(its record keeps the message, the front end raises it when the request finishes); a failure
+that cannot be pinned on fewer requests fails every lens request of the step. The engine, and
+every request without lens keys, carries on.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
-from vllm_lens import envs
-from vllm_lens.spec import PAYLOAD_KEY, HookSpec, LensRequest
+from vllm_lens import envs, faults
+from vllm_lens.spec import HookSpec
 from vllm_lens.worker.capture import capture_layer
 from vllm_lens.worker.hooks import HookCall, HookState, ParameterSource, run_hook_calls
 from vllm_lens.worker.plan import RequestSlice, StepPlan
-from vllm_lens.worker.steer import (
-    PreparedSteer,
-    SteerGroup,
-    apply_steering,
-    build_steer_groups,
-    prepare,
-)
+from vllm_lens.worker.requests import RequestRecord, RequestTable
+from vllm_lens.worker.runner import RunnerView
+from vllm_lens.worker.steer import PreparedSteer, SteerGroup, apply_steering, build_steer_groups, prepare
 from vllm_lens.worker.store import CaptureStore
 
 logger = logging.getLogger(__name__)
@@ -38,21 +39,19 @@ _EMPTY_PLAN = StepPlan(slices=[])
 
 
 class LensRuntime:
-    """Reads the model runner's batch state; one plan per forward step, shared by all taps."""
+    """Reads the runner's batch (through ``RunnerView``); one plan per forward step, shared by
+    all taps."""
 
-    def __init__(self, runner: Any, *, capture_layers: frozenset[int], tp_rank: int,
+    def __init__(self, runner, *, capture_layers: frozenset[int], tp_rank: int,
                  tp_size: int) -> None:
         self.runner = runner
+        self.view = RunnerView(runner)
         self.capture_layers = capture_layers
         """Layers whose rows this rank captures: its stage's layers on TP rank 0, else none."""
         self.tp_rank = tp_rank
         self.store = CaptureStore(envs.worker_max_bytes(), envs.finished_ttl_s())
+        self.requests = RequestTable(envs.finished_ttl_s())
         self.params = ParameterSource(runner.get_model(), tp_size)
-        self._lens_by_req: dict[str, LensRequest | None] = {}
-        self._steer_by_req: dict[str, list[PreparedSteer]] = {}
-        self._hooks_by_req: dict[str, tuple[str, HookState]] = {}
-        """Request id -> (lens key, state) of per-request hooks, until fetched or released."""
-        self._finished_hooks: dict[str, float] = {}
         self.persistent_specs: tuple[HookSpec, ...] = ()
         self.persistent_results: OrderedDict[str, HookState] = OrderedDict()
         """Request id -> state of the persistent hooks for it (bounded, oldest dropped)."""
@@ -64,42 +63,81 @@ class LensRuntime:
     # -- tap handler ---------------------------------------------------------------------------
     def on_tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: int,
                pre: bool) -> None:
+        try:
+            self._tap(hidden, residual, layer, pre)
+        except Exception as exc:  # not pinned on fewer requests by the stages below
+            self._fail_step(exc)
+
+    def _tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: int,
+             pre: bool) -> None:
         plan = self._plan_for_step(hidden)
         if plan.empty:
             return
         if pre:
             if (layer, True) in plan.hook_layers:
-                self._run_hooks(plan, layer, True, hidden, residual)
+                self._guarded("hooks", (c.req_id for c in plan.hook_calls), self._run_hooks,
+                              plan, layer, True, hidden, residual)
             return
         steering = plan.steer.get(layer)
         if steering is not None:
-            apply_steering(steering, hidden, residual)
+            self._guarded("steer", steering.req_ids, apply_steering, steering, hidden, residual)
         if (layer, False) in plan.hook_layers:
-            self._run_hooks(plan, layer, False, hidden, residual)
+            self._guarded("hooks", (c.req_id for c in plan.hook_calls), self._run_hooks,
+                          plan, layer, False, hidden, residual)
         for group, index in plan.capture.get(layer, ()):
+            if not group.failed:
+                self._guarded_capture(plan, group, index, hidden, residual)
+
+    def _guarded(self, stage: str, req_ids: Iterable[str], fn, *args) -> None:
+        """``fn(*args)``; if it raises, ``req_ids`` (evaluated only then) fail at ``stage``."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            self._fail(req_ids, exc, stage)
+
+    def _guarded_capture(self, plan: StepPlan, group, index: int, hidden: torch.Tensor,
+                         residual: torch.Tensor | None) -> None:
+        try:
+            if plan.faults:
+                for owner in group.owners:
+                    faults.check(self._fault_of(owner.req_id), "capture")
             capture_layer(group, index, hidden, residual)
+        except Exception as exc:
+            group.failed = True  # its staging tensor is incomplete: nothing is filed
+            self._fail([o.req_id for o in group.owners], exc, "capture")
+
+    def _fail(self, req_ids: Iterable[str], exc: BaseException, stage: str) -> None:
+        ids = list(req_ids)
+        logger.warning("vllm-lens: %s failed for request(s) %s: %r", stage, ", ".join(ids), exc)
+        for req_id in ids:
+            record = self.requests.records.get(req_id)
+            if record is not None:
+                record.fail(exc, stage)
+                self.store.discard(record.lens.key, req_id)  # partial rows are never returned
+
+    def _fault_of(self, req_id: str) -> str | None:
+        record = self.requests.records.get(req_id)
+        return record.lens.fault if record is not None else None
 
     def _run_hooks(self, plan: StepPlan, layer: int, pre: bool, hidden: torch.Tensor,
                    residual: torch.Tensor | None) -> None:
+        if plan.faults:
+            for call in plan.hook_calls:
+                faults.check(self._fault_of(call.req_id), "hooks")
         run_hook_calls(plan.hook_calls, layer, pre, hidden, residual, self.params.model,
                        self.tp_rank, self.params)
 
-    # -- hooks bookkeeping ---------------------------------------------------------------------
-    def pop_hooks(self, key: str) -> dict[str, HookState]:
-        """Remove the per-request hook states of lens key ``key`` (request id -> state)."""
-        found = {r: st for r, (k, st) in self._hooks_by_req.items() if k == key}
-        for req_id in found:
-            del self._hooks_by_req[req_id]
-            self._finished_hooks.pop(req_id, None)
-        return found
+    # -- fetch ---------------------------------------------------------------------------------
+    def pop_records(self, key: str) -> dict[str, RequestRecord]:
+        """Remove the records of lens key ``key`` (request id -> record)."""
+        return self.requests.pop(key)
 
-    def _hook_states(self, req_id: str, lens: LensRequest | None) -> tuple[HookState, ...]:
+    def _hook_states(self, record: RequestRecord | None, req_id: str) -> tuple[HookState, ...]:
         states = []
-        if lens is not None and lens.hooks:
-            entry = self._hooks_by_req.get(req_id)
-            if entry is None:
-                entry = self._hooks_by_req[req_id] = (lens.key, HookState.build(lens.hooks))
-            states.append(entry[1])
+        if record is not None and record.lens.hooks:
+            if record.hooks is None:
+                record.hooks = HookState.build(record.lens.hooks)
+            states.append(record.hooks)
         if self.persistent_specs:
             state = self.persistent_results.get(req_id)
             if state is None:
@@ -118,37 +156,53 @@ class LensRuntime:
         ctx = get_forward_context()
         if ctx is not self._plan_ctx:
             self._plan_ctx = ctx
-            self._plan = self._build_plan(hidden.device, hidden.dtype)
+            self._plan = _EMPTY_PLAN  # what the rest of the step sees if the build fails
+            try:
+                self._plan = self._build_plan(hidden.device, hidden.dtype)
+            except Exception as exc:
+                self._fail_step(exc)
         return self._plan
 
+    def _fail_step(self, exc: BaseException) -> None:
+        """Fail every lens request of the running step (the plan could not be built)."""
+        try:
+            ids = [s.req_id for s in self.view.scheduled() if s.req_id in self.requests.records]
+        except Exception:  # the runner's state itself is unreadable: fail every running one
+            ids = [r for r, rec in self.requests.records.items() if rec.finished_at is None]
+        self._fail(ids, exc, "plan")
+
     def _build_plan(self, device: torch.device, dtype: torch.dtype) -> StepPlan:
-        runner = self.runner
-        batch = runner.input_batch
-        num_reqs = batch.num_reqs
-        req_ids = batch.req_ids
-        query_start = runner.query_start_loc.np  # host mirror: reading it never syncs
-        computed = batch.num_computed_tokens_cpu
         self.store.settle()  # the previous step is over: file its captured rows
+        self.requests.finish_gone(self.view.live())
+        persistent = bool(self.persistent_specs)
         slices, hook_calls = [], []
-        for i in range(num_reqs):
-            req_id = req_ids[i]
-            lens = self._lens_of(req_id)
-            if lens is None and not self.persistent_specs:
+        for sched in self.view.scheduled():
+            record = self.requests.lookup(sched.req_id, sched.extra_args)
+            if record is not None and record.error is not None:
+                record = None  # a failed request runs to its end without its lens work
+            if record is None and not persistent:
                 continue
-            start, end, pos0 = int(query_start[i]), int(query_start[i + 1]), int(computed[i])
-            states = self._hook_states(req_id, lens)
+            try:
+                if record is not None:
+                    faults.check(record.lens.fault, "plan")
+                states = self._hook_states(record, sched.req_id)
+            except Exception as exc:
+                self._fail([sched.req_id], exc, "plan")
+                continue
             if states:
-                hook_calls.append(HookCall(req_id, start, end, pos0, states))
-            if lens is None:
-                continue
-            slices.append(RequestSlice(
-                req_id=req_id, lens=lens, start=start, end=end, pos0=pos0,
-                n_prompt=runner.requests[req_id].num_prompt_tokens,
-            ))
-        self._forget_finished()
+                hook_calls.append(HookCall(sched.req_id, sched.start, sched.end, sched.pos0,
+                                           states))
+            if record is not None:
+                slices.append(RequestSlice(
+                    req_id=sched.req_id, lens=record.lens, start=sched.start, end=sched.end,
+                    pos0=sched.pos0, n_prompt=sched.n_prompt,
+                ))
+        if len(self.store):
+            self.store.mark_finished(self.view.live())
         if not slices and not hook_calls:
             return _EMPTY_PLAN
         plan = StepPlan.build(slices, device, self.capture_layers)
+        plan.faults = any(s.lens.fault is not None for s in slices)
         if hook_calls:
             plan.hook_calls = hook_calls
             plan.hook_layers = frozenset(
@@ -156,7 +210,13 @@ class LensRuntime:
                 for run in state.runs for layer in run.layers)
         for group in plan.groups:
             self.store.stage(group)
-        steered = [(s, self._prepared(s, device, dtype)) for s in slices if s.lens.steer]
+        steered = []
+        for s in slices:
+            if s.lens.steer:
+                try:
+                    steered.append((s, self._prepared(s, device, dtype)))
+                except Exception as exc:  # e.g. out of device memory: this request only
+                    self._fail([s.req_id], exc, "steer")
         if steered:
             plan.steer = self._steering_for(steered, device)
         return plan
@@ -173,50 +233,15 @@ class LensRuntime:
              s.pos0 if any(p.positions_sorted is not None for p in prepared) else None)
             for s, prepared in steered)
         if layout != self._steer_layout:
-            self._steer_layout = layout
+            self._steer_layout = ()  # a failed build leaves nothing stale behind
             self._steer_groups = build_steer_groups(steered, device)
+            self._steer_layout = layout
         return self._steer_groups
 
     def _prepared(self, s: RequestSlice, device: torch.device,
                   dtype: torch.dtype) -> list[PreparedSteer]:
-        prepared = self._steer_by_req.get(s.req_id)
-        if prepared is None:
-            prepared = [prepare(spec, device, dtype) for spec in s.lens.steer]
-            self._steer_by_req[s.req_id] = prepared
-        return prepared
-
-    def _lens_of(self, req_id: str) -> LensRequest | None:
-        try:
-            return self._lens_by_req[req_id]
-        except KeyError:
-            pass
-        lens = None
-        state = self.runner.requests.get(req_id)
-        params = getattr(state, "sampling_params", None)
-        payload = (params.extra_args or {}).get(PAYLOAD_KEY) if params is not None else None
-        if payload is not None:
-            try:
-                lens = LensRequest.from_payload(payload)
-            except (ValueError, KeyError, TypeError) as exc:
-                # The front end validated it; anything else did not come from vllm-lens.
-                logger.warning("vllm-lens: ignoring malformed payload of %s: %s", req_id, exc)
-        self._lens_by_req[req_id] = lens
-        return lens
-
-    def _forget_finished(self) -> None:
-        live = self.runner.requests
-        if len(self._lens_by_req) > 2 * len(live) + 64:
-            self._lens_by_req = {r: v for r, v in self._lens_by_req.items() if r in live}
-            self._steer_by_req = {r: v for r, v in self._steer_by_req.items() if r in live}
-        if len(self.store):
-            self.store.mark_finished(live)
-        if self._hooks_by_req:
-            # Finished requests' hook states wait for their fetch, as captures do.
-            now, ttl = time.monotonic(), self.store.finished_ttl_s
-            for req_id in self._hooks_by_req:
-                if req_id not in live:
-                    self._finished_hooks.setdefault(req_id, now)
-            for req_id, since in list(self._finished_hooks.items()):
-                if now - since > ttl:
-                    del self._finished_hooks[req_id]
-                    self._hooks_by_req.pop(req_id, None)
+        record = self.requests.records[s.req_id]
+        if record.steer is None:
+            faults.check(record.lens.fault, "steer")
+            record.steer = [prepare(spec, device, dtype) for spec in s.lens.steer]
+        return record.steer

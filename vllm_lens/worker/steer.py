@@ -56,6 +56,8 @@ class SteerGroup:
     delta: torch.Tensor | None = None
     norm_matched: list[tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=list)
     """(rows, unit vectors per row, scale) for norm-matched vectors."""
+    req_ids: list[str] = field(default_factory=list)
+    """The requests steered here (they fail together if this layer's steering raises)."""
 
 
 def build_steer_groups(
@@ -71,16 +73,19 @@ def build_steer_groups(
                 continue
             rows = offsets + s.start
             for i, layer in enumerate(p.spec.layers):
+                owners = groups.setdefault(layer, SteerGroup()).req_ids
+                if not owners or owners[-1] != s.req_id:
+                    owners.append(s.req_id)
                 vecs = _vectors_for(p, i, vector_rows, offsets.size)
                 if p.spec.norm_match:
-                    groups.setdefault(layer, SteerGroup()).norm_matched.append(
+                    groups[layer].norm_matched.append(
                         (device_index(rows, device), vecs, p.spec.scale))
                 else:
                     row_lists, deltas = plain.setdefault(layer, ([], []))
                     row_lists.append(rows)
                     deltas.append(vecs)
     for layer, (row_lists, deltas) in plain.items():
-        group = groups.setdefault(layer, SteerGroup())
+        group = groups[layer]
         group.rows = device_index(np.concatenate(row_lists), device)
         group.delta = torch.cat(deltas)
     return groups

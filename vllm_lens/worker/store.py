@@ -75,7 +75,7 @@ class CaptureStore:
         """
         still_pending = []
         for group in self._pending:
-            if not group.complete:
+            if not group.complete or group.failed:
                 continue
             if group.ready is not None and not group.ready.query():
                 if not wait:
@@ -113,6 +113,13 @@ class CaptureStore:
             self._nbytes -= entry.nbytes
         self._closed[key] = time.monotonic()
         return found
+
+    def discard(self, key: str, req_id: str) -> None:
+        """Drop one request's rows (it failed); rows a running step still files for it are
+        dropped at fetch."""
+        entry = self._entries.pop((key, req_id), None)
+        if entry is not None:
+            self._nbytes -= entry.nbytes
 
     def mark_finished(self, live_req_ids: Container[str]) -> None:
         """Stamp entries whose request left the batch, then apply the TTL and byte budget."""

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TAP_OPS", "TapInfo", "install_taps", "set_tap_handler", "tap_info"]
+__all__ = ["PROVEN_MODEL_CLASSES", "TAP_OPS", "TapInfo", "install_taps", "set_tap_handler", "tap_info"]
 
 TAP_OP_NAME = "vllm_lens::tap"
 PRE_TAP_OP_NAME = "vllm_lens::pre_tap"
@@ -96,6 +96,10 @@ _LAYER_PATHS = (
     ("model", "language_model", "layers"),
     ("language_model", "layers"),
 )
+#: Model classes whose decoder layers' outputs the taps understand, proven against
+#: transformers by the test suite (``(hidden, residual)`` fused-residual Llama layers). Lens
+#: requests on any other class are refused up front, naming it; plain requests serve.
+PROVEN_MODEL_CLASSES = frozenset({"LlamaForCausalLM"})
 _TAPPED_CLASSES: dict[type, type] = {}
 _INFO_ATTR = "_vllm_lens_taps"
 

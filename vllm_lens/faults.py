@@ -1,0 +1,28 @@
+"""Test-only fault injection (runs in: front end and worker).
+
+With ``VLLM_LENS_TEST_FAULTS=1`` in the environment of the engine (front end and workers), a
+request may carry ``extra_args["lens_test_fault"] = "<stage>"`` and the worker raises
+``InjectedFault`` at that stage while handling it. The suite uses this to prove that an
+exception anywhere in the lens path fails only the requests it concerns and the engine serves
+on. Without the variable the key is refused like any unknown lens key.
+"""
+
+from __future__ import annotations
+
+from vllm_lens import envs
+
+__all__ = ["FAULT_KEY", "STAGES", "InjectedFault", "check"]
+
+FAULT_KEY = "lens_test_fault"
+#: Where a fault can be injected, in the order a request meets them.
+STAGES = ("plan", "steer", "hooks", "capture", "fetch", "handoff")
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose by ``check`` (never outside tests)."""
+
+
+def check(fault: str | None, stage: str) -> None:
+    """Raise ``InjectedFault`` when a request asked for a fault at ``stage``."""
+    if fault == stage and envs.test_faults():
+        raise InjectedFault(f"fault injected at stage {stage!r} (VLLM_LENS_TEST_FAULTS)")

@@ -1,0 +1,24 @@
+"""Reaching every worker of an ``AsyncLLM``, data-parallel engines included (runs in: front
+end).
+
+``AsyncLLM.collective_rpc`` answers with one engine's workers only when vLLM balances
+requests over several data-parallel engines itself (``DPLBAsyncMPClient``: it calls every
+engine and keeps engine 0's answer). A request's rows live on the engine that served it, so
+vllm-lens asks every engine and joins their workers' answers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["all_workers"]
+
+
+async def all_workers(engine: Any, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+    """``collective_rpc(method, args=args)`` on every worker of every engine of ``engine``."""
+    core = getattr(engine, "engine_core", None)
+    call_all = getattr(core, "call_utility_all_async", None)
+    if call_all is not None and len(getattr(core, "core_engines", ())) > 1:
+        per_engine = await call_all("collective_rpc", method, None, args, None)
+        return [answer for answers in per_engine for answer in answers]
+    return await engine.collective_rpc(method, args=args)

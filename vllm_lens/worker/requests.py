@@ -1,0 +1,112 @@
+"""One record per lens request on the worker, with an explicit lifecycle (runs in: worker).
+
+A record is created when the request is first scheduled with a lens payload, holds what the
+worker keeps for it (the decoded spec, steering vectors on the device, hook state, the first
+error), and ends in one of two places:
+
+- **finished** — vLLM's runner dropped the request (the scheduler reported it finished or
+  aborted): its device vectors are freed at once; the record (hook results, error) waits for
+  the front end's fetch or release;
+- **removed** — fetched or released by the front end, or unclaimed for
+  ``VLLM_LENS_FINISHED_TTL_S`` after finishing (a front end that went away).
+
+A preempted request stays in the runner's table and keeps its record; its recomputed
+positions are captured again and ``capture.assemble`` keeps one row per position.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Container
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_lens.spec import PAYLOAD_KEY, LensRequest
+from vllm_lens.worker.hooks import HookState
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RequestRecord", "RequestTable"]
+
+
+@dataclass
+class RequestRecord:
+    req_id: str
+    lens: LensRequest
+    steer: list[Any] | None = None
+    """``steer.PreparedSteer`` per vector, on the model's device; freed when it finishes."""
+    hooks: HookState | None = None
+    error: str | None = None
+    """The first failure of the lens path for this request (its message)."""
+    finished_at: float | None = None
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(p.vectors.numel() * p.vectors.element_size() for p in self.steer or ())
+
+    def fail(self, exc: BaseException, stage: str) -> None:
+        if self.error is None:
+            self.error = f"vllm-lens failed at {stage}: {type(exc).__name__}: {exc}"
+
+
+@dataclass
+class RequestTable:
+    """The records of this worker, keyed by vLLM request id."""
+
+    finished_ttl_s: float
+    records: dict[str, RequestRecord] = field(default_factory=dict)
+    _closed: dict[str, float] = field(default_factory=dict)
+    """Lens keys fetched or released -> when: a surplus step the scheduler ran before it saw
+    the stop must not open a new record for them."""
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(r.device_bytes for r in self.records.values())
+
+    def lookup(self, req_id: str, extra_args: Any) -> RequestRecord | None:
+        """The record of a scheduled request, created on its first step; ``None`` for a
+        request without a lens payload (or one already fetched)."""
+        record = self.records.get(req_id)
+        if record is not None:
+            return record
+        payload = extra_args.get(PAYLOAD_KEY) if extra_args else None
+        if payload is None:
+            return None
+        try:
+            lens = LensRequest.from_payload(payload)
+        except (ValueError, KeyError, TypeError) as exc:
+            # The front end validated it; anything else did not come from vllm-lens.
+            logger.warning("vllm-lens: ignoring malformed payload of %s: %s", req_id, exc)
+            return None
+        if lens.key in self._closed:
+            return None
+        record = self.records[req_id] = RequestRecord(req_id, lens)
+        return record
+
+    def finish_gone(self, live: Container[str]) -> None:
+        """Mark the records whose request the runner dropped as finished (freeing their device
+        memory), and remove finished records unclaimed past the TTL."""
+        now = time.monotonic()
+        ttl = self.finished_ttl_s
+        for req_id, record in list(self.records.items()):
+            if record.finished_at is None:
+                if req_id not in live:
+                    record.finished_at = now
+                    record.steer = None
+            elif now - record.finished_at > ttl:
+                del self.records[req_id]
+        if self._closed:
+            self._closed = {k: t for k, t in self._closed.items() if now - t <= ttl}
+
+    def pop(self, key: str) -> dict[str, RequestRecord]:
+        """Remove every record of lens key ``key`` (request id -> record); later steps of its
+        requests are ignored."""
+        found = {r: rec for r, rec in self.records.items() if rec.lens.key == key}
+        for req_id in found:
+            del self.records[req_id]
+        self._closed[key] = time.monotonic()
+        return found

@@ -1,0 +1,131 @@
+"""The one module that knows vLLM's model-runner internals (runs in: worker).
+
+Everything else in the worker asks this module which requests the running step holds, where
+their rows are in the batched hidden states, and at which absolute positions. It also decides,
+once when the worker extension starts, whether this engine's configuration is one vllm-lens
+has proven; anything else is refused up front (``unsupported_reason``), so no lens request
+can reach a forward pass on a runner whose state this module cannot read.
+
+Supported: vLLM 0.32.x with the V1 model runner (``vllm.v1.worker.gpu_model_runner``'s
+``GPUModelRunner`` and its CPU subclass) and synchronous scheduling. The positions come from
+``input_batch.num_computed_tokens_cpu``, which is exactly what the V1 runner adds to the
+query offsets to build the model's positions when async scheduling is off (with async
+scheduling the runner corrects it on the device only, so the host copy can run ahead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "NGRAM_METHODS", "SUPPORTED_RUNNERS", "SUPPORTED_VLLM", "RunnerView", "ScheduledRequest",
+    "unsupported_reason",
+]
+
+#: vLLM release series whose runner internals this module reads.
+SUPPORTED_VLLM = ("0.32.",)
+#: Fully qualified names of the V1 runner classes this module reads.
+SUPPORTED_RUNNERS = (
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner",
+    "vllm.v1.worker.cpu_model_runner.CPUModelRunner",
+)
+#: Speculative methods whose draft tokens are proposed without running the target's layers
+#: under another forward context; capture and steering are tested with n-gram drafts.
+NGRAM_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of the running step."""
+
+    req_id: str
+    start: int
+    """First row of the request in the batched hidden states."""
+    end: int
+    pos0: int
+    """Absolute token position of row ``start``."""
+    n_prompt: int
+    extra_args: Mapping[str, Any] | None
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def unsupported_reason(vllm_config: Any, runner: Any) -> str | None:
+    """Why lens requests must be refused on this engine, or ``None`` when it is supported.
+
+    The message names the setting to change. Plain requests are served either way.
+    """
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if not version.startswith(SUPPORTED_VLLM):
+        return (f"vLLM {version} is not supported by this vllm-lens (supported: "
+                f"{', '.join(v + 'x' for v in SUPPORTED_VLLM)})")
+    name = _qualname(type(runner))
+    if name not in SUPPORTED_RUNNERS:
+        if any(c.__module__.startswith("vllm.v1.worker.gpu.") for c in type(runner).__mro__):
+            return ("this engine runs vLLM's Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, or a "
+                    "feature that requires it), which vllm-lens does not support yet; unset "
+                    "VLLM_USE_V2_MODEL_RUNNER or set it to 0")
+        return f"model runner {name} is not supported (supported: V1 GPUModelRunner)"
+    scheduler = vllm_config.scheduler_config
+    if getattr(scheduler, "async_scheduling", False):
+        return ("async scheduling is on (async_scheduling=True / --async-scheduling); "
+                "vllm-lens needs synchronous scheduling: leave the setting unset (vllm-lens "
+                "then turns it off) or pass --no-async-scheduling")
+    model_config = vllm_config.model_config
+    if getattr(model_config, "runner_type", "generate") != "generate":
+        return (f"runner type {model_config.runner_type!r} (pooling models) is not supported; "
+                "vllm-lens serves generative models")
+    if getattr(model_config, "is_encoder_decoder", False):
+        return "encoder-decoder models are not supported"
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "use_ubatching", False):
+        return ("micro-batching (enable_dbo / --enable-dbo, ubatch_size) is not supported; "
+                "turn it off to use vllm-lens")
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return ("LoRA (enable_lora / --enable-lora) is not yet proven with vllm-lens; start "
+                "the engine without it to use lens features")
+    speculative = vllm_config.speculative_config
+    if speculative is not None and speculative.method not in NGRAM_METHODS:
+        return (f"speculative decoding with method {speculative.method!r} is not supported "
+                f"(supported: {', '.join(NGRAM_METHODS)}); remove speculative_config")
+    return None
+
+
+class RunnerView:
+    """Read-only view of a V1 model runner's state for the running step.
+
+    Only host-side state is read, so nothing here waits on the device.
+    """
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+
+    def scheduled(self) -> Iterator[ScheduledRequest]:
+        """The running step's requests in batch order (the order of their rows)."""
+        runner = self.runner
+        batch = runner.input_batch
+        req_ids = batch.req_ids
+        query_start = runner.query_start_loc.np  # host mirror: reading it never syncs
+        computed = batch.num_computed_tokens_cpu
+        states = runner.requests
+        for i in range(batch.num_reqs):
+            req_id = req_ids[i]
+            state = states.get(req_id)
+            params = getattr(state, "sampling_params", None)
+            yield ScheduledRequest(
+                req_id=req_id, start=int(query_start[i]), end=int(query_start[i + 1]),
+                pos0=int(computed[i]),
+                n_prompt=int(getattr(state, "num_prompt_tokens", 0) or 0),
+                extra_args=getattr(params, "extra_args", None),
+            )
+
+    def live(self) -> Container[str]:
+        """Ids of the requests the runner still holds: running, waiting or preempted. vLLM
+        removes a request from it when the scheduler reports it finished or aborted."""
+        return self.runner.requests

@@ -12,15 +12,28 @@ model would share an entry, and an engine could load the other kind (then lens r
 no taps, or plain vLLM meets ops it does not know). A marker in ``additional_config``, which
 vLLM hashes, keeps the two apart.
 
-On CUDA, vLLM replays decode steps from CUDA graphs, which would skip the taps' Python
-logic; the tap ops are therefore added to the compilation's splitting ops (it then runs
-eagerly between graph pieces) and full-graph modes are reduced to piecewise.
+Two vLLM defaults that vllm-lens cannot serve lens requests under are turned off here when
+the user left them unset, and logged (``worker.runner`` refuses lens requests when the user
+forced them on):
+
+- Model Runner V2 (the CUDA default when Triton is present): ``VLLM_USE_V2_MODEL_RUNNER=0``
+  is set in this process's environment, which the engine-core and worker processes inherit;
+- async scheduling (the CUDA default): ``async_scheduling=False``.
+
+On CUDA, vLLM replays steps from CUDA graphs, which would skip the taps' Python logic. Once
+vLLM has resolved its compilation config, the tap ops are appended to its splitting ops (all
+of vLLM's own stay) so the taps run eagerly between graph pieces, and full-graph modes are
+reduced to piecewise (``cuda_graph_overrides``). That costs plain traffic the full-graph
+speed-up of decode steps too: vLLM picks a step's graph before vllm-lens could tell whether
+the step has lens work.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
+from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs
 
@@ -29,9 +42,10 @@ from vllm_lens.worker.taps import TAP_OPS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WORKER_EXTENSION", "install"]
+__all__ = ["V2_RUNNER_ENV", "WORKER_EXTENSION", "cuda_graph_overrides", "install"]
 
 WORKER_EXTENSION = "vllm_lens.worker.extension.LensWorkerExtension"
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def install() -> None:
@@ -47,11 +61,66 @@ def _wrap_create_engine_config(original):
                 "vllm-lens: worker_extension_cls is already %s; lens requests will fail on "
                 "this engine.", self.worker_extension_cls,
             )
-        _keep_taps_out_of_cuda_graphs(self)
+        _prefer_v1_runner()
+        if self.async_scheduling is None:
+            self.async_scheduling = False
+            _log_once("vllm-lens: async scheduling is off (vllm-lens needs synchronous "
+                      "scheduling; an explicit --async-scheduling refuses lens requests)")
         _mark_compile_cache(self)
-        return original(self, *args, **kwargs)
+        config = original(self, *args, **kwargs)
+        for name, value in cuda_graph_overrides(config.compilation_config).items():
+            setattr(config.compilation_config, name, value)
+        return config
 
     return create_engine_config
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info(message)
+
+
+def _prefer_v1_runner() -> None:
+    """Unless the user chose a runner, engines get the V1 model runner (the only one
+    vllm-lens reads). The engine-core and worker processes inherit the environment."""
+    if os.environ.get(V2_RUNNER_ENV) is None:
+        os.environ[V2_RUNNER_ENV] = "0"
+        _log_once(f"vllm-lens: {V2_RUNNER_ENV}=0 (vllm-lens supports vLLM's V1 model runner; "
+                  f"setting {V2_RUNNER_ENV}=1 yourself refuses lens requests)")
+
+
+def cuda_graph_overrides(compilation: Any) -> dict[str, Any]:
+    """What vllm-lens changes in a *resolved* ``CompilationConfig`` (empty: nothing).
+
+    Without CUDA graphs (CPU, eager, ``cudagraph_mode`` NONE) the taps run inside the compiled
+    graph and nothing changes. With them, the tap ops join vLLM's splitting ops (appended,
+    vLLM's own kept in order) so piecewise graphs leave the taps out, and full graphs, which
+    would replay a whole step without the taps, become piecewise ones (or none at all where
+    vLLM does not compile piecewise).
+
+    >>> from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+    >>> cuda_graph_overrides(CompilationConfig(cudagraph_mode=CUDAGraphMode.NONE))
+    {}
+    """
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    mode = compilation.cudagraph_mode
+    if mode is None or mode == CUDAGraphMode.NONE:
+        return {}
+    if compilation.mode != CompilationMode.VLLM_COMPILE:
+        return {"cudagraph_mode": CUDAGraphMode.NONE}  # no pieces to keep the taps out of
+    overrides: dict[str, Any] = {}
+    ops = list(compilation.splitting_ops or ())
+    missing = [op for op in TAP_OPS if op not in ops]
+    if missing:
+        overrides["splitting_ops"] = [*ops, *missing]
+    if mode.has_full_cudagraphs():
+        overrides["cudagraph_mode"] = CUDAGraphMode.PIECEWISE
+    return overrides
 
 
 def _version() -> str:
@@ -74,23 +143,3 @@ def _mark_compile_cache(args: EngineArgs) -> None:
         logger.warning("vllm-lens: additional_config is not a dict; disable vLLM's compile "
                        "cache (VLLM_DISABLE_COMPILE_CACHE=1) when this model is also served "
                        "without vllm-lens")
-
-
-def _keep_taps_out_of_cuda_graphs(args: EngineArgs) -> None:
-    from vllm.config import CompilationConfig, CUDAGraphMode
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cuda_alike() or args.enforce_eager:
-        return
-    compilation = args.compilation_config
-    if isinstance(compilation, dict):
-        compilation = args.compilation_config = CompilationConfig(**compilation)
-    # None means "vLLM's default", which is the attention ops: keep them, add the taps.
-    ops = list(compilation.splitting_ops if compilation.splitting_ops is not None
-               else CompilationConfig._attention_ops)
-    missing = [op for op in TAP_OPS if op not in ops]
-    if missing:
-        compilation.splitting_ops = [*ops, *missing]
-    mode = compilation.cudagraph_mode
-    if mode is None or mode.has_full_cudagraphs():
-        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE

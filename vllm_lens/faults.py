@@ -14,8 +14,9 @@ from vllm_lens import envs
 __all__ = ["FAULT_KEY", "STAGES", "InjectedFault", "check"]
 
 FAULT_KEY = "lens_test_fault"
-#: Where a fault can be injected, in the order a request meets them.
-STAGES = ("plan", "steer", "hooks", "capture", "fetch", "handoff")
+#: Where a fault can be injected, in the order a request meets them. ``step`` raises in the
+#: tap outside every per-request stage: the whole step's lens requests fail.
+STAGES = ("plan", "steer", "hooks", "capture", "step", "fetch", "handoff")
 
 
 class InjectedFault(RuntimeError):

@@ -39,28 +39,34 @@ def load(name: str) -> Callable[[Mapping[str, Any]], HookFn]:
     return found.load()
 
 
-def _append(saved: dict[str, Any], key: str, layer: int, rows: torch.Tensor) -> None:
-    """Accumulate per-layer rows across steps on the CPU.
+def _append(saved: dict[str, Any], key: str, layer: int, rows: torch.Tensor,
+            start: int) -> None:
+    """Accumulate per-layer rows across steps on the CPU; ``start`` is the absolute position
+    of ``rows[0]`` (hooked requests compute every position from 0, so row = position).
 
     ``saved[key][layer]`` is always the rows so far, but as a prefix view of a buffer whose
     capacity doubles when full, so a generation of ``n`` steps copies O(n) rows, not O(n^2).
+    Positions vLLM computes again (a preempted request resumed) overwrite their rows, so each
+    position keeps one row.
     """
     per_layer = saved.setdefault(key, {})
     name = str(layer)
     rows = rows.detach().to("cpu")
     previous = per_layer.get(name)
     n, k = (0 if previous is None else previous.shape[0]), rows.shape[0]
+    at = min(start, n)
+    end = max(n, at + k)
     row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
     capacity = previous.untyped_storage().nbytes() // row_bytes if n and row_bytes else 0
-    if previous is not None and n + k <= capacity:
+    if previous is not None and end <= capacity:
         buffer = torch.empty(0, dtype=rows.dtype).set_(
             previous.untyped_storage(), 0, (capacity, *rows.shape[1:]))
     else:
-        buffer = torch.empty((max(2 * n, n + k), *rows.shape[1:]), dtype=rows.dtype)
+        buffer = torch.empty((max(2 * n, end), *rows.shape[1:]), dtype=rows.dtype)
         if previous is not None:
             buffer[:n] = previous
-    buffer[n : n + k] = rows
-    per_layer[name] = buffer[: n + k]
+    buffer[at : at + k] = rows
+    per_layer[name] = buffer[:end]
 
 
 def logit_lens_topk(args: Mapping[str, Any]) -> HookFn:
@@ -83,9 +89,10 @@ def logit_lens_topk(args: Mapping[str, Any]) -> HookFn:
         normed = _final_rms_norm(ctx, hidden.float())
         logprobs = torch.log_softmax(normed @ weight.float().T, dim=-1)
         top = logprobs.topk(k, dim=-1)
-        _append(ctx.saved, "token_ids", ctx.layer_idx, top.indices)
-        _append(ctx.saved, "logprobs", ctx.layer_idx, top.values)
-        _append(ctx.saved, "positions", ctx.layer_idx, ctx.positions)
+        start = int(ctx.positions[0])
+        _append(ctx.saved, "token_ids", ctx.layer_idx, top.indices, start)
+        _append(ctx.saved, "logprobs", ctx.layer_idx, top.values, start)
+        _append(ctx.saved, "positions", ctx.layer_idx, ctx.positions, start)
         return None
 
     return hook
@@ -122,8 +129,9 @@ def linear_probe(args: Mapping[str, Any]) -> HookFn:
             raise ValueError(f"probe has {direction.numel()} weights but the hidden size is "
                              f"{hidden.shape[-1]}")
         scores = hidden.float() @ direction.to(hidden.device) + bias
-        _append(ctx.saved, "scores", ctx.layer_idx, scores)
-        _append(ctx.saved, "positions", ctx.layer_idx, ctx.positions)
+        start = int(ctx.positions[0])
+        _append(ctx.saved, "scores", ctx.layer_idx, scores, start)
+        _append(ctx.saved, "positions", ctx.layer_idx, ctx.positions, start)
         return None
 
     return hook

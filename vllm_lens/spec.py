@@ -40,6 +40,7 @@ __all__ = [
     "HookSpec",
     "LensRequest",
     "ModelFacts",
+    "check_engine",
     "has_lens_keys",
     "parse_extra_args",
 ]
@@ -276,28 +277,40 @@ def parse_extra_args(
     first_key = next(k for k, v in ((CAPTURE_KEY, raw_capture), (STEER_KEY, raw_steer),
                                     (HOOKS_KEY, raw_hooks)) if v is not None)
     facts = facts()
+    check_engine(facts, first_key, hooks=raw_hooks is not None, request_id=request_id)
+    capture = None if raw_capture is None else _parse_capture(raw_capture, facts, request_id)
+    steer = () if raw_steer is None else _parse_steering(raw_steer, facts, request_id)
+    hooks = () if raw_hooks is None else parse_hooks(raw_hooks, facts, request_id)
+    return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
+                             fault=fault)
+
+
+def check_engine(facts: ModelFacts, field: str, *, hooks: bool,
+                 request_id: str | None = None) -> None:
+    """Refuse lens work this engine cannot do (``field`` names the key that asked for it).
+
+    Raises:
+        UnsupportedConfigError: the engine's configuration is not supported, or hooks were
+            asked for under speculative decoding.
+        UnsupportedModelError: the model class is not supported.
+    """
     if facts.unsupported is not None:
         raise UnsupportedConfigError(
-            first_key, f"lens requests are refused on this engine: {facts.unsupported} "
+            field, f"lens requests are refused on this engine: {facts.unsupported} "
             "(plain requests still work)", request_id=request_id)
-    if raw_hooks is not None and facts.speculative:
+    if hooks and facts.speculative:
         raise UnsupportedConfigError(
             HOOKS_KEY, "hooks are refused while speculative decoding is on (they would run on "
             "draft tokens the sampler may reject); capture and steering work; start the "
             "engine without speculative_config to use hooks", request_id=request_id)
     if not facts.mapped:
         raise UnsupportedModelError(
-            first_key,
+            field,
             f"vllm-lens does not support model class {facts.model_class} (its decoder layers "
             "are not mapped, or not yet proven against transformers); lens features are "
             "refused for it (plain requests still work)",
             request_id=request_id,
         )
-    capture = None if raw_capture is None else _parse_capture(raw_capture, facts, request_id)
-    steer = () if raw_steer is None else _parse_steering(raw_steer, facts, request_id)
-    hooks = () if raw_hooks is None else parse_hooks(raw_hooks, facts, request_id)
-    return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
-                             fault=fault)
 
 
 def _parse_fault(raw: Any, request_id: str | None) -> str | None:

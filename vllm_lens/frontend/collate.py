@@ -85,6 +85,24 @@ def merge_hook_results(
     return merged, None
 
 
+def _missing_rows(layers: Sequence[int],
+                  parts: Sequence[tuple[Mapping[str, Any], torch.Tensor]] | None,
+                  seen: bool) -> str | None:
+    """Why a completion's capture is incomplete, or ``None``: every requested layer must come
+    back, and "no rows" is an answer only from a worker that still held the request (then no
+    position was selected)."""
+    if parts is None:
+        if seen:
+            return None
+        return ("vllm-lens lost this request's captured rows: no worker held them at fetch "
+                "time (dropped past VLLM_LENS_WORKER_MAX_BYTES or VLLM_LENS_FINISHED_TTL_S)")
+    got = sorted(layer for header, _ in parts for layer in header["layers"])
+    if got != list(layers):
+        return (f"vllm-lens lost captured rows: layers {sorted(set(layers) - set(got))} did not "
+                "come back from their pipeline stage")
+    return None
+
+
 class LensSession:
     """Per-engine front-end state: model facts, in-flight lens requests, collation."""
 
@@ -178,11 +196,14 @@ class LensSession:
         captures: dict[str, list[tuple[dict[str, Any], torch.Tensor]]] = {}
         hooks: dict[str, list[dict[str, Any]]] = {}
         errors: dict[str, str] = {}
+        seen: set[str] = set()
         trusted = any(h.pickled is not None for h in lens.hooks)
         for result in rank_results:
             for req_id, parts in (result or {}).get(lens.key, {}).items():
                 if parts.get("error") is not None:
                     errors.setdefault(req_id, parts["error"])
+                if parts.get("seen"):
+                    seen.add(req_id)
                 if parts.get("capture") is not None:
                     captures.setdefault(req_id, []).append(handoff.receive(parts["capture"]))
                 if parts.get("hooks") is not None:
@@ -192,6 +213,11 @@ class LensSession:
             prefix = "" if n == 1 else f"{index}_"
             found: dict[str, Any] = {"lens_error": None}
             error = next((m for k, m in errors.items() if k.startswith(prefix) or not k), None)
+            if error is None and lens.capture is not None:
+                error = _missing_rows(
+                    lens.capture.layers,
+                    next((v for k, v in captures.items() if k.startswith(prefix)), None),
+                    any(k.startswith(prefix) for k in seen))
             if error is not None:
                 found["lens_error"] = LensExecutionError(error, request_id=output.request_id)
                 if lens.capture is not None:

@@ -17,7 +17,9 @@ the user left them unset, and logged (``worker.runner`` refuses lens requests wh
 forced them on):
 
 - Model Runner V2 (the CUDA default when Triton is present): ``VLLM_USE_V2_MODEL_RUNNER=0``
-  is set in this process's environment, which the engine-core and worker processes inherit;
+  is set in this process's environment, which the engine-core and worker processes inherit
+  (taken back, and the config built again, when vLLM says the engine needs V2: then plain
+  traffic runs on V2 and lens requests are refused);
 - async scheduling (the CUDA default): ``async_scheduling=False``.
 
 On CUDA, vLLM replays steps from CUDA graphs, which would skip the taps' Python logic. Once
@@ -61,21 +63,33 @@ def _wrap_create_engine_config(original):
                 "vllm-lens: worker_extension_cls is already %s; lens requests will fail on "
                 "this engine.", self.worker_extension_cls,
             )
-        _prefer_v1_runner()
         if self.async_scheduling is None:
             self.async_scheduling = False
             _log_once("vllm-lens: async scheduling is off (vllm-lens needs synchronous "
                       "scheduling; an explicit --async-scheduling refuses lens requests)")
         _mark_compile_cache(self)
-        config = original(self, *args, **kwargs)
-        for name, value in cuda_graph_overrides(config.compilation_config).items():
-            setattr(config.compilation_config, name, value)
+        chose_v1 = _prefer_v1_runner(self)
+        try:
+            config = original(self, *args, **kwargs)
+        except ValueError as exc:
+            if not (chose_v1 and V2_RUNNER_ENV in str(exc)):
+                raise
+            # A feature of this engine needs Model Runner V2: plain traffic must still run.
+            _release_v1_choice()
+            logger.warning("vllm-lens: this engine needs Model Runner V2 (%s); lens requests "
+                           "will be refused on it", exc)
+            config = original(self, *args, **kwargs)
+        if lens_possible(config):
+            for name, value in cuda_graph_overrides(config.compilation_config).items():
+                setattr(config.compilation_config, name, value)
         return config
 
     return create_engine_config
 
 
 _logged: set[str] = set()
+_v1_chosen_by_lens = False
+"""Whether ``VLLM_USE_V2_MODEL_RUNNER=0`` in this process was set by vllm-lens (not the user)."""
 
 
 def _log_once(message: str) -> None:
@@ -84,13 +98,45 @@ def _log_once(message: str) -> None:
         logger.info(message)
 
 
-def _prefer_v1_runner() -> None:
-    """Unless the user chose a runner, engines get the V1 model runner (the only one
-    vllm-lens reads). The engine-core and worker processes inherit the environment."""
-    if os.environ.get(V2_RUNNER_ENV) is None:
-        os.environ[V2_RUNNER_ENV] = "0"
-        _log_once(f"vllm-lens: {V2_RUNNER_ENV}=0 (vllm-lens supports vLLM's V1 model runner; "
-                  f"setting {V2_RUNNER_ENV}=1 yourself refuses lens requests)")
+def _prefer_v1_runner(args: EngineArgs) -> bool:
+    """Unless the user chose a runner, ask for vLLM's V1 model runner (the only one vllm-lens
+    reads); the engine-core and worker processes inherit the environment. Returns whether this
+    engine runs on vllm-lens's choice.
+
+    Features that need V2 and fail only after the config is built (an encoder-cache transfer
+    connector, DFlash drafts) keep vLLM's own choice; V2 engines refuse lens requests."""
+    global _v1_chosen_by_lens
+    current = os.environ.get(V2_RUNNER_ENV)
+    if current is not None and not _v1_chosen_by_lens:
+        return False  # the user's choice
+    speculative = args.speculative_config if isinstance(args.speculative_config, dict) else {}
+    if args.ec_transfer_config is not None or speculative.get("method") == "dflash":
+        _release_v1_choice()
+        return False
+    os.environ[V2_RUNNER_ENV] = "0"
+    _v1_chosen_by_lens = True
+    _log_once(f"vllm-lens: {V2_RUNNER_ENV}=0 (vllm-lens supports vLLM's V1 model runner; "
+              f"setting {V2_RUNNER_ENV}=1 yourself refuses lens requests)")
+    return True
+
+
+def _release_v1_choice() -> None:
+    global _v1_chosen_by_lens
+    if _v1_chosen_by_lens:
+        os.environ.pop(V2_RUNNER_ENV, None)
+        _v1_chosen_by_lens = False
+
+
+def lens_possible(config: Any) -> bool:
+    """Whether lens requests can be served on ``config`` at all: engines that are refused
+    anyway (micro-batching, speculative methods other than n-gram) keep vLLM's CUDA-graph
+    settings untouched, since some of them require full graphs."""
+    from vllm_lens.worker.runner import NGRAM_METHODS
+
+    if getattr(config.parallel_config, "use_ubatching", False):
+        return False
+    speculative = config.speculative_config
+    return speculative is None or speculative.method in NGRAM_METHODS
 
 
 def cuda_graph_overrides(compilation: Any) -> dict[str, Any]:
@@ -99,20 +145,24 @@ def cuda_graph_overrides(compilation: Any) -> dict[str, Any]:
     Without CUDA graphs (CPU, eager, ``cudagraph_mode`` NONE) the taps run inside the compiled
     graph and nothing changes. With them, the tap ops join vLLM's splitting ops (appended,
     vLLM's own kept in order) so piecewise graphs leave the taps out, and full graphs, which
-    would replay a whole step without the taps, become piecewise ones (or none at all where
-    vLLM does not compile piecewise).
+    would replay a whole step without the taps, become piecewise ones. Where vLLM does not
+    compile attention piecewise (e.g. ``splitting_ops=[]``, attention fusion), piecewise
+    graphs are not allowed, and CUDA graphs are turned off instead.
 
     >>> from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
     >>> cuda_graph_overrides(CompilationConfig(cudagraph_mode=CUDAGraphMode.NONE))
     {}
     """
-    from vllm.config import CompilationMode, CUDAGraphMode
+    from vllm.config import CUDAGraphMode
 
     mode = compilation.cudagraph_mode
     if mode is None or mode == CUDAGraphMode.NONE:
         return {}
-    if compilation.mode != CompilationMode.VLLM_COMPILE:
-        return {"cudagraph_mode": CUDAGraphMode.NONE}  # no pieces to keep the taps out of
+    if not compilation.is_attention_compiled_piecewise():
+        # vLLM would not compile piecewise around attention (no Dynamo split at attention, no
+        # Inductor partition): piecewise graphs around the taps alone are not a mode vLLM
+        # accepts, so the taps get no CUDA graphs at all.
+        return {"cudagraph_mode": CUDAGraphMode.NONE}
     overrides: dict[str, Any] = {}
     ops = list(compilation.splitting_ops or ())
     missing = [op for op in TAP_OPS if op not in ops]

@@ -27,7 +27,7 @@ from typing import Any
 from vllm_lens import wire
 from vllm_lens.frontend.collate import LensSession, facts_from_describe, merge_hook_results
 from vllm_lens.frontend.rpc import all_workers
-from vllm_lens.spec import parse_hooks
+from vllm_lens.spec import check_engine, parse_hooks
 from vllm_lens.worker.hooks import decode_results
 
 __all__ = ["METHODS", "install"]
@@ -41,6 +41,7 @@ _INTERNAL_SUFFIX = re.compile(r"-[0-9A-Za-z]{8}$")
 def _register(session: LensSession, hooks: Any,
               prefetch_params: Sequence[str] | None = None) -> _Steps:
     session.facts = facts_from_describe((yield "lens_describe", ()))
+    check_engine(session.facts, "hooks", hooks=True)
     specs = parse_hooks(hooks, session.facts)
     session.persistent_trusted = any(s.pickled is not None for s in specs)
     if prefetch_params:

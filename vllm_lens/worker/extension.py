@@ -13,9 +13,10 @@ from vllm_lens import faults, handoff, wire
 from vllm_lens.spec import HookSpec
 from vllm_lens.worker.capture import assemble
 from vllm_lens.worker.hooks import encode_results
+from vllm_lens.worker.requests import describe
 from vllm_lens.worker.runner import unsupported_reason
 from vllm_lens.worker.runtime import LensRuntime
-from vllm_lens.worker.taps import PROVEN_MODEL_CLASSES, set_tap_handler, tap_info
+from vllm_lens.worker.taps import set_tap_handler, tap_info
 
 __all__ = ["LensWorkerExtension"]
 
@@ -38,26 +39,30 @@ class LensWorkerExtension:
 
     def lens_describe(self) -> dict[str, Any]:
         """Check this engine's configuration, attach the tap handler (once, when supported)
-        and report what this rank's model looks like.
+        and report what this rank's model looks like (``unsupported``: why lens requests
+        are refused here, or ``None``).
 
         Never raises: whatever cannot be inspected is reported as ``unsupported`` so that the
         front end refuses lens requests with the reason.
         """
-        global _runtime
         try:
-            runner = self.model_runner  # type: ignore[attr-defined]
-            reason = unsupported_reason(self.vllm_config, runner)  # type: ignore[attr-defined]
-            model = runner.get_model()
-            info = tap_info(model)
-            model_config = runner.model_config
-            tp_rank, tp_size, pp_rank = _ranks()
+            return self._lens_describe()
         except Exception as exc:  # e.g. a runner without the attributes read here
             return {"unsupported": f"vllm-lens cannot inspect this worker ({exc!r})",
                     "mapped": False, "model_class": "?", "n_layers": 0, "local_layers": [],
                     "pre_taps": False, "hidden_size": 0, "dtype": "float32",
                     "max_model_len": 0, "tp_rank": 0, "pp_rank": 0, "speculative": False}
-        supported_model = info is not None and info.model_class in PROVEN_MODEL_CLASSES
-        if (reason is None and supported_model
+
+    def _lens_describe(self) -> dict[str, Any]:
+        global _runtime
+        runner = self.model_runner  # type: ignore[attr-defined]
+        vllm_config = self.vllm_config  # type: ignore[attr-defined]
+        reason = unsupported_reason(vllm_config, runner)
+        model = runner.get_model()
+        info = tap_info(model)
+        model_config = runner.model_config
+        tp_rank, tp_size, pp_rank = _ranks()
+        if (reason is None and info is not None and info.tapped
                 and (_runtime is None or _runtime.runner is not runner)):
             # Every TP rank holds the full residual stream; rank 0 alone captures it.
             capture_layers = frozenset(info.local_layers) if tp_rank == 0 else frozenset()
@@ -68,7 +73,7 @@ class LensWorkerExtension:
         return {
             "unsupported": reason,
             "model_class": info.model_class if info else type(model).__name__,
-            "mapped": supported_model,
+            "mapped": info is not None and info.tapped,
             "n_layers": info.n_layers if info else 0,
             "local_layers": list(info.local_layers) if info else [],
             "pre_taps": info.pre_taps if info else False,
@@ -77,7 +82,7 @@ class LensWorkerExtension:
             "max_model_len": model_config.max_model_len,
             "tp_rank": tp_rank,
             "pp_rank": pp_rank,
-            "speculative": self.vllm_config.speculative_config is not None,  # type: ignore[attr-defined]
+            "speculative": vllm_config.speculative_config is not None,
         }
 
     def lens_fetch(
@@ -99,16 +104,26 @@ class LensWorkerExtension:
             "positions"}`` and the residual stream (``handoff.receive``), trimmed and reduced
             here so that rows nobody asked for never leave the worker; ``hooks`` holds
             ``hooks.encode_results`` (TP rank 0 of each stage only: the other TP ranks ran the
-            same hooks on the same rows); ``error`` says why this rank failed the request.
+            same hooks on the same rows); ``error`` says why this rank failed the request;
+            ``seen`` is set by every rank that captures some of the request's layers and
+            still held its record.
             A failure while fetching one request fails that request only.
         """
         if _runtime is None:
             return {}
         try:
-            _runtime.store.settle(wait=True)  # finishes the asynchronous device->host copies
-        except Exception as exc:
-            return {key: {"": {"error": f"vllm-lens failed at fetch: {exc!r}"}}
-                    for key, _ in requests}
+            # Finishes the asynchronous device->host copies.
+            _runtime._fail_owned(_runtime.store.settle(wait=True),
+                                 "its captured rows could not be filed", "capture")
+        except Exception as exc:  # fail the requests this rank holds, nobody else's
+            problem = {"error": f"vllm-lens failed at fetch: {describe(exc)}"}
+            failed: dict[str, dict[str, dict[str, Any]]] = {}
+            for key, _ in requests:
+                _runtime.store.pop(key)
+                held = _runtime.pop_records(key)
+                if held:
+                    failed[key] = {req_id: problem for req_id in held}
+            return failed
         out: dict[str, dict[str, dict[str, Any]]] = {}
         for key, valid_lens in requests:
             found: dict[str, dict[str, Any]] = {}
@@ -200,8 +215,14 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
         faults.check(record.lens.fault, "fetch")
         if record.error is not None:
             out[req_id] = {"error": record.error}
-        elif runtime.tp_rank == 0 and record.hooks is not None:
+            continue
+        if runtime.tp_rank == 0 and record.hooks is not None:
             out[req_id] = {"hooks": encode_results(record.hooks)}
+        capture = record.lens.capture
+        if capture is not None and runtime.capture_layers.intersection(capture.layers):
+            # This rank kept the request's rows (if any position was selected): a front end
+            # that hears from no such rank knows rows were lost, not merely unselected.
+            out.setdefault(req_id, {})["seen"] = True
     for req_id, entry in entries.items():
         if req_id in out and "error" in out[req_id]:
             continue

@@ -22,12 +22,22 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_lens.spec import PAYLOAD_KEY, LensRequest
+from vllm_lens.spec import LensRequest
 from vllm_lens.worker.hooks import HookState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RequestRecord", "RequestTable"]
+__all__ = ["RequestRecord", "RequestTable", "describe"]
+
+
+def describe(exc: BaseException | str) -> str:
+    """``"Type: message"`` for an exception, even one whose ``__str__`` raises."""
+    if isinstance(exc, str):
+        return exc
+    try:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception:
+        return f"{type(exc).__name__} (its message could not be formatted)"
 
 
 @dataclass
@@ -45,9 +55,9 @@ class RequestRecord:
     def device_bytes(self) -> int:
         return sum(p.vectors.numel() * p.vectors.element_size() for p in self.steer or ())
 
-    def fail(self, exc: BaseException, stage: str) -> None:
+    def fail(self, exc: BaseException | str, stage: str) -> None:
         if self.error is None:
-            self.error = f"vllm-lens failed at {stage}: {type(exc).__name__}: {exc}"
+            self.error = f"vllm-lens failed at {stage}: {describe(exc)}"
 
 
 @dataclass
@@ -67,13 +77,12 @@ class RequestTable:
     def device_bytes(self) -> int:
         return sum(r.device_bytes for r in self.records.values())
 
-    def lookup(self, req_id: str, extra_args: Any) -> RequestRecord | None:
+    def lookup(self, req_id: str, payload: Any) -> RequestRecord | None:
         """The record of a scheduled request, created on its first step; ``None`` for a
         request without a lens payload (or one already fetched)."""
         record = self.records.get(req_id)
         if record is not None:
             return record
-        payload = extra_args.get(PAYLOAD_KEY) if extra_args else None
         if payload is None:
             return None
         try:
@@ -99,8 +108,11 @@ class RequestTable:
                     record.steer = None
             elif now - record.finished_at > ttl:
                 del self.records[req_id]
-        if self._closed:
-            self._closed = {k: t for k, t in self._closed.items() if now - t <= ttl}
+        while self._closed:
+            key, closed_at = next(iter(self._closed.items()))
+            if now - closed_at <= ttl:
+                break
+            del self._closed[key]
 
     def pop(self, key: str) -> dict[str, RequestRecord]:
         """Remove every record of lens key ``key`` (request id -> record); later steps of its
@@ -108,5 +120,6 @@ class RequestTable:
         found = {r: rec for r, rec in self.records.items() if rec.lens.key == key}
         for req_id in found:
             del self.records[req_id]
+        self._closed.pop(key, None)  # re-inserted at the end: the dict stays in time order
         self._closed[key] = time.monotonic()
         return found

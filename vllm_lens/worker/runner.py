@@ -15,9 +15,11 @@ scheduling the runner corrects it on the device only, so the host copy can run a
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterator, Mapping
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from vllm_lens.spec import PAYLOAD_KEY
 
 __all__ = [
     "NGRAM_METHODS", "SUPPORTED_RUNNERS", "SUPPORTED_VLLM", "RunnerView", "ScheduledRequest",
@@ -47,7 +49,8 @@ class ScheduledRequest:
     pos0: int
     """Absolute token position of row ``start``."""
     n_prompt: int
-    extra_args: Mapping[str, Any] | None
+    payload: Any
+    """The request's vllm-lens payload (``extra_args["vllm_lens"]``), or ``None``."""
 
 
 def _qualname(cls: type) -> str:
@@ -100,29 +103,45 @@ def unsupported_reason(vllm_config: Any, runner: Any) -> str | None:
 class RunnerView:
     """Read-only view of a V1 model runner's state for the running step.
 
-    Only host-side state is read, so nothing here waits on the device.
+    Only host-side state is read, so nothing here waits on the device. Requests without a
+    lens payload are remembered, so a plain request costs one set lookup per step.
     """
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
+        self._plain: set[str] = set()
 
-    def scheduled(self) -> Iterator[ScheduledRequest]:
-        """The running step's requests in batch order (the order of their rows)."""
+    def scheduled(self, *, plain: bool = False) -> Iterator[ScheduledRequest]:
+        """The running step's lens requests (and plain ones too with ``plain``) in batch
+        order, i.e. the order of their rows."""
         runner = self.runner
         batch = runner.input_batch
         req_ids = batch.req_ids
         query_start = runner.query_start_loc.np  # host mirror: reading it never syncs
         computed = batch.num_computed_tokens_cpu
         states = runner.requests
+        known_plain = self._plain
+        if len(known_plain) > 2 * len(states) + 64:
+            known_plain.intersection_update(states)
         for i in range(batch.num_reqs):
             req_id = req_ids[i]
-            state = states.get(req_id)
-            params = getattr(state, "sampling_params", None)
+            if req_id in known_plain:
+                if not plain:
+                    continue
+                payload = None
+            else:
+                state = states.get(req_id)
+                params = getattr(state, "sampling_params", None)
+                extra_args = getattr(params, "extra_args", None)
+                payload = extra_args.get(PAYLOAD_KEY) if extra_args else None
+                if payload is None:
+                    known_plain.add(req_id)
+                    if not plain:
+                        continue
             yield ScheduledRequest(
                 req_id=req_id, start=int(query_start[i]), end=int(query_start[i + 1]),
-                pos0=int(computed[i]),
-                n_prompt=int(getattr(state, "num_prompt_tokens", 0) or 0),
-                extra_args=getattr(params, "extra_args", None),
+                pos0=int(computed[i]), n_prompt=int(states[req_id].num_prompt_tokens),
+                payload=payload,
             )
 
     def live(self) -> Container[str]:

@@ -26,7 +26,7 @@ from vllm_lens.spec import HookSpec
 from vllm_lens.worker.capture import capture_layer
 from vllm_lens.worker.hooks import HookCall, HookState, ParameterSource, run_hook_calls
 from vllm_lens.worker.plan import RequestSlice, StepPlan
-from vllm_lens.worker.requests import RequestRecord, RequestTable
+from vllm_lens.worker.requests import RequestRecord, RequestTable, describe
 from vllm_lens.worker.runner import RunnerView
 from vllm_lens.worker.steer import PreparedSteer, SteerGroup, apply_steering, build_steer_groups, prepare
 from vllm_lens.worker.store import CaptureStore
@@ -66,13 +66,20 @@ class LensRuntime:
         try:
             self._tap(hidden, residual, layer, pre)
         except Exception as exc:  # not pinned on fewer requests by the stages below
-            self._fail_step(exc)
+            self._plan = _EMPTY_PLAN  # the rest of the step does no lens work
+            try:
+                self._fail_step(exc)
+            except Exception:  # never into the forward pass
+                logger.exception("vllm-lens: cannot fail the step's lens requests")
 
     def _tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: int,
              pre: bool) -> None:
         plan = self._plan_for_step(hidden)
         if plan.empty:
             return
+        if plan.faults:
+            for s in plan.slices:
+                faults.check(s.lens.fault, "step")
         if pre:
             if (layer, True) in plan.hook_layers:
                 self._guarded("hooks", (c.req_id for c in plan.hook_calls), self._run_hooks,
@@ -106,14 +113,22 @@ class LensRuntime:
             group.failed = True  # its staging tensor is incomplete: nothing is filed
             self._fail([o.req_id for o in group.owners], exc, "capture")
 
-    def _fail(self, req_ids: Iterable[str], exc: BaseException, stage: str) -> None:
+    def _fail(self, req_ids: Iterable[str], exc: BaseException | str, stage: str) -> None:
         ids = list(req_ids)
-        logger.warning("vllm-lens: %s failed for request(s) %s: %r", stage, ", ".join(ids), exc)
+        logger.warning("vllm-lens: %s failed for request(s) %s: %s", stage, ", ".join(ids),
+                       describe(exc))
         for req_id in ids:
             record = self.requests.records.get(req_id)
             if record is not None:
                 record.fail(exc, stage)
                 self.store.discard(record.lens.key, req_id)  # partial rows are never returned
+
+    def _fail_owned(self, owners: Iterable[tuple[str, str]], problem: str, stage: str) -> None:
+        """Fail the requests behind (lens key, request id) pairs whose rows were lost."""
+        records = self.requests.records
+        ids = [r for key, r in owners if r in records and records[r].lens.key == key]
+        if ids:
+            self._fail(ids, problem, stage)
 
     def _fault_of(self, req_id: str) -> str | None:
         record = self.requests.records.get(req_id)
@@ -164,20 +179,25 @@ class LensRuntime:
         return self._plan
 
     def _fail_step(self, exc: BaseException) -> None:
-        """Fail every lens request of the running step (the plan could not be built)."""
+        """Fail every lens request of the running step (the plan could not be built, or a
+        tap raised outside the per-request stages)."""
         try:
-            ids = [s.req_id for s in self.view.scheduled() if s.req_id in self.requests.records]
+            ids = [s.req_id for s in self.view.scheduled()
+                   if self.requests.lookup(s.req_id, s.payload) is not None]
         except Exception:  # the runner's state itself is unreadable: fail every running one
             ids = [r for r, rec in self.requests.records.items() if rec.finished_at is None]
         self._fail(ids, exc, "plan")
 
     def _build_plan(self, device: torch.device, dtype: torch.dtype) -> StepPlan:
-        self.store.settle()  # the previous step is over: file its captured rows
-        self.requests.finish_gone(self.view.live())
+        # The previous step is over: file its captured rows.
+        self._fail_owned(self.store.settle(), "its captured rows could not be filed",
+                         "capture")
+        live = self.view.live()
+        self.requests.finish_gone(live)
         persistent = bool(self.persistent_specs)
         slices, hook_calls = [], []
-        for sched in self.view.scheduled():
-            record = self.requests.lookup(sched.req_id, sched.extra_args)
+        for sched in self.view.scheduled(plain=persistent):
+            record = self.requests.lookup(sched.req_id, sched.payload)
             if record is not None and record.error is not None:
                 record = None  # a failed request runs to its end without its lens work
             if record is None and not persistent:
@@ -198,8 +218,13 @@ class LensRuntime:
                     pos0=sched.pos0, n_prompt=sched.n_prompt,
                 ))
         if len(self.store):
-            self.store.mark_finished(self.view.live())
+            self._fail_owned(
+                self.store.mark_finished(live),
+                "its captured rows were dropped before the front end fetched them (the "
+                "worker's VLLM_LENS_WORKER_MAX_BYTES budget, or VLLM_LENS_FINISHED_TTL_S)",
+                "capture")
         if not slices and not hook_calls:
+            self._steer_layout, self._steer_groups = (), {}
             return _EMPTY_PLAN
         plan = StepPlan.build(slices, device, self.capture_layers)
         plan.faults = any(s.lens.fault is not None for s in slices)
@@ -219,6 +244,8 @@ class LensRuntime:
                     self._fail([s.req_id], exc, "steer")
         if steered:
             plan.steer = self._steering_for(steered, device)
+        else:
+            self._steer_layout, self._steer_groups = (), {}
         return plan
 
     def _steering_for(self, steered: list[tuple[RequestSlice, list[PreparedSteer]]],

@@ -66,24 +66,31 @@ class CaptureStore:
         """Take ``group``'s rows once its step is over (see ``settle``)."""
         self._pending.append(group)
 
-    def settle(self, wait: bool = False) -> None:
+    def settle(self, wait: bool = False) -> list[tuple[str, str]]:
         """File the rows of finished steps into their requests' entries.
 
         Called between steps: every staged group whose copies have completed (at once on the
         CPU; ``wait`` blocks for the accelerator) is split per request. A group whose step
         did not reach its last layer (it never ran, or failed part-way) is dropped.
+
+        Returns the (lens key, request id) of the owners of groups that could not be filed
+        (their rows are lost: the caller fails those requests).
         """
-        still_pending = []
-        for group in self._pending:
+        pending, self._pending = self._pending, []
+        lost: list[tuple[str, str]] = []
+        for group in pending:
             if not group.complete or group.failed:
                 continue
-            if group.ready is not None and not group.ready.query():
-                if not wait:
-                    still_pending.append(group)
-                    continue
-                group.ready.synchronize()
-            self._file(group)
-        self._pending = still_pending
+            try:
+                if group.ready is not None and not group.ready.query():
+                    if not wait:
+                        self._pending.append(group)
+                        continue
+                    group.ready.synchronize()
+                self._file(group)
+            except Exception:
+                lost.extend((o.key, o.req_id) for o in group.owners)
+        return lost
 
     def _file(self, group: CaptureGroup) -> None:
         staging = group.staging
@@ -111,6 +118,7 @@ class CaptureStore:
         for req_id, entry in found.items():
             del self._entries[(key, req_id)]
             self._nbytes -= entry.nbytes
+        self._closed.pop(key, None)  # re-inserted at the end: the dict stays in time order
         self._closed[key] = time.monotonic()
         return found
 
@@ -121,11 +129,19 @@ class CaptureStore:
         if entry is not None:
             self._nbytes -= entry.nbytes
 
-    def mark_finished(self, live_req_ids: Container[str]) -> None:
-        """Stamp entries whose request left the batch, then apply the TTL and byte budget."""
+    def mark_finished(self, live_req_ids: Container[str]) -> list[tuple[str, str]]:
+        """Stamp entries whose request left the batch, then apply the TTL and byte budget.
+
+        Returns the (lens key, request id) of the entries dropped: their requests must fail
+        rather than come back with fewer rows.
+        """
         now = time.monotonic()
         ttl = self.finished_ttl_s
-        self._closed = {k: t for k, t in self._closed.items() if now - t <= ttl}
+        while self._closed:
+            key, closed_at = next(iter(self._closed.items()))
+            if now - closed_at <= ttl:
+                break
+            del self._closed[key]
         for entry in self._entries.values():
             if entry.finished_at is None and entry.req_id not in live_req_ids:
                 entry.finished_at = now
@@ -134,8 +150,11 @@ class CaptureStore:
             for ident, e in self._entries.items()
             if e.finished_at is not None
         )
+        dropped = []
         for finished_at, ident in finished:
             if now - finished_at <= ttl and self._nbytes <= self.max_bytes:
                 break
             entry = self._entries.pop(ident)
             self._nbytes -= entry.nbytes
+            dropped.append(ident)
+        return dropped

@@ -87,6 +87,9 @@ class TapInfo:
     pre_taps: bool
     """Whether every local layer taps its input too (its ``forward`` takes ``hidden_states``
     and ``residual``), so pre-hooks can run."""
+    tapped: bool = True
+    """False for a model class not in ``PROVEN_MODEL_CLASSES``: its layers were found but
+    left as they are (no tap op in its graph; lens requests are refused)."""
 
 
 # Where Llama/Qwen2-style models (and multimodal wrappers around them) keep their layers.
@@ -151,8 +154,9 @@ def _tapped_class(cls: type[nn.Module]) -> type[nn.Module]:
     return tapped
 
 
-def install_taps(model: nn.Module) -> TapInfo | None:
-    """Swap every local decoder layer of ``model`` for its tapped twin; idempotent.
+def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
+    """Swap every local decoder layer of ``model`` for its tapped twin; idempotent. With
+    ``tap=False`` only record what was found.
 
     Returns what was found, or ``None`` when the model's layers cannot be located (then lens
     requests on this model are refused with an error naming its class).
@@ -170,11 +174,12 @@ def install_taps(model: nn.Module) -> TapInfo | None:
         tapped_already = type(layer) in _TAPPED_CLASSES.values()
         original = type(layer).__mro__[1] if tapped_already else type(layer)
         pre_taps = pre_taps and _input_slots(original) is not None
-        layer.__class__ = _tapped_class(original)
-        layer._vllm_lens_layer = index
+        if tap:
+            layer.__class__ = _tapped_class(original)
+            layer._vllm_lens_layer = index
         local.append(index)
     info = TapInfo(model_class=type(model).__name__, n_layers=len(layers),
-                   local_layers=tuple(local), pre_taps=pre_taps)
+                   local_layers=tuple(local), pre_taps=pre_taps, tapped=tap)
     setattr(model, _INFO_ATTR, info)
     return info
 
@@ -202,7 +207,7 @@ def tapped_model_class(cls: type[nn.Module]) -> type[nn.Module]:
         @functools.wraps(cls.__init__)
         def __init__(self, *args, **kwargs):
             cls.__init__(self, *args, **kwargs)
-            install_taps(self)
+            install_taps(self, tap=cls.__name__ in PROVEN_MODEL_CLASSES)
 
         sub = type(cls.__name__, (cls,), {
             "__init__": __init__,

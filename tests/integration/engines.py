@@ -40,6 +40,31 @@ def running_llm(model: str, **overrides: Any) -> Iterator[LLM]:
 
 
 @contextlib.contextmanager
+def running_async_llm(model: str, **overrides: Any) -> Iterator[tuple[Any, Any]]:
+    """An ``AsyncLLM`` on its own event loop: yields (engine, run), ``run(coro)`` runs a
+    coroutine on that loop to completion."""
+    import asyncio
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    loop = asyncio.new_event_loop()
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model,
+                                                       **engine_kwargs(**overrides)))
+    try:
+        yield engine, loop.run_until_complete
+    finally:
+        engine.shutdown()
+        # Let the engine's background tasks finish in their own loop, or their zmq sockets
+        # stay open and block interpreter exit.
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.close()
+
+
+@contextlib.contextmanager
 def env(**values: str) -> Iterator[None]:
     """Set environment variables for engines started inside the block (workers inherit them)."""
     old = {k: os.environ.get(k) for k in values}
@@ -67,3 +92,7 @@ def generate_without_plugin(model: str, prompts: list[str], max_tokens: int,
     assert proc.returncode == 0, proc.stderr[-4000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     return json.loads(line.removeprefix("RESULT "))
+
+
+#: ``lens_stats`` of a worker that holds nothing for any request.
+IDLE = {"entries": 0, "bytes": 0, "records": 0, "device_bytes": 0}

@@ -5,12 +5,10 @@ import asyncio
 import pytest
 import torch
 from vllm import SamplingParams
-from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.sampling_params import RequestOutputKind
-from vllm.v1.engine.async_llm import AsyncLLM
 
 from tests.integration.conftest import TINY_CHUNKED
-from tests.integration.engines import engine_kwargs
+from tests.integration.engines import IDLE, running_async_llm
 
 PROMPTS = [
     "Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi.",
@@ -22,18 +20,8 @@ SPECS = [[0], {"layers": [1, 2], "positions": "generated"}, True]
 
 @pytest.fixture(scope="module")
 def async_engine(tiny_path):
-    loop = asyncio.new_event_loop()
-    engine = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(model=tiny_path, **engine_kwargs(**TINY_CHUNKED)))
-    yield engine, loop.run_until_complete
-    engine.shutdown()
-    # Let the engine's background tasks finish in their own loop, or their zmq sockets stay
-    # open and block interpreter exit.
-    pending = asyncio.all_tasks(loop)
-    for task in pending:
-        task.cancel()
-    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-    loop.close()
+    with running_async_llm(tiny_path, **TINY_CHUNKED) as engine_and_run:
+        yield engine_and_run
 
 
 async def _final(engine, prompt, sp, request_id):
@@ -90,12 +78,12 @@ def test_aborted_request_leaves_nothing_behind(async_engine):
         await gen.aclose()
         for _ in range(100):
             stats = await engine.collective_rpc("lens_stats")
-            if stats == [{"entries": 0, "bytes": 0}]:
+            if stats == [IDLE]:
                 return stats
             await asyncio.sleep(0.05)
         return stats
 
-    assert run(abandon()) == [{"entries": 0, "bytes": 0}]
+    assert run(abandon()) == [IDLE]
 
 
 def test_bad_input_fails_alone(async_engine):
@@ -148,3 +136,59 @@ def test_a_running_lens_requests_id_cannot_be_reused(async_engine, tiny_llm):
                        expected.activations["residual_stream"])
     # once it finished, the id is free again
     assert run(_final(engine, PROMPTS[1], _sp([0]), "same-id")).activations is not None
+
+
+def test_idle_engine_holds_nothing_after_200_mixed_requests_with_aborts(async_engine):
+    """Capture, steering, hooks, plain and failing requests, every tenth one abandoned after
+    its first output: afterwards no worker holds a byte or a record for any of them."""
+    from vllm_lens import NamedHook, SteeringVector
+
+    engine, run = async_engine
+    sv = SteeringVector(activations=torch.ones(2, 128), layer_indices=[0, 2])
+    kinds = [
+        {"output_residual_stream": True},
+        {"apply_steering_vectors": [sv]},
+        {"apply_hooks": [NamedHook("linear_probe", [1], {"weight": [0.01] * 128})]},
+        {},
+        {"output_residual_stream": {"layers": [3], "positions": "generated"},
+         "apply_steering_vectors": [sv]},
+        {"output_residual_stream": [1], "lens_test_fault": "capture"},
+        {"apply_steering_vectors": [sv], "lens_test_fault": "steer"},
+    ]
+
+    async def one(i):
+        extra = kinds[i % len(kinds)]
+        sp = SamplingParams(max_tokens=4 + i % 5, temperature=0, ignore_eos=True,
+                            extra_args=extra or None)
+        gen = engine.generate(PROMPTS[i % len(PROMPTS)], sp, f"mixed-{i}")
+        if i % 10 == 9:  # abandoned mid-way
+            async for _ in gen:
+                break
+            await gen.aclose()
+            return "aborted"
+        try:
+            async for out in gen:
+                pass
+        except Exception as exc:
+            return type(exc).__name__
+        if "output_residual_stream" in extra:
+            assert out.activations["residual_stream"].shape[1] > 0
+        return "ok"
+
+    async def everything():
+        results = await asyncio.gather(*[one(i) for i in range(200)])
+        for _ in range(100):
+            stats = await engine.collective_rpc("lens_stats")
+            if stats == [IDLE]:
+                break
+            await asyncio.sleep(0.05)
+        return results, stats
+
+    results, stats = run(everything())
+    assert stats == [IDLE]
+    faulty = {i for i in range(200) if "lens_test_fault" in kinds[i % len(kinds)]}
+    for i, result in enumerate(results):
+        if i % 10 == 9:
+            assert result == "aborted"
+        else:
+            assert result == ("LensExecutionError" if i in faulty else "ok"), i

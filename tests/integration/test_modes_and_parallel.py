@@ -52,6 +52,21 @@ def _assert_hook_results(outs, vocab):
 TWO_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
+LONG = "The quick brown fox jumps over the lazy dog. " * 70  # ~700 tokens: > 1 MB captured
+
+
+def _assert_inline_handoff_equals_shared_memory(llm):
+    """Captures sent inline, as to a front end on another host (multi-node), equal the ones
+    handed over through /dev/shm on this host."""
+    sp = SamplingParams(max_tokens=2, temperature=0, extra_args={"output_residual_stream": True})
+    shared = llm.generate([LONG], sp)[0].activations
+    with env(VLLM_LENS_SHM_HANDOFF="0"):
+        inline = llm.generate([LONG], sp)[0].activations
+    assert shared["residual_stream"].nbytes > 1 << 20
+    assert torch.equal(shared["residual_stream"], inline["residual_stream"])
+    assert torch.equal(shared["positions"], inline["positions"])
+
+
 def _run(llm):
     return llm.generate(PROMPTS, ALL_LAYERS), llm.generate(PROMPTS, STEER)
 
@@ -90,6 +105,7 @@ def test_tensor_parallel_2_matches_tp1(tiny_path, reference):
         describe = llm.collective_rpc("lens_describe")
         hooked = llm.generate(PROMPTS, HOOKED)
         vocab = llm.llm_engine.model_config.get_vocab_size()
+        _assert_inline_handoff_equals_shared_memory(llm)
     assert [d["tp_rank"] for d in describe] == [0, 1]
     _assert_hook_results(hooked, vocab)  # the parameter is gathered from both ranks
     for got, expected in zip(outs, reference):
@@ -112,6 +128,7 @@ def test_pipeline_parallel_2_matches_pp1(tiny_path, reference):
         llm.prefetch_params(["lm_head.weight", "model.norm.weight"])
         hooked = llm.generate(PROMPTS, HOOKED)
         vocab = llm.llm_engine.model_config.get_vocab_size()
+        _assert_inline_handoff_equals_shared_memory(llm)
     _assert_hook_results(hooked, vocab)
     assert [d["local_layers"] for d in describe] == [[0, 1], [2, 3]]
     for got, expected in zip(outs, reference):
@@ -123,3 +140,45 @@ def test_pipeline_parallel_2_matches_pp1(tiny_path, reference):
         torch.testing.assert_close(first.activations["residual_stream"],
                                    ref.activations["residual_stream"][[1]],
                                    rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_data_parallel_2_fetches_from_the_engine_that_served_each_request(tiny_path, tiny_llm):
+    """vLLM's collective_rpc through the DP client answers with engine 0 only; every request
+    must still get its own rows, whichever engine served it."""
+    import asyncio
+
+    from tests.integration.engines import IDLE, running_async_llm
+    from vllm_lens.frontend.rpc import all_workers
+
+    prompts = [f"{p} Request number {i}." for i, p in enumerate(PROMPTS * 4)]
+    sp = SamplingParams(max_tokens=5, temperature=0, extra_args={"output_residual_stream": [1, 3]})
+    expected = tiny_llm.generate(prompts, sp)
+
+    async def serve(engine):
+        # Which engine vLLM's load balancer picks for each request (read, not changed).
+        core = engine.engine_core
+        pick = core.get_core_engine_for_request
+        chosen = []
+
+        def recording(request):
+            chosen.append(pick(request))
+            return chosen[-1]
+
+        core.get_core_engine_for_request = recording
+
+        async def final(i, prompt):
+            async for out in engine.generate(prompt, sp, f"dp-{i}"):
+                pass
+            return out
+        outs = await asyncio.gather(*[final(i, p) for i, p in enumerate(prompts)])
+        assert len(set(chosen)) == 2  # both engines served some of the requests
+        return outs, await all_workers(engine, "lens_stats")
+
+    with env(**TWO_WORKERS), running_async_llm(tiny_path, data_parallel_size=2,
+                                               enforce_eager=True) as (engine, run):
+        outs, stats = run(serve(engine))
+    assert stats == [IDLE, IDLE]  # one worker per engine, both empty afterwards
+    for out, ref in zip(outs, expected):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        _assert_same_as_reference([out], [ref], tol=1e-4)

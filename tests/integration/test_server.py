@@ -10,6 +10,7 @@ import torch
 import zstandard
 from vllm import SamplingParams
 
+from tests.integration.engines import IDLE
 from tests.integration.reference import max_relative_error
 from vllm_lens import SteeringVector, decode_activations
 from vllm_lens.client import AsyncLensClient, LensClient, LensHTTPError
@@ -303,7 +304,7 @@ def test_load_200_concurrent_mixed_requests(smol_server):
     assert stats["store"] == {"entries": 0, "bytes": 0}
     url = unfetched[0]["choices"][0]["activations"]["url"]
     assert httpx.get(base + url).status_code == 404
-    assert all(w == {"entries": 0, "bytes": 0} for w in stats["workers"])
+    assert all(w == IDLE for w in stats["workers"])
     grown = rss_bytes(smol_server.pid) - baseline
     print(f"API server RSS grew by {grown / 2**20:.0f} MiB over the load test")
     assert grown < 200 << 20

@@ -1,33 +1,50 @@
-"""A model whose decoder layers vllm-lens cannot find: lens requests fail with the model
-class named, plain requests still serve."""
+"""Models vllm-lens has not proven: lens requests fail up front with the model class named,
+plain requests still serve (before, a capture on GPT-NeoX or OLMo 2 killed the engine)."""
 
 import pytest
 import torch
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+from transformers import AutoTokenizer, GPT2Config, GPTNeoXConfig, Olmo2Config
+from transformers import AutoModelForCausalLM
 from vllm import SamplingParams
 
 from tests.integration.engines import running_llm
 from vllm_lens import UnsupportedModelError
 
 
-@pytest.fixture(scope="module")
-def gpt2_path(tmp_path_factory, tiny_path):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+def _configs(tokenizer):
     # head_dim 64: the CPU attention kernel rejects smaller heads.
-    config = GPT2Config(vocab_size=len(tokenizer), n_embd=128, n_layer=2, n_head=2,
-                        n_positions=512, bos_token_id=tokenizer.bos_token_id,
-                        eos_token_id=tokenizer.eos_token_id)
+    common = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id)
+    return {
+        "GPT2LMHeadModel": GPT2Config(n_embd=128, n_layer=2, n_head=2, n_positions=512,
+                                      **common),
+        "GPTNeoXForCausalLM": GPTNeoXConfig(hidden_size=128, num_hidden_layers=2,
+                                            num_attention_heads=2, intermediate_size=256,
+                                            max_position_embeddings=512, **common),
+        "Olmo2ForCausalLM": Olmo2Config(hidden_size=128, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2,
+                                        intermediate_size=256, max_position_embeddings=512,
+                                        **common),
+    }
+
+
+@pytest.mark.parametrize("model_class", ["GPT2LMHeadModel", "GPTNeoXForCausalLM",
+                                         "Olmo2ForCausalLM"])
+def test_lens_request_names_the_model_class_and_plain_requests_serve(
+        tmp_path_factory, tiny_path, model_class):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("gpt2-tiny")
-    GPT2LMHeadModel(config).save_pretrained(path)
+    path = tmp_path_factory.mktemp(model_class)
+    AutoModelForCausalLM.from_config(_configs(tokenizer)[model_class]).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    return str(path)
-
-
-def test_lens_request_names_the_model_class_and_plain_requests_serve(gpt2_path):
-    with running_llm(gpt2_path, enforce_eager=True, max_model_len=512) as llm:
-        sp = SamplingParams(max_tokens=3, temperature=0, extra_args={"output_residual_stream": [0]})
-        with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
-            llm.generate(["Hello there"], sp)
+    with running_llm(str(path), enforce_eager=True, max_model_len=512) as llm:
+        # vLLM may run the architecture through its Transformers backend
+        # (TransformersForCausalLM): the message names the class vLLM runs.
+        served = llm.collective_rpc("lens_describe")[0]["model_class"]
+        assert served in (model_class, "TransformersForCausalLM")
+        for extra in ({"output_residual_stream": [0]}, {"output_residual_stream": True}):
+            sp = SamplingParams(max_tokens=3, temperature=0, extra_args=extra)
+            with pytest.raises(UnsupportedModelError, match=f"model class {served} "):
+                llm.generate(["Hello there"], sp)
         out = llm.generate(["Hello there"], SamplingParams(max_tokens=3, temperature=0))[0]
         assert len(out.outputs[0].token_ids) == 3

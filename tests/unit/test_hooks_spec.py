@@ -139,9 +139,25 @@ def test_named_hooks_accumulate_rows_without_recopying_them():
     from vllm_lens.named_hooks import _append
 
     saved, steps = {}, [torch.arange(6).reshape(3, 2)] + [torch.full((1, 2), i) for i in range(40)]
+    start = 0
     for rows in steps:
-        _append(saved, "ids", 7, rows)
+        _append(saved, "ids", 7, rows, start)
+        start += rows.shape[0]
     kept = saved["ids"]["7"]
     assert torch.equal(kept, torch.cat(steps))
     assert kept.untyped_storage().nbytes() <= 2 * kept.numel() * kept.element_size()
     assert torch.equal(wire.loads(wire.dumps(saved))["ids"]["7"], torch.cat(steps))
+
+
+def test_named_hooks_keep_one_row_per_position_when_positions_are_recomputed():
+    import torch
+
+    from vllm_lens.named_hooks import _append
+
+    saved = {}
+    _append(saved, "x", 0, torch.tensor([0.0, 1.0, 2.0]), 0)
+    _append(saved, "x", 0, torch.tensor([3.0]), 3)
+    # preempted, then resumed: positions 0..4 computed again
+    _append(saved, "x", 0, torch.tensor([10.0, 11.0]), 0)
+    _append(saved, "x", 0, torch.tensor([12.0, 13.0, 14.0]), 2)
+    assert saved["x"]["0"].tolist() == [10.0, 11.0, 12.0, 13.0, 14.0]

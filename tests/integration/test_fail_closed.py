@@ -43,6 +43,8 @@ CLEAN = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
 
 @pytest.mark.parametrize("stage", [s for s in STAGES if s != "step"])
 def test_a_failing_stage_fails_only_its_request(tiny_llm, tiny_ref, stage):
+    # The clean request captures other layers: a failing batched operation (one capture
+    # group, one layer's steering, one hook call) fails every request that shares it.
     faulty, clean = tiny_llm.generate(PROMPTS, [_everything(stage), CLEAN])
     assert isinstance(faulty.lens_error, LensExecutionError)
     assert f"failed at {stage}" in str(faulty.lens_error)

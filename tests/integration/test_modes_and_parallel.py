@@ -55,14 +55,28 @@ TWO_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 LONG = "The quick brown fox jumps over the lazy dog. " * 70  # ~700 tokens: > 1 MB captured
 
 
-def _assert_inline_handoff_equals_shared_memory(llm):
+def _assert_inline_handoff_equals_shared_memory(llm, monkeypatch):
     """Captures sent inline, as to a front end on another host (multi-node), equal the ones
-    handed over through /dev/shm on this host."""
+    handed over through /dev/shm on this host (where a part is large enough for it)."""
+    from vllm_lens import handoff
+
+    received = []
+    receive = handoff.receive
+
+    def recording(h):
+        received.append(h)
+        return receive(h)
+
+    monkeypatch.setattr(handoff, "receive", recording)
     sp = SamplingParams(max_tokens=2, temperature=0, extra_args={"output_residual_stream": True})
     shared = llm.generate([LONG], sp)[0].activations
+    shared_parts, received[:] = list(received), []
     with env(VLLM_LENS_SHM_HANDOFF="0"):
         inline = llm.generate([LONG], sp)[0].activations
     assert shared["residual_stream"].nbytes > 1 << 20
+    assert received and all(isinstance(h, bytes) for h in received)  # really inline
+    large = [h for h in shared_parts if not isinstance(h, bytes) or len(h) >= 1 << 20]
+    assert all(isinstance(h, dict) for h in large)  # parts of >= 1 MB went through /dev/shm
     assert torch.equal(shared["residual_stream"], inline["residual_stream"])
     assert torch.equal(shared["positions"], inline["positions"])
 
@@ -98,14 +112,14 @@ def test_compiled_mode_matches_eager(tiny_path, reference):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_matches_tp1(tiny_path, reference):
+def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch):
     with env(**TWO_WORKERS), running_llm(tiny_path, tensor_parallel_size=2,
                                          enforce_eager=True) as llm:
         outs = _run(llm)
         describe = llm.collective_rpc("lens_describe")
         hooked = llm.generate(PROMPTS, HOOKED)
         vocab = llm.llm_engine.model_config.get_vocab_size()
-        _assert_inline_handoff_equals_shared_memory(llm)
+        _assert_inline_handoff_equals_shared_memory(llm, monkeypatch)
     assert [d["tp_rank"] for d in describe] == [0, 1]
     _assert_hook_results(hooked, vocab)  # the parameter is gathered from both ranks
     for got, expected in zip(outs, reference):
@@ -113,7 +127,7 @@ def test_tensor_parallel_2_matches_tp1(tiny_path, reference):
 
 
 @pytest.mark.slow
-def test_pipeline_parallel_2_matches_pp1(tiny_path, reference):
+def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch):
     # vLLM 0.32's CPU runner supports PP only in compiled mode.
     with env(**TWO_WORKERS), running_llm(tiny_path, pipeline_parallel_size=2) as llm:
         describe = llm.collective_rpc("lens_describe")
@@ -128,7 +142,7 @@ def test_pipeline_parallel_2_matches_pp1(tiny_path, reference):
         llm.prefetch_params(["lm_head.weight", "model.norm.weight"])
         hooked = llm.generate(PROMPTS, HOOKED)
         vocab = llm.llm_engine.model_config.get_vocab_size()
-        _assert_inline_handoff_equals_shared_memory(llm)
+        _assert_inline_handoff_equals_shared_memory(llm, monkeypatch)
     _assert_hook_results(hooked, vocab)
     assert [d["local_layers"] for d in describe] == [[0, 1], [2, 3]]
     for got, expected in zip(outs, reference):

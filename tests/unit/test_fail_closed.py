@@ -85,8 +85,10 @@ def test_v2_runner_is_turned_off_only_when_the_user_left_it_unset(monkeypatch):
     dflash = EngineArgs(model="m", speculative_config={"method": "dflash"})
     assert engine_args._prefer_v1_runner(dflash) is False
     assert V2_RUNNER_ENV not in os.environ
-    monkeypatch.setenv(V2_RUNNER_ENV, "1")  # the user's choice is kept
+    assert engine_args._prefer_v1_runner(EngineArgs(model="m")) is True
+    monkeypatch.setenv(V2_RUNNER_ENV, "1")  # the user's choice, even after one of ours
     assert engine_args._prefer_v1_runner(EngineArgs(model="m")) is False
+    engine_args._release_v1_choice()
     assert os.environ[V2_RUNNER_ENV] == "1"
 
 

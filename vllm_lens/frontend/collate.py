@@ -85,6 +85,13 @@ def merge_hook_results(
     return merged, None
 
 
+def _ended_early(output: RequestOutput, index: int) -> bool:
+    """Whether vLLM itself ended the completion with an error or an abort (it may never have
+    been scheduled, so no worker saw it: that is vLLM's failure to report, not lost rows)."""
+    reason = next((c.finish_reason for c in output.outputs if c.index == index), None)
+    return reason in ("abort", "error")
+
+
 def _missing_rows(layers: Sequence[int],
                   parts: Sequence[tuple[Mapping[str, Any], torch.Tensor]] | None,
                   seen: bool) -> str | None:
@@ -213,7 +220,7 @@ class LensSession:
             prefix = "" if n == 1 else f"{index}_"
             found: dict[str, Any] = {"lens_error": None}
             error = next((m for k, m in errors.items() if k.startswith(prefix) or not k), None)
-            if error is None and lens.capture is not None:
+            if error is None and lens.capture is not None and not _ended_early(output, index):
                 error = _missing_rows(
                     lens.capture.layers,
                     next((v for k, v in captures.items() if k.startswith(prefix)), None),

@@ -19,7 +19,9 @@ forced them on):
 - Model Runner V2 (the CUDA default when Triton is present): ``VLLM_USE_V2_MODEL_RUNNER=0``
   is set in this process's environment, which the engine-core and worker processes inherit
   (taken back, and the config built again, when vLLM says the engine needs V2: then plain
-  traffic runs on V2 and lens requests are refused);
+  traffic runs on V2 and lens requests are refused). With an in-process engine core
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) vLLM caches its environment after the first engine
+  starts; set the variable yourself before that if several engines share the process;
 - async scheduling (the CUDA default): ``async_scheduling=False``.
 
 On CUDA, vLLM replays steps from CUDA graphs, which would skip the taps' Python logic. Once
@@ -72,9 +74,11 @@ def _wrap_create_engine_config(original):
         try:
             config = original(self, *args, **kwargs)
         except ValueError as exc:
-            if not (chose_v1 and V2_RUNNER_ENV in str(exc)):
+            if not chose_v1:
                 raise
-            # A feature of this engine needs Model Runner V2: plain traffic must still run.
+            # Maybe a feature of this engine needs Model Runner V2 (vLLM's messages vary):
+            # build it as vLLM alone would; plain traffic must still run. If that fails too,
+            # its error is the user's to see.
             _release_v1_choice()
             logger.warning("vllm-lens: this engine needs Model Runner V2 (%s); lens requests "
                            "will be refused on it", exc)
@@ -107,7 +111,8 @@ def _prefer_v1_runner(args: EngineArgs) -> bool:
     connector, DFlash drafts) keep vLLM's own choice; V2 engines refuse lens requests."""
     global _v1_chosen_by_lens
     current = os.environ.get(V2_RUNNER_ENV)
-    if current is not None and not _v1_chosen_by_lens:
+    if current is not None and not (_v1_chosen_by_lens and current == "0"):
+        _v1_chosen_by_lens = False
         return False  # the user's choice
     speculative = args.speculative_config if isinstance(args.speculative_config, dict) else {}
     if args.ec_transfer_config is not None or speculative.get("method") == "dflash":
@@ -122,21 +127,23 @@ def _prefer_v1_runner(args: EngineArgs) -> bool:
 
 def _release_v1_choice() -> None:
     global _v1_chosen_by_lens
-    if _v1_chosen_by_lens:
-        os.environ.pop(V2_RUNNER_ENV, None)
-        _v1_chosen_by_lens = False
+    if _v1_chosen_by_lens and os.environ.get(V2_RUNNER_ENV) == "0":
+        del os.environ[V2_RUNNER_ENV]
+    _v1_chosen_by_lens = False
 
 
 def lens_possible(config: Any) -> bool:
-    """Whether lens requests can be served on ``config`` at all: engines that are refused
-    anyway (micro-batching, speculative methods other than n-gram) keep vLLM's CUDA-graph
-    settings untouched, since some of them require full graphs."""
-    from vllm_lens.worker.runner import NGRAM_METHODS
+    """Whether lens requests can be served on ``config`` at all. Engines that refuse them
+    anyway (Model Runner V2, micro-batching, other speculative methods, LoRA, ...) keep
+    vLLM's CUDA-graph settings untouched: plain traffic there pays nothing for vllm-lens."""
+    from vllm_lens.worker.runner import config_unsupported_reason
 
-    if getattr(config.parallel_config, "use_ubatching", False):
+    try:
+        if config.use_v2_model_runner:
+            return False
+    except ValueError:  # vLLM's own consistency checks: not a lens engine either way
         return False
-    speculative = config.speculative_config
-    return speculative is None or speculative.method in NGRAM_METHODS
+    return config_unsupported_reason(config) is None
 
 
 def cuda_graph_overrides(compilation: Any) -> dict[str, Any]:

@@ -46,44 +46,12 @@ class LensWorkerExtension:
         front end refuses lens requests with the reason.
         """
         try:
-            return self._lens_describe()
+            return _describe(self)
         except Exception as exc:  # e.g. a runner without the attributes read here
             return {"unsupported": f"vllm-lens cannot inspect this worker ({exc!r})",
                     "mapped": False, "model_class": "?", "n_layers": 0, "local_layers": [],
                     "pre_taps": False, "hidden_size": 0, "dtype": "float32",
                     "max_model_len": 0, "tp_rank": 0, "pp_rank": 0, "speculative": False}
-
-    def _lens_describe(self) -> dict[str, Any]:
-        global _runtime
-        runner = self.model_runner  # type: ignore[attr-defined]
-        vllm_config = self.vllm_config  # type: ignore[attr-defined]
-        reason = unsupported_reason(vllm_config, runner)
-        model = runner.get_model()
-        info = tap_info(model)
-        model_config = runner.model_config
-        tp_rank, tp_size, pp_rank = _ranks()
-        if (reason is None and info is not None and info.tapped
-                and (_runtime is None or _runtime.runner is not runner)):
-            # Every TP rank holds the full residual stream; rank 0 alone captures it.
-            capture_layers = frozenset(info.local_layers) if tp_rank == 0 else frozenset()
-            _runtime = LensRuntime(runner, capture_layers=capture_layers, tp_rank=tp_rank,
-                                   tp_size=tp_size)
-            set_tap_handler(_runtime.on_tap)
-            handoff.sweep()  # files orphaned by front ends that died before reading them
-        return {
-            "unsupported": reason,
-            "model_class": info.model_class if info else type(model).__name__,
-            "mapped": info is not None and info.tapped,
-            "n_layers": info.n_layers if info else 0,
-            "local_layers": list(info.local_layers) if info else [],
-            "pre_taps": info.pre_taps if info else False,
-            "hidden_size": model_config.get_hidden_size(),
-            "dtype": str(model_config.dtype).removeprefix("torch."),
-            "max_model_len": model_config.max_model_len,
-            "tp_rank": tp_rank,
-            "pp_rank": pp_rank,
-            "speculative": vllm_config.speculative_config is not None,
-        }
 
     def lens_fetch(
         self, requests: list[tuple[str, dict[str, int]]], front_end_host: str | None = None
@@ -113,7 +81,7 @@ class LensWorkerExtension:
             return {}
         try:
             # Finishes the asynchronous device->host copies.
-            _runtime._fail_owned(_runtime.store.settle(wait=True),
+            _runtime.fail_owned(_runtime.store.settle(wait=True),
                                  "its captured rows could not be filed", "capture")
         except Exception as exc:  # fail the requests this rank holds, nobody else's
             problem = {"error": f"vllm-lens failed at fetch: {describe(exc)}"}
@@ -239,3 +207,37 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
         except Exception as exc:
             raise _HandoffFailed() from exc
         out.setdefault(req_id, {})["capture"] = sent
+
+
+def _describe(worker: Any) -> dict[str, Any]:
+    """``lens_describe`` of ``worker`` (may raise; the RPC turns that into a refusal)."""
+    global _runtime
+    runner = worker.model_runner
+    vllm_config = worker.vllm_config
+    reason = unsupported_reason(vllm_config, runner)
+    model = runner.get_model()
+    info = tap_info(model)
+    model_config = runner.model_config
+    tp_rank, tp_size, pp_rank = _ranks()
+    if (reason is None and info is not None and info.tapped
+            and (_runtime is None or _runtime.runner is not runner)):
+        # Every TP rank holds the full residual stream; rank 0 alone captures it.
+        capture_layers = frozenset(info.local_layers) if tp_rank == 0 else frozenset()
+        _runtime = LensRuntime(runner, capture_layers=capture_layers, tp_rank=tp_rank,
+                               tp_size=tp_size)
+        set_tap_handler(_runtime.on_tap)
+        handoff.sweep()  # files orphaned by front ends that died before reading them
+    return {
+        "unsupported": reason,
+        "model_class": info.model_class if info else type(model).__name__,
+        "mapped": info is not None and info.tapped,
+        "n_layers": info.n_layers if info else 0,
+        "local_layers": list(info.local_layers) if info else [],
+        "pre_taps": info.pre_taps if info else False,
+        "hidden_size": model_config.get_hidden_size(),
+        "dtype": str(model_config.dtype).removeprefix("torch."),
+        "max_model_len": model_config.max_model_len,
+        "tp_rank": tp_rank,
+        "pp_rank": pp_rank,
+        "speculative": vllm_config.speculative_config is not None,
+    }

@@ -23,7 +23,7 @@ from vllm_lens.spec import PAYLOAD_KEY
 
 __all__ = [
     "NGRAM_METHODS", "SUPPORTED_RUNNERS", "SUPPORTED_VLLM", "RunnerView", "ScheduledRequest",
-    "unsupported_reason",
+    "config_unsupported_reason", "unsupported_reason",
 ]
 
 #: vLLM release series whose runner internals this module reads.
@@ -71,10 +71,18 @@ def unsupported_reason(vllm_config: Any, runner: Any) -> str | None:
     name = _qualname(type(runner))
     if name not in SUPPORTED_RUNNERS:
         if any(c.__module__.startswith("vllm.v1.worker.gpu.") for c in type(runner).__mro__):
-            return ("this engine runs vLLM's Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, or a "
-                    "feature that requires it), which vllm-lens does not support yet; unset "
-                    "VLLM_USE_V2_MODEL_RUNNER or set it to 0")
+            return _V2_REASON
         return f"model runner {name} is not supported (supported: V1 GPUModelRunner)"
+    return config_unsupported_reason(vllm_config)
+
+
+_V2_REASON = ("this engine runs vLLM's Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, or a "
+              "feature that requires it), which vllm-lens does not support yet; unset "
+              "VLLM_USE_V2_MODEL_RUNNER or set it to 0")
+
+
+def config_unsupported_reason(vllm_config: Any) -> str | None:
+    """The configuration part of ``unsupported_reason`` (no runner needed)."""
     scheduler = vllm_config.scheduler_config
     if getattr(scheduler, "async_scheduling", False):
         return ("async scheduling is on (async_scheduling=True / --async-scheduling); "
@@ -109,7 +117,9 @@ class RunnerView:
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
-        self._plain: set[str] = set()
+        self._plain: dict[str, Any] = {}
+        """Request id -> the runner's state object of a request without a lens payload (an id
+        vLLM reuses for a new request comes with a new state object)."""
 
     def scheduled(self, *, plain: bool = False) -> Iterator[ScheduledRequest]:
         """The running step's lens requests (and plain ones too with ``plain``) in batch
@@ -122,25 +132,25 @@ class RunnerView:
         states = runner.requests
         known_plain = self._plain
         if len(known_plain) > 2 * len(states) + 64:
-            known_plain.intersection_update(states)
+            self._plain = known_plain = {r: st for r, st in known_plain.items()
+                                         if states.get(r) is st}
         for i in range(batch.num_reqs):
             req_id = req_ids[i]
-            if req_id in known_plain:
+            state = states[req_id]
+            if known_plain.get(req_id) is state:
                 if not plain:
                     continue
                 payload = None
             else:
-                state = states.get(req_id)
-                params = getattr(state, "sampling_params", None)
-                extra_args = getattr(params, "extra_args", None)
+                extra_args = state.sampling_params.extra_args
                 payload = extra_args.get(PAYLOAD_KEY) if extra_args else None
                 if payload is None:
-                    known_plain.add(req_id)
+                    known_plain[req_id] = state
                     if not plain:
                         continue
             yield ScheduledRequest(
                 req_id=req_id, start=int(query_start[i]), end=int(query_start[i + 1]),
-                pos0=int(computed[i]), n_prompt=int(states[req_id].num_prompt_tokens),
+                pos0=int(computed[i]), n_prompt=int(state.num_prompt_tokens),
                 payload=payload,
             )
 

@@ -123,7 +123,7 @@ class LensRuntime:
                 record.fail(exc, stage)
                 self.store.discard(record.lens.key, req_id)  # partial rows are never returned
 
-    def _fail_owned(self, owners: Iterable[tuple[str, str]], problem: str, stage: str) -> None:
+    def fail_owned(self, owners: Iterable[tuple[str, str]], problem: str, stage: str) -> None:
         """Fail the requests behind (lens key, request id) pairs whose rows were lost."""
         records = self.requests.records
         ids = [r for key, r in owners if r in records and records[r].lens.key == key]
@@ -190,7 +190,7 @@ class LensRuntime:
 
     def _build_plan(self, device: torch.device, dtype: torch.dtype) -> StepPlan:
         # The previous step is over: file its captured rows.
-        self._fail_owned(self.store.settle(), "its captured rows could not be filed",
+        self.fail_owned(self.store.settle(), "its captured rows could not be filed",
                          "capture")
         live = self.view.live()
         self.requests.finish_gone(live)
@@ -218,7 +218,7 @@ class LensRuntime:
                     pos0=sched.pos0, n_prompt=sched.n_prompt,
                 ))
         if len(self.store):
-            self._fail_owned(
+            self.fail_owned(
                 self.store.mark_finished(live),
                 "its captured rows were dropped before the front end fetched them (the "
                 "worker's VLLM_LENS_WORKER_MAX_BYTES budget, or VLLM_LENS_FINISHED_TTL_S)",

@@ -39,7 +39,7 @@ def main() -> None:
 
     from vllm_lens.demo_models import smollm2_dir
 
-    model_dir = smollm2_dir()
+    model_dir = Path(smollm2_dir())
     llm = LLM(str(model_dir), dtype="float32", max_model_len=2048,
               kv_cache_memory_bytes=512 << 20, enforce_eager=args.eager)
     tokenizer = llm.get_tokenizer()

@@ -114,11 +114,17 @@ def decode_activations(
     - a choice (has ``"activations"``) or a streamed chunk's choice: its dict (or ``None``);
     - an activations dict: the same dict with every tensor record decoded.
 
+    Objects of the ``openai`` SDK (a ``Completion``, ``ChatCompletion`` or one of their
+    choices) are taken as they are (through their ``model_dump()``).
+
     Binary-transport activations hold a handle, not tensors: fetch their bytes
     (``LensClient`` does) and use :func:`decode_activation_bytes`.
     """
+    if not isinstance(x, Mapping) and callable(getattr(x, "model_dump", None)):
+        x = x.model_dump()
     if not isinstance(x, Mapping):
-        raise TypeError(f"expected a response, choice or activations dict, got {type(x).__name__}")
+        raise TypeError(f"expected a response, choice or activations dict (or an openai SDK "
+                        f"response object), got {type(x).__name__}")
     if "choices" in x:
         choices = sorted(x["choices"], key=lambda c: c.get("index", 0))
         decoded = [decode_activations(c) for c in choices]

@@ -44,8 +44,13 @@ def _publish(build_dir: Path, final: Path) -> Path:
     return final
 
 
-def smollm2_dir() -> Path:
-    """Return a local checkpoint folder of SmolLM2-135M-Instruct (float32), building it once."""
+def smollm2_dir() -> str:
+    """Return a local checkpoint folder of SmolLM2-135M-Instruct (float32), building it once,
+    as the ``str`` path that ``vllm.LLM`` takes."""
+    return str(_smollm2_path())
+
+
+def _smollm2_path() -> Path:
     final = cache_root() / "SmolLM2-135M-Instruct"
     if (final / "config.json").exists():
         return final
@@ -82,8 +87,13 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def tiny_llama_dir() -> Path:
-    """Return a tiny random Llama checkpoint (4 layers, hidden 128, head_dim 64), seeded."""
+def tiny_llama_dir() -> str:
+    """Return a tiny random Llama checkpoint (4 layers, hidden 128, head_dim 64), seeded, as a
+    ``str`` path."""
+    return str(_tiny_llama_path())
+
+
+def _tiny_llama_path() -> Path:
     final = cache_root() / "tiny-llama-h128-l4"
     if (final / "config.json").exists():
         return final

@@ -33,13 +33,22 @@ class LensRequestError(LensError, ValueError):
     Attributes:
         field: dotted path of the offending key, e.g. ``"output_residual_stream.layers[2]"``.
         request_id: the request's id when known, else ``None``.
+        index: the request's index in the caller's list (``LLM.generate`` / ``LLM.chat``),
+            else ``None``.
     """
 
-    def __init__(self, field: str, problem: str, *, request_id: str | None = None) -> None:
+    def __init__(self, field: str, problem: str, *, request_id: str | None = None,
+                 index: int | None = None) -> None:
         self.field = field
         self.problem = problem
         self.request_id = request_id
-        where = f" (request {request_id})" if request_id else ""
+        self.index = index
+        if index is not None:
+            where = f" (request {index} of this call)"
+        elif request_id:
+            where = f" (request id {request_id})"
+        else:
+            where = ""
         super().__init__(f"vllm-lens: invalid '{field}'{where}: {problem}")
 
 

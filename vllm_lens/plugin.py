@@ -31,6 +31,7 @@ def register() -> None:
         return
     from vllm_lens.frontend import (
         async_engine,
+        collate,
         engine_args,
         offline,
         persistent_hooks,
@@ -39,6 +40,7 @@ def register() -> None:
     from vllm_lens.worker import taps
 
     engine_args.install()
+    collate.install_output_fields()
     offline.install()
     async_engine.install()
     prefix_cache.install()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import numbers
 import json
 import uuid
 from collections.abc import Callable, Mapping
@@ -355,10 +356,16 @@ def _parse_capture(raw: Any, facts: ModelFacts, request_id: str | None) -> Captu
 def _parse_layers(raw: Any, facts: ModelFacts, field: str, request_id: str | None) -> tuple[int, ...]:
     if raw is True:
         return tuple(range(facts.n_layers))
+    if hasattr(raw, "tolist") and not isinstance(raw, (str, bytes)):
+        raw = raw.tolist()  # a numpy array or tensor of indices
     if not isinstance(raw, (list, tuple)):
+        hint = ""
+        if isinstance(raw, int) and not isinstance(raw, bool) and raw in (0, 1):
+            hint = ("; over HTTP, vllm_xargs turns JSON true into 1: send the string \"true\" "
+                    "for every layer, or a list such as \"[3, 7]\"")
         raise LensRequestError(
-            field, f"expected a list of layer indices or true, got {type(raw).__name__}",
-            request_id=request_id,
+            field, f"expected a list of layer indices or true, got {type(raw).__name__} "
+            f"{raw!r}{hint}", request_id=request_id,
         )
     if not raw:
         raise LensRequestError(field, "empty list; name at least one layer", request_id=request_id)
@@ -380,6 +387,8 @@ def _sorted_indices(
 ) -> tuple[int, ...]:
     """Check every item is an int in ``[0, upper)``; ``rule`` is (what, upper, complaint)."""
     what, upper, complaint = rule
+    raw = [int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v
+           for v in raw]  # numpy integers count
     for i, value in enumerate(raw):
         if isinstance(value, bool) or not isinstance(value, int):
             raise LensRequestError(f"{field}[{i}]", f"expected an integer {what}, got {value!r}",

@@ -14,6 +14,7 @@ import binascii
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, field_serializer, field_validator, model_validator
 
@@ -51,9 +52,29 @@ class SteeringVector(BaseModel):
 
     @field_validator("activations", mode="before")
     @classmethod
-    def _tensor_from_json(cls, value: Any) -> Any:
+    def _tensor_from_input(cls, value: Any) -> Any:
+        """Accept a tensor, a numpy array or a JSON tensor record; float64 becomes float32."""
         if isinstance(value, dict):
-            return wire.tensor_from_json(value)
+            value = wire.tensor_from_json(value)
+        elif isinstance(value, np.ndarray):
+            value = torch.from_numpy(np.ascontiguousarray(value))
+        elif not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"activations must be a torch.Tensor or numpy array of shape (n_layers, hidden) "
+                f"or (n_layers, n_positions, hidden), got {type(value).__name__}; e.g. "
+                "torch.tensor(values, dtype=torch.float32)")
+        if value.dtype == torch.float64:
+            value = value.to(torch.float32)  # documented: float64 is cast to float32
+        return value
+
+    @field_validator("layer_indices", "position_indices", mode="before")
+    @classmethod
+    def _plain_ints(cls, value: Any) -> Any:
+        """numpy integers (and integer arrays) count as ints."""
+        if isinstance(value, (np.ndarray, torch.Tensor)):
+            value = value.tolist()
+        if isinstance(value, (list, tuple)):
+            return [int(v) if isinstance(v, np.integer) else v for v in value]
         return value
 
     @field_serializer("activations", when_used="json")
@@ -67,7 +88,8 @@ class SteeringVector(BaseModel):
             raise ValueError(f"activations must be a torch.Tensor, got {type(acts).__name__}")
         if acts.dtype not in STEERING_DTYPES:
             raise ValueError(
-                f"activations must be float32, float16 or bfloat16, got {acts.dtype}")
+                f"activations must be float32, float16 or bfloat16 (float64 is cast to "
+                f"float32), got {acts.dtype}; e.g. activations.float()")
         if acts.dim() not in (2, 3):
             raise ValueError(
                 f"activations must be 2D (n_layers, hidden) or 3D (n_layers, n_positions, "

@@ -126,9 +126,10 @@ def test_openai_sdk_with_extra_body(smol_server, smol_llm):
     response = sdk.completions.create(
         model=model, prompt=PROMPT, max_tokens=4, temperature=0,
         extra_body={"vllm_xargs": {"output_residual_stream": "[0, 11, 29]"}})
-    acts = decode_activations(response.model_dump())
+    acts = decode_activations(response)  # the SDK object as it is
     offline = _offline(smol_llm, _ids(smol_llm, PROMPT), LAYERS, max_tokens=4)
     _assert_same(acts, offline.activations)
+    _assert_same(decode_activations(response.choices[0]), offline.activations)
 
 
 def test_json_tensors_decode_with_numpy_and_zstandard_alone(smol_server):

@@ -22,7 +22,25 @@ from vllm_lens.hooks import HookError
 from vllm_lens.spec import PAYLOAD_KEY, LensRequest, ModelFacts, has_lens_keys, parse_extra_args
 from vllm_lens.worker.hooks import decode_results
 
-__all__ = ["LensSession", "facts_from_describe", "merge_hook_results", "merge_rank_payloads"]
+__all__ = [
+    "OUTPUT_FIELDS", "LensSession", "facts_from_describe", "install_output_fields",
+    "merge_hook_results", "merge_rank_payloads",
+]
+
+#: What vllm-lens attaches to ``RequestOutput`` and ``CompletionOutput``.
+OUTPUT_FIELDS = ("activations", "hook_results", "hook_error", "lens_error")
+
+
+def install_output_fields() -> None:
+    """Give vLLM's output classes these fields with the default ``None`` (class attributes:
+    no per-request cost), so ``out.activations`` is ``None``, not an ``AttributeError``, on any
+    output that asked for nothing."""
+    from vllm.outputs import CompletionOutput
+
+    for cls in (RequestOutput, CompletionOutput):
+        for name in OUTPUT_FIELDS:
+            if not hasattr(cls, name):
+                setattr(cls, name, None)
 
 _SESSION_ATTR = "_vllm_lens_session"
 

@@ -15,15 +15,44 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.llm_engine import LLMEngine
 
 from vllm_lens._patching import wrap_attribute
+from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.collate import LensSession, discard_unread, facts_from_describe
+from vllm_lens.spec import has_lens_keys, parse_extra_args
 
 __all__ = ["install"]
 
 
 def install() -> None:
+    from vllm.entrypoints.common.offline import OfflineInferenceMixin
+
+    wrap_attribute(OfflineInferenceMixin, "_render_and_add_requests", _wrap_render_and_add)
     wrap_attribute(LLMEngine, "add_request", _wrap_add_request)
     wrap_attribute(LLMEngine, "step", _wrap_step)
     wrap_attribute(LLMEngine, "abort_request", _wrap_abort_request)
+
+
+def _wrap_render_and_add(original):
+    """``LLM.generate`` / ``LLM.chat`` add their requests one by one; every request's lens keys
+    are checked first, so a bad one fails the call before any request runs, with an error that
+    names its index in the caller's list (not vLLM's internal request id)."""
+
+    def render_and_add(self, prompts, params, *args, **kwargs):
+        engine = self.llm_engine
+        session = LensSession.of(engine)
+        checked: set[int] = set()
+        for index, p in enumerate(params):
+            if id(p) in checked or not has_lens_keys(getattr(p, "extra_args", None)):
+                continue
+            checked.add(id(p))
+            if session.facts is None:
+                session.facts = facts_from_describe(engine.collective_rpc("lens_describe"))
+            try:
+                parse_extra_args(p.extra_args, lambda: session.facts)
+            except LensRequestError as exc:
+                raise type(exc)(exc.field, exc.problem, index=index) from None
+        return original(self, prompts, params, *args, **kwargs)
+
+    return render_and_add
 
 
 def _wrap_add_request(original):

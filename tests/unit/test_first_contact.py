@@ -74,3 +74,22 @@ def test_outputs_have_lens_fields_even_when_nothing_was_asked():
     out = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
                            logprobs=None)
     assert out.activations is None and out.hook_results is None and out.lens_error is None
+
+
+def test_a_request_whose_results_cannot_be_collated_fails_alone():
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from vllm_lens import LensExecutionError
+    from vllm_lens.frontend.collate import LensSession
+    from vllm_lens.spec import CaptureSpec, LensRequest
+
+    completion = CompletionOutput(index=0, text="", token_ids=[1], cumulative_logprob=None,
+                                  logprobs=None)
+    output = RequestOutput(request_id="7", prompt=None, prompt_token_ids=[1, 2],
+                           prompt_logprobs=None, outputs=[completion], finished=True)
+    lens = LensRequest(key="k", capture=CaptureSpec(layers=(0,)))
+    LensSession.fail_output(output, lens, OSError("handoff file vanished"))
+    for target in (output, completion):
+        assert isinstance(target.lens_error, LensExecutionError)
+        assert "collation: OSError: handoff file vanished" in str(target.lens_error)
+        assert target.activations is None

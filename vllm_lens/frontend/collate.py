@@ -267,6 +267,20 @@ class LensSession:
                 setattr(output, name, value)
         return by_index
 
+    @staticmethod
+    def fail_output(output: RequestOutput, lens: LensRequest, exc: BaseException) -> None:
+        """Mark every completion of ``output`` failed (its results could not be collated)."""
+        error = LensExecutionError(f"vllm-lens failed at collation: {type(exc).__name__}: "
+                                   f"{exc}", request_id=output.request_id)
+        fields = {"lens_error": error}
+        if lens.capture is not None:
+            fields["activations"] = None
+        if lens.hooks:
+            fields["hook_results"] = fields["hook_error"] = None
+        for target in (output, *output.outputs):
+            for name, value in fields.items():
+                setattr(target, name, value)
+
     def _empty(self, lens: LensRequest) -> dict[str, torch.Tensor]:
         facts = self._facts()
         dtype = getattr(torch, facts.dtype)

@@ -98,10 +98,18 @@ def _wrap_step(original):
             )
             for o, lens in captured
         ]
-        results = self.collective_rpc("lens_fetch", args=session.fetch_rpc_args(args))
+        try:
+            results = self.collective_rpc("lens_fetch", args=session.fetch_rpc_args(args))
+        except Exception as exc:  # these requests fail, the batch goes on
+            for o, lens in captured:
+                session.fail_output(o, lens, exc)
+            return outputs
         try:
             for o, lens in captured:
-                session.attach(o, lens, results, len(o.outputs))
+                try:
+                    session.attach(o, lens, results, len(o.outputs))
+                except Exception as exc:  # this request's results only: the batch goes on
+                    session.fail_output(o, lens, exc)
         finally:
             discard_unread(results)
         return outputs

@@ -130,6 +130,8 @@ def test_hooks_are_refused_with_speculative_decoding_capture_and_steering_are_ex
             llm.generate([prompt], SamplingParams(max_tokens=2, extra_args={
                 "apply_hooks": [NamedHook("linear_probe", [0], {"weight": [0.0] * 128})]}))
         assert info.value.field == "apply_hooks"
+        with pytest.raises(UnsupportedConfigError, match="speculative"):
+            llm.register_hooks([NamedHook("linear_probe", [0], {"weight": [0.0] * 128})])
         accepted = _accepted_drafts(llm)
         stats = llm.collective_rpc("lens_stats")
     assert accepted > 0  # drafts were proposed and accepted: the test exercises them

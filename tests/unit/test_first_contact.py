@@ -93,3 +93,29 @@ def test_a_request_whose_results_cannot_be_collated_fails_alone():
         assert isinstance(target.lens_error, LensExecutionError)
         assert "collation: OSError: handoff file vanished" in str(target.lens_error)
         assert target.activations is None
+
+
+def test_a_request_no_worker_vouches_for_fails_instead_of_passing_silently():
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from vllm_lens import LensExecutionError
+    from vllm_lens.frontend.collate import LensSession
+    from vllm_lens.spec import LensRequest, SteerSpec
+
+    def output():
+        completion = CompletionOutput(index=0, text="", token_ids=[1], cumulative_logprob=None,
+                                      logprobs=None, finish_reason="length")
+        return RequestOutput(request_id="7", prompt=None, prompt_token_ids=[1, 2],
+                             prompt_logprobs=None, outputs=[completion], finished=True)
+
+    steer = SteerSpec(layers=(0,), vectors=wire.dumps(torch.ones(1, 8)), scale=1.0,
+                      norm_match=False, positions=None)
+    lens = LensRequest(key="k", steer=(steer,))
+    session = LensSession()
+    lost = output()
+    session.attach(lost, lens, [{}], 1)  # no rank held it: its steering cannot be vouched for
+    assert isinstance(lost.lens_error, LensExecutionError) and "no worker held" in str(
+        lost.lens_error)
+    ran = output()
+    session.attach(ran, lens, [{"k": {"7-abc": {"held": True}}}], 1)
+    assert ran.lens_error is None

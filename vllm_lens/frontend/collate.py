@@ -222,6 +222,7 @@ class LensSession:
         hooks: dict[str, list[dict[str, Any]]] = {}
         errors: dict[str, str] = {}
         seen: set[str] = set()
+        held: set[str] = set()
         trusted = any(h.pickled is not None for h in lens.hooks)
         for result in rank_results:
             for req_id, parts in (result or {}).get(lens.key, {}).items():
@@ -229,6 +230,8 @@ class LensSession:
                     errors.setdefault(req_id, parts["error"])
                 if parts.get("seen"):
                     seen.add(req_id)
+                if parts.get("held"):
+                    held.add(req_id)
                 if parts.get("capture") is not None:
                     captures.setdefault(req_id, []).append(handoff.receive(parts["capture"]))
                 if parts.get("hooks") is not None:
@@ -238,11 +241,16 @@ class LensSession:
             prefix = "" if n == 1 else f"{index}_"
             found: dict[str, Any] = {"lens_error": None}
             error = next((m for k, m in errors.items() if k.startswith(prefix) or not k), None)
-            if error is None and lens.capture is not None and not _ended_early(output, index):
-                error = _missing_rows(
-                    lens.capture.layers,
-                    next((v for k, v in captures.items() if k.startswith(prefix)), None),
-                    any(k.startswith(prefix) for k in seen))
+            if error is None and not _ended_early(output, index):
+                if not any(k.startswith(prefix) for k in held):
+                    error = ("vllm-lens lost this request's lens state: no worker held it at "
+                             "fetch time (its steering, hooks or rows cannot be vouched for; "
+                             "dropped after VLLM_LENS_FINISHED_TTL_S?)")
+                elif lens.capture is not None:
+                    error = _missing_rows(
+                        lens.capture.layers,
+                        next((v for k, v in captures.items() if k.startswith(prefix)), None),
+                        any(k.startswith(prefix) for k in seen))
             if error is not None:
                 found["lens_error"] = LensExecutionError(error, request_id=output.request_id)
                 if lens.capture is not None:

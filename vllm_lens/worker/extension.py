@@ -73,8 +73,8 @@ class LensWorkerExtension:
             here so that rows nobody asked for never leave the worker; ``hooks`` holds
             ``hooks.encode_results`` (TP rank 0 of each stage only: the other TP ranks ran the
             same hooks on the same rows); ``error`` says why this rank failed the request;
-            ``seen`` is set by every rank that captures some of the request's layers and
-            still held its record.
+            ``held`` is set by every rank that still held the request's record, ``seen`` by
+            those of them that capture some of its layers.
             A failure while fetching one request fails that request only.
         """
         if _runtime is None:
@@ -184,8 +184,9 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
         if record.error is not None:
             out[req_id] = {"error": record.error}
             continue
+        out[req_id] = {"held": True}  # the request's lens work ran here (steering, hooks)
         if runtime.tp_rank == 0 and record.hooks is not None:
-            out[req_id] = {"hooks": encode_results(record.hooks)}
+            out[req_id]["hooks"] = encode_results(record.hooks)
         capture = record.lens.capture
         if capture is not None and runtime.capture_layers.intersection(capture.layers):
             # This rank kept the request's rows (if any position was selected): a front end

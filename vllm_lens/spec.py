@@ -25,6 +25,8 @@ from vllm_lens.errors import (
     UnsupportedConfigError,
     UnsupportedModelError,
 )
+from vllm_lens.positions import NAMED as POSITION_SELECTORS
+from vllm_lens.positions import parse_selector
 
 __all__ = [
     "CAPTURE_KEY",
@@ -58,7 +60,6 @@ LENS_KEYS = (CAPTURE_KEY, STEER_KEY, HOOKS_KEY, TRANSPORT_KEY)
 #: The reserved ``extra_args`` entry that carries the validated spec to the workers.
 PAYLOAD_KEY = "vllm_lens"
 PAYLOAD_VERSION = 1
-POSITION_SELECTORS = ("all", "prompt", "generated", "last_prompt")
 REDUCTIONS = (None, "mean", "last")
 _CAPTURE_FIELDS = ("layers", "positions", "reduce")
 
@@ -91,8 +92,9 @@ class ModelFacts:
 class CaptureSpec:
     """Which residual-stream rows a request wants.
 
-    ``positions`` is a selector name or a sorted tuple of absolute token positions;
-    ``reduce`` collapses the selected positions per layer (``"mean"`` or ``"last"``).
+    ``positions`` is a selector (``"prompt"``, ``"prompt[1:]"``, ``"generated[-5:]"`` ...;
+    see ``vllm_lens.positions``) or a sorted tuple of absolute token positions; ``reduce``
+    collapses the selected positions per layer (``"mean"`` or ``"last"``).
     """
 
     layers: tuple[int, ...]
@@ -101,7 +103,10 @@ class CaptureSpec:
 
     def wants_prompt_rows(self) -> bool:
         """True if any prompt position may be selected (so prefix-cache hits must be recomputed)."""
-        return self.positions != "generated"
+        if isinstance(self.positions, tuple):
+            return True
+        selector = parse_selector(self.positions)
+        return selector is None or selector.may_read_prompt
 
 
 @dataclass(frozen=True)
@@ -402,18 +407,22 @@ def _sorted_indices(
 def _parse_positions(
     raw: Any, facts: ModelFacts, field: str, request_id: str | None
 ) -> str | tuple[int, ...]:
+    forms = ("'all', 'prompt', 'generated', 'last_prompt', a slice of one of the first three "
+             "such as 'prompt[1:]', 'generated[-5:]' or 'all[-1]', or a list of absolute "
+             "positions")
     if isinstance(raw, str):
-        if raw not in POSITION_SELECTORS:
-            raise LensRequestError(
-                field, f"unknown selector {raw!r}; use one of {', '.join(POSITION_SELECTORS)} "
-                "or a list of absolute positions", request_id=request_id,
-            )
-        return raw
-    if not isinstance(raw, (list, tuple)) or not raw:
-        raise LensRequestError(
-            field, "expected a selector name or a non-empty list of absolute positions",
-            request_id=request_id,
-        )
+        if parse_selector(raw) is None:
+            raise LensRequestError(field, f"unknown selector {raw!r}; use {forms}",
+                                   request_id=request_id)
+        return raw.replace(" ", "")
+    if hasattr(raw, "tolist"):
+        raw = raw.tolist()  # a numpy array or tensor of positions
+    if not isinstance(raw, (list, tuple)):
+        raise LensRequestError(field, f"expected {forms}; got {type(raw).__name__} {raw!r}",
+                               request_id=request_id)
+    if not raw:
+        raise LensRequestError(field, f"a non-empty list is needed; or use {forms}",
+                               request_id=request_id)
     return _sorted_indices(raw, field, _position_rule(facts), request_id)
 
 

@@ -91,6 +91,13 @@ def test_selectors_and_reductions_are_views_of_the_full_capture(smol_llm):
         "list": ({"positions": [n_prompt + 2, 1, 0, 1000]}, stream[:, [0, 1, n_prompt + 2]]),
         "mean": ({"reduce": "mean"}, stream.mean(dim=1)),
         "last": ({"positions": "prompt", "reduce": "last"}, stream[:, n_prompt - 1]),
+        "prompt[1:]": ({"positions": "prompt[1:]"}, stream[:, 1:n_prompt]),
+        "generated[-2:]": ({"positions": "generated[-2:]"}, stream[:, -2:]),
+        "all[-1]": ({"positions": "all[-1]"}, stream[:, -1:]),
+        "prompt[1:] mean": ({"positions": "prompt[1:]", "reduce": "mean"},
+                            stream[:, 1:n_prompt].mean(dim=1)),
+        "empty mean": ({"positions": [1000], "reduce": "mean"},
+                       torch.full_like(stream[:, 0], float("nan"))),
     }
     sps = [
         SamplingParams(max_tokens=6, temperature=0,
@@ -101,7 +108,13 @@ def test_selectors_and_reductions_are_views_of_the_full_capture(smol_llm):
     for (name, (_, expected)), out in zip(cases.items(), outs):
         assert out.outputs[0].token_ids == full.outputs[0].token_ids, name
         torch.testing.assert_close(out.activations["residual_stream"], expected,
-                                   rtol=1e-5, atol=1e-5, msg=name)
+                                   rtol=1e-5, atol=1e-5, equal_nan=True, msg=name)
+    n_seen = stream.shape[1]
+    positions = {name: out.activations["positions"].tolist() for name, out in zip(cases, outs)}
+    assert positions["prompt[1:]"] == list(range(1, n_prompt))
+    assert positions["generated[-2:]"] == [n_seen - 2, n_seen - 1]
+    assert positions["all[-1]"] == [n_seen - 1] and positions["empty mean"] == []
+    assert positions["last"] == [n_prompt - 1]
 
 
 def test_list_of_sampling_params_each_gets_its_layers(smol_llm):

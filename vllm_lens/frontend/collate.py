@@ -293,9 +293,12 @@ class LensSession:
         facts = self._facts()
         dtype = getattr(torch, facts.dtype)
         assert lens.capture is not None
-        shape = (len(lens.capture.layers), 0, facts.hidden_size)
-        return {"residual_stream": torch.empty(shape, dtype=dtype),
-                "positions": torch.empty(0, dtype=torch.int64)}
+        n_layers = len(lens.capture.layers)
+        if lens.capture.reduce is not None:  # a reduction over no position: NaN rows
+            stream = torch.full((n_layers, facts.hidden_size), float("nan"), dtype=dtype)
+        else:
+            stream = torch.empty((n_layers, 0, facts.hidden_size), dtype=dtype)
+        return {"residual_stream": stream, "positions": torch.empty(0, dtype=torch.int64)}
 
     def forget(self, request_ids: Sequence[str]) -> list[str]:
         """Stop tracking finished or aborted requests; returns their lens keys (whose worker

@@ -55,7 +55,9 @@ def assemble(entry: Entry, valid_len: int) -> dict[str, Any]:
     positions to ``[n_layers, hidden]``).
 
     Rows at positions ``>= valid_len`` come from steps the scheduler ran past the stop and are
-    dropped; a position captured twice (a preempted request recomputed) keeps its last copy.
+    dropped; a position captured twice (a preempted request recomputed) keeps its last copy;
+    a selector whose window depends on the request's end (``"generated[-5:]"``) is applied
+    now. A reduction over no position gives NaN rows (and no positions).
     """
     if not entry.chunks:
         raise ValueError(f"request {entry.req_id} has no captured rows on this rank")
@@ -66,13 +68,20 @@ def assemble(entry: Entry, valid_len: int) -> dict[str, Any]:
     keep_rev = np.unique(positions[::-1], return_index=True)[1]
     keep = order[::-1][keep_rev]
     keep = keep[positions[keep] < valid_len]
+    if entry.window is not None:
+        lo, hi = entry.window.bounds(entry.n_prompt, valid_len)
+        kept = positions[keep]
+        keep = keep[(kept >= lo) & (kept < (valid_len if hi is None else hi))]
     kept_positions = torch.from_numpy(positions[keep].astype(np.int64))
-    if entry.reduce == "last" and keep.size:
+    if entry.reduce is not None and not keep.size:
+        stream = torch.full((first.shape[0], first.shape[-1]), float("nan"), dtype=first.dtype)
+    elif entry.reduce == "last":
         stream = _rows_at(entry.chunks, positions.size, int(keep[-1])).clone()
+        kept_positions = kept_positions[-1:]
     else:
         stream = torch.empty((first.shape[0], keep.size, first.shape[-1]), dtype=first.dtype)
         _concat_rows(entry.chunks, keep, stream)
-        if entry.reduce == "mean" and keep.size:
+        if entry.reduce == "mean":
             stream = stream.float().mean(dim=1).to(first.dtype)
     return {"layers": list(entry.layers), "positions": kept_positions, "residual_stream": stream}
 

@@ -17,10 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_lens.positions import Selector, parse_selector
 from vllm_lens.spec import CaptureSpec, LensRequest
 
 __all__ = [
-    "CaptureGroup", "CaptureOwner", "RequestSlice", "StepPlan", "device_index", "select_rows",
+    "CaptureGroup", "CaptureOwner", "RequestSlice", "StepPlan", "device_index", "final_window",
+    "select_rows",
 ]
 
 
@@ -54,6 +56,10 @@ class CaptureOwner:
     positions: np.ndarray
     """Absolute token positions of those rows."""
     reduce: str | None
+    window: Selector | None = None
+    """The request's position selector, when its exact rows are known only at fetch time
+    (``generated`` / ``all`` with a negative index): the rows kept meanwhile are a superset."""
+    n_prompt: int = 0
 
 
 @dataclass
@@ -83,26 +89,40 @@ class CaptureGroup:
 def select_rows(spec: CaptureSpec, pos0: int, n_rows: int, n_prompt: int) -> np.ndarray:
     """Offsets (within a request's slice) of the rows ``spec`` selects, ascending.
 
-    The slice covers absolute positions ``pos0 .. pos0 + n_rows - 1``.
+    The slice covers absolute positions ``pos0 .. pos0 + n_rows - 1``. For selectors whose end
+    is not known yet (``"generated[-5:]"``) this is a superset, trimmed at fetch time.
 
     >>> select_rows(CaptureSpec(layers=(0,), positions="prompt"), 3, 4, 5)
     array([0, 1])
     >>> select_rows(CaptureSpec(layers=(0,), positions=(0, 4, 6)), 3, 4, 5)
     array([1, 3])
+    >>> select_rows(CaptureSpec(layers=(0,), positions="prompt[1:-1]"), 0, 6, 5)
+    array([1, 2, 3])
     """
     sel = spec.positions
     if sel == "all":
         return np.arange(n_rows)
-    positions = np.arange(pos0, pos0 + n_rows)
-    if sel == "prompt":
-        mask = positions < n_prompt
-    elif sel == "generated":
-        mask = positions >= n_prompt
-    elif sel == "last_prompt":
-        mask = positions == n_prompt - 1
-    else:
-        mask = np.isin(positions, np.asarray(sel, dtype=np.int64))
-    return np.flatnonzero(mask)
+    if isinstance(sel, tuple):
+        positions = np.arange(pos0, pos0 + n_rows)
+        return np.flatnonzero(np.isin(positions, np.asarray(sel, dtype=np.int64)))
+    selector = parse_selector(sel)
+    assert selector is not None, sel  # validated in the front end
+    lo, hi = selector.bounds(n_prompt)
+    first = max(lo - pos0, 0)
+    last = n_rows if hi is None else min(hi - pos0, n_rows)
+    return np.arange(first, max(first, last))
+
+
+def final_window(spec: CaptureSpec) -> Selector | None:
+    """The selector to re-apply at fetch time, or ``None`` when the rows kept are exact."""
+    if isinstance(spec.positions, tuple):
+        return None
+    selector = parse_selector(spec.positions)
+    if selector is None or selector.base == "prompt":
+        return None
+    if (selector.start or 0) >= 0 and (selector.stop is None or selector.stop >= 0):
+        return None
+    return selector
 
 
 @dataclass
@@ -166,9 +186,11 @@ def _make_group(layers: tuple[int, ...], members: list[tuple[RequestSlice, np.nd
     owners = []
     lo = 0
     for s, offsets in members:
-        reduce = s.lens.capture.reduce if s.lens.capture is not None else None
+        spec = s.lens.capture
+        assert spec is not None
         owners.append(CaptureOwner(s.req_id, s.lens.key, lo, lo + offsets.size,
-                                   offsets + s.pos0, reduce))
+                                   offsets + s.pos0, spec.reduce, final_window(spec),
+                                   s.n_prompt))
         lo += offsets.size
     all_rows = np.concatenate([offsets + s.start for s, offsets in members])
     first, last = int(all_rows[0]), int(all_rows[-1])

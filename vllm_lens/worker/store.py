@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_lens.positions import Selector
 from vllm_lens.worker.plan import CaptureGroup
 
 __all__ = ["CaptureStore", "Entry"]
@@ -33,6 +34,9 @@ class Entry:
     req_id: str
     layers: tuple[int, ...]
     reduce: str | None
+    window: Selector | None = None
+    """Re-applied at fetch time (see ``CaptureOwner.window``)."""
+    n_prompt: int = 0
     positions: list[np.ndarray] = field(default_factory=list)
     """One array of absolute positions per step that captured rows."""
     chunks: list[torch.Tensor] = field(default_factory=list)
@@ -102,7 +106,8 @@ class CaptureStore:
             ident = (owner.key, owner.req_id)
             entry = self._entries.get(ident)
             if entry is None:
-                entry = self._entries[ident] = Entry(owner.req_id, group.layers, owner.reduce)
+                entry = self._entries[ident] = Entry(owner.req_id, group.layers, owner.reduce,
+                                                           owner.window, owner.n_prompt)
             # Copy out (unless the request owns the whole tensor): pinned memory is scarce,
             # and a view would keep the other requests' rows alive.
             rows = staging if whole else staging[:, owner.lo : owner.hi].clone()

@@ -1,0 +1,136 @@
+"""Position selectors: grammar, Python slice semantics over prompt / generated / all, and the
+worker's two passes (superset while running, exact window at fetch time)."""
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_lens.errors import LensRequestError
+from vllm_lens.positions import Selector, parse_selector
+from vllm_lens.spec import CaptureSpec, LensRequest, ModelFacts, parse_extra_args
+from vllm_lens.worker.capture import assemble
+from vllm_lens.worker.plan import RequestSlice, StepPlan, select_rows
+from vllm_lens.worker.store import CaptureStore
+
+FACTS = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=8,
+                   max_model_len=64, mapped=True)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("prompt", Selector("prompt")),
+        ("last_prompt", Selector("prompt", -1, None)),
+        ("prompt[1:]", Selector("prompt", 1, None)),
+        ("generated[-5:]", Selector("generated", -5, None)),
+        ("all[-1]", Selector("all", -1, None)),
+        ("all[3]", Selector("all", 3, 4)),
+        ("prompt[-2]", Selector("prompt", -2, -1)),
+        ("generated[:4]", Selector("generated", None, 4)),
+        (" prompt[ 1 : -1 ] ", Selector("prompt", 1, -1)),
+        ("prompt[:]", Selector("prompt")),
+    ],
+)
+def test_parse(text, expected):
+    assert parse_selector(text) == expected
+
+
+@pytest.mark.parametrize("text", ["middle", "prompt[]", "prompt[::2]", "prompt[1:2:1]",
+                                  "tokens[1:]", "prompt[a]", "prompt(1:)", "prompt[1:]x",
+                                  "prompt[1234567890:]"])
+def test_parse_refuses(text):
+    assert parse_selector(text) is None
+
+
+def _python(selector: Selector, n_prompt: int, n_seen: int) -> list[int]:
+    """What Python's own slicing selects, as the reference."""
+    every = list(range(n_seen))
+    base = {"all": every, "prompt": every[:n_prompt], "generated": every[n_prompt:]}
+    return base[selector.base][slice(selector.start, selector.stop)]
+
+
+SELECTORS = ["all", "prompt", "generated", "last_prompt", "prompt[1:]", "prompt[-3:]",
+             "prompt[:-1]", "prompt[2]", "prompt[-1]", "prompt[40]", "generated[-2:]",
+             "generated[1:3]", "generated[0]", "generated[-1]", "generated[:-1]", "all[-1]",
+             "all[-4:-1]", "all[2:]", "all[50:]", "generated[-100:]", "prompt[5:2]"]
+
+
+@pytest.mark.parametrize("text", SELECTORS)
+@pytest.mark.parametrize(("n_prompt", "n_seen"), [(5, 9), (5, 5), (1, 4), (7, 8)])
+def test_bounds_match_python_slicing(text, n_prompt, n_seen):
+    selector = parse_selector(text)
+    lo, hi = selector.bounds(n_prompt, n_seen)
+    expected = _python(selector, n_prompt, n_seen)
+    assert list(range(lo, hi)) == expected
+    # Without the end, the bounds contain the exact window (the worker keeps a superset).
+    lo_open, hi_open = selector.bounds(n_prompt)
+    assert lo == hi or (lo_open <= lo and (hi_open is None or hi <= hi_open))
+
+
+def _capture_in_steps(text: str, n_prompt: int, n_seen: int, reduce=None, chunk=3):
+    """Run a request of ``n_seen`` computed positions through plan -> store -> assemble in
+    steps of ``chunk`` rows; row ``p`` holds the value ``p``."""
+    store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
+    lens = LensRequest(key="k", capture=CaptureSpec(layers=(0,), positions=text, reduce=reduce))
+    for pos0 in range(0, n_seen + 2, chunk):  # two surplus positions past the stop
+        n_rows = min(chunk, n_seen + 2 - pos0)
+        s = RequestSlice(req_id="r", lens=lens, start=0, end=n_rows, pos0=pos0, n_prompt=n_prompt)
+        plan = StepPlan.build([s], torch.device("cpu"), frozenset({0}))
+        hidden = torch.arange(pos0, pos0 + n_rows, dtype=torch.float32)[:, None].expand(-1, 2)
+        for group in plan.groups:
+            group.staging = hidden[group.rows][None].clone()
+            group.complete = True
+            store.stage(group)
+        store.settle(wait=True)
+    entries = store.pop("k")
+    return None if not entries else assemble(entries["r"], n_seen)
+
+
+@pytest.mark.parametrize("text", SELECTORS)
+def test_plan_and_assembly_select_exactly_the_window(text):
+    n_prompt, n_seen = 5, 11
+    expected = _python(parse_selector(text), n_prompt, n_seen)
+    out = _capture_in_steps(text, n_prompt, n_seen)
+    got = [] if out is None else out["positions"].tolist()
+    assert got == expected
+    if out is not None:
+        assert out["residual_stream"][0, :, 0].tolist() == [float(p) for p in expected]
+
+
+def test_reductions_over_a_window_and_over_nothing():
+    out = _capture_in_steps("generated[-3:]", 5, 11, reduce="mean")
+    assert out["residual_stream"].shape == (1, 2)
+    assert out["residual_stream"][0, 0].item() == pytest.approx(np.mean([8, 9, 10]))
+    assert out["positions"].tolist() == [8, 9, 10]
+    last = _capture_in_steps("prompt[1:]", 5, 11, reduce="last")
+    assert last["residual_stream"][0, 0].item() == 4 and last["positions"].tolist() == [4]
+    # A worker that kept rows for a window that turns out empty: NaN rows, no positions.
+    empty = _capture_in_steps("generated[-3:-3]", 5, 11, reduce="mean")
+    assert empty["residual_stream"].shape == (1, 2)
+    assert torch.isnan(empty["residual_stream"]).all() and empty["positions"].numel() == 0
+    last_row = _capture_in_steps("all[-1:]", 5, 11, reduce="mean")["residual_stream"]
+    assert last_row.shape == (1, 2) and last_row[0, 0].item() == 10
+
+
+def test_empty_window_after_trim_reduces_to_nan():
+    # "generated[-1]" keeps generated rows while running; a request that generated no
+    # forward-passed token (n_seen == n_prompt) trims them all away at fetch time.
+    out = _capture_in_steps("generated[-1]", 5, 5, reduce="mean")
+    assert out["residual_stream"].shape == (1, 2) and torch.isnan(out["residual_stream"]).all()
+
+
+def test_validation_accepts_slices_and_names_the_forms():
+    spec = {"output_residual_stream": {"layers": [1], "positions": "prompt[1:]",
+                                       "reduce": "mean"}}
+    lens = parse_extra_args(spec, lambda: FACTS)[1]
+    assert lens.capture.positions == "prompt[1:]" and lens.capture.wants_prompt_rows()
+    generated = parse_extra_args(
+        {"output_residual_stream": {"layers": [1], "positions": "generated[-5:]"}},
+        lambda: FACTS)[1]
+    assert not generated.capture.wants_prompt_rows()
+    with pytest.raises(LensRequestError, match=r"positions'.*'prompt\[1:\]'"):
+        parse_extra_args({"output_residual_stream": {"layers": [1], "positions": "prompt[::2]"}},
+                         lambda: FACTS)
+    numpy_positions = {"layers": [1], "positions": np.array([3, 1])}
+    arr = parse_extra_args({"output_residual_stream": numpy_positions}, lambda: FACTS)[1]
+    assert arr.capture.positions == (1, 3)

@@ -1,0 +1,83 @@
+"""Position selectors: which token positions of a request a capture keeps (runs in: front end,
+to validate; worker, to select rows).
+
+A selector names a range of a request's absolute positions and optionally slices it with
+Python's index/slice syntax:
+
+- ``"all"``: every computed position; ``"prompt"``: ``0 .. n_prompt - 1``; ``"generated"``:
+  ``n_prompt ..`` (generated tokens that went through a forward pass);
+- ``"prompt[1:]"`` (the prompt without its first token, the attention sink), ``"prompt[-1]"``,
+  ``"generated[-5:]"``, ``"all[-1]"``, ``"generated[:10]"`` ...: Python semantics on that range
+  (negative indices count from its end, out-of-range slices are clipped, an index past the end
+  selects nothing; no step);
+- ``"last_prompt"``: ``"prompt[-1]"``.
+
+The end of ``generated`` and ``all`` is known only when the request finishes. While it runs the
+worker keeps a superset of the rows (``bounds`` without ``n_seen``) and trims them to the exact
+window when the rows are fetched (``bounds`` with ``n_seen``).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+__all__ = ["BASES", "NAMED", "Selector", "parse_selector"]
+
+BASES = ("all", "prompt", "generated")
+#: Selector names accepted without brackets.
+NAMED = (*BASES, "last_prompt")
+
+_SYNTAX = re.compile(r"(all|prompt|generated)\[(-?\d{1,9})?(?:(:)(-?\d{1,9})?)?\]")
+
+
+@dataclass(frozen=True)
+class Selector:
+    """``base[start:stop]`` over a request's absolute positions."""
+
+    base: str
+    start: int | None = None
+    stop: int | None = None
+
+    @property
+    def may_read_prompt(self) -> bool:
+        """False only for selectors that can never pick a prompt position."""
+        return self.base != "generated"
+
+    def bounds(self, n_prompt: int, n_seen: int | None = None) -> tuple[int, int | None]:
+        """``[lo, hi)`` of the absolute positions selected.
+
+        ``n_seen`` is the number of positions the request computed in all (known once it
+        finished). Without it, the end of ``all`` / ``generated`` is unknown: the result is then
+        the smallest range sure to contain the selection (``hi`` ``None`` = open-ended).
+        """
+        lo0 = n_prompt if self.base == "generated" else 0
+        hi0 = n_prompt if self.base == "prompt" else n_seen
+        if hi0 is None:
+            lo = lo0 + self.start if self.start is not None and self.start > 0 else lo0
+            hi = lo0 + self.stop if self.stop is not None and self.stop >= 0 else None
+            return lo, hi
+        window = range(lo0, max(lo0, hi0))[slice(self.start, self.stop)]
+        return window.start, max(window.start, window.stop)
+
+
+@functools.lru_cache(maxsize=256)
+def parse_selector(text: str) -> Selector | None:
+    """The selector ``text`` names, or ``None`` if it is not one."""
+    text = text.replace(" ", "")
+    if text in BASES:
+        return Selector(text)
+    if text == "last_prompt":
+        return Selector("prompt", -1, None)
+    match = _SYNTAX.fullmatch(text)
+    if match is None:
+        return None
+    base, start, colon, stop = match.groups()
+    if colon is None:  # an index: one position
+        if start is None:
+            return None
+        index = int(start)
+        return Selector(base, index, None if index == -1 else index + 1)
+    return Selector(base, None if start is None else int(start),
+                    None if stop is None else int(stop))

@@ -31,7 +31,8 @@ def logit_lens(stream: torch.Tensor, model_dir: Path) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompt", default="What is the capital of France?")
+    parser.add_argument("--prompt", default="What is the capital of France?",
+                        help="the user message of the capturing request")
     parser.add_argument("--eager", action="store_true", help="run vLLM with enforce_eager")
     args = parser.parse_args()
 

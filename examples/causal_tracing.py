@@ -17,15 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-import matplotlib
 import torch
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from vllm import LLM, SamplingParams  # noqa: E402
-
-from vllm_lens import Hook  # noqa: E402
-from vllm_lens.demo_models import smollm2_dir  # noqa: E402
 
 
 def answer_prob(target: int, last: int):
@@ -71,12 +63,25 @@ def restore(clean: torch.Tensor, position: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompt", default="The Eiffel Tower is located in the city of")
-    parser.add_argument("--subject", default="Eiffel Tower")
+    parser.add_argument("--prompt", default="The Eiffel Tower is located in the city of",
+                        help="a factual prompt whose next token is the answer")
+    parser.add_argument("--subject", default="Eiffel Tower",
+                        help="the part of the prompt whose embeddings get noise (must occur "
+                             "in --prompt)")
     parser.add_argument("--noise", type=float, default=3.0,
                         help="noise scale, in standard deviations of the embeddings")
-    parser.add_argument("--out", default="causal_tracing.png")
+    parser.add_argument("--out", default="causal_tracing.png", help="where to write the heatmap")
     args = parser.parse_args()
+
+    # Imported after parsing, so that --help answers at once.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from vllm import LLM, SamplingParams
+
+    from vllm_lens import Hook
+    from vllm_lens.demo_models import smollm2_dir
 
     llm = LLM(str(smollm2_dir()), dtype="float32", max_model_len=512, enforce_eager=True,
               kv_cache_memory_bytes=256 << 20)
@@ -117,11 +122,12 @@ def main() -> None:
         restored[layer, p] = answer(out)
     clean_p = float(restored[last_layer, n - 1])  # restoring the last layer's output = clean
 
-    labels = [repr(tok.decode([t]))[1:-1] + ("*" if i in subject else "")
+    labels = [tok.decode([t]).replace(" ", "␣") + ("*" if i in subject else "")
               for i, t in enumerate(ids)]
     fig, ax = plt.subplots(figsize=(0.9 * n + 2, 0.25 * n_layers + 1.5))
     image = ax.imshow(restored.T.numpy(), aspect="auto", cmap="magma", origin="upper")
     ax.set_yticks(range(n), labels)
+    ax.set_ylabel("prompt token whose clean state is restored")
     ax.set_xlabel("layer whose output is restored")
     ax.set_title(f"p({tok.decode([target])!r}) with one clean state restored "
                  f"(clean {clean_p:.2f}, corrupted {corrupted:.2f}; * = subject)")
@@ -129,6 +135,9 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
     best = divmod(int(restored.argmax()), n)
+    for p in range(n):  # the picture in numbers: each token's best layer
+        row = restored[:, p]
+        print(f"  {labels[p]:>12}  best p={float(row.max()):.3f} at layer {int(row.argmax())}")
     print(f"answer {tok.decode([target])!r}: clean p={clean_p:.3f}, corrupted p={corrupted:.3f}; "
           f"strongest restoration at layer {best[0]}, token {labels[best[1]]!r} "
           f"(p={float(restored.max()):.3f}); wrote {args.out}")

@@ -3,8 +3,9 @@
     python examples/inspect_probe_eval.py [--layer 20] [--base-url http://127.0.0.1:8000/v1]
 
 1. Fit: through the ``vllm-lens`` provider, capture the mean residual stream after one layer
-   (over the prompt's positions) for a few labelled sentences; the probe direction is
-   mean(positive) - mean(negative), its threshold the midpoint of the two means.
+   (over the prompt's positions but the first, the attention sink: ``"prompt[1:]"``) for a few
+   labelled sentences; the probe direction is mean(positive) - mean(negative), its threshold
+   the midpoint of the two means.
 2. Eval: an Inspect task over held-out sentences; the solver generates with the same capture
    request, and the scorer projects each sample's activations on the direction and marks it
    correct when the side of the threshold matches the label.
@@ -48,7 +49,7 @@ CPU_SERVER_ARGS = {"dtype": "float32", "max_model_len": 1024,
 
 
 def capture_request(layer: int) -> dict:
-    return {"output_residual_stream": {"layers": [layer], "positions": "prompt",
+    return {"output_residual_stream": {"layers": [layer], "positions": "prompt[1:]",
                                        "reduce": "mean"}}
 
 

@@ -12,21 +12,29 @@ from __future__ import annotations
 
 import argparse
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from vllm import LLM, SamplingParams  # noqa: E402
-
-from vllm_lens import NamedHook  # noqa: E402
-from vllm_lens.demo_models import smollm2_dir  # noqa: E402
+def visible(token: str) -> str:
+    """A token as a label that shows its whitespace (a leading space as ``␣``)."""
+    shown = token.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥")
+    return shown or "∅"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompt", default="The Eiffel Tower is located in the city of")
-    parser.add_argument("--out", default="logit_lens.png")
+    parser.add_argument("--prompt", default="The Eiffel Tower is located in the city of",
+                        help="text whose every position is read through the logit lens")
+    parser.add_argument("--out", default="logit_lens.png", help="where to write the heatmap")
     args = parser.parse_args()
+
+    # Imported after parsing, so that --help answers at once.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from vllm import LLM, SamplingParams
+
+    from vllm_lens import NamedHook
+    from vllm_lens.demo_models import smollm2_dir
 
     llm = LLM(str(smollm2_dir()), dtype="float32", max_model_len=512, enforce_eager=True,
               kv_cache_memory_bytes=128 << 20)
@@ -47,10 +55,11 @@ def main() -> None:
     image = ax.imshow(probs, aspect="auto", cmap="viridis", vmin=0, vmax=1, origin="lower")
     for layer in layers:
         for p in range(n):
-            ax.text(p, layer, repr(tops[layer][p])[1:-1][:8], ha="center", va="center",
+            ax.text(p, layer, visible(tops[layer][p])[:8], ha="center", va="center",
                     fontsize=6, color="white" if probs[layer][p] < 0.5 else "black")
-    ax.set_xticks(range(n), [repr(t)[1:-1] for t in prompt_tokens], rotation=45, ha="right")
-    ax.set_ylabel("layer")
+    ax.set_xticks(range(n), [visible(t) for t in prompt_tokens], rotation=45, ha="right")
+    ax.set_xlabel("input token (prediction made at this position; ␣ = leading space)")
+    ax.set_ylabel("decoder layer")
     ax.set_title(f"logit lens (top-1) — model says: {out.outputs[0].text!r}")
     fig.colorbar(image, label="probability of the top token")
     fig.tight_layout()

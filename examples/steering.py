@@ -1,7 +1,7 @@
 """Build a steering vector from contrastive prompts, steer SmolLM2 with it, and measure the
 effect with a probe on the same direction.
 
-    python examples/steering.py [--layer 12] [--scales -1 -0.5 0 0.5 1] [--out steering.png]
+    python examples/steering.py [--layer 12] [--scales -0.6 -0.3 0 0.3 0.6] [--out steering.png]
 
 1. Capture the residual stream after ``--layer`` at every prompt token but the first
    (``"positions": "prompt[1:]"``: position 0 is the attention sink, whose norm is ~100x a
@@ -39,7 +39,7 @@ QUESTIONS = ["Tell me about your weekend.", "Describe the weather outside.",
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layer", type=int, default=12, help="decoder layer to steer and probe")
-    parser.add_argument("--scales", type=float, nargs="+", default=[-1.0, -0.5, 0.0, 0.5, 1.0],
+    parser.add_argument("--scales", type=float, nargs="+", default=[-0.6, -0.3, 0.0, 0.3, 0.6],
                         help="steering scales, in units of the typical per-token norm of the "
                              "residual stream at --layer")
     parser.add_argument("--max-tokens", type=int, default=40, help="tokens per answer")
@@ -99,7 +99,7 @@ def main() -> None:
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel(f"steering scale (x typical per-token norm {typical:.0f} at layer {args.layer})")
     ax.set_ylabel("probe score of the answer (> 0: happy side)")
-    ax.set_title("happy-minus-sad steering: the answers' own activations move with the scale")
+    ax.set_title(f"happy-minus-sad steering at layer {args.layer}: the answers' activations")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)

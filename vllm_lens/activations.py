@@ -21,6 +21,7 @@ A choice of an OpenAI-style response carries ``"activations"`` in one of two for
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -90,6 +91,21 @@ def binary_descriptor(acts: Mapping[str, Any], handle: str, nbytes: int) -> dict
         "shapes": {k: list(v.shape) for k, v in tensors.items()},
         "dtype": None if stream is None else str(stream.dtype).removeprefix("torch."),
     }
+
+
+#: A handle is ``secrets.token_urlsafe(32)``: 43 URL-safe characters.
+_HANDLE = re.compile(r"[A-Za-z0-9_-]{16,128}")
+#: ``POST`` here with ``{"handle": ..., "delete": true}`` returns a handle's bytes (and frees
+#: them): the handle stays out of URLs, hence out of access logs.
+FETCH_PATH = ACTIVATIONS_PATH + "/fetch"
+
+
+def valid_handle(value: Any) -> str:
+    """``value`` if it is a well-formed handle; ``ValueError`` otherwise (a client never puts
+    anything else into a request it sends)."""
+    if not isinstance(value, str) or _HANDLE.fullmatch(value) is None:
+        raise ValueError(f"not a vllm-lens activations handle: {str(value)[:80]!r}")
+    return value
 
 
 def is_binary_descriptor(value: Any) -> bool:

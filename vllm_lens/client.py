@@ -21,10 +21,12 @@ import httpx
 import torch
 
 from vllm_lens.activations import (
+    FETCH_PATH,
     decode_activation_bytes,
     decode_activations,
     decode_json_tensors,
     is_binary_descriptor,
+    valid_handle,
 )
 from vllm_lens.errors import LensError
 from vllm_lens.hooks import hook_to_json
@@ -134,10 +136,13 @@ class _Protocol:
             return None
         if not is_binary_descriptor(payload):
             return decode_activations(payload)
-        response = yield self.request("GET", payload["url"])
+        # Only the handle is taken from the response, checked to be a token; the request goes
+        # to this client's own server (never to a URL the response names), with the handle in
+        # the body, and frees the server's copy in the same call.
+        handle = valid_handle(payload.get("handle"))
+        response = yield self.request("POST", FETCH_PATH, {"handle": handle, "delete": True})
         if response.status_code != 200:
             _json_or_raise(response)
-        yield self.request("DELETE", payload["url"])  # free the server's copy at once
         return decode_activation_bytes(response.content)
 
 

@@ -1,8 +1,9 @@
 """Environment variables read by vllm-lens (runs in: every process).
 
 - ``VLLM_LENS_DISABLE``: ``1`` makes the plugin a complete no-op (nothing is patched or tapped).
-- ``VLLM_LENS_WORKER_MAX_BYTES``: budget of captured rows waiting on each worker for the front
-  end to fetch them (default 4 GiB); past it, the oldest unfetched finished requests are dropped.
+- ``VLLM_LENS_WORKER_MAX_BYTES``: budget of captured rows held on each worker, running and
+  waiting for their fetch (default 4 GiB); rows that would exceed it are refused and their
+  request fails (rows already held are never dropped to make room).
 - ``VLLM_LENS_FINISHED_TTL_S``: seconds a finished request's rows wait for their fetch before
   the worker drops them (default 600): covers aborted requests and front ends that went away.
 - ``VLLM_LENS_HTTP_STORE_MAX_BYTES``: capacity of the OpenAI server's store behind the binary
@@ -10,6 +11,13 @@
 - ``VLLM_LENS_HTTP_STORE_TTL_S``: seconds a binary-transport handle stays readable (default 300).
 - ``VLLM_LENS_MAX_REQUEST_BYTES``: largest lens value (e.g. steering vectors) the OpenAI server
   accepts in one request's ``vllm_xargs`` (default 64 MiB); larger ones get HTTP 400.
+- ``VLLM_LENS_MAX_CAPTURE_BYTES``: largest capture one request may ask for (default 1 GiB),
+  estimated before it is scheduled as layers × positions it can select × hidden × dtype × n,
+  with positions bounded by its prompt, ``max_tokens`` and the model's context; larger
+  requests are refused.
+- ``VLLM_LENS_MAX_DECODED_BYTES``: largest total size, decompressed, of the tensors in one
+  request's lens values (default 256 MiB). Each tensor's declared dtype × shape is checked
+  against it before anything is decompressed.
 - ``VLLM_LENS_ALLOW_PICKLED_HOOKS``: ``1`` lets requests carry pickled ``Hook`` functions,
   i.e. lets anyone who can reach the server run arbitrary code on it. Off by default; named
   hooks (entry-point group ``vllm_lens.hooks``) need no opt-in.
@@ -32,7 +40,7 @@ import os
 __all__ = [
     "allow_persistent_hooks", "allow_pickled_hooks", "disabled", "finished_ttl_s", "hook_results_max",
     "http_store_max_bytes", "http_store_ttl_s",
-    "max_request_bytes", "shm_handoff", "test_faults", "worker_max_bytes",
+    "max_capture_bytes", "max_decoded_bytes", "max_request_bytes", "shm_handoff", "test_faults", "worker_max_bytes",
 ]
 
 
@@ -74,6 +82,14 @@ def http_store_ttl_s() -> float:
 
 def max_request_bytes() -> int:
     return int(os.environ.get("VLLM_LENS_MAX_REQUEST_BYTES", str(64 << 20)))
+
+
+def max_capture_bytes() -> int:
+    return int(os.environ.get("VLLM_LENS_MAX_CAPTURE_BYTES", str(1 << 30)))
+
+
+def max_decoded_bytes() -> int:
+    return int(os.environ.get("VLLM_LENS_MAX_DECODED_BYTES", str(256 << 20)))
 
 
 def shm_handoff() -> bool:

@@ -62,6 +62,13 @@ class Selector:
         return window.start, max(window.start, window.stop)
 
 
+    def count_bound(self, n_prompt: int, n_total: int) -> int:
+        """Most positions the selector can pick from a request with at most ``n_prompt`` prompt
+        and ``n_total`` positions in all (slicing never picks more from a shorter range)."""
+        base = {"prompt": n_prompt, "generated": max(0, n_total - n_prompt), "all": n_total}
+        return len(range(base[self.base])[slice(self.start, self.stop)])
+
+
 @functools.lru_cache(maxsize=256)
 def parse_selector(text: str) -> Selector | None:
     """The selector ``text`` names, or ``None`` if it is not one."""

@@ -9,6 +9,7 @@ vLLM's own serializer carries to every worker.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import numbers
@@ -43,9 +44,12 @@ __all__ = [
     "HookSpec",
     "LensRequest",
     "ModelFacts",
+    "capture_bound",
+    "check_capture_size",
     "check_engine",
     "has_lens_keys",
     "parse_extra_args",
+    "reuse_parsed",
 ]
 
 CAPTURE_KEY = "output_residual_stream"
@@ -291,6 +295,20 @@ def parse_extra_args(
                              fault=fault)
 
 
+def reuse_parsed(
+    extra_args: Mapping[str, Any] | None, parsed_from: Mapping[str, Any], lens: LensRequest
+) -> tuple[dict[str, Any], LensRequest] | None:
+    """``parse_extra_args(extra_args)`` without parsing again, when its lens values are those
+    ``lens`` was parsed from (``parsed_from``): the same spec under a fresh key. ``None`` if
+    they differ."""
+    own = (CAPTURE_KEY, STEER_KEY, HOOKS_KEY, faults.FAULT_KEY)
+    extra_args = extra_args or {}
+    if any(extra_args.get(k) != parsed_from.get(k) for k in own) or PAYLOAD_KEY in extra_args:
+        return None
+    rest = {k: v for k, v in extra_args.items() if k not in own}
+    return rest, dataclasses.replace(lens, key=uuid.uuid4().hex)
+
+
 def check_engine(facts: ModelFacts, field: str, *, hooks: bool,
                  request_id: str | None = None) -> None:
     """Refuse lens work this engine cannot do (``field`` names the key that asked for it).
@@ -356,6 +374,49 @@ def _parse_capture(raw: Any, facts: ModelFacts, request_id: str | None) -> Captu
             reduce=_parse_reduce(raw.get("reduce"), f"{field}.reduce", request_id),
         )
     return CaptureSpec(layers=_parse_layers(raw, facts, field, request_id))
+
+
+def capture_bound(spec: CaptureSpec, facts: ModelFacts, prompt_len: int | None,
+                  max_tokens: int | None) -> tuple[int, int]:
+    """(positions, bytes): the most rows one sample of a request can hold on a worker, and their
+    size (all layers; a reduction happens at fetch time, so it does not shrink what is held).
+
+    Positions are bounded by the prompt (its length if known, else the context), ``max_tokens``
+    (the context if unset) and the context length.
+    """
+    context = facts.max_model_len
+    n_prompt = min(prompt_len, context) if prompt_len is not None else context
+    n_total = min(context, n_prompt + (max_tokens if max_tokens is not None else context))
+    if prompt_len is None:  # any split of the context between prompt and generation
+        n_prompt = n_total
+    if isinstance(spec.positions, tuple):
+        n_positions = min(len(spec.positions), n_total)
+    else:
+        selector = parse_selector(spec.positions)
+        assert selector is not None
+        n_positions = selector.count_bound(n_prompt, n_total)
+    itemsize = _ITEMSIZE.get(facts.dtype, 4)
+    return n_positions, len(spec.layers) * n_positions * facts.hidden_size * itemsize
+
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def check_capture_size(spec: CaptureSpec, facts: ModelFacts, prompt_len: int | None,
+                       max_tokens: int | None, n: int, request_id: str | None = None) -> None:
+    """Refuse a capture whose rows could exceed ``VLLM_LENS_MAX_CAPTURE_BYTES``."""
+    n_positions, per_sample = capture_bound(spec, facts, prompt_len, max_tokens)
+    total = per_sample * max(1, n)
+    cap = envs.max_capture_bytes()
+    if total > cap:
+        raise LensRequestError(
+            CAPTURE_KEY,
+            f"could capture up to {total:,} bytes ({len(spec.layers)} layers x {n_positions} "
+            f"positions x hidden {facts.hidden_size} x {_ITEMSIZE.get(facts.dtype, 4)} bytes "
+            f"({facts.dtype})" + (f" x n={n}" if n > 1 else "") + f"), above this server's "
+            f"VLLM_LENS_MAX_CAPTURE_BYTES ({cap:,}); select fewer layers or positions (e.g. "
+            "'prompt[-1]', 'generated[-16:]'), lower max_tokens, or raise the setting",
+            request_id=request_id)
 
 
 def _parse_layers(raw: Any, facts: ModelFacts, field: str, request_id: str | None) -> tuple[int, ...]:
@@ -434,8 +495,6 @@ def _parse_reduce(raw: Any, field: str, request_id: str | None) -> str | None:
 
 
 def _parse_steering(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[SteerSpec, ...]:
-    from pydantic import ValidationError
-
     from vllm_lens.steering import SteeringVector
 
     field = STEER_KEY
@@ -456,28 +515,40 @@ def _parse_steering(raw: Any, facts: ModelFacts, request_id: str | None) -> tupl
             field, "expected a non-empty list of SteeringVector objects, dicts or wire strings",
             request_id=request_id)
     specs = []
-    for i, item in enumerate(raw):
-        where = f"{field}[{i}]"
-        try:
-            if isinstance(item, SteeringVector):
-                sv = item
-            elif isinstance(item, Mapping):
-                sv = SteeringVector.model_validate(dict(item))
-            elif isinstance(item, str):
-                sv = SteeringVector.from_wire(item)
-            else:
-                raise ValueError(f"expected a SteeringVector, dict or wire string, got "
-                                 f"{type(item).__name__}")
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = ".".join(str(x) for x in err["loc"])
-            raise LensRequestError(f"{where}.{loc}" if loc else where,
-                                   err["msg"].removeprefix("Value error, "),
-                                   request_id=request_id) from None
-        except ValueError as exc:  # WireError included
-            raise LensRequestError(where, str(exc), request_id=request_id) from None
-        specs.append(_check_against_model(sv, facts, where, request_id))
+    # Every tensor a client sends is charged against one budget before it is decompressed.
+    limit = wire.decode_limit(envs.max_decoded_bytes(),
+                              "VLLM_LENS_MAX_DECODED_BYTES (one request's steering tensors)")
+    with limit:
+        for i, item in enumerate(raw):
+            specs.append(_parse_one_vector(item, facts, f"{field}[{i}]", request_id))
     return tuple(specs)
+
+
+def _parse_one_vector(item: Any, facts: ModelFacts, where: str,
+                      request_id: str | None) -> SteerSpec:
+    from pydantic import ValidationError
+
+    from vllm_lens.steering import SteeringVector
+
+    try:
+        if isinstance(item, SteeringVector):
+            sv = item
+        elif isinstance(item, Mapping):
+            sv = SteeringVector.model_validate(dict(item))
+        elif isinstance(item, str):
+            sv = SteeringVector.from_wire(item)
+        else:
+            raise ValueError(f"expected a SteeringVector, dict or wire string, got "
+                             f"{type(item).__name__}")
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise LensRequestError(f"{where}.{loc}" if loc else where,
+                               err["msg"].removeprefix("Value error, "),
+                               request_id=request_id) from None
+    except ValueError as exc:  # WireError included
+        raise LensRequestError(where, str(exc), request_id=request_id) from None
+    return _check_against_model(sv, facts, where, request_id)
 
 
 def _check_against_model(sv: Any, facts: ModelFacts, where: str,

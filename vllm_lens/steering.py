@@ -100,6 +100,10 @@ class SteeringVector(BaseModel):
                 f"{len(self.layer_indices)}")
         if not self.layer_indices:
             raise ValueError("layer_indices is empty")
+        if len(set(self.layer_indices)) != len(self.layer_indices):
+            raise ValueError(
+                f"layer_indices {self.layer_indices} has duplicates; sum the rows for a layer "
+                "into one, or pass several SteeringVector objects")
         if not torch.isfinite(acts).all():
             raise ValueError("activations contain NaN or inf")
         if self.norm_match and (acts.float().norm(dim=-1) == 0).any():

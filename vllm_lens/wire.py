@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -25,8 +28,8 @@ import zstandard
 from vllm_lens.errors import WireError
 
 __all__ = [
-    "DTYPES", "dtype_name", "dumps", "loads", "pack_tensor", "tensor_from_json", "tensor_to_json",
-    "unpack_tensor",
+    "DTYPES", "decode_limit", "dtype_name", "dumps", "loads", "pack_tensor", "tensor_from_json",
+    "tensor_to_json", "unpack_tensor",
 ]
 
 #: dtypes the codec carries, by the name it writes on the wire.
@@ -71,30 +74,98 @@ def pack_tensor(tensor: torch.Tensor) -> dict[str, Any]:
     }
 
 
+class _Budget:
+    """Bytes that the tensors decoded under one ``decode_limit`` may still declare."""
+
+    def __init__(self, max_bytes: int, what: str) -> None:
+        self.left = max_bytes
+        self.max_bytes = max_bytes
+        self.what = what
+
+    def take(self, nbytes: int, shape: list[int], dtype: str) -> None:
+        if nbytes > self.left:
+            raise WireError(
+                f"tensor of shape {shape} ({dtype}) would take {nbytes:,} bytes decompressed; "
+                f"{self.what} allows {self.max_bytes:,} bytes in all"
+                + (f" and {self.left:,} are left" if self.left != self.max_bytes else ""))
+        self.left -= nbytes
+
+
+_budget: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar(
+    "vllm_lens_decode_budget", default=None)
+
+
+@contextlib.contextmanager
+def decode_limit(max_bytes: int, what: str = "this request") -> Iterator[None]:
+    """Bound the decompressed size of every tensor decoded inside the block, together.
+
+    Untrusted input (a client's steering vectors) is decoded under a limit: each tensor
+    record's declared dtype × shape is charged *before* anything is decompressed, so a small
+    compressed record that claims a huge shape is refused without allocating it.
+    """
+    token = _budget.set(_Budget(max_bytes, what))
+    try:
+        yield
+    finally:
+        _budget.reset(token)
+
+
 def unpack_tensor(obj: dict[str, Any]) -> torch.Tensor:
-    """Inverse of :func:`pack_tensor`; validates dtype, shape and byte count."""
+    """Inverse of :func:`pack_tensor`; validates dtype, shape and byte count.
+
+    The declared dtype × shape is checked (against ``decode_limit``, when one is active) before
+    decompression, and decompression never produces more than that many bytes.
+    """
     try:
         dtype = DTYPES[obj["dtype"]]
         shape = [int(s) for s in obj["shape"]]
         data = obj["data"]
-        if obj.get("compression") == "zstd":
-            data = zstandard.ZstdDecompressor().decompress(data)
-    except (KeyError, TypeError, ValueError, zstandard.ZstdError) as exc:
+        compression = obj.get("compression")
+    except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"malformed tensor record: {exc!r}") from None
-    if not isinstance(data, (bytes, bytearray)) or any(s < 0 for s in shape):
-        raise WireError("malformed tensor record: bad data or negative shape")
+    if not isinstance(data, (bytes, bytearray)) or any(s < 0 for s in shape) or len(shape) > 8:
+        raise WireError("malformed tensor record: bad data, negative shape or more than 8 dims")
+    if compression not in (None, "zstd"):
+        raise WireError(f"malformed tensor record: unknown compression {compression!r}")
     numel = 1
     for s in shape:
         numel *= s
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if len(data) != numel * itemsize:
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    budget = _budget.get()
+    if budget is not None:
+        budget.take(nbytes, shape, obj["dtype"])
+    if compression == "zstd":
+        data = _decompress(data, nbytes)
+    if len(data) != nbytes:
         raise WireError(
             f"tensor record holds {len(data)} bytes, but dtype {obj['dtype']} and shape "
-            f"{shape} need {numel * itemsize}"
+            f"{shape} need {nbytes}"
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+    buffer = data if isinstance(data, bytearray) else bytearray(data)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _decompress(data: bytes, expected: int) -> bytearray:
+    """Decompress a zstd frame into a buffer of ``expected + 1`` bytes at most (filling the
+    extra byte tells a frame larger than declared)."""
+    out = bytearray(expected + 1)
+    view = memoryview(out)
+    filled = 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+            while filled < len(out):
+                n = reader.readinto(view[filled:])
+                if not n:
+                    break
+                filled += n
+    except zstandard.ZstdError as exc:
+        raise WireError(f"malformed tensor record: {exc!r}") from None
+    finally:
+        view.release()
+    del out[filled:]
+    return out
 
 
 def _default(obj: Any) -> Any:

@@ -161,6 +161,31 @@ def test_binary_handles_are_freed_and_unknown_ones_are_404(smol_server):
         decode_activations(data)
 
 
+def test_clients_fetch_by_handle_from_their_own_server_only(smol_server):
+    """A descriptor's ``url`` is never followed: the client posts the (validated) handle to its
+    own server, which serves the bytes and frees them in the same call."""
+    from vllm_lens.client import LensClient, LensHTTPError
+
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+            "vllm_xargs": {"output_residual_stream": [3], "activations_transport": "binary"}}
+    base = smol_server.base_url
+    desc = httpx.post(base + "/v1/completions", json=body, timeout=120).json()[
+        "choices"][0]["activations"]
+    tampered = {**desc, "url": "@127.0.0.2:9/steal"}  # would send the GET to another host
+    with LensClient(base) as client:
+        acts = client.fetch_activations(tampered)
+        assert acts["residual_stream"].shape[0] == 1
+        with pytest.raises(LensHTTPError) as gone:  # fetched once, freed at once
+            client.fetch_activations(desc)
+        assert gone.value.status == 404
+        for handle in ("../../v1/hooks/register", "a/b", "", None, "x" * 500):
+            with pytest.raises(ValueError, match="not a vllm-lens activations handle"):
+                client.fetch_activations({**desc, "handle": handle})
+    bad = httpx.post(base + "/v1/lens/activations/fetch", json={"handle": "../etc"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "handle"
+    assert httpx.post(base + "/v1/lens/activations/fetch", content=b"x" * 5000).status_code == 400
+
+
 BAD_XARGS = [
     ({"output_residual_stream": [30]}, "output_residual_stream[0]"),
     ({"output_residual_stream": [-1]}, "output_residual_stream[0]"),

@@ -147,3 +147,8 @@ def test_positions_beyond_the_slice_are_skipped():
     groups = build_steer_groups(
         [(_slice(lens, 0, 4, 0), [prepare(s, cpu, torch.float32) for s in lens.steer])], cpu)
     assert groups == {}
+
+
+def test_duplicate_layer_indices_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"layer_indices \[3, 3\] has duplicates; sum the rows"):
+        SteeringVector(activations=torch.ones(2, 8), layer_indices=[3, 3])

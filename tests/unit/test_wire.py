@@ -100,3 +100,78 @@ def test_unknown_dtype_raises():
 def test_non_bytes_input_raises():
     with pytest.raises(WireError, match="expected bytes"):
         wire.loads("a string")
+
+
+# --- bounded decoding: check the declared size before decompressing -------------------------
+
+_BOMB_PROBE = """
+import base64, json, resource, sys, zstandard
+from vllm_lens.spec import ModelFacts, parse_extra_args
+from vllm_lens.errors import LensRequestError
+from vllm_lens import wire
+facts = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=8,
+                   max_model_len=64, mapped=True)
+# 512 MiB of zeros in ~16 KB, compressed in pieces so this process never holds them.
+compressor = zstandard.ZstdCompressor().compressobj()
+chunk = bytes(1 << 20)
+zeros = b"".join(compressor.compress(chunk) for _ in range(512)) + compressor.flush()
+record = {"__tensor__": True, "dtype": "float32", "shape": [1, 1 << 27], "compression": "zstd",
+          "data": zeros}
+wire_string = base64.b64encode(wire.dumps({"activations": record, "layer_indices": [0],
+                                           "scale": 1.0, "norm_match": False,
+                                           "position_indices": None})).decode()
+json_record = {"activations": {**record, "data": base64.b64encode(zeros).decode()},
+               "layer_indices": [0]}
+# The same bomb, declaring a small shape: decompression stops one byte past the declared size.
+liar = {**record, "shape": [1, 8]}
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+messages = []
+for value in (wire_string, [json_record]):
+    try:
+        parse_extra_args({"apply_steering_vectors": value}, lambda: facts)
+    except LensRequestError as exc:
+        messages.append(str(exc))
+try:
+    wire.unpack_tensor(liar)
+except ValueError as exc:
+    messages.append(str(exc))
+grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+print(json.dumps({"len": len(wire_string), "messages": messages, "grown_mib": grown_mib}))
+"""
+
+
+def test_decompression_bombs_are_refused_before_they_inflate():
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _BOMB_PROBE], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["len"] < 40_000  # a ~25 KB request ...
+    wire_msg, json_msg, liar_msg = report["messages"]
+    for msg in (wire_msg, json_msg):  # ... refused, naming the size and the setting
+        assert "536,870,912 bytes decompressed" in msg and "VLLM_LENS_MAX_DECODED_BYTES" in msg
+    assert "need 32" in liar_msg
+    assert report["grown_mib"] < 64, report  # nothing near 512 MiB was ever allocated
+
+
+def test_decode_limit_is_shared_by_the_tensors_of_one_request():
+    small = wire.pack_tensor(torch.zeros(4, 8))  # 128 bytes each
+    with wire.decode_limit(300, "the test"):
+        wire.unpack_tensor(small)
+        wire.unpack_tensor(small)
+        with pytest.raises(WireError, match="the test allows 300 bytes in all and 44 are left"):
+            wire.unpack_tensor(small)
+    wire.unpack_tensor(small)  # no limit outside the block
+
+
+@pytest.mark.parametrize("record", [
+    {"dtype": "float32", "shape": [2], "compression": "lz4", "data": b"x" * 8},
+    {"dtype": "float32", "shape": [1] * 9, "data": b"x" * 4},
+    {"dtype": "float32", "shape": [2], "compression": "zstd", "data": b"not a frame"},
+])
+def test_malformed_records(record):
+    with pytest.raises(WireError, match="malformed"):
+        wire.unpack_tensor(record)

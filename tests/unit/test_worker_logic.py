@@ -171,12 +171,23 @@ def test_store_closes_fetched_keys_and_expires_finished_entries():
     assert len(store) == 0 and store.nbytes == 0
 
 
-def test_store_byte_budget_evicts_oldest_finished():
+def test_store_byte_budget_refuses_new_rows_and_keeps_finished_ones():
     store = CaptureStore(max_bytes=40, finished_ttl_s=1e9)
-    req_ids = [_one_row(store, f"k{i}") for i in range(3)]  # 16 bytes each
-    store.mark_finished(live_req_ids={req_ids[2]})
-    assert store.nbytes <= 40
-    assert store.pop("k2")  # the live one survives
+    finished = [_one_row(store, f"k{i}") for i in range(2)]  # 16 bytes each
+    store.mark_finished(live_req_ids=set())  # both finished, not fetched yet
+    lens = LensRequest(key="k2", capture=CaptureSpec(layers=(0,)))
+    s = RequestSlice(req_id="req-k2", lens=lens, start=0, end=1, pos0=0, n_prompt=1)
+    plan = StepPlan.build([s], torch.device("cpu"), frozenset({0}))
+    (group,) = plan.groups
+    capture_layer(group, 0, torch.ones(1, 4), None)
+    store.stage(group)
+    ((key, req_id, problem),) = store.settle()
+    assert (key, req_id) == ("k2", "req-k2")
+    assert "VLLM_LENS_WORKER_MAX_BYTES (40 bytes; 32 held for 2 requests, 16 more" in problem
+    assert store.nbytes == 32 and not store.pop("k2")
+    store.mark_finished(live_req_ids=set())
+    for i, req_id in enumerate(finished):  # nothing finished was dropped to make room
+        assert list(store.pop(f"k{i}")) == [req_id]
 
 
 def test_assemble_with_no_valid_rows_is_empty():

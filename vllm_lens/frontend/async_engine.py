@@ -17,6 +17,7 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from vllm_lens._patching import wrap_attribute
+from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend import response_scope
 from vllm_lens.frontend.collate import LensSession, discard_unread, facts_from_describe
 from vllm_lens.frontend.rpc import all_workers
@@ -48,7 +49,15 @@ def _wrap_generate(original):
         target = prompt.sampling_params if is_core_request else sampling_params
         if session.needs_facts(target):
             await model_facts(self)
-        engine_params, lens = session.prepare(target, request_id)
+        scope = response_scope.current()
+        parsed = None if scope is None or scope.parsed is None else (scope.parsed_from,
+                                                                      scope.parsed)
+        try:
+            engine_params, lens = session.prepare(target, request_id, prompt, parsed)
+        except LensRequestError as exc:
+            if scope is not None:
+                scope.refused = exc  # the server answers 400, also for a stream
+            raise
         if is_core_request:
             prompt.sampling_params = engine_params
         else:

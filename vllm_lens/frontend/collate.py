@@ -19,7 +19,15 @@ from vllm.outputs import RequestOutput
 from vllm_lens import envs, handoff
 from vllm_lens.errors import LensExecutionError, LensRequestError
 from vllm_lens.hooks import HookError
-from vllm_lens.spec import PAYLOAD_KEY, LensRequest, ModelFacts, has_lens_keys, parse_extra_args
+from vllm_lens.spec import (
+    PAYLOAD_KEY,
+    LensRequest,
+    ModelFacts,
+    check_capture_size,
+    has_lens_keys,
+    parse_extra_args,
+    reuse_parsed,
+)
 from vllm_lens.worker.hooks import decode_results
 
 __all__ = [
@@ -43,6 +51,14 @@ def install_output_fields() -> None:
                 setattr(cls, name, None)
 
 _SESSION_ATTR = "_vllm_lens_session"
+
+
+def prompt_length(prompt: Any) -> int | None:
+    """Tokens in an engine input (a vLLM ``TokensInput`` dict or ``EngineCoreRequest``), or
+    ``None`` when it is not tokenized yet."""
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, Mapping) else getattr(
+        prompt, "prompt_token_ids", None)
+    return len(ids) if ids is not None else None
 
 
 def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
@@ -135,6 +151,9 @@ class LensSession:
         self.facts: ModelFacts | None = None
         self.in_flight: dict[str, LensRequest] = {}
         """External request id -> its lens request, until it finishes or is aborted."""
+        self.parsed_by_params: dict[int, tuple[Mapping[str, Any], LensRequest]] = {}
+        """During one ``LLM.generate`` call: ``id(SamplingParams)`` -> (its ``extra_args``, the
+        lens request parsed from them), so each request's values are parsed once."""
         self.persistent_trusted = False
         """Some registered persistent hook was pickled, i.e. registered by a trusted caller
         (their results may come back pickled)."""
@@ -154,8 +173,15 @@ class LensSession:
             and has_lens_keys(params.extra_args)
         )
 
-    def prepare(self, params: Any, request_id: str) -> tuple[Any, LensRequest | None]:
+    def prepare(self, params: Any, request_id: str, prompt: Any = None,
+                parsed: tuple[Mapping[str, Any], LensRequest] | None = None
+                ) -> tuple[Any, LensRequest | None]:
         """Validate ``params``' lens keys; return (params for the engine, lens request or None).
+
+        A capture is admitted only if what it can hold fits ``VLLM_LENS_MAX_CAPTURE_BYTES``
+        (``prompt``, the engine's input, gives the prompt length where it is tokenized).
+        ``parsed``: (``vllm_xargs``, the ``LensRequest`` parsed from them) when the server
+        validated this request already; it is reused if the values are the same.
 
         The caller's object is never mutated: a request with lens keys gets a clone whose
         ``extra_args`` carry the validated payload instead of the user's keys.
@@ -169,9 +195,16 @@ class LensSession:
                                    "vllm-lens request; request ids must be unique while it runs")
         if not isinstance(params, SamplingParams) or not params.extra_args:
             return params, None
-        rest, lens = parse_extra_args(params.extra_args, self._facts, request_id=request_id)
+        reused = None if parsed is None else reuse_parsed(params.extra_args, *parsed)
+        if reused is not None:
+            rest, lens = reused
+        else:
+            rest, lens = parse_extra_args(params.extra_args, self._facts, request_id=request_id)
         if lens is None:
             return params, None
+        if lens.capture is not None:
+            check_capture_size(lens.capture, self._facts(), prompt_length(prompt),
+                               params.max_tokens, params.n, request_id)
         engine_params = params.clone()
         engine_params.extra_args = {**rest, PAYLOAD_KEY: lens.to_payload()}
         if lens.hooks or (lens.capture is not None and lens.capture.wants_prompt_rows()):

@@ -16,8 +16,13 @@ from vllm.v1.engine.llm_engine import LLMEngine
 
 from vllm_lens._patching import wrap_attribute
 from vllm_lens.errors import LensRequestError
-from vllm_lens.frontend.collate import LensSession, discard_unread, facts_from_describe
-from vllm_lens.spec import has_lens_keys, parse_extra_args
+from vllm_lens.frontend.collate import (
+    LensSession,
+    discard_unread,
+    facts_from_describe,
+    prompt_length,
+)
+from vllm_lens.spec import check_capture_size, has_lens_keys, parse_extra_args
 
 __all__ = ["install"]
 
@@ -39,18 +44,29 @@ def _wrap_render_and_add(original):
     def render_and_add(self, prompts, params, *args, **kwargs):
         engine = self.llm_engine
         session = LensSession.of(engine)
-        checked: set[int] = set()
+        prompts = list(prompts)  # engine inputs, tokenized: admission needs their lengths
+        parsed: dict[int, tuple[Any, Any]] = {}
         for index, p in enumerate(params):
-            if id(p) in checked or not has_lens_keys(getattr(p, "extra_args", None)):
+            if not has_lens_keys(getattr(p, "extra_args", None)):
                 continue
-            checked.add(id(p))
             if session.facts is None:
                 session.facts = facts_from_describe(engine.collective_rpc("lens_describe"))
             try:
-                parse_extra_args(p.extra_args, lambda: session.facts)
+                if id(p) not in parsed:
+                    _, lens = parse_extra_args(p.extra_args, lambda: session.facts)
+                    parsed[id(p)] = (dict(p.extra_args), lens)
+                lens = parsed[id(p)][1]
+                if lens is not None and lens.capture is not None and index < len(prompts):
+                    check_capture_size(lens.capture, session.facts,
+                                       prompt_length(prompts[index]), p.max_tokens, p.n)
             except LensRequestError as exc:
                 raise type(exc)(exc.field, exc.problem, index=index) from None
-        return original(self, prompts, params, *args, **kwargs)
+        # add_request reuses these instead of parsing every request's values again.
+        session.parsed_by_params = {k: v for k, v in parsed.items() if v[1] is not None}
+        try:
+            return original(self, prompts, params, *args, **kwargs)
+        finally:
+            session.parsed_by_params = {}
 
     return render_and_add
 
@@ -61,7 +77,8 @@ def _wrap_add_request(original):
         target = prompt.sampling_params if isinstance(prompt, EngineCoreRequest) else params
         if session.needs_facts(target):
             session.facts = facts_from_describe(self.collective_rpc("lens_describe"))
-        engine_params, _ = session.prepare(target, request_id)
+        engine_params, _ = session.prepare(target, request_id, prompt,
+                                           session.parsed_by_params.get(id(target)))
         if isinstance(prompt, EngineCoreRequest):
             prompt.sampling_params = engine_params  # the request object is the engine's own
         else:

@@ -20,12 +20,17 @@ from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
 
-__all__ = ["ResponseScope", "report"]
+__all__ = ["ResponseScope", "current", "report"]
 
 #: What ``LensSession.attach`` found for one completion: ``activations``, ``hook_results``.
 Results = Mapping[str, Any]
 
 _current: ContextVar[ResponseScope | None] = ContextVar("vllm_lens_response_scope", default=None)
+
+
+def current() -> ResponseScope | None:
+    """The scope of the HTTP request being served in this context, if any."""
+    return _current.get()
 
 
 def report(request_id: str, by_index: Mapping[int, Results]) -> None:
@@ -39,9 +44,17 @@ def report(request_id: str, by_index: Mapping[int, Results]) -> None:
 class ResponseScope:
     """The lens results reported while one HTTP request was being served."""
 
-    def __init__(self) -> None:
+    def __init__(self, parsed_from: Mapping[str, Any] | None = None,
+                 parsed: Any = None) -> None:
         self.found: dict[str, dict[int, Results]] = {}
         """Engine request id -> completion index -> results."""
+        self.parsed_from = parsed_from
+        """The ``vllm_xargs`` the server validated, and ``parsed``, the ``LensRequest`` made of
+        them: the engine wrapper reuses it instead of parsing the same values again."""
+        self.parsed = parsed
+        self.refused: Exception | None = None
+        """A ``LensRequestError`` the engine wrapper raised for one of this response's
+        requests (admission needs the tokenized prompt, which only the engine sees)."""
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

@@ -40,9 +40,11 @@ from vllm_lens import envs, wire
 from vllm_lens._patching import wrap_attribute
 from vllm_lens.activations import (
     ACTIVATIONS_PATH,
+    FETCH_PATH,
     activations_to_json,
     binary_descriptor,
     hook_results_to_json,
+    valid_handle,
 )
 from vllm_lens.errors import LensExecutionError, LensRequestError, RemoteCodeRefusedError
 from vllm_lens.frontend.async_engine import model_facts
@@ -50,7 +52,14 @@ from vllm_lens.frontend.blob_store import BlobStore
 from vllm_lens.frontend.rpc import all_workers
 from vllm_lens.frontend.response_scope import ResponseScope
 from vllm_lens.hooks import HookError
-from vllm_lens.spec import HOOKS_KEY, LENS_KEYS, TRANSPORT_KEY, has_lens_keys, parse_extra_args
+from vllm_lens.spec import (
+    HOOKS_KEY,
+    LENS_KEYS,
+    TRANSPORT_KEY,
+    LensRequest,
+    has_lens_keys,
+    parse_extra_args,
+)
 
 __all__ = ["install", "store"]
 
@@ -102,15 +111,22 @@ def _wrap_endpoint(endpoint: _Endpoint):
             if not xargs:
                 return await original(self, request, raw_request)
             try:
-                encode = await _validate(self.engine_client, xargs)
+                validated = await _validate(self.engine_client, xargs)
             except LensRequestError as exc:
                 return _request_error(exc)
-            if encode is None:
+            if validated is None:
                 return await original(self, request, raw_request)
-            scope = ResponseScope()
+            encode, lens = validated
+            scope = ResponseScope(parsed_from=xargs, parsed=lens)
             with scope.active():
                 try:
                     result = await original(self, request, raw_request)
+                    if isinstance(result, AsyncGenerator):
+                        # Start the stream here: a request the engine wrapper refuses
+                        # (admission) then gets its 400 instead of an error event.
+                        result = await _started(result)
+                except LensRequestError as exc:  # refused by the engine wrapper (admission)
+                    return _request_error(exc)
                 except HookError as exc:  # a client's hook raised: answer, don't crash the route
                     return create_error_response(
                         str(exc), err_type="InternalServerError",
@@ -119,6 +135,10 @@ def _wrap_endpoint(endpoint: _Endpoint):
                     return create_error_response(
                         str(exc), err_type="InternalServerError",
                         status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+            if scope.refused is not None:
+                if isinstance(result, AsyncGenerator):
+                    await result.aclose()
+                return _request_error(scope.refused)
             if isinstance(result, ErrorResponse):
                 return result
             n = request.n or 1
@@ -137,12 +157,37 @@ def _wrap_endpoint(endpoint: _Endpoint):
     return make
 
 
+async def _started(stream: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+    """``stream`` with its first item already produced (the same items, in order)."""
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        first = None
+
+    async def rest() -> AsyncGenerator[str, None]:
+        try:
+            if first is not None:
+                yield first
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()
+
+    return rest()
+
+
+#: Lens values larger than this are parsed on a worker thread, off the event loop.
+_PARSE_INLINE_BYTES = 64 << 10
+
+
 async def _validate(
     engine: Any, xargs: Mapping[str, Any]
-) -> Callable[[Any], dict[str, Any]] | None:
-    """Check ``vllm_xargs`` as the engine will (raises LensRequestError, also for misspelt lens
-    keys); returns the activations encoder, or ``None`` when no lens key is set."""
+) -> tuple[Callable[[Any], dict[str, Any]], LensRequest] | None:
+    """Check ``vllm_xargs`` as the engine would (raises LensRequestError, also for misspelt lens
+    keys); returns the activations encoder and the parsed request (which the engine wrapper
+    reuses), or ``None`` when no lens key is set."""
     limit = envs.max_request_bytes()
+    total = 0
     for key in LENS_KEYS:
         value = xargs.get(key)
         size = len(value) if isinstance(value, str) else len(json.dumps(value))
@@ -150,11 +195,16 @@ async def _validate(
             raise LensRequestError(
                 key, f"is {size} bytes, above this server's limit of {limit} bytes "
                 "(VLLM_LENS_MAX_REQUEST_BYTES)")
+        total += size
     facts = await model_facts(engine) if has_lens_keys(xargs) else None
-    _, lens = parse_extra_args(xargs, lambda: facts)
+    if total > _PARSE_INLINE_BYTES:
+        _, lens = await asyncio.to_thread(parse_extra_args, xargs, lambda: facts)
+    else:
+        _, lens = parse_extra_args(xargs, lambda: facts)
     if lens is None:
         return None
-    return _encode_binary if xargs.get(TRANSPORT_KEY) == "binary" else activations_to_json
+    encode = _encode_binary if xargs.get(TRANSPORT_KEY) == "binary" else activations_to_json
+    return encode, lens
 
 
 def _request_error(exc: LensRequestError) -> ErrorResponse:
@@ -217,6 +267,31 @@ def _not_found(handle: str) -> JSONResponse:
         f"no activations under handle {handle!r}: it never existed, was deleted, or expired "
         f"(handles live {envs.http_store_ttl_s():g} s; VLLM_LENS_HTTP_STORE_TTL_S)",
         err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND, param="handle"))
+
+
+@_router.post(FETCH_PATH)
+async def fetch_activations(raw_request: Request) -> Response:
+    """The bytes of a handle named in the body (kept out of URLs and access logs); with
+    ``"delete": true`` (the default) they are freed as they are served."""
+    body = await raw_request.body()
+    try:
+        if len(body) > 4096:
+            raise ValueError("body too large")
+        request = json.loads(body)
+        handle = valid_handle(request.get("handle"))
+        delete = request.get("delete", True)
+        if not isinstance(delete, bool):
+            raise ValueError("'delete' must be true or false")
+    except (ValueError, AttributeError) as exc:
+        return _json_error(create_error_response(
+            f"expected a JSON body {{\"handle\": <handle>, \"delete\": true}}: {exc}",
+            err_type="BadRequestError", status_code=HTTPStatus.BAD_REQUEST, param="handle"))
+    data = store().get(handle)
+    if data is None:
+        return _not_found(handle)
+    if delete:
+        store().delete(handle)
+    return Response(content=data, media_type="application/octet-stream")
 
 
 @_router.get(ACTIVATIONS_PATH + "/{handle}")

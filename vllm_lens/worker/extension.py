@@ -81,8 +81,7 @@ class LensWorkerExtension:
             return {}
         try:
             # Finishes the asynchronous device->host copies.
-            _runtime.fail_owned(_runtime.store.settle(wait=True),
-                                 "its captured rows could not be filed", "capture")
+            _runtime.settle(wait=True)
         except Exception as exc:  # fail the requests this rank holds, nobody else's
             problem = {"error": f"vllm-lens failed at fetch: {describe(exc)}"}
             failed: dict[str, dict[str, dict[str, Any]]] = {}
@@ -120,7 +119,7 @@ class LensWorkerExtension:
         their steering vectors."""
         if _runtime is None:
             return {"entries": 0, "bytes": 0, "records": 0, "device_bytes": 0}
-        _runtime.store.settle(wait=True)
+        _runtime.settle(wait=True)
         return {"entries": len(_runtime.store), "bytes": _runtime.store.nbytes,
                 "records": len(_runtime.requests), "device_bytes": _runtime.requests.device_bytes}
 

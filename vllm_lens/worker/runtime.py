@@ -123,6 +123,11 @@ class LensRuntime:
                 record.fail(exc, stage)
                 self.store.discard(record.lens.key, req_id)  # partial rows are never returned
 
+    def settle(self, wait: bool = False) -> None:
+        """File finished steps' captured rows; fail the requests whose rows could not be."""
+        for key, req_id, problem in self.store.settle(wait=wait):
+            self.fail_owned([(key, req_id)], problem, "capture")
+
     def fail_owned(self, owners: Iterable[tuple[str, str]], problem: str, stage: str) -> None:
         """Fail the requests behind (lens key, request id) pairs whose rows were lost."""
         records = self.requests.records
@@ -190,8 +195,7 @@ class LensRuntime:
 
     def _build_plan(self, device: torch.device, dtype: torch.dtype) -> StepPlan:
         # The previous step is over: file its captured rows.
-        self.fail_owned(self.store.settle(), "its captured rows could not be filed",
-                         "capture")
+        self.settle()
         live = self.view.live()
         self.requests.finish_gone(live)
         persistent = bool(self.persistent_specs)
@@ -220,8 +224,8 @@ class LensRuntime:
         if len(self.store):
             self.fail_owned(
                 self.store.mark_finished(live),
-                "its captured rows were dropped before the front end fetched them (the "
-                "worker's VLLM_LENS_WORKER_MAX_BYTES budget, or VLLM_LENS_FINISHED_TTL_S)",
+                "its captured rows waited longer than VLLM_LENS_FINISHED_TTL_S for the front "
+                "end to fetch them and were dropped",
                 "capture")
         if not slices and not hook_calls:
             self._steer_layout, self._steer_groups = (), {}

@@ -8,10 +8,13 @@ staging tensors are filled by asynchronous copies, and a group settles once its 
 event has completed.
 
 Entries are keyed by (lens key, vLLM request id): the lens key is unique per user request,
-and a request sampled ``n > 1`` times runs as ``n`` engine requests that share it. Entries
-whose request finished without being fetched (aborted, failed, or a front end that went away)
-are dropped after a grace period, and the total size is bounded: past the byte budget the
-oldest finished entries are evicted first.
+and a request sampled ``n > 1`` times runs as ``n`` engine requests that share it.
+
+The total size is bounded by admission, not eviction: rows that would take the store past its
+byte budget are refused, and the request they belong to fails (the caller is told), while rows
+already held — a finished request's above all — stay until they are fetched. Only entries whose
+request finished and was never fetched within the grace period (aborted, or a front end that
+went away) are dropped, and those requests fail too.
 """
 
 from __future__ import annotations
@@ -70,18 +73,19 @@ class CaptureStore:
         """Take ``group``'s rows once its step is over (see ``settle``)."""
         self._pending.append(group)
 
-    def settle(self, wait: bool = False) -> list[tuple[str, str]]:
+    def settle(self, wait: bool = False) -> list[tuple[str, str, str]]:
         """File the rows of finished steps into their requests' entries.
 
         Called between steps: every staged group whose copies have completed (at once on the
         CPU; ``wait`` blocks for the accelerator) is split per request. A group whose step
         did not reach its last layer (it never ran, or failed part-way) is dropped.
 
-        Returns the (lens key, request id) of the owners of groups that could not be filed
-        (their rows are lost: the caller fails those requests).
+        Returns (lens key, request id, problem) for each request whose rows could not be
+        filed: their rows are gone and the caller fails those requests.
         """
         pending, self._pending = self._pending, []
-        lost: list[tuple[str, str]] = []
+        failed: list[tuple[str, str, str]] = []
+        refused: set[tuple[str, str]] = set()
         for group in pending:
             if not group.complete or group.failed:
                 continue
@@ -91,31 +95,48 @@ class CaptureStore:
                         self._pending.append(group)
                         continue
                     group.ready.synchronize()
-                self._file(group)
+                failed.extend(self._file(group, refused))
             except Exception:
-                lost.extend((o.key, o.req_id) for o in group.owners)
-        return lost
+                failed.extend((o.key, o.req_id, "its captured rows could not be filed")
+                              for o in group.owners)
+        return failed
 
-    def _file(self, group: CaptureGroup) -> None:
+    def _file(self, group: CaptureGroup,
+              refused: set[tuple[str, str]]) -> list[tuple[str, str, str]]:
+        """File ``group``'s rows; returns the owners refused for the byte budget."""
         staging = group.staging
         assert staging is not None
         whole = len(group.owners) == 1 and not staging.is_pinned()
+        over = []
         for owner in group.owners:
-            if owner.key in self._closed:
-                continue  # a surplus step after the fetch
             ident = (owner.key, owner.req_id)
+            if owner.key in self._closed or ident in refused:
+                continue  # a surplus step after the fetch, or a request refused already
+            size = (owner.hi - owner.lo) * staging.shape[0] * staging.shape[-1] \
+                * staging.element_size()
+            if self._nbytes + size > self.max_bytes:
+                refused.add(ident)
+                self.discard(*ident)
+                over.append((*ident, self._over_budget(size)))
+                continue
             entry = self._entries.get(ident)
             if entry is None:
                 entry = self._entries[ident] = Entry(owner.req_id, group.layers, owner.reduce,
-                                                           owner.window, owner.n_prompt)
+                                                     owner.window, owner.n_prompt)
             # Copy out (unless the request owns the whole tensor): pinned memory is scarce,
             # and a view would keep the other requests' rows alive.
             rows = staging if whole else staging[:, owner.lo : owner.hi].clone()
             entry.positions.append(owner.positions)
             entry.chunks.append(rows)
-            size = rows.numel() * rows.element_size()
             entry.nbytes += size
             self._nbytes += size
+        return over
+
+    def _over_budget(self, size: int) -> str:
+        return (f"its captured rows would take this worker past VLLM_LENS_WORKER_MAX_BYTES "
+                f"({self.max_bytes:,} bytes; {self._nbytes:,} held for {len(self._entries)} "
+                f"requests, {size:,} more asked): capture stopped. Capture fewer layers or "
+                "positions, fetch results sooner, or raise the setting")
 
     def pop(self, key: str) -> dict[str, Entry]:
         """Remove every entry of lens key ``key`` (request id -> entry) and ignore later rows."""
@@ -135,7 +156,8 @@ class CaptureStore:
             self._nbytes -= entry.nbytes
 
     def mark_finished(self, live_req_ids: Container[str]) -> list[tuple[str, str]]:
-        """Stamp entries whose request left the batch, then apply the TTL and byte budget.
+        """Stamp entries whose request left the batch, then drop those that waited past the
+        grace period without a fetch (never to make room: see ``_file``).
 
         Returns the (lens key, request id) of the entries dropped: their requests must fail
         rather than come back with fewer rows.
@@ -147,19 +169,13 @@ class CaptureStore:
             if now - closed_at <= ttl:
                 break
             del self._closed[key]
-        for entry in self._entries.values():
-            if entry.finished_at is None and entry.req_id not in live_req_ids:
-                entry.finished_at = now
-        finished = sorted(
-            (e.finished_at, ident)
-            for ident, e in self._entries.items()
-            if e.finished_at is not None
-        )
         dropped = []
-        for finished_at, ident in finished:
-            if now - finished_at <= ttl and self._nbytes <= self.max_bytes:
-                break
-            entry = self._entries.pop(ident)
-            self._nbytes -= entry.nbytes
-            dropped.append(ident)
+        for ident, entry in list(self._entries.items()):
+            if entry.finished_at is None:
+                if entry.req_id not in live_req_ids:
+                    entry.finished_at = now
+            elif now - entry.finished_at > ttl:
+                del self._entries[ident]
+                self._nbytes -= entry.nbytes
+                dropped.append(ident)
         return dropped

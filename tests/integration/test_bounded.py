@@ -1,0 +1,115 @@
+"""Bounded under hostile input, on real engines: captures are admitted by size before they
+are scheduled, the worker refuses rows past its budget (failing that request alone, never
+dropping a finished request's rows), and bombs, oversized captures and foreign URLs get
+nowhere over HTTP."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import pytest
+import torch
+import zstandard
+from vllm import SamplingParams
+
+from tests.integration.engines import IDLE, env, running_llm
+from vllm_lens import LensExecutionError, LensRequestError, SteeringVector, wire
+
+LONG = " ".join(["word"] * 150)
+
+
+def _capture(layers=True, positions="all", max_tokens=4, n=1):
+    return SamplingParams(max_tokens=max_tokens, temperature=0 if n == 1 else 1.0,
+                          ignore_eos=True, n=n, seed=0,
+                          extra_args={"output_residual_stream": {"layers": layers,
+                                                                 "positions": positions}})
+
+
+def test_offline_admission_refuses_before_anything_runs(tiny_llm, monkeypatch):
+    # tiny model: 4 layers x hidden 128 x float32 = 2 KiB per position.
+    monkeypatch.setenv("VLLM_LENS_MAX_CAPTURE_BYTES", str(64 << 10))
+    with pytest.raises(LensRequestError) as info:
+        tiny_llm.generate(["Hello", LONG], [_capture(), _capture(max_tokens=8)])
+    msg = str(info.value)
+    assert info.value.index == 1 and "request 1 of this call" in msg
+    assert "4 layers x 158 positions x hidden 128 x 4 bytes (float32)" in msg
+    assert "VLLM_LENS_MAX_CAPTURE_BYTES (65,536)" in msg and "'prompt[-1]'" in msg
+    assert not tiny_llm.llm_engine.has_unfinished_requests()
+    # n multiplies; a narrower selection of the same request is admitted.
+    with pytest.raises(LensRequestError, match=r"x n=16\)"):
+        tiny_llm.generate(["Hello"], _capture(max_tokens=2, n=16))
+    out = tiny_llm.generate([LONG], _capture(positions="prompt[-4:]", max_tokens=8))[0]
+    assert out.activations["residual_stream"].shape == (4, 4, 128)
+    assert tiny_llm.collective_rpc("lens_stats") == [IDLE]
+
+
+@pytest.fixture(scope="module")
+def small_budget_llm(tiny_path):
+    """A tiny engine whose workers hold at most 64 KiB of captured rows."""
+    with env(VLLM_LENS_WORKER_MAX_BYTES=str(64 << 10)):
+        with running_llm(tiny_path, enforce_eager=True) as llm:
+            yield llm
+
+
+def test_worker_budget_fails_the_request_that_exceeds_it_alone(small_budget_llm):
+    llm = small_budget_llm
+    steer = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={
+        "apply_steering_vectors": [SteeringVector(activations=torch.ones(1, 128),
+                                                  layer_indices=[1])]})
+    small, big, steered, plain = llm.generate(
+        ["Hello there", LONG, "Hello there", "Hello there"],
+        [_capture(), _capture(), steer, SamplingParams(max_tokens=4, temperature=0)])
+    assert small.lens_error is None and small.activations["residual_stream"].shape[0] == 4
+    assert isinstance(big.lens_error, LensExecutionError) and big.activations is None
+    assert "VLLM_LENS_WORKER_MAX_BYTES (65,536 bytes" in str(big.lens_error)
+    assert steered.lens_error is None and plain.lens_error is None
+    assert llm.collective_rpc("lens_stats") == [IDLE]
+    # The budget is for rows held at once: fetched rows give it back, so batch after batch
+    # that fits is served in full.
+    for _ in range(3):
+        outs = llm.generate(["Hello there"] * 6, _capture(max_tokens=2))
+        assert [o.lens_error for o in outs] == [None] * 6
+        assert llm.collective_rpc("lens_stats") == [IDLE]
+
+
+# --- over HTTP ----------------------------------------------------------------------------------
+
+PROMPT = "The capital of France is"
+
+
+def _bomb_wire_string() -> str:
+    """A SteeringVector wire string of ~25 KB that declares 512 MiB of activations."""
+    compressor = zstandard.ZstdCompressor().compressobj()
+    data = b"".join(compressor.compress(bytes(1 << 20)) for _ in range(512)) + compressor.flush()
+    record = {"__tensor__": True, "dtype": "float32", "shape": [1, 1 << 27],
+              "compression": "zstd", "data": data}
+    return base64.b64encode(wire.dumps({"activations": record, "layer_indices": [0]})).decode()
+
+
+def test_server_refuses_bombs_and_oversized_captures_then_serves(smol_server):
+    base = smol_server.base_url
+    bomb = _bomb_wire_string()
+    r = httpx.post(base + "/v1/completions", timeout=60, json={
+        "prompt": PROMPT, "max_tokens": 2, "vllm_xargs": {"apply_steering_vectors": bomb}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "apply_steering_vectors[0]"
+    assert "536,870,912 bytes decompressed" in err["message"]
+    assert "VLLM_LENS_MAX_DECODED_BYTES" in err["message"]
+    # Every layer at up to 1024 positions x 16 samples: more than the default 1 GiB cap, refused
+    # before it is scheduled; streaming requests get the same 400 (not an error event).
+    for stream in (False, True):
+        r = httpx.post(base + "/v1/completions", timeout=60, json={
+            "prompt": PROMPT, "max_tokens": 1000, "n": 16, "stream": stream,
+            "vllm_xargs": {"output_residual_stream": "true"}})
+        assert r.status_code == 400, (stream, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "output_residual_stream", err
+        assert "VLLM_LENS_MAX_CAPTURE_BYTES" in err["message"] and "x n=16" in err["message"]
+    ok = httpx.post(base + "/v1/completions", timeout=120, json={
+        "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+        "vllm_xargs": {"output_residual_stream": "[3]"}})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["activations"]
+    stats = httpx.get(base + "/v1/lens/stats").json()
+    assert all(w["entries"] == 0 and w["records"] == 0 for w in stats["workers"])

@@ -4,7 +4,10 @@
 A named hook is a factory ``make(args: dict) -> fn(ctx, hidden)``; it raises ``ValueError``
 for bad arguments (the front end calls it once to validate them, so a bad request fails with
 HTTP 400 before it is scheduled). What it stores in ``ctx.saved`` must be tensors and plain
-JSON types, which is what crosses HTTP. Any installed package can publish more::
+JSON types, which is what crosses HTTP. Any client may call a named hook, so one that costs
+much per row declares a bound: a factory attribute ``max_rows = (ENV_VAR, default)`` caps the
+rows (positions × hooked layers × samples) one request may run it on, checked before the
+request is scheduled. Any installed package can publish more::
 
     [project.entry-points."vllm_lens.hooks"]
     my_hook = "my_package.hooks:make_my_hook"
@@ -41,8 +44,10 @@ def load(name: str) -> Callable[[Mapping[str, Any]], HookFn]:
 
 def _append(saved: dict[str, Any], key: str, layer: int, rows: torch.Tensor,
             start: int) -> None:
-    """Accumulate per-layer rows across steps on the CPU; ``start`` is the absolute position
-    of ``rows[0]`` (hooked requests compute every position from 0, so row = position).
+    """Accumulate per-layer rows across steps, on the rows' device (so a hook never waits for
+    the device; the rows reach the host when the request's results are fetched); ``start`` is
+    the absolute position of ``rows[0]`` (hooked requests compute every position from 0, so
+    row = position).
 
     ``saved[key][layer]`` is always the rows so far, but as a prefix view of a buffer whose
     capacity doubles when full, so a generation of ``n`` steps copies O(n) rows, not O(n^2).
@@ -51,7 +56,7 @@ def _append(saved: dict[str, Any], key: str, layer: int, rows: torch.Tensor,
     """
     per_layer = saved.setdefault(key, {})
     name = str(layer)
-    rows = rows.detach().to("cpu")
+    rows = rows.detach()
     previous = per_layer.get(name)
     n, k = (0 if previous is None else previous.shape[0]), rows.shape[0]
     at = min(start, n)
@@ -62,17 +67,27 @@ def _append(saved: dict[str, Any], key: str, layer: int, rows: torch.Tensor,
         buffer = torch.empty(0, dtype=rows.dtype).set_(
             previous.untyped_storage(), 0, (capacity, *rows.shape[1:]))
     else:
-        buffer = torch.empty((max(2 * n, end), *rows.shape[1:]), dtype=rows.dtype)
+        buffer = torch.empty((max(2 * n, end), *rows.shape[1:]), dtype=rows.dtype,
+                             device=rows.device)
         if previous is not None:
             buffer[:n] = previous
     buffer[at : at + k] = rows
     per_layer[name] = buffer[:end]
 
 
+#: Logits materialised at once by ``logit_lens_topk``: rows per chunk = this / vocabulary size.
+_LOGIT_CHUNK_ELEMENTS = 8 << 20
+
+
 def logit_lens_topk(args: Mapping[str, Any]) -> HookFn:
     """Logit lens: the top-``k`` next-token ids of each position, read through the model's final
     norm (RMSNorm, as in Llama and Qwen2) and unembedding at every hooked layer. Under
     pipeline parallelism, prefetch ``lm_head.weight`` and ``model.norm.weight``.
+
+    Cost is bounded: the unembedding is used in the model's dtype (never copied), logits are
+    made for a chunk of rows at a time (at most ``_LOGIT_CHUNK_ELEMENTS`` floats, softmax in
+    float32), and a request may run it on at most ``VLLM_LENS_LOGIT_LENS_MAX_ROWS`` rows
+    (positions × layers × samples; default 65536), checked before it is scheduled.
 
     ``args``: ``{"k": int (default 5)}``. ``saved``: ``{"token_ids": {layer: [positions, k]},
     "logprobs": {layer: [positions, k]}, "positions": {layer: [positions]}}``.
@@ -86,16 +101,24 @@ def logit_lens_topk(args: Mapping[str, Any]) -> HookFn:
 
     def hook(ctx: Any, hidden: torch.Tensor) -> None:
         weight = ctx.get_parameter("lm_head.weight")
-        normed = _final_rms_norm(ctx, hidden.float())
-        logprobs = torch.log_softmax(normed @ weight.float().T, dim=-1)
-        top = logprobs.topk(k, dim=-1)
+        normed = _final_rms_norm(ctx, hidden.float()).to(weight.dtype)
+        chunk = max(1, _LOGIT_CHUNK_ELEMENTS // weight.shape[0])
+        ids, values = [], []
+        for lo in range(0, normed.shape[0], chunk):
+            logprobs = torch.log_softmax((normed[lo : lo + chunk] @ weight.T).float(), dim=-1)
+            top = logprobs.topk(k, dim=-1)
+            ids.append(top.indices)
+            values.append(top.values)
         start = int(ctx.positions[0])
-        _append(ctx.saved, "token_ids", ctx.layer_idx, top.indices, start)
-        _append(ctx.saved, "logprobs", ctx.layer_idx, top.values, start)
+        _append(ctx.saved, "token_ids", ctx.layer_idx, torch.cat(ids), start)
+        _append(ctx.saved, "logprobs", ctx.layer_idx, torch.cat(values), start)
         _append(ctx.saved, "positions", ctx.layer_idx, ctx.positions, start)
         return None
 
     return hook
+
+
+logit_lens_topk.max_rows = ("VLLM_LENS_LOGIT_LENS_MAX_ROWS", 65536)  # type: ignore[attr-defined]
 
 
 def _final_rms_norm(ctx: Any, x: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import hashlib
 import numbers
+import os
 import json
 import uuid
 from collections.abc import Callable, Mapping
@@ -45,6 +46,7 @@ __all__ = [
     "LensRequest",
     "ModelFacts",
     "capture_bound",
+    "check_admission",
     "check_capture_size",
     "check_engine",
     "has_lens_keys",
@@ -417,6 +419,35 @@ def check_capture_size(spec: CaptureSpec, facts: ModelFacts, prompt_len: int | N
             f"VLLM_LENS_MAX_CAPTURE_BYTES ({cap:,}); select fewer layers or positions (e.g. "
             "'prompt[-1]', 'generated[-16:]'), lower max_tokens, or raise the setting",
             request_id=request_id)
+
+
+def check_admission(lens: LensRequest, facts: ModelFacts, prompt_len: int | None,
+                    max_tokens: int | None, n: int, request_id: str | None = None) -> None:
+    """Everything checked before a request is scheduled that depends on its size: the capture
+    (``VLLM_LENS_MAX_CAPTURE_BYTES``) and named hooks that bound their rows (``max_rows``)."""
+    if lens.capture is not None:
+        check_capture_size(lens.capture, facts, prompt_len, max_tokens, n, request_id)
+    if not any(h.name for h in lens.hooks):
+        return
+    from vllm_lens import named_hooks
+
+    # Hooked requests compute every position (no prefix-cache reads).
+    n_total = min(facts.max_model_len, (facts.max_model_len if prompt_len is None else prompt_len)
+                  + (facts.max_model_len if max_tokens is None else max_tokens))
+    for i, hook in enumerate(lens.hooks):
+        limit = getattr(named_hooks.load(hook.name), "max_rows", None) if hook.name else None
+        if limit is None:
+            continue
+        setting, default = limit
+        cap = int(os.environ.get(setting, str(default)))
+        rows = len(hook.layers) * n_total * max(1, n)
+        if rows > cap:
+            raise LensRequestError(
+                f"{HOOKS_KEY}[{i}]",
+                f"named hook {hook.name!r} would run on up to {rows:,} rows ({len(hook.layers)} "
+                f"layers x {n_total} positions" + (f" x n={n}" if n > 1 else "") + "), above "
+                f"this server's {setting} ({cap:,}); hook fewer layers, lower max_tokens, or "
+                "raise the setting", request_id=request_id)
 
 
 def _parse_layers(raw: Any, facts: ModelFacts, field: str, request_id: str | None) -> tuple[int, ...]:

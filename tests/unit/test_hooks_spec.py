@@ -161,3 +161,50 @@ def test_named_hooks_keep_one_row_per_position_when_positions_are_recomputed():
     _append(saved, "x", 0, torch.tensor([10.0, 11.0]), 0)
     _append(saved, "x", 0, torch.tensor([12.0, 13.0, 14.0]), 2)
     assert saved["x"]["0"].tolist() == [10.0, 11.0, 12.0, 13.0, 14.0]
+
+
+def test_logit_lens_in_chunks_equals_one_pass_and_declares_a_row_bound(monkeypatch):
+    """The shipped hook, run on a real (random) unembedding: chunked logits give the same top-k
+    as one matrix product, and it declares the bound the front end checks."""
+    import types
+
+    import torch
+
+    from vllm_lens import named_hooks
+
+    torch.manual_seed(0)
+    params = {"lm_head.weight": torch.randn(50, 8), "model.norm.weight": torch.rand(8) + 0.5}
+    hidden = torch.randn(23, 8)
+
+    def run() -> dict:
+        ctx = types.SimpleNamespace(
+            get_parameter=params.__getitem__, model=types.SimpleNamespace(config=None),
+            positions=torch.arange(23), layer_idx=2, saved={})
+        logit_lens_topk({"k": 3})(ctx, hidden)
+        return ctx.saved
+
+    whole = run()
+    monkeypatch.setattr(named_hooks, "_LOGIT_CHUNK_ELEMENTS", 50 * 4)  # 4 rows per chunk
+    chunked = run()
+    assert torch.equal(whole["token_ids"]["2"], chunked["token_ids"]["2"])
+    torch.testing.assert_close(whole["logprobs"]["2"], chunked["logprobs"]["2"])
+    x = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)
+    expected = torch.log_softmax((x * params["model.norm.weight"]) @ params["lm_head.weight"].T,
+                                 -1).topk(3, -1)
+    assert torch.equal(chunked["token_ids"]["2"], expected.indices)
+    assert logit_lens_topk.max_rows == ("VLLM_LENS_LOGIT_LENS_MAX_ROWS", 65536)
+
+
+def test_admission_bounds_named_hook_rows(monkeypatch):
+    from vllm_lens.spec import check_admission
+
+    monkeypatch.setenv("VLLM_LENS_LOGIT_LENS_MAX_ROWS", "100")
+    lens = parse([NamedHook("linear_probe", [0, 1, 2, 3], {"weight": [0.0] * 8}),
+                  NamedHook("logit_lens_topk", [0, 1, 2], {"k": 1})])
+    check_admission(lens, FACTS, prompt_len=10, max_tokens=20, n=1)  # 3 x 30 = 90 rows
+    with pytest.raises(LensRequestError, match=r"'apply_hooks\[1\]'.*360 rows \(3 layers x 30 "
+                                               r"positions x n=4\).*VLLM_LENS_LOGIT_LENS_MAX_ROWS"):
+        check_admission(lens, FACTS, prompt_len=10, max_tokens=20, n=4)
+    # The prompt's length unknown: bounded by the context (64 positions here).
+    with pytest.raises(LensRequestError, match=r"3 layers x 64 positions"):
+        check_admission(lens, FACTS, prompt_len=None, max_tokens=20, n=1)

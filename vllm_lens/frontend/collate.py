@@ -23,7 +23,7 @@ from vllm_lens.spec import (
     PAYLOAD_KEY,
     LensRequest,
     ModelFacts,
-    check_capture_size,
+    check_admission,
     has_lens_keys,
     parse_extra_args,
     reuse_parsed,
@@ -202,9 +202,8 @@ class LensSession:
             rest, lens = parse_extra_args(params.extra_args, self._facts, request_id=request_id)
         if lens is None:
             return params, None
-        if lens.capture is not None:
-            check_capture_size(lens.capture, self._facts(), prompt_length(prompt),
-                               params.max_tokens, params.n, request_id)
+        check_admission(lens, self._facts(), prompt_length(prompt), params.max_tokens,
+                        params.n, request_id)
         engine_params = params.clone()
         engine_params.extra_args = {**rest, PAYLOAD_KEY: lens.to_payload()}
         if lens.hooks or (lens.capture is not None and lens.capture.wants_prompt_rows()):

@@ -22,7 +22,7 @@ from vllm_lens.frontend.collate import (
     facts_from_describe,
     prompt_length,
 )
-from vllm_lens.spec import check_capture_size, has_lens_keys, parse_extra_args
+from vllm_lens.spec import check_admission, has_lens_keys, parse_extra_args
 
 __all__ = ["install"]
 
@@ -56,9 +56,9 @@ def _wrap_render_and_add(original):
                     _, lens = parse_extra_args(p.extra_args, lambda: session.facts)
                     parsed[id(p)] = (dict(p.extra_args), lens)
                 lens = parsed[id(p)][1]
-                if lens is not None and lens.capture is not None and index < len(prompts):
-                    check_capture_size(lens.capture, session.facts,
-                                       prompt_length(prompts[index]), p.max_tokens, p.n)
+                if lens is not None and index < len(prompts):
+                    check_admission(lens, session.facts, prompt_length(prompts[index]),
+                                    p.max_tokens, p.n)
             except LensRequestError as exc:
                 raise type(exc)(exc.field, exc.problem, index=index) from None
         # add_request reuses these instead of parsing every request's values again.

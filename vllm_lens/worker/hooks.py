@@ -68,6 +68,12 @@ class HookState:
     def results(self) -> dict[str, Any]:
         return {str(i): run.saved for i, run in enumerate(self.runs)}
 
+    def to_host(self) -> None:
+        """Move what the hooks saved to the host (once their request finished: results kept
+        for later collection must not hold device memory)."""
+        for run in self.runs:
+            run.saved = _to_cpu(run.saved)
+
 
 @dataclass(frozen=True)
 class HookCall:

@@ -55,6 +55,8 @@ class LensRuntime:
         self.persistent_specs: tuple[HookSpec, ...] = ()
         self.persistent_results: OrderedDict[str, HookState] = OrderedDict()
         """Request id -> state of the persistent hooks for it (bounded, oldest dropped)."""
+        self._persistent_running: set[str] = set()
+        """Requests whose persistent-hook results may still be on the device."""
         self._plan_ctx: object | None = None
         self._plan: StepPlan = _EMPTY_PLAN
         self._steer_layout: tuple[tuple[str, int, int, int | None], ...] = ()
@@ -162,6 +164,7 @@ class LensRuntime:
             state = self.persistent_results.get(req_id)
             if state is None:
                 state = self.persistent_results[req_id] = HookState.build(self.persistent_specs)
+                self._persistent_running.add(req_id)
                 while len(self.persistent_results) > envs.hook_results_max():
                     self.persistent_results.popitem(last=False)
             states.append(state)
@@ -198,6 +201,11 @@ class LensRuntime:
         self.settle()
         live = self.view.live()
         self.requests.finish_gone(live)
+        if self._persistent_running:
+            for req_id in [r for r in self._persistent_running if r not in live]:
+                self._persistent_running.discard(req_id)
+                if (state := self.persistent_results.get(req_id)) is not None:
+                    state.to_host()
         persistent = bool(self.persistent_specs)
         slices, hook_calls = [], []
         for sched in self.view.scheduled(plain=persistent):

@@ -1,5 +1,6 @@
 """Soak of a lens server over HTTP: many concurrent mixed requests, one in ten disconnecting
-mid-stream (the suite runs a 200-request variant; this is the long one).
+mid-stream (the suite runs a 200-request variant; this is the long one). Runs in: its own
+process (client side), starting the server as a subprocess.
 
     python benchmarks/soak.py [--requests 1000] [--clients 4]
 

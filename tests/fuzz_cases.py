@@ -156,6 +156,9 @@ CLASSES: dict[str, st.SearchStrategy[Case]] = {
     "hooks: hook layer out of range": layer_out.filter(lambda v: v >= 0).map(
         lambda v: ({HOOKS: json.dumps([hook_to_json(NamedHook("logit_lens_topk", [v]))])},
                    f"{HOOKS}[0]")),
+    "hooks: oversized arguments": st.integers(600_000, 700_000).map(
+        lambda n: ({HOOKS: json.dumps([hook_to_json(NamedHook(
+            "linear_probe", [1], {"weight": [0.125] * n}))])}, HOOKS)),
     # --- the request as a whole -------------------------------------------------------------
     "keys: misspelt lens key": st.sampled_from(
         ["output_residual_streams", "apply_steering_vector", "apply_hook"]).map(

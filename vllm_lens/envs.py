@@ -29,6 +29,9 @@
   host (default ``1``).
 - ``VLLM_LENS_TEST_FAULTS``: ``1`` lets requests ask for an injected failure
   (``vllm_lens.faults``); for the test suite only.
+- ``VLLM_LENS_LOGIT_LENS_MAX_ROWS``: most rows (positions × layers × samples) one request may
+  run the ``logit_lens_topk`` named hook on (default 65536; declared by the hook's factory,
+  read by ``vllm_lens.admission``).
 - ``VLLM_LENS_HOOK_RESULTS_MAX``: results of persistent hooks kept per worker, in requests
   (default 10000); past it the oldest requests' results are dropped.
 """
@@ -38,9 +41,9 @@ from __future__ import annotations
 import os
 
 __all__ = [
-    "allow_persistent_hooks", "allow_pickled_hooks", "disabled", "finished_ttl_s", "hook_results_max",
-    "http_store_max_bytes", "http_store_ttl_s",
-    "max_capture_bytes", "max_decoded_bytes", "max_request_bytes", "shm_handoff", "test_faults", "worker_max_bytes",
+    "allow_persistent_hooks", "allow_pickled_hooks", "disabled", "finished_ttl_s",
+    "hook_results_max", "http_store_max_bytes", "http_store_ttl_s", "max_capture_bytes",
+    "max_decoded_bytes", "max_request_bytes", "shm_handoff", "test_faults", "worker_max_bytes",
 ]
 
 

@@ -84,10 +84,10 @@ def logit_lens_topk(args: Mapping[str, Any]) -> HookFn:
     norm (RMSNorm, as in Llama and Qwen2) and unembedding at every hooked layer. Under
     pipeline parallelism, prefetch ``lm_head.weight`` and ``model.norm.weight``.
 
-    Cost is bounded: the unembedding is used in the model's dtype (never copied), logits are
-    made for a chunk of rows at a time (at most ``_LOGIT_CHUNK_ELEMENTS`` floats, softmax in
-    float32), and a request may run it on at most ``VLLM_LENS_LOGIT_LENS_MAX_ROWS`` rows
-    (positions × layers × samples; default 65536), checked before it is scheduled.
+    Cost is bounded: logits are float32, made for a chunk of rows at a time from a slice of
+    the unembedding at a time (each at most ``_LOGIT_CHUNK_ELEMENTS`` floats; the whole matrix
+    is never copied), and a request may run it on at most ``VLLM_LENS_LOGIT_LENS_MAX_ROWS``
+    rows (positions × layers × samples; default 65536), checked before it is scheduled.
 
     ``args``: ``{"k": int (default 5)}``. ``saved``: ``{"token_ids": {layer: [positions, k]},
     "logprobs": {layer: [positions, k]}, "positions": {layer: [positions]}}``.
@@ -101,12 +101,17 @@ def logit_lens_topk(args: Mapping[str, Any]) -> HookFn:
 
     def hook(ctx: Any, hidden: torch.Tensor) -> None:
         weight = ctx.get_parameter("lm_head.weight")
-        normed = _final_rms_norm(ctx, hidden.float()).to(weight.dtype)
-        chunk = max(1, _LOGIT_CHUNK_ELEMENTS // weight.shape[0])
+        normed = _final_rms_norm(ctx, hidden.float())
+        vocab, width = weight.shape
+        rows = max(1, _LOGIT_CHUNK_ELEMENTS // vocab)
+        vocab_slice = max(1, _LOGIT_CHUNK_ELEMENTS // width)
         ids, values = [], []
-        for lo in range(0, normed.shape[0], chunk):
-            logprobs = torch.log_softmax((normed[lo : lo + chunk] @ weight.T).float(), dim=-1)
-            top = logprobs.topk(k, dim=-1)
+        for lo in range(0, normed.shape[0], rows):
+            x = normed[lo : lo + rows]
+            logits = torch.empty((x.shape[0], vocab), dtype=torch.float32, device=x.device)
+            for v0 in range(0, vocab, vocab_slice):  # float32 logits from a bounded slice
+                logits[:, v0 : v0 + vocab_slice] = x @ weight[v0 : v0 + vocab_slice].float().T
+            top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
             ids.append(top.indices)
             values.append(top.values)
         start = int(ctx.positions[0])

@@ -13,8 +13,9 @@ Python's index/slice syntax:
 - ``"last_prompt"``: ``"prompt[-1]"``.
 
 The end of ``generated`` and ``all`` is known only when the request finishes. While it runs the
-worker keeps a superset of the rows (``bounds`` without ``n_seen``) and trims them to the exact
-window when the rows are fetched (``bounds`` with ``n_seen``).
+worker keeps a superset of the rows (``bounds`` without ``n_seen``; for a window at the end,
+only the last ``keep_last`` positions plus ``ROLLING_SLACK``) and trims them to the exact window
+when the rows are fetched (``bounds`` with ``n_seen``).
 """
 
 from __future__ import annotations
@@ -23,11 +24,17 @@ import functools
 import re
 from dataclasses import dataclass
 
-__all__ = ["BASES", "NAMED", "Selector", "parse_selector"]
+__all__ = ["BASES", "NAMED", "ROLLING_SLACK", "Selector", "parse_selector"]
 
 BASES = ("all", "prompt", "generated")
 #: Selector names accepted without brackets.
 NAMED = (*BASES, "last_prompt")
+
+#: Positions kept below a rolling window's reach (``Selector.keep_last``): the scheduler may run
+#: a request a few steps past a stop string before the front end's abort reaches it, and the
+#: window is relative to where the request really ended. A request that ran further past its
+#: stop than this fails rather than return wrong rows.
+ROLLING_SLACK = 64
 
 _SYNTAX = re.compile(r"(all|prompt|generated)\[(-?\d{1,9})?(?:(:)(-?\d{1,9})?)?\]")
 
@@ -61,12 +68,26 @@ class Selector:
         window = range(lo0, max(lo0, hi0))[slice(self.start, self.stop)]
         return window.start, max(window.start, window.stop)
 
+    @property
+    def keep_last(self) -> int | None:
+        """For a window at the end of ``generated`` / ``all`` (a negative start): how many of
+        the last positions it can span. While the request runs the worker keeps only the rows
+        of that many last positions (plus ``ROLLING_SLACK``); ``None`` for other selectors."""
+        if self.base == "prompt" or self.start is None or self.start >= 0:
+            return None
+        return -self.start
 
-    def count_bound(self, n_prompt: int, n_total: int) -> int:
-        """Most positions the selector can pick from a request with at most ``n_prompt`` prompt
-        and ``n_total`` positions in all (slicing never picks more from a shorter range)."""
-        base = {"prompt": n_prompt, "generated": max(0, n_total - n_prompt), "all": n_total}
-        return len(range(base[self.base])[slice(self.start, self.stop)])
+    def held_bound(self, base_len: int) -> int:
+        """Most rows the worker holds at once for this selector when its range (``prompt``,
+        ``generated`` or ``all``) has at most ``base_len`` positions."""
+        if self.base == "prompt":  # exact while running
+            return len(range(base_len)[slice(self.start, self.stop)])
+        start = self.start if self.start is not None and self.start >= 0 else None
+        stop = self.stop if self.stop is not None and self.stop >= 0 else None
+        superset = len(range(base_len)[slice(start, stop)])
+        if self.keep_last is not None:  # a rolling window: kept rows + one step's new ones
+            return min(superset, 2 * self.keep_last + ROLLING_SLACK + 16)
+        return superset
 
 
 @functools.lru_cache(maxsize=256)

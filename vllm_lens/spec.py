@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import numbers
-import os
 import json
 import uuid
 from collections.abc import Callable, Mapping
@@ -45,9 +45,6 @@ __all__ = [
     "HookSpec",
     "LensRequest",
     "ModelFacts",
-    "capture_bound",
-    "check_admission",
-    "check_capture_size",
     "check_engine",
     "has_lens_keys",
     "parse_extra_args",
@@ -67,6 +64,9 @@ LENS_KEYS = (CAPTURE_KEY, STEER_KEY, HOOKS_KEY, TRANSPORT_KEY)
 PAYLOAD_KEY = "vllm_lens"
 PAYLOAD_VERSION = 1
 REDUCTIONS = (None, "mean", "last")
+#: Largest JSON form of one named hook's arguments (a probe's weights for hidden 65536 fit);
+#: they travel to every worker with the request.
+MAX_HOOK_ARGS_BYTES = 4 << 20
 _CAPTURE_FIELDS = ("layers", "positions", "reduce")
 
 
@@ -378,78 +378,6 @@ def _parse_capture(raw: Any, facts: ModelFacts, request_id: str | None) -> Captu
     return CaptureSpec(layers=_parse_layers(raw, facts, field, request_id))
 
 
-def capture_bound(spec: CaptureSpec, facts: ModelFacts, prompt_len: int | None,
-                  max_tokens: int | None) -> tuple[int, int]:
-    """(positions, bytes): the most rows one sample of a request can hold on a worker, and their
-    size (all layers; a reduction happens at fetch time, so it does not shrink what is held).
-
-    Positions are bounded by the prompt (its length if known, else the context), ``max_tokens``
-    (the context if unset) and the context length.
-    """
-    context = facts.max_model_len
-    n_prompt = min(prompt_len, context) if prompt_len is not None else context
-    n_total = min(context, n_prompt + (max_tokens if max_tokens is not None else context))
-    if prompt_len is None:  # any split of the context between prompt and generation
-        n_prompt = n_total
-    if isinstance(spec.positions, tuple):
-        n_positions = min(len(spec.positions), n_total)
-    else:
-        selector = parse_selector(spec.positions)
-        assert selector is not None
-        n_positions = selector.count_bound(n_prompt, n_total)
-    itemsize = _ITEMSIZE.get(facts.dtype, 4)
-    return n_positions, len(spec.layers) * n_positions * facts.hidden_size * itemsize
-
-
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-
-
-def check_capture_size(spec: CaptureSpec, facts: ModelFacts, prompt_len: int | None,
-                       max_tokens: int | None, n: int, request_id: str | None = None) -> None:
-    """Refuse a capture whose rows could exceed ``VLLM_LENS_MAX_CAPTURE_BYTES``."""
-    n_positions, per_sample = capture_bound(spec, facts, prompt_len, max_tokens)
-    total = per_sample * max(1, n)
-    cap = envs.max_capture_bytes()
-    if total > cap:
-        raise LensRequestError(
-            CAPTURE_KEY,
-            f"could capture up to {total:,} bytes ({len(spec.layers)} layers x {n_positions} "
-            f"positions x hidden {facts.hidden_size} x {_ITEMSIZE.get(facts.dtype, 4)} bytes "
-            f"({facts.dtype})" + (f" x n={n}" if n > 1 else "") + f"), above this server's "
-            f"VLLM_LENS_MAX_CAPTURE_BYTES ({cap:,}); select fewer layers or positions (e.g. "
-            "'prompt[-1]', 'generated[-16:]'), lower max_tokens, or raise the setting",
-            request_id=request_id)
-
-
-def check_admission(lens: LensRequest, facts: ModelFacts, prompt_len: int | None,
-                    max_tokens: int | None, n: int, request_id: str | None = None) -> None:
-    """Everything checked before a request is scheduled that depends on its size: the capture
-    (``VLLM_LENS_MAX_CAPTURE_BYTES``) and named hooks that bound their rows (``max_rows``)."""
-    if lens.capture is not None:
-        check_capture_size(lens.capture, facts, prompt_len, max_tokens, n, request_id)
-    if not any(h.name for h in lens.hooks):
-        return
-    from vllm_lens import named_hooks
-
-    # Hooked requests compute every position (no prefix-cache reads).
-    n_total = min(facts.max_model_len, (facts.max_model_len if prompt_len is None else prompt_len)
-                  + (facts.max_model_len if max_tokens is None else max_tokens))
-    for i, hook in enumerate(lens.hooks):
-        limit = getattr(named_hooks.load(hook.name), "max_rows", None) if hook.name else None
-        if limit is None:
-            continue
-        setting, default = limit
-        cap = int(os.environ.get(setting, str(default)))
-        rows = len(hook.layers) * n_total * max(1, n)
-        if rows > cap:
-            raise LensRequestError(
-                f"{HOOKS_KEY}[{i}]",
-                f"named hook {hook.name!r} would run on up to {rows:,} rows ({len(hook.layers)} "
-                f"layers x {n_total} positions" + (f" x n={n}" if n > 1 else "") + "), above "
-                f"this server's {setting} ({cap:,}); hook fewer layers, lower max_tokens, or "
-                "raise the setting", request_id=request_id)
-
-
 def _parse_layers(raw: Any, facts: ModelFacts, field: str, request_id: str | None) -> tuple[int, ...]:
     if raw is True:
         return tuple(range(facts.n_layers))
@@ -548,11 +476,26 @@ def _parse_steering(raw: Any, facts: ModelFacts, request_id: str | None) -> tupl
     specs = []
     # Every tensor a client sends is charged against one budget before it is decompressed.
     limit = wire.decode_limit(envs.max_decoded_bytes(),
-                              "VLLM_LENS_MAX_DECODED_BYTES (one request's steering tensors)")
+                              "VLLM_LENS_MAX_DECODED_BYTES (one request's steering tensors)",
+                              functools.partial(_check_steering_shape, facts))
     with limit:
         for i, item in enumerate(raw):
             specs.append(_parse_one_vector(item, facts, f"{field}[{i}]", request_id))
     return tuple(specs)
+
+
+def _check_steering_shape(facts: ModelFacts, shape: list[int]) -> None:
+    """A steering tensor's declared shape, vetted against the model before decompression."""
+    if len(shape) not in (2, 3):
+        raise wire.WireError(f"activations must be 2D or 3D, got shape {shape}")
+    if shape[-1] != facts.hidden_size:
+        raise wire.WireError(f"hidden size is {shape[-1]} but the model's is {facts.hidden_size}")
+    if shape[0] > facts.n_layers:
+        raise wire.WireError(f"{shape[0]} rows of layers, but the model has {facts.n_layers} "
+                             "layers (and a layer may appear once)")
+    if len(shape) == 3 and shape[1] > facts.max_model_len:
+        raise wire.WireError(f"{shape[1]} positions, but the model's context is "
+                             f"{facts.max_model_len}")
 
 
 def _parse_one_vector(item: Any, facts: ModelFacts, where: str,
@@ -677,10 +620,18 @@ def _parse_hook(item: Any, facts: ModelFacts, where: str, request_id: str | None
     if not isinstance(item.args, Mapping):
         raise LensRequestError(f"{where}.args", "expected a JSON object", request_id=request_id)
     try:
+        args_json = json.dumps(dict(item.args))
+    except (TypeError, ValueError) as exc:
+        raise LensRequestError(f"{where}.args", f"not JSON-serialisable ({exc})",
+                               request_id=request_id) from None
+    if len(args_json) > MAX_HOOK_ARGS_BYTES:
+        raise LensRequestError(f"{where}.args", f"is {len(args_json):,} bytes of JSON; named "
+                               f"hook arguments are limited to {MAX_HOOK_ARGS_BYTES:,}",
+                               request_id=request_id)
+    try:
         named_hooks.load(str(item.name))(item.args)
     except KeyError as exc:
         raise LensRequestError(f"{where}.name", exc.args[0], request_id=request_id) from None
     except (ValueError, TypeError) as exc:
         raise LensRequestError(f"{where}.args", str(exc), request_id=request_id) from None
-    return HookSpec(layers=layers, pre=item.pre, name=str(item.name),
-                    args=json.dumps(dict(item.args)))
+    return HookSpec(layers=layers, pre=item.pre, name=str(item.name), args=args_json)

@@ -18,7 +18,7 @@ import base64
 import binascii
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -77,12 +77,16 @@ def pack_tensor(tensor: torch.Tensor) -> dict[str, Any]:
 class _Budget:
     """Bytes that the tensors decoded under one ``decode_limit`` may still declare."""
 
-    def __init__(self, max_bytes: int, what: str) -> None:
+    def __init__(self, max_bytes: int, what: str,
+                 check_shape: Callable[[list[int]], None] | None) -> None:
         self.left = max_bytes
         self.max_bytes = max_bytes
         self.what = what
+        self.check_shape = check_shape
 
     def take(self, nbytes: int, shape: list[int], dtype: str) -> None:
+        if self.check_shape is not None:
+            self.check_shape(shape)
         if nbytes > self.left:
             raise WireError(
                 f"tensor of shape {shape} ({dtype}) would take {nbytes:,} bytes decompressed; "
@@ -96,14 +100,17 @@ _budget: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def decode_limit(max_bytes: int, what: str = "this request") -> Iterator[None]:
+def decode_limit(max_bytes: int, what: str = "this request",
+                 check_shape: Callable[[list[int]], None] | None = None) -> Iterator[None]:
     """Bound the decompressed size of every tensor decoded inside the block, together.
 
     Untrusted input (a client's steering vectors) is decoded under a limit: each tensor
     record's declared dtype × shape is charged *before* anything is decompressed, so a small
     compressed record that claims a huge shape is refused without allocating it.
+    ``check_shape`` (raising ``WireError``) vets each declared shape first, e.g. against the
+    model, so that even an allowed size is not decompressed for a tensor of the wrong shape.
     """
-    token = _budget.set(_Budget(max_bytes, what))
+    token = _budget.set(_Budget(max_bytes, what, check_shape))
     try:
         yield
     finally:
@@ -118,7 +125,7 @@ def unpack_tensor(obj: dict[str, Any]) -> torch.Tensor:
     """
     try:
         dtype = DTYPES[obj["dtype"]]
-        shape = [int(s) for s in obj["shape"]]
+        shape = [_dim(s) for s in obj["shape"]]
         data = obj["data"]
         compression = obj.get("compression")
     except (KeyError, TypeError, ValueError) as exc:
@@ -145,6 +152,12 @@ def unpack_tensor(obj: dict[str, Any]) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     buffer = data if isinstance(data, bytearray) else bytearray(data)
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _dim(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"shape entries must be integers, got {value!r}")
+    return value
 
 
 def _decompress(data: bytes, expected: int) -> bytearray:

@@ -184,7 +184,8 @@ def test_logit_lens_in_chunks_equals_one_pass_and_declares_a_row_bound(monkeypat
         return ctx.saved
 
     whole = run()
-    monkeypatch.setattr(named_hooks, "_LOGIT_CHUNK_ELEMENTS", 50 * 4)  # 4 rows per chunk
+    # 4 rows per chunk, and vocabulary slices of 25 rows of the unembedding
+    monkeypatch.setattr(named_hooks, "_LOGIT_CHUNK_ELEMENTS", 50 * 4)
     chunked = run()
     assert torch.equal(whole["token_ids"]["2"], chunked["token_ids"]["2"])
     torch.testing.assert_close(whole["logprobs"]["2"], chunked["logprobs"]["2"])
@@ -193,10 +194,17 @@ def test_logit_lens_in_chunks_equals_one_pass_and_declares_a_row_bound(monkeypat
                                  -1).topk(3, -1)
     assert torch.equal(chunked["token_ids"]["2"], expected.indices)
     assert logit_lens_topk.max_rows == ("VLLM_LENS_LOGIT_LENS_MAX_ROWS", 65536)
+    # A bfloat16 unembedding: logits are still float32 (no rounding of logits to bfloat16).
+    params["lm_head.weight"] = params["lm_head.weight"].bfloat16()
+    half = run()
+    reference = torch.log_softmax(
+        (x * params["model.norm.weight"]) @ params["lm_head.weight"].float().T, -1).topk(3, -1)
+    assert torch.equal(half["token_ids"]["2"], reference.indices)
+    torch.testing.assert_close(half["logprobs"]["2"], reference.values, rtol=1e-5, atol=1e-5)
 
 
 def test_admission_bounds_named_hook_rows(monkeypatch):
-    from vllm_lens.spec import check_admission
+    from vllm_lens.admission import check_admission
 
     monkeypatch.setenv("VLLM_LENS_LOGIT_LENS_MAX_ROWS", "100")
     lens = parse([NamedHook("linear_probe", [0, 1, 2, 3], {"weight": [0.0] * 8}),

@@ -134,3 +134,73 @@ def test_validation_accepts_slices_and_names_the_forms():
     numpy_positions = {"layers": [1], "positions": np.array([3, 1])}
     arr = parse_extra_args({"output_residual_stream": numpy_positions}, lambda: FACTS)[1]
     assert arr.capture.positions == (1, 3)
+
+
+def _run_request(text: str, n_prompt: int, n_computed: int, prefill_chunk: int):
+    """Prefill in chunks, then one decode row per step, through plan -> store; returns the
+    store, the entry and the most bytes the store held at once."""
+    store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
+    lens = LensRequest(key="k", capture=CaptureSpec(layers=(0,), positions=text))
+    steps = [(p, min(prefill_chunk, n_prompt - p)) for p in range(0, n_prompt, prefill_chunk)]
+    steps += [(p, 1) for p in range(n_prompt, n_computed)]
+    peak = 0
+    for pos0, n_rows in steps:
+        s = RequestSlice(req_id="r", lens=lens, start=0, end=n_rows, pos0=pos0, n_prompt=n_prompt)
+        plan = StepPlan.build([s], torch.device("cpu"), frozenset({0}))
+        hidden = torch.arange(pos0, pos0 + n_rows, dtype=torch.float32)[:, None].expand(-1, 4)
+        for group in plan.groups:
+            group.staging = hidden[group.rows][None].clone()
+            group.complete = True
+            store.stage(group)
+        store.settle(wait=True)
+        peak = max(peak, store.nbytes)
+    return store, store.pop("k").get("r"), peak
+
+
+@pytest.mark.parametrize("text", ["all[-3:]", "generated[-5:]", "all[-1]", "generated[-4:-1]"])
+def test_rolling_windows_hold_only_their_last_rows(text):
+    n_prompt, n_computed = 100, 400
+    store, entry, peak = _run_request(text, n_prompt, n_computed, prefill_chunk=32)
+    selector = parse_selector(text)
+    row_bytes = 4 * 4
+    assert peak <= (2 * selector.keep_last + 64 + 16) * row_bytes  # not 400 rows
+    assert peak <= selector.held_bound(400) * row_bytes
+    out = assemble(entry, n_computed)
+    assert out["positions"].tolist() == _python(selector, n_prompt, n_computed)
+
+
+def test_a_rolling_window_past_its_slack_fails_instead_of_returning_wrong_rows():
+    # The scheduler ran 200 positions past the request's real end (valid_len 200): the rows
+    # the window needs were trimmed, which must fail, not return other rows.
+    _, entry, _ = _run_request("all[-3:]", 10, 400, prefill_chunk=10)
+    with pytest.raises(ValueError, match="trimmed while the request ran"):
+        assemble(entry, 200)
+    _, entry, _ = _run_request("all[-3:]", 10, 400, prefill_chunk=10)
+    assert assemble(entry, 380)["positions"].tolist() == [377, 378, 379]  # within the slack
+
+
+def test_held_bounds_cover_what_is_held():
+    for text in SELECTORS + ["generated[2:-1]", "all[:-3]", "all[5:-5]"]:
+        selector = parse_selector(text)
+        for n_prompt, n_computed in [(5, 9), (50, 300), (300, 320)]:
+            _, entry, peak = _run_request(text, n_prompt, n_computed, prefill_chunk=16)
+            base = {"prompt": n_prompt, "generated": n_computed - n_prompt, "all": n_computed}
+            assert peak <= selector.held_bound(base[selector.base]) * 16, (text, n_prompt)
+
+
+def test_admission_bounds_generation_when_the_prompt_is_not_tokenized():
+    from vllm_lens.admission import capture_bound
+
+    facts = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=8,
+                       max_model_len=1000, mapped=True)
+    generated = CaptureSpec(layers=(0,), positions="generated")
+    assert capture_bound(generated, facts, None, 300)[0] == 300
+    assert capture_bound(generated, facts, None, None)[0] == 1000
+    assert capture_bound(generated, facts, 900, 300)[0] == 100
+    prompt = CaptureSpec(layers=(0,), positions="prompt")
+    assert capture_bound(prompt, facts, None, 5)[0] == 1000
+    assert capture_bound(prompt, facts, 12, 5)[0] == 12
+    rolling = CaptureSpec(layers=(0,), positions="generated[-5:]")
+    assert capture_bound(rolling, facts, None, None)[0] == 2 * 5 + 64 + 16
+    assert capture_bound(CaptureSpec(layers=(0, 1), positions=(1, 2, 3)), facts, 12, 5) == (
+        3, 2 * 3 * 8 * 4)

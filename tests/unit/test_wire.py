@@ -109,7 +109,11 @@ import base64, json, resource, sys, zstandard
 from vllm_lens.spec import ModelFacts, parse_extra_args
 from vllm_lens.errors import LensRequestError
 from vllm_lens import wire
-facts = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=8,
+# A model whose hidden size is the bomb's last dimension: the declared shape passes the
+# model check, and only the byte budget stands between it and 512 MiB.
+facts = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=1 << 27,
+                   max_model_len=64, mapped=True)
+small = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=8,
                    max_model_len=64, mapped=True)
 # 512 MiB of zeros in ~16 KB, compressed in pieces so this process never holds them.
 compressor = zstandard.ZstdCompressor().compressobj()
@@ -135,6 +139,10 @@ try:
     wire.unpack_tensor(liar)
 except ValueError as exc:
     messages.append(str(exc))
+try:  # on a real-sized model the declared shape alone is refused
+    parse_extra_args({"apply_steering_vectors": wire_string}, lambda: small)
+except LensRequestError as exc:
+    messages.append(str(exc))
 grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
 print(json.dumps({"len": len(wire_string), "messages": messages, "grown_mib": grown_mib}))
 """
@@ -150,7 +158,8 @@ def test_decompression_bombs_are_refused_before_they_inflate():
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["len"] < 40_000  # a ~25 KB request ...
-    wire_msg, json_msg, liar_msg = report["messages"]
+    wire_msg, json_msg, liar_msg, shape_msg = report["messages"]
+    assert "hidden size is 134217728 but the model's is 8" in shape_msg
     for msg in (wire_msg, json_msg):  # ... refused, naming the size and the setting
         assert "536,870,912 bytes decompressed" in msg and "VLLM_LENS_MAX_DECODED_BYTES" in msg
     assert "need 32" in liar_msg

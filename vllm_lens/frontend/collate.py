@@ -17,13 +17,13 @@ from vllm import SamplingParams
 from vllm.outputs import RequestOutput
 
 from vllm_lens import envs, handoff
+from vllm_lens.admission import check_admission
 from vllm_lens.errors import LensExecutionError, LensRequestError
 from vllm_lens.hooks import HookError
 from vllm_lens.spec import (
     PAYLOAD_KEY,
     LensRequest,
     ModelFacts,
-    check_admission,
     has_lens_keys,
     parse_extra_args,
     reuse_parsed,

@@ -15,6 +15,7 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.llm_engine import LLMEngine
 
 from vllm_lens._patching import wrap_attribute
+from vllm_lens.admission import check_admission
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.collate import (
     LensSession,
@@ -22,7 +23,7 @@ from vllm_lens.frontend.collate import (
     facts_from_describe,
     prompt_length,
 )
-from vllm_lens.spec import check_admission, has_lens_keys, parse_extra_args
+from vllm_lens.spec import has_lens_keys, parse_extra_args
 
 __all__ = ["install"]
 
@@ -42,6 +43,8 @@ def _wrap_render_and_add(original):
     names its index in the caller's list (not vLLM's internal request id)."""
 
     def render_and_add(self, prompts, params, *args, **kwargs):
+        if not any(has_lens_keys(getattr(p, "extra_args", None)) for p in params):
+            return original(self, prompts, params, *args, **kwargs)
         engine = self.llm_engine
         session = LensSession.of(engine)
         prompts = list(prompts)  # engine inputs, tokenized: admission needs their lengths

@@ -25,6 +25,7 @@ All routes live under ``/v1``, so ``--api-key`` guards them like vLLM's own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from vllm_lens.hooks import HookError
 from vllm_lens.spec import (
     HOOKS_KEY,
     LENS_KEYS,
+    STEER_KEY,
     TRANSPORT_KEY,
     LensRequest,
     has_lens_keys,
@@ -124,7 +126,7 @@ def _wrap_endpoint(endpoint: _Endpoint):
                     if isinstance(result, AsyncGenerator):
                         # Start the stream here: a request the engine wrapper refuses
                         # (admission) then gets its 400 instead of an error event.
-                        result = await _started(result)
+                        result = await _Started(result).start()
                 except LensRequestError as exc:  # refused by the engine wrapper (admission)
                     return _request_error(exc)
                 except HookError as exc:  # a client's hook raised: answer, don't crash the route
@@ -136,7 +138,7 @@ def _wrap_endpoint(endpoint: _Endpoint):
                         str(exc), err_type="InternalServerError",
                         status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
             if scope.refused is not None:
-                if isinstance(result, AsyncGenerator):
+                if isinstance(result, _Started):
                     await result.aclose()
                 return _request_error(scope.refused)
             if isinstance(result, ErrorResponse):
@@ -157,27 +159,49 @@ def _wrap_endpoint(endpoint: _Endpoint):
     return make
 
 
-async def _started(stream: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
-    """``stream`` with its first item already produced (the same items, in order)."""
-    try:
-        first = await stream.__anext__()
-    except StopAsyncIteration:
-        first = None
+class _Started:
+    """A stream whose first item was already produced; the same items, in order. ``aclose``
+    closes the underlying stream whether or not iteration resumed."""
 
-    async def rest() -> AsyncGenerator[str, None]:
+    _NOTHING = object()
+
+    def __init__(self, stream: AsyncGenerator[str, None]) -> None:
+        self._stream = stream
+        self._first: Any = self._NOTHING
+
+    async def start(self) -> _Started:
         try:
-            if first is not None:
-                yield first
-            async for item in stream:
-                yield item
-        finally:
-            await stream.aclose()
+            self._first = await self._stream.__anext__()
+        except StopAsyncIteration:
+            pass
+        return self
 
-    return rest()
+    def __aiter__(self) -> _Started:
+        return self
+
+    async def __anext__(self) -> str:
+        if self._first is not self._NOTHING:
+            item, self._first = self._first, self._NOTHING
+            return item
+        return await self._stream.__anext__()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
 
 
-#: Lens values larger than this are parsed on a worker thread, off the event loop.
+#: Lens values larger than this, and every steering value, are parsed on a worker thread.
 _PARSE_INLINE_BYTES = 64 << 10
+#: Requests whose lens values are parsed on threads at once (bounds the decoded bytes in
+#: flight to this many times VLLM_LENS_MAX_DECODED_BYTES).
+_PARSE_CONCURRENCY = 4
+_slots: asyncio.Semaphore | None = None
+
+
+def _parse_slots() -> asyncio.Semaphore:
+    global _slots
+    if _slots is None:
+        _slots = asyncio.Semaphore(_PARSE_CONCURRENCY)
+    return _slots
 
 
 async def _validate(
@@ -197,8 +221,11 @@ async def _validate(
                 "(VLLM_LENS_MAX_REQUEST_BYTES)")
         total += size
     facts = await model_facts(engine) if has_lens_keys(xargs) else None
-    if total > _PARSE_INLINE_BYTES:
-        _, lens = await asyncio.to_thread(parse_extra_args, xargs, lambda: facts)
+    if total > _PARSE_INLINE_BYTES or xargs.get(STEER_KEY) is not None:
+        # Tensors are decompressed on a worker thread (never the event loop), a few requests
+        # at a time (each up to VLLM_LENS_MAX_DECODED_BYTES).
+        async with _parse_slots():
+            _, lens = await asyncio.to_thread(parse_extra_args, xargs, lambda: facts)
     else:
         _, lens = parse_extra_args(xargs, lambda: facts)
     if lens is None:
@@ -235,21 +262,23 @@ def _encode_binary(acts: Mapping[str, Any]) -> dict[str, Any]:
 
 
 async def _with_activation_chunks(
-    stream: AsyncGenerator[str, None], scope: ResponseScope, n: int, endpoint: _Endpoint,
+    stream: _Started, scope: ResponseScope, n: int, endpoint: _Endpoint,
     encode: Callable[[Any], dict[str, Any]],
 ) -> AsyncGenerator[str, None]:
     """Pass the stream through, adding one activations chunk per choice before ``[DONE]``."""
     header: dict[str, Any] | None = None
-    with scope.active():  # the engine requests start when this stream is first iterated
-        async for item in stream:
-            if header is None and item.startswith("data: {"):
-                header = _chunk_header(item)
-            if item == _DONE and header is not None:
-                for index, results in sorted(scope.by_choice(header["id"], n).items()):
-                    choice = {"index": index, **endpoint.empty_choice, "finish_reason": None,
-                              **await asyncio.to_thread(_encode_results, results, encode)}
-                    yield f"data: {json.dumps({**header, 'choices': [choice]})}\n\n"
-            yield item
+    with scope.active():  # the engine requests report their results into this scope
+        async with contextlib.aclosing(stream):  # a client gone mid-stream closes vLLM's
+            async for item in stream:
+                if header is None and item.startswith("data: {"):
+                    header = _chunk_header(item)
+                if item == _DONE and header is not None:
+                    for index, results in sorted(scope.by_choice(header["id"], n).items()):
+                        choice = {"index": index, **endpoint.empty_choice,
+                                  "finish_reason": None,
+                                  **await asyncio.to_thread(_encode_results, results, encode)}
+                        yield f"data: {json.dumps({**header, 'choices': [choice]})}\n\n"
+                yield item
 
 
 def _chunk_header(item: str) -> dict[str, Any] | None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_lens.positions import ROLLING_SLACK
 from vllm_lens.worker.plan import CaptureGroup
 from vllm_lens.worker.store import Entry
 
@@ -70,6 +71,11 @@ def assemble(entry: Entry, valid_len: int) -> dict[str, Any]:
     keep = keep[positions[keep] < valid_len]
     if entry.window is not None:
         lo, hi = entry.window.bounds(entry.n_prompt, valid_len)
+        if lo < entry.floor:
+            raise ValueError(
+                f"the rows of positions {lo}..{entry.floor - 1} were trimmed while the request "
+                f"ran: it ran more than {ROLLING_SLACK} positions past its end (a stop string "
+                "the engine learned of late), so its rolling window cannot be served")
         kept = positions[keep]
         keep = keep[(kept >= lo) & (kept < (valid_len if hi is None else hi))]
     kept_positions = torch.from_numpy(positions[keep].astype(np.int64))

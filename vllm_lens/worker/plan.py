@@ -108,6 +108,10 @@ def select_rows(spec: CaptureSpec, pos0: int, n_rows: int, n_prompt: int) -> np.
     selector = parse_selector(sel)
     assert selector is not None, sel  # validated in the front end
     lo, hi = selector.bounds(n_prompt)
+    if selector.keep_last is not None and selector.base == "all":
+        # A window at the end: the request ends at or after the last prompt position of this
+        # step, so rows more than keep_last before it can never be selected.
+        lo = max(lo, min(pos0 + n_rows, n_prompt) - selector.keep_last)
     first = max(lo - pos0, 0)
     last = n_rows if hi is None else min(hi - pos0, n_rows)
     return np.arange(first, max(first, last))

@@ -106,6 +106,11 @@ class RequestTable:
                 if req_id not in live:
                     record.finished_at = now
                     record.steer = None
+                    if record.hooks is not None:
+                        try:  # what its hooks saved waits for the fetch on the host
+                            record.hooks.to_host()
+                        except Exception as exc:  # noqa: BLE001 -- fail it, not the step
+                            record.fail(exc, "hooks")
             elif now - record.finished_at > ttl:
                 del self.records[req_id]
         while self._closed:

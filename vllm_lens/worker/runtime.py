@@ -205,7 +205,13 @@ class LensRuntime:
             for req_id in [r for r in self._persistent_running if r not in live]:
                 self._persistent_running.discard(req_id)
                 if (state := self.persistent_results.get(req_id)) is not None:
-                    state.to_host()
+                    try:
+                        state.to_host()
+                    except Exception as exc:  # noqa: BLE001 -- keep the error, not the rows
+                        state.runs = []
+                        state.error = {"message": f"vllm-lens could not move the persistent "
+                                       f"hooks' results to the host: {describe(exc)}",
+                                       "traceback": ""}
         persistent = bool(self.persistent_specs)
         slices, hook_calls = [], []
         for sched in self.view.scheduled(plain=persistent):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_lens.positions import Selector
+from vllm_lens.positions import ROLLING_SLACK, Selector
 from vllm_lens.worker.plan import CaptureGroup
 
 __all__ = ["CaptureStore", "Entry"]
@@ -40,6 +40,10 @@ class Entry:
     window: Selector | None = None
     """Re-applied at fetch time (see ``CaptureOwner.window``)."""
     n_prompt: int = 0
+    floor: int = 0
+    """Positions below this may have been trimmed (a rolling window: ``Selector.keep_last``)."""
+    top: int = -1
+    """Highest position filed so far."""
     positions: list[np.ndarray] = field(default_factory=list)
     """One array of absolute positions per step that captured rows."""
     chunks: list[torch.Tensor] = field(default_factory=list)
@@ -130,7 +134,26 @@ class CaptureStore:
             entry.chunks.append(rows)
             entry.nbytes += size
             self._nbytes += size
+            if owner.positions.size:
+                entry.top = max(entry.top, int(owner.positions.max()))
+            if entry.window is not None and entry.window.keep_last is not None:
+                self._trim(entry, entry.top + 1 - entry.window.keep_last - ROLLING_SLACK)
         return over
+
+    def _trim(self, entry: Entry, below: int) -> None:
+        """Drop the chunks whose positions all lie below ``below`` (a rolling window keeps
+        only its last positions while the request runs)."""
+        kept_positions, kept_chunks = [], []
+        for positions, chunk in zip(entry.positions, entry.chunks):
+            if positions.size and int(positions.max()) < below:
+                size = chunk.numel() * chunk.element_size()
+                entry.nbytes -= size
+                self._nbytes -= size
+                entry.floor = max(entry.floor, int(positions.max()) + 1)
+            else:
+                kept_positions.append(positions)
+                kept_chunks.append(chunk)
+        entry.positions, entry.chunks = kept_positions, kept_chunks
 
     def _over_budget(self, size: int) -> str:
         return (f"its captured rows would take this worker past VLLM_LENS_WORKER_MAX_BYTES "

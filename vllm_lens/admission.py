@@ -1,0 +1,110 @@
+"""Admission: refuse, before it is scheduled, a lens request whose size could overload the
+workers (runs in: front end).
+
+Parsing (``spec``) checks what a request *is*; admission checks what it *costs*, which needs
+the request's size: its prompt length (known once the engine input is tokenized), its
+``max_tokens``, its ``n`` and the model's context. Two bounds are enforced:
+
+- a capture may hold at most ``VLLM_LENS_MAX_CAPTURE_BYTES`` on a worker at once: layers × the
+  most rows its selection can keep while the request runs × hidden × dtype bytes × ``n``
+  (reductions happen at fetch time and do not shrink it; rolling windows such as
+  ``"generated[-5:]"`` keep only their last positions, see ``positions.Selector.held_bound``);
+- a named hook that declares ``max_rows = (ENV_VAR, default)`` (``logit_lens_topk``) may run on
+  at most that many rows: hooked layers × positions × ``n`` (hooked requests compute every
+  position, prefix cache or not).
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm_lens import envs
+from vllm_lens.errors import LensRequestError
+from vllm_lens.positions import parse_selector
+from vllm_lens.spec import CAPTURE_KEY, HOOKS_KEY, CaptureSpec, LensRequest, ModelFacts
+
+__all__ = ["capture_bound", "check_admission", "check_capture_size"]
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def _lengths(facts: ModelFacts, prompt_len: int | None,
+             max_tokens: int | None) -> dict[str, int]:
+    """The most positions each range can have: the prompt (its length, or the whole context if
+    it is not tokenized yet), the generated tokens and all of them, within the context."""
+    context = facts.max_model_len
+    budget = context if max_tokens is None else max_tokens
+    if prompt_len is None:  # any split of the context: bound each range by itself
+        return {"prompt": context, "generated": min(budget, context), "all": context}
+    prompt = min(prompt_len, context)
+    generated = max(0, min(budget, context - prompt))
+    return {"prompt": prompt, "generated": generated, "all": prompt + generated}
+
+
+def capture_bound(spec: CaptureSpec, facts: ModelFacts, prompt_len: int | None,
+                  max_tokens: int | None) -> tuple[int, int]:
+    """(rows, bytes): the most rows one sample of a request holds on a worker at once, all
+    layers together, and their size."""
+    lengths = _lengths(facts, prompt_len, max_tokens)
+    if isinstance(spec.positions, tuple):
+        rows = min(len(spec.positions), lengths["all"])
+    else:
+        selector = parse_selector(spec.positions)
+        assert selector is not None, spec.positions  # validated by spec
+        rows = selector.held_bound(lengths[selector.base])
+    itemsize = _ITEMSIZE.get(facts.dtype, 4)
+    return rows, len(spec.layers) * rows * facts.hidden_size * itemsize
+
+
+def check_capture_size(spec: CaptureSpec, facts: ModelFacts, prompt_len: int | None,
+                       max_tokens: int | None, n: int, request_id: str | None = None) -> None:
+    """Refuse a capture that could hold more than ``VLLM_LENS_MAX_CAPTURE_BYTES``."""
+    rows, per_sample = capture_bound(spec, facts, prompt_len, max_tokens)
+    total = per_sample * max(1, n)
+    cap = envs.max_capture_bytes()
+    if total > cap:
+        raise LensRequestError(
+            CAPTURE_KEY,
+            f"could hold up to {total:,} bytes ({len(spec.layers)} layers x {rows} positions x "
+            f"hidden {facts.hidden_size} x {_ITEMSIZE.get(facts.dtype, 4)} bytes "
+            f"({facts.dtype})" + (f" x n={n}" if n > 1 else "") + f"), above this server's "
+            f"VLLM_LENS_MAX_CAPTURE_BYTES ({cap:,}); select fewer layers or positions (e.g. "
+            "'prompt[-1]', 'generated[-16:]'), lower max_tokens, or raise the setting",
+            request_id=request_id)
+
+
+def check_admission(lens: LensRequest, facts: ModelFacts, prompt_len: int | None,
+                    max_tokens: int | None, n: int, request_id: str | None = None) -> None:
+    """Refuse ``lens`` if its capture or a row-bounded named hook is too large."""
+    if lens.capture is not None:
+        check_capture_size(lens.capture, facts, prompt_len, max_tokens, n, request_id)
+    if not any(h.name for h in lens.hooks):
+        return
+    from vllm_lens import named_hooks
+
+    positions = _lengths(facts, prompt_len, max_tokens)["all"]
+    for i, hook in enumerate(lens.hooks):
+        limit = getattr(named_hooks.load(hook.name), "max_rows", None) if hook.name else None
+        if limit is None:
+            continue
+        setting, default = limit
+        cap = _int_setting(setting, default)
+        rows = len(hook.layers) * positions * max(1, n)
+        if rows > cap:
+            raise LensRequestError(
+                f"{HOOKS_KEY}[{i}]",
+                f"named hook {hook.name!r} would run on up to {rows:,} rows ({len(hook.layers)} "
+                f"layers x {positions} positions" + (f" x n={n}" if n > 1 else "") + "), above "
+                f"this server's {setting} ({cap:,}); hook fewer layers, lower max_tokens, or "
+                "raise the setting", request_id=request_id)
+
+
+def _int_setting(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise LensRequestError(name, f"the server's setting {name}={raw!r} is not an integer; "
+                               "the operator must fix it") from None

@@ -6,6 +6,7 @@ nowhere over HTTP."""
 from __future__ import annotations
 
 import base64
+import contextlib
 
 import httpx
 import pytest
@@ -46,10 +47,12 @@ def test_offline_admission_refuses_before_anything_runs(tiny_llm, monkeypatch):
 
 @pytest.fixture(scope="module")
 def small_budget_llm(tiny_path):
-    """A tiny engine whose workers hold at most 64 KiB of captured rows."""
-    with env(VLLM_LENS_WORKER_MAX_BYTES=str(64 << 10)):
-        with running_llm(tiny_path, enforce_eager=True) as llm:
-            yield llm
+    """A tiny engine whose workers hold at most 64 KiB of captured rows (the setting is in
+    the environment only while its workers start, so engines started later keep the default)."""
+    with contextlib.ExitStack() as stack:
+        with env(VLLM_LENS_WORKER_MAX_BYTES=str(64 << 10)):
+            llm = stack.enter_context(running_llm(tiny_path, enforce_eager=True))
+        yield llm
 
 
 def test_worker_budget_fails_the_request_that_exceeds_it_alone(small_budget_llm):

@@ -67,21 +67,31 @@ def test_bounds_match_python_slicing(text, n_prompt, n_seen):
     assert lo == hi or (lo_open <= lo and (hi_open is None or hi <= hi_open))
 
 
-def _capture_in_steps(text: str, n_prompt: int, n_seen: int, reduce=None, chunk=3):
-    """Run a request of ``n_seen`` computed positions through plan -> store -> assemble in
-    steps of ``chunk`` rows; row ``p`` holds the value ``p``."""
-    store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
-    lens = LensRequest(key="k", capture=CaptureSpec(layers=(0,), positions=text, reduce=reduce))
-    for pos0 in range(0, n_seen + 2, chunk):  # two surplus positions past the stop
-        n_rows = min(chunk, n_seen + 2 - pos0)
+def _file_steps(store: CaptureStore, lens: LensRequest, steps, n_prompt: int,
+                width: int) -> int:
+    """Run (pos0, n_rows) steps of request ``r`` through plan -> store, row ``p`` holding the
+    value ``p``; returns the most bytes the store held at once."""
+    peak = 0
+    for pos0, n_rows in steps:
         s = RequestSlice(req_id="r", lens=lens, start=0, end=n_rows, pos0=pos0, n_prompt=n_prompt)
         plan = StepPlan.build([s], torch.device("cpu"), frozenset({0}))
-        hidden = torch.arange(pos0, pos0 + n_rows, dtype=torch.float32)[:, None].expand(-1, 2)
+        hidden = torch.arange(pos0, pos0 + n_rows, dtype=torch.float32)[:, None].expand(-1, width)
         for group in plan.groups:
             group.staging = hidden[group.rows][None].clone()
             group.complete = True
             store.stage(group)
         store.settle(wait=True)
+        peak = max(peak, store.nbytes)
+    return peak
+
+
+def _capture_in_steps(text: str, n_prompt: int, n_seen: int, reduce=None, chunk=3):
+    """A request of ``n_seen`` computed positions (and two surplus ones past the stop) in
+    steps of ``chunk`` rows, assembled."""
+    store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
+    lens = LensRequest(key="k", capture=CaptureSpec(layers=(0,), positions=text, reduce=reduce))
+    steps = [(p, min(chunk, n_seen + 2 - p)) for p in range(0, n_seen + 2, chunk)]
+    _file_steps(store, lens, steps, n_prompt, width=2)
     entries = store.pop("k")
     return None if not entries else assemble(entries["r"], n_seen)
 
@@ -137,23 +147,13 @@ def test_validation_accepts_slices_and_names_the_forms():
 
 
 def _run_request(text: str, n_prompt: int, n_computed: int, prefill_chunk: int):
-    """Prefill in chunks, then one decode row per step, through plan -> store; returns the
-    store, the entry and the most bytes the store held at once."""
+    """Prefill in chunks, then one decode row per step; returns the store, the request's
+    entry and the most bytes the store held at once."""
     store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
     lens = LensRequest(key="k", capture=CaptureSpec(layers=(0,), positions=text))
     steps = [(p, min(prefill_chunk, n_prompt - p)) for p in range(0, n_prompt, prefill_chunk)]
     steps += [(p, 1) for p in range(n_prompt, n_computed)]
-    peak = 0
-    for pos0, n_rows in steps:
-        s = RequestSlice(req_id="r", lens=lens, start=0, end=n_rows, pos0=pos0, n_prompt=n_prompt)
-        plan = StepPlan.build([s], torch.device("cpu"), frozenset({0}))
-        hidden = torch.arange(pos0, pos0 + n_rows, dtype=torch.float32)[:, None].expand(-1, 4)
-        for group in plan.groups:
-            group.staging = hidden[group.rows][None].clone()
-            group.complete = True
-            store.stage(group)
-        store.settle(wait=True)
-        peak = max(peak, store.nbytes)
+    peak = _file_steps(store, lens, steps, n_prompt, width=4)
     return store, store.pop("k").get("r"), peak
 
 

@@ -298,14 +298,25 @@ def _not_found(handle: str) -> JSONResponse:
         err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND, param="handle"))
 
 
+_FETCH_BODY_MAX = 4096
+
+
+async def _read_small(raw_request: Request, limit: int) -> bytes:
+    """The request body, read no further than ``limit`` bytes (``ValueError`` past it)."""
+    body = bytearray()
+    async for chunk in raw_request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ValueError(f"body larger than {limit} bytes")
+    return bytes(body)
+
+
 @_router.post(FETCH_PATH)
 async def fetch_activations(raw_request: Request) -> Response:
     """The bytes of a handle named in the body (kept out of URLs and access logs); with
     ``"delete": true`` (the default) they are freed as they are served."""
-    body = await raw_request.body()
     try:
-        if len(body) > 4096:
-            raise ValueError("body too large")
+        body = await _read_small(raw_request, _FETCH_BODY_MAX)
         request = json.loads(body)
         handle = valid_handle(request.get("handle"))
         delete = request.get("delete", True)

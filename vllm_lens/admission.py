@@ -17,11 +17,21 @@ the request's size: its prompt length (known once the engine input is tokenized)
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from vllm_lens import envs
 from vllm_lens.errors import LensRequestError
 from vllm_lens.positions import parse_selector
-from vllm_lens.spec import CAPTURE_KEY, HOOKS_KEY, CaptureSpec, LensRequest, ModelFacts
+from vllm_lens.points import ATTENTION_SIGNALS, RESIDUAL_SIGNAL
+from vllm_lens.spec import (
+    ACTIVATIONS_KEY,
+    CAPTURE_KEY,
+    HOOKS_KEY,
+    QK_KEY,
+    CaptureSpec,
+    LensRequest,
+    ModelFacts,
+)
 
 __all__ = ["capture_bound", "check_admission", "check_capture_size"]
 
@@ -53,31 +63,41 @@ def capture_bound(spec: CaptureSpec, facts: ModelFacts, prompt_len: int | None,
         assert selector is not None, spec.positions  # validated by spec
         rows = selector.held_bound(lengths[selector.base])
     itemsize = _ITEMSIZE.get(facts.dtype, 4)
-    return rows, len(spec.layers) * rows * facts.hidden_size * itemsize
+    return rows, len(spec.layers) * rows * facts.row_width(spec.signal) * itemsize
 
 
-def check_capture_size(spec: CaptureSpec, facts: ModelFacts, prompt_len: int | None,
-                       max_tokens: int | None, n: int, request_id: str | None = None) -> None:
-    """Refuse a capture that could hold more than ``VLLM_LENS_MAX_CAPTURE_BYTES``."""
-    rows, per_sample = capture_bound(spec, facts, prompt_len, max_tokens)
-    total = per_sample * max(1, n)
+def check_capture_size(specs: CaptureSpec | Sequence[CaptureSpec], facts: ModelFacts,
+                       prompt_len: int | None, max_tokens: int | None, n: int,
+                       request_id: str | None = None) -> None:
+    """Refuse captures that together could hold more than ``VLLM_LENS_MAX_CAPTURE_BYTES``."""
+    specs = (specs,) if isinstance(specs, CaptureSpec) else tuple(specs)
+    bounds = [capture_bound(spec, facts, prompt_len, max_tokens) for spec in specs]
+    total = sum(size for _, size in bounds) * max(1, n)
     cap = envs.max_capture_bytes()
-    if total > cap:
-        raise LensRequestError(
-            CAPTURE_KEY,
-            f"could hold up to {total:,} bytes ({len(spec.layers)} layers x {rows} positions x "
-            f"hidden {facts.hidden_size} x {_ITEMSIZE.get(facts.dtype, 4)} bytes "
-            f"({facts.dtype})" + (f" x n={n}" if n > 1 else "") + f"), above this server's "
-            f"VLLM_LENS_MAX_CAPTURE_BYTES ({cap:,}); select fewer layers or positions (e.g. "
-            "'prompt[-1]', 'generated[-16:]'), lower max_tokens, or raise the setting",
-            request_id=request_id)
+    if total <= cap:
+        return
+    (rows, _), spec = max(zip(bounds, specs), key=lambda pair: pair[0][1])
+    field = (CAPTURE_KEY if spec.signal == RESIDUAL_SIGNAL
+             else QK_KEY if spec.signal in ATTENTION_SIGNALS
+             else f"{ACTIVATIONS_KEY}.{spec.signal}")
+    width = (f"hidden {facts.hidden_size}" if facts.row_width(spec.signal) == facts.hidden_size
+             else f"{facts.row_width(spec.signal)} values")
+    together = f"; {len(specs)} signals together" if len(specs) > 1 else ""
+    raise LensRequestError(
+        field,
+        f"could hold up to {total:,} bytes ({len(spec.layers)} layers x {rows} positions x "
+        f"{width} x {_ITEMSIZE.get(facts.dtype, 4)} bytes ({facts.dtype})"
+        + (f" x n={n}" if n > 1 else "") + f"{together}), above this server's "
+        f"VLLM_LENS_MAX_CAPTURE_BYTES ({cap:,}); select fewer layers or positions (e.g. "
+        "'prompt[-1]', 'generated[-16:]'), lower max_tokens, or raise the setting",
+        request_id=request_id)
 
 
 def check_admission(lens: LensRequest, facts: ModelFacts, prompt_len: int | None,
                     max_tokens: int | None, n: int, request_id: str | None = None) -> None:
-    """Refuse ``lens`` if its capture or a row-bounded named hook is too large."""
-    if lens.capture is not None:
-        check_capture_size(lens.capture, facts, prompt_len, max_tokens, n, request_id)
+    """Refuse ``lens`` if its captures (together) or a row-bounded named hook are too large."""
+    if lens.captures:
+        check_capture_size(lens.captures, facts, prompt_len, max_tokens, n, request_id)
     if not any(h.name for h in lens.hooks):
         return
     from vllm_lens import named_hooks

@@ -115,11 +115,11 @@ def discard(handoff: Handoff) -> None:
 
 def discard_fetched(fetched: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> None:
     """``discard`` every capture of one rank's ``lens_fetch`` result (``{lens key: {request
-    id: {"capture": handoff, ...}}}``)."""
+    id: {"captures": {signal: handoff}, ...}}}``)."""
     for requests in fetched.values():
         for parts in requests.values():
-            if parts.get("capture") is not None:
-                discard(parts["capture"])
+            for handoff in (parts.get("captures") or {}).values():
+                discard(handoff)
 
 
 def sweep(max_age_s: float = 3600.0) -> int:

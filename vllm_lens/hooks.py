@@ -5,7 +5,8 @@ A hook is ``fn(ctx, hidden) -> Tensor | None``, called once per hooked layer per
 for that request only. ``hidden`` is the request's rows of the **full** residual stream in this
 step, ``(n_tokens_in_step, hidden_size)``: after the layer (``pre=False``) or entering it
 (``pre=True``); for fused-residual models (Llama, Qwen2) that is ``hidden + residual``, never
-half of it. ``hidden`` is a copy: returning a tensor of the same shape and dtype replaces the
+half of it. ``hook_point`` picks another point of the layer (``attn_out``, ``resid_mid``,
+``mlp_out``; see ``vllm_lens.points``): the hook then sees and replaces that signal. ``hidden`` is a copy: returning a tensor of the same shape and dtype replaces the
 request's rows, returning ``None`` leaves them. At each layer the order is: steering, then
 hooks (in list order), then capture — so captures show what hooks wrote.
 
@@ -60,6 +61,9 @@ class Hook:
     fn: Callable[[HookContext, torch.Tensor], torch.Tensor | None]
     layer_indices: Sequence[int]
     pre: bool = False
+    hook_point: str | None = None
+    """Where the hook runs (``vllm_lens.points.STEERABLE``): default ``resid_post``, or
+    ``resid_pre`` with ``pre=True``."""
 
 
 @dataclass(frozen=True)
@@ -70,10 +74,14 @@ class NamedHook:
     layer_indices: Sequence[int]
     args: Mapping[str, Any] = field(default_factory=dict)
     pre: bool = False
+    hook_point: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "layer_indices": list(self.layer_indices),
-                "args": dict(self.args), "pre": self.pre}
+        out = {"name": self.name, "layer_indices": list(self.layer_indices),
+               "args": dict(self.args), "pre": self.pre}
+        if self.hook_point is not None:
+            out["hook_point"] = self.hook_point
+        return out
 
 
 class HookError(LensError):

@@ -27,11 +27,14 @@ from vllm_lens.errors import (
     UnsupportedConfigError,
     UnsupportedModelError,
 )
+from vllm_lens import points as tap_points
 from vllm_lens.positions import NAMED as POSITION_SELECTORS
 from vllm_lens.positions import parse_selector
 
 __all__ = [
+    "ACTIVATIONS_KEY",
     "CAPTURE_KEY",
+    "QK_KEY",
     "LENS_KEYS",
     "STEER_KEY",
     "SteerSpec",
@@ -52,6 +55,10 @@ __all__ = [
 ]
 
 CAPTURE_KEY = "output_residual_stream"
+#: Capture at any tap point: ``{point: layers | true | {"layers", "positions", "reduce"}}``.
+ACTIVATIONS_KEY = "output_activations"
+#: Post-RoPE Q and K of chosen layers (vllm-lens 1.3.0's key): ``true`` or a list of layers.
+QK_KEY = "output_qk"
 STEER_KEY = "apply_steering_vectors"
 #: How the OpenAI server returns activations (``"json"`` inline, ``"binary"`` by handle).
 #: Offline engines return tensors and only validate it.
@@ -59,7 +66,7 @@ TRANSPORT_KEY = "activations_transport"
 TRANSPORTS = ("json", "binary")
 #: Every key vllm-lens reads from ``extra_args``; near-misses of these are reported as typos.
 HOOKS_KEY = "apply_hooks"
-LENS_KEYS = (CAPTURE_KEY, STEER_KEY, HOOKS_KEY, TRANSPORT_KEY)
+LENS_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, TRANSPORT_KEY)
 #: The reserved ``extra_args`` entry that carries the validated spec to the workers.
 PAYLOAD_KEY = "vllm_lens"
 PAYLOAD_VERSION = 1
@@ -92,6 +99,27 @@ class ModelFacts:
     speculative: bool = False
     """Speculative decoding is on: hooks are refused (they would see draft tokens that the
     sampler may reject)."""
+    sites: tuple[str, ...] = ("pre", "post")
+    """Tap sites the workers installed (``points.SITES``): points at other sites are refused."""
+    d_mlp: int = 0
+    """Width of ``mlp_post`` (the MLP's intermediate size), 0 if unknown."""
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    head_dim: int = 0
+    tp_size: int = 1
+    qk_meta: tuple[Mapping[str, Any], ...] = ()
+    """Per layer: what ``vllm_lens.attention`` needs to rebuild the attention pattern
+    (``scale``, ``logits_soft_cap``, ``sliding_window``, ``alibi_slopes``, ``sinks``)."""
+
+    def row_width(self, signal: str) -> int:
+        """Elements per captured row of ``signal``."""
+        if signal == "attn_k":
+            return self.n_kv_heads * self.head_dim
+        if signal in ("attn_q", "attn_z"):
+            return self.n_heads * self.head_dim
+        if signal == "mlp_post":
+            return self.d_mlp
+        return self.hidden_size
 
 
 @dataclass(frozen=True)
@@ -106,6 +134,21 @@ class CaptureSpec:
     layers: tuple[int, ...]
     positions: str | tuple[int, ...] = "all"
     reduce: str | None = None
+    signal: str = tap_points.RESIDUAL_SIGNAL
+    """What is captured: ``residual_stream`` (``output_residual_stream``), a tap point
+    (``output_activations``), or ``attn_q`` / ``attn_k`` (``output_qk``)."""
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "signal": self.signal, "reduce": self.reduce,
+                "positions": self.positions if isinstance(self.positions, str)
+                else list(self.positions)}
+
+    @classmethod
+    def from_payload(cls, d: Mapping[str, Any]) -> CaptureSpec:
+        positions = d["positions"]
+        return cls(layers=tuple(int(x) for x in d["layers"]),
+                   positions=positions if isinstance(positions, str) else tuple(positions),
+                   reduce=d["reduce"], signal=str(d.get("signal", tap_points.RESIDUAL_SIGNAL)))
 
     def wants_prompt_rows(self) -> bool:
         """True if any prompt position may be selected (so prefix-cache hits must be recomputed)."""
@@ -127,11 +170,13 @@ class SteerSpec:
     norm_match: bool
     positions: tuple[int, ...] | None
     """Absolute positions of 3D rows; ``None`` for 2D vectors, which apply at every position."""
+    point: str = "resid_post"
+    """The tap point the vectors are added at (``points.STEERABLE``)."""
 
     def to_payload(self) -> dict[str, Any]:
         return {
             "layers": list(self.layers), "vectors": self.vectors, "scale": self.scale,
-            "norm_match": self.norm_match,
+            "norm_match": self.norm_match, "point": self.point,
             "positions": None if self.positions is None else list(self.positions),
         }
 
@@ -142,6 +187,7 @@ class SteerSpec:
             layers=tuple(int(x) for x in d["layers"]), vectors=bytes(d["vectors"]),
             scale=float(d["scale"]), norm_match=bool(d["norm_match"]),
             positions=None if positions is None else tuple(int(p) for p in positions),
+            point=str(d.get("point", "resid_post")),
         )
 
 
@@ -156,17 +202,24 @@ class HookSpec:
     name: str | None = None
     """A named hook (entry-point group ``vllm_lens.hooks``) and its JSON arguments."""
     args: str = "{}"
+    point: str = ""
+    """The tap point the hook runs at (``points.STEERABLE``); empty: ``resid_pre`` if ``pre``,
+    else ``resid_post``."""
+
+    def __post_init__(self) -> None:
+        if not self.point:
+            object.__setattr__(self, "point", "resid_pre" if self.pre else "resid_post")
 
     def to_payload(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "pre": self.pre, "pickled": self.pickled,
-                "name": self.name, "args": self.args}
+                "name": self.name, "args": self.args, "point": self.point}
 
     @classmethod
     def from_payload(cls, d: Mapping[str, Any]) -> HookSpec:
         pickled = d.get("pickled")
         return cls(layers=tuple(int(x) for x in d["layers"]), pre=bool(d["pre"]),
                    pickled=None if pickled is None else bytes(pickled), name=d.get("name"),
-                   args=str(d.get("args", "{}")))
+                   args=str(d.get("args", "{}")), point=str(d.get("point", "")))
 
 
 @dataclass(frozen=True)
@@ -180,6 +233,18 @@ class LensRequest:
     hooks: tuple[HookSpec, ...] = ()
     fault: str | None = None
     """Test-only: the stage at which the worker fails this request (``vllm_lens.faults``)."""
+    points: tuple[CaptureSpec, ...] = ()
+    """Captures at tap points (``output_activations``) and Q/K (``output_qk``), one per
+    signal."""
+
+    @property
+    def captures(self) -> tuple[CaptureSpec, ...]:
+        """Every capture of the request: the residual stream's (if any) and the points'."""
+        return self.points if self.capture is None else (self.capture, *self.points)
+
+    @property
+    def qk_layers(self) -> tuple[int, ...]:
+        return next((c.layers for c in self.points if c.signal == "attn_q"), ())
 
     @property
     def needs_fetch(self) -> bool:
@@ -202,7 +267,7 @@ class LensRequest:
             return None
         digest = hashlib.sha256()
         for s in self.steer:
-            digest.update(repr((s.layers, s.scale, s.norm_match, s.positions)).encode())
+            digest.update(repr((s.layers, s.scale, s.norm_match, s.positions, s.point)).encode())
             digest.update(s.vectors)
         return "vllm-lens:" + digest.hexdigest()[:32]
 
@@ -217,12 +282,9 @@ class LensRequest:
         if self.fault is not None:
             payload["fault"] = self.fault
         if self.capture is not None:
-            c = self.capture
-            payload["capture"] = {
-                "layers": list(c.layers),
-                "positions": c.positions if isinstance(c.positions, str) else list(c.positions),
-                "reduce": c.reduce,
-            }
+            payload["capture"] = self.capture.to_payload()
+        if self.points:
+            payload["points"] = [c.to_payload() for c in self.points]
         return payload
 
     @classmethod
@@ -232,17 +294,13 @@ class LensRequest:
             raise ValueError(f"not a vllm-lens v{PAYLOAD_VERSION} payload")
         capture = None
         if (c := payload.get("capture")) is not None:
-            positions = c["positions"]
-            capture = CaptureSpec(
-                layers=tuple(int(x) for x in c["layers"]),
-                positions=positions if isinstance(positions, str) else tuple(positions),
-                reduce=c["reduce"],
-            )
+            capture = CaptureSpec.from_payload(c)
+        points = tuple(CaptureSpec.from_payload(c) for c in payload.get("points", ()))
         steer = tuple(SteerSpec.from_payload(d) for d in payload.get("steer", ()))
         hooks = tuple(HookSpec.from_payload(d) for d in payload.get("hooks", ()))
         fault = payload.get("fault")
         return cls(key=str(payload["key"]), capture=capture, steer=steer, hooks=hooks,
-                   fault=None if fault is None else str(fault))
+                   fault=None if fault is None else str(fault), points=points)
 
 
 def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
@@ -279,22 +337,30 @@ def parse_extra_args(
         raise LensRequestError(TRANSPORT_KEY, f"unknown transport {transport!r}; use 'json' or "
                                "'binary'", request_id=request_id)
     raw_capture = rest.pop(CAPTURE_KEY, None)
+    raw_points = rest.pop(ACTIVATIONS_KEY, None)
+    raw_qk = rest.pop(QK_KEY, None)
     raw_steer = rest.pop(STEER_KEY, None)
     raw_hooks = rest.pop(HOOKS_KEY, None)
     fault = _parse_fault(rest.pop(faults.FAULT_KEY, None), request_id)
     if raw_capture is False:
         raw_capture = None
-    if raw_capture is None and raw_steer is None and raw_hooks is None:
+    if raw_qk is False:
+        raw_qk = None
+    asked = [(k, v) for k, v in ((CAPTURE_KEY, raw_capture), (ACTIVATIONS_KEY, raw_points),
+                                 (QK_KEY, raw_qk), (STEER_KEY, raw_steer), (HOOKS_KEY, raw_hooks))
+             if v is not None]
+    if not asked:
         return rest, None
-    first_key = next(k for k, v in ((CAPTURE_KEY, raw_capture), (STEER_KEY, raw_steer),
-                                    (HOOKS_KEY, raw_hooks)) if v is not None)
     facts = facts()
-    check_engine(facts, first_key, hooks=raw_hooks is not None, request_id=request_id)
+    check_engine(facts, asked[0][0], hooks=raw_hooks is not None, request_id=request_id)
     capture = None if raw_capture is None else _parse_capture(raw_capture, facts, request_id)
+    points = () if raw_points is None else _parse_points(raw_points, facts, request_id)
+    if raw_qk is not None:
+        points = (*points, *_parse_qk(raw_qk, facts, request_id))
     steer = () if raw_steer is None else _parse_steering(raw_steer, facts, request_id)
     hooks = () if raw_hooks is None else parse_hooks(raw_hooks, facts, request_id)
     return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
-                             fault=fault)
+                             fault=fault, points=points)
 
 
 def reuse_parsed(
@@ -303,7 +369,7 @@ def reuse_parsed(
     """``parse_extra_args(extra_args)`` without parsing again, when its lens values are those
     ``lens`` was parsed from (``parsed_from``): the same spec under a fresh key. ``None`` if
     they differ."""
-    own = (CAPTURE_KEY, STEER_KEY, HOOKS_KEY, faults.FAULT_KEY)
+    own = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, faults.FAULT_KEY)
     extra_args = extra_args or {}
     if any(extra_args.get(k) != parsed_from.get(k) for k in own) or PAYLOAD_KEY in extra_args:
         return None
@@ -351,8 +417,8 @@ def _parse_fault(raw: Any, request_id: str | None) -> str | None:
     return raw
 
 
-def _parse_capture(raw: Any, facts: ModelFacts, request_id: str | None) -> CaptureSpec:
-    field = CAPTURE_KEY
+def _parse_capture(raw: Any, facts: ModelFacts, request_id: str | None,
+                   field: str = CAPTURE_KEY) -> CaptureSpec:
     if isinstance(raw, str):  # HTTP's vllm_xargs carries structured values as JSON strings
         try:
             raw = json.loads(raw)
@@ -376,6 +442,69 @@ def _parse_capture(raw: Any, facts: ModelFacts, request_id: str | None) -> Captu
             reduce=_parse_reduce(raw.get("reduce"), f"{field}.reduce", request_id),
         )
     return CaptureSpec(layers=_parse_layers(raw, facts, field, request_id))
+
+
+def _parse_points(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[CaptureSpec, ...]:
+    """``output_activations``: ``{point: layers | true | {"layers", "positions", "reduce"}}``;
+    a ``blocks.{L}.`` name fixes the layer (then its value is ``true`` or a dict without
+    ``layers``). Names that resolve to the same point merge their layers if their positions
+    and reduction agree."""
+    field = ACTIVATIONS_KEY
+    raw = _json_value(raw, field, request_id)
+    if not isinstance(raw, Mapping) or not raw:
+        raise LensRequestError(field, "expected a non-empty object {point: layers | true | "
+                               f"{{layers, positions, reduce}}}}; points: "
+                               f"{', '.join(tap_points.POINTS)}", request_id=request_id)
+    merged: dict[str, CaptureSpec] = {}
+    for name, value in raw.items():
+        where = f"{field}.{name}"
+        try:
+            point, layer = tap_points.resolve(name)
+        except KeyError as exc:
+            raise LensRequestError(where, exc.args[0], request_id=request_id) from None
+        _check_site(point, facts, where, request_id)
+        if layer is not None:
+            if value is True or value == "true":
+                value = {}
+            if not isinstance(value, Mapping) or "layers" in value:
+                raise LensRequestError(where, "a blocks.<layer>. name fixes the layer: give true "
+                                       "or {positions, reduce}", request_id=request_id)
+            value = {**value, "layers": [layer]}
+        spec = dataclasses.replace(_parse_capture(value, facts, request_id, field=where),
+                                   signal=point)
+        if (old := merged.get(point)) is not None:
+            if (old.positions, old.reduce) != (spec.positions, spec.reduce):
+                raise LensRequestError(where, f"names the point {point} again with other "
+                                       "positions or reduce; use one entry per point",
+                                       request_id=request_id)
+            spec = dataclasses.replace(old, layers=tuple(sorted(set(old.layers + spec.layers))))
+        merged[point] = spec
+    return tuple(merged.values())
+
+
+def _check_site(point: str, facts: ModelFacts, where: str, request_id: str | None) -> None:
+    """Refuse a point whose site this model's taps do not have, or that needs what is not
+    proven here (the attention and MLP internals are per rank under tensor parallelism)."""
+    site = tap_points.site_of(point)
+    if site not in facts.sites:
+        raise UnsupportedModelError(
+            where, f"the tap point {point} is not available on {facts.model_class} (its "
+            f"layers have taps at {', '.join(facts.sites)} only)", request_id=request_id)
+    if site in ("act", "attn") and facts.tp_size > 1:
+        raise UnsupportedConfigError(
+            where, f"{point} is sharded across tensor-parallel ranks and gathering it is not "
+            f"supported yet (tensor_parallel_size={facts.tp_size}); use "
+            "tensor_parallel_size=1, or pipeline parallelism", request_id=request_id)
+
+
+def _parse_qk(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[CaptureSpec, ...]:
+    """``output_qk``: ``true`` or a list of layers -> the ``attn_q`` and ``attn_k`` captures
+    (every position: an attention pattern needs all keys)."""
+    raw = _json_value(raw, QK_KEY, request_id)
+    _check_site("attn_q", facts, QK_KEY, request_id)
+    layers = _parse_layers(raw, facts, QK_KEY, request_id)
+    return (CaptureSpec(layers=layers, signal="attn_q"),
+            CaptureSpec(layers=layers, signal="attn_k"))
 
 
 def _parse_layers(raw: Any, facts: ModelFacts, field: str, request_id: str | None) -> tuple[int, ...]:
@@ -537,10 +666,26 @@ def _check_against_model(sv: Any, facts: ModelFacts, where: str,
     positions = sv.positions
     if positions is not None:
         _sorted_indices(positions, f"{where}.position_indices", _position_rule(facts), request_id)
+    point = _parse_write_point(sv.hook_point, facts, f"{where}.hook_point", request_id)
     return SteerSpec(
         layers=tuple(sv.layer_indices), vectors=wire.dumps(sv.activations), scale=sv.scale,
         norm_match=sv.norm_match, positions=None if positions is None else tuple(positions),
+        point=point,
     )
+
+
+def _parse_write_point(raw: Any, facts: ModelFacts, where: str, request_id: str | None) -> str:
+    """A point steering or a hook writes to: one of ``points.STEERABLE`` (or an alias)."""
+    try:
+        point, layer = tap_points.resolve(raw)
+    except KeyError as exc:
+        raise LensRequestError(where, exc.args[0], request_id=request_id) from None
+    if layer is not None or point not in tap_points.STEERABLE:
+        raise LensRequestError(where, f"{raw!r} cannot be written to; use one of "
+                               f"{', '.join(tap_points.STEERABLE)} (layers go in "
+                               "layer_indices)", request_id=request_id)
+    _check_site(point, facts, where, request_id)
+    return point
 
 
 def parse_hooks(raw: Any, facts: ModelFacts, request_id: str | None = None) -> tuple[HookSpec, ...]:
@@ -593,12 +738,13 @@ def _parse_hook(item: Any, facts: ModelFacts, where: str, request_id: str | None
             raise LensRequestError(where, f"cannot unpickle the hook: {exc!r}",
                                    request_id=request_id) from None
     if isinstance(item, Mapping):
-        unknown = set(item) - {"name", "layer_indices", "args", "pre"}
+        unknown = set(item) - {"name", "layer_indices", "args", "pre", "hook_point"}
         if unknown or "name" not in item or "layer_indices" not in item:
             raise LensRequestError(where, "a named hook needs name and layer_indices (and "
-                                   "optional args, pre) only", request_id=request_id)
+                                   "optional args, pre, hook_point) only", request_id=request_id)
         item = NamedHook(name=item["name"], layer_indices=item["layer_indices"],
-                         args=item.get("args") or {}, pre=item.get("pre", False))
+                         args=item.get("args") or {}, pre=item.get("pre", False),
+                         hook_point=item.get("hook_point"))
     if not isinstance(item, (Hook, NamedHook)):
         raise LensRequestError(where, f"expected a Hook or NamedHook, got {type(item).__name__}",
                                request_id=request_id)
@@ -613,10 +759,17 @@ def _parse_hook(item: Any, facts: ModelFacts, where: str, request_id: str | None
         raise LensRequestError(f"{where}.pre", f"the decoder layers of {facts.model_class} "
                                "have no tappable input; use pre=False (a hook on the previous "
                                "layer's output sees the same stream)", request_id=request_id)
+    point = "resid_pre" if item.pre else "resid_post"
+    if item.hook_point is not None:
+        point = _parse_write_point(item.hook_point, facts, f"{where}.hook_point", request_id)
+        if item.pre and point != "resid_pre":
+            raise LensRequestError(f"{where}.pre", f"pre=True means hook_point='resid_pre', "
+                                   f"not {point!r}; give one of them", request_id=request_id)
     if isinstance(item, Hook):
         if not callable(item.fn):
             raise LensRequestError(f"{where}.fn", "is not callable", request_id=request_id)
-        return HookSpec(layers=layers, pre=item.pre, pickled=cloudpickle.dumps(item.fn))
+        return HookSpec(layers=layers, pre=item.pre, pickled=cloudpickle.dumps(item.fn),
+                        point=point)
     if not isinstance(item.args, Mapping):
         raise LensRequestError(f"{where}.args", "expected a JSON object", request_id=request_id)
     try:
@@ -634,4 +787,5 @@ def _parse_hook(item: Any, facts: ModelFacts, where: str, request_id: str | None
         raise LensRequestError(f"{where}.name", exc.args[0], request_id=request_id) from None
     except (ValueError, TypeError) as exc:
         raise LensRequestError(f"{where}.args", str(exc), request_id=request_id) from None
-    return HookSpec(layers=layers, pre=item.pre, name=str(item.name), args=args_json)
+    return HookSpec(layers=layers, pre=item.pre, name=str(item.name), args=args_json,
+                    point=point)

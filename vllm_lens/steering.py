@@ -49,6 +49,10 @@ class SteeringVector(BaseModel):
     that token and layer), so the push is relative to the stream's size."""
     position_indices: list[int] | None = None
     """Absolute token positions for 3D activations (default ``0 .. n_positions - 1``)."""
+    hook_point: str = "resid_post"
+    """The tap point the vectors are added at: ``resid_pre``, ``attn_out``, ``resid_mid``,
+    ``mlp_out`` or ``resid_post`` (``vllm_lens.points``); ``norm_match`` measures the signal
+    at that point."""
 
     @field_validator("activations", mode="before")
     @classmethod

@@ -94,11 +94,13 @@ def test_the_file_route_leaves_a_quarter_of_shared_memory_free(monkeypatch):
 
 def test_unread_results_are_discarded_and_orphans_swept():
     big = torch.randn(2, handoff.INLINE_MAX_BYTES // 8 + 1)
-    fetched = {"key": {"req-0": {"capture": _send(big, handoff.host_id()), "hooks": None},
-                       "req-1": {"capture": _send(big[:, :4], handoff.host_id())}}}
-    path = Path(fetched["key"]["req-0"]["capture"]["path"])
+    fetched = {"key": {
+        "req-0": {"captures": {"residual_stream": _send(big, handoff.host_id()),
+                               "attn_out": _send(big, handoff.host_id())}, "hooks": None},
+        "req-1": {"captures": {"residual_stream": _send(big[:, :4], handoff.host_id())}}}}
+    paths = [Path(h["path"]) for h in fetched["key"]["req-0"]["captures"].values()]
     handoff.discard_fetched(fetched)
-    assert not path.exists()
+    assert not any(path.exists() for path in paths)
 
     orphan = Path(_send(big, handoff.host_id())["path"])
     recent = Path(_send(big, handoff.host_id())["path"])

@@ -73,7 +73,7 @@ def test_results_travel_as_msgpack_and_pickle_only_for_trusted_hooks():
 
     from vllm_lens.worker.hooks import _Run
 
-    odd = HookState(runs=[_Run(fn=_noop, layers=frozenset({0}), pre=False, saved={"x": {1, 2}})],
+    odd = HookState(runs=[_Run(fn=_noop, layers=frozenset({0}), point="resid_post", saved={"x": {1, 2}})],
                     trusted=True)
     blob = encode_results(odd)
     assert blob[:1] == b"P"

@@ -93,7 +93,7 @@ def _capture_in_steps(text: str, n_prompt: int, n_seen: int, reduce=None, chunk=
     steps = [(p, min(chunk, n_seen + 2 - p)) for p in range(0, n_seen + 2, chunk)]
     _file_steps(store, lens, steps, n_prompt, width=2)
     entries = store.pop("k")
-    return None if not entries else assemble(entries["r"], n_seen)
+    return None if not entries else assemble(entries["r"]["residual_stream"], n_seen)
 
 
 @pytest.mark.parametrize("text", SELECTORS)
@@ -104,21 +104,21 @@ def test_plan_and_assembly_select_exactly_the_window(text):
     got = [] if out is None else out["positions"].tolist()
     assert got == expected
     if out is not None:
-        assert out["residual_stream"][0, :, 0].tolist() == [float(p) for p in expected]
+        assert out["tensor"][0, :, 0].tolist() == [float(p) for p in expected]
 
 
 def test_reductions_over_a_window_and_over_nothing():
     out = _capture_in_steps("generated[-3:]", 5, 11, reduce="mean")
-    assert out["residual_stream"].shape == (1, 2)
-    assert out["residual_stream"][0, 0].item() == pytest.approx(np.mean([8, 9, 10]))
+    assert out["tensor"].shape == (1, 2)
+    assert out["tensor"][0, 0].item() == pytest.approx(np.mean([8, 9, 10]))
     assert out["positions"].tolist() == [8, 9, 10]
     last = _capture_in_steps("prompt[1:]", 5, 11, reduce="last")
-    assert last["residual_stream"][0, 0].item() == 4 and last["positions"].tolist() == [4]
+    assert last["tensor"][0, 0].item() == 4 and last["positions"].tolist() == [4]
     # A worker that kept rows for a window that turns out empty: NaN rows, no positions.
     empty = _capture_in_steps("generated[-3:-3]", 5, 11, reduce="mean")
-    assert empty["residual_stream"].shape == (1, 2)
-    assert torch.isnan(empty["residual_stream"]).all() and empty["positions"].numel() == 0
-    last_row = _capture_in_steps("all[-1:]", 5, 11, reduce="mean")["residual_stream"]
+    assert empty["tensor"].shape == (1, 2)
+    assert torch.isnan(empty["tensor"]).all() and empty["positions"].numel() == 0
+    last_row = _capture_in_steps("all[-1:]", 5, 11, reduce="mean")["tensor"]
     assert last_row.shape == (1, 2) and last_row[0, 0].item() == 10
 
 
@@ -126,7 +126,7 @@ def test_empty_window_after_trim_reduces_to_nan():
     # "generated[-1]" keeps generated rows while running; a request that generated no
     # forward-passed token (n_seen == n_prompt) trims them all away at fetch time.
     out = _capture_in_steps("generated[-1]", 5, 5, reduce="mean")
-    assert out["residual_stream"].shape == (1, 2) and torch.isnan(out["residual_stream"]).all()
+    assert out["tensor"].shape == (1, 2) and torch.isnan(out["tensor"]).all()
 
 
 def test_validation_accepts_slices_and_names_the_forms():
@@ -154,7 +154,7 @@ def _run_request(text: str, n_prompt: int, n_computed: int, prefill_chunk: int):
     steps = [(p, min(prefill_chunk, n_prompt - p)) for p in range(0, n_prompt, prefill_chunk)]
     steps += [(p, 1) for p in range(n_prompt, n_computed)]
     peak = _file_steps(store, lens, steps, n_prompt, width=4)
-    return store, store.pop("k").get("r"), peak
+    return store, store.pop("k").get("r", {}).get("residual_stream"), peak
 
 
 @pytest.mark.parametrize("text", ["all[-3:]", "generated[-5:]", "all[-1]", "generated[-4:-1]"])

@@ -118,7 +118,7 @@ def test_2d_and_3d_steering_land_on_the_right_rows():
     ]
     groups = build_steer_groups(steered, cpu)
     hidden = torch.zeros(8, H)
-    apply_steering(groups[2], hidden, None)
+    apply_steering(groups[(2, "post")], hidden, None)
     expected = torch.zeros(8, H)
     expected[0:3] += 2.0 * vec2[0]
     expected[3 + (5 - 4)] += vec3[0, 2]  # position 5 -> vector row 2
@@ -136,7 +136,7 @@ def test_norm_match_scales_with_the_full_stream():
     residual = torch.randn(2, H)
     before = hidden + residual
     out = hidden.clone()
-    apply_steering(groups[2], out, residual)
+    apply_steering(groups[(2, "post")], out, residual)
     expected = hidden + 0.5 * before.norm(dim=-1, keepdim=True) * v / 5.0
     torch.testing.assert_close(out, expected)
 

@@ -9,6 +9,11 @@ from vllm_lens.worker.plan import RequestSlice, StepPlan, select_rows
 from vllm_lens.worker.store import CaptureStore
 
 
+def _entries(store, key):
+    """Every entry of lens key ``key`` (all requests, all signals), popping them."""
+    return [e for by_signal in store.pop(key).values() for e in by_signal.values()]
+
+
 @pytest.mark.parametrize(
     ("positions", "pos0", "n_rows", "n_prompt", "expected"),
     [
@@ -38,13 +43,13 @@ def test_plan_groups_requests_by_layer_set():
     b = _slice("b", 4, 5, 9, 5, (2,))
     c = _slice("c", 5, 6, 7, 5, (0, 2))
     plan = StepPlan.build([a, b, c], torch.device("cpu"), frozenset(range(4)))
-    assert set(plan.capture) == {0, 2}
+    assert set(plan.capture) == {(0, "post"), (2, "post")}
     ac, bb = plan.groups
     assert ac.layers == (0, 2) and bb.layers == (2,)
     assert ac.rows.tolist() == [0, 1, 2, 5] and bb.rows == slice(4, 5)
     assert [(o.key, o.lo, o.hi) for o in ac.owners] == [("a", 0, 3), ("c", 3, 4)]
     assert ac.owners[1].positions.tolist() == [7]
-    assert plan.capture[2] == [(ac, 1), (bb, 0)]
+    assert plan.capture[(2, "post")] == [(ac, 1), (bb, 0)]
     assert bb.owners[0].positions.tolist() == [9]
 
 
@@ -57,7 +62,7 @@ def test_plan_captures_only_this_stages_layers():
     a = _slice("a", 0, 3, 0, 3, (0, 3))
     b = _slice("b", 3, 4, 5, 5, (1,))
     plan = StepPlan.build([a, b], torch.device("cpu"), frozenset({2, 3}))
-    assert set(plan.capture) == {3}
+    assert set(plan.capture) == {(3, "post")}
     assert [o.key for g in plan.groups for o in g.owners] == ["a"]
 
 
@@ -70,7 +75,7 @@ def _run_steps(store, steps):
         for group in plan.groups:
             store.stage(group)
         for layer in layers:
-            for group, index in plan.capture.get(layer, ()):
+            for group, index in plan.capture.get((layer, "post"), ()):
                 capture_layer(group, index, hidden, residual)
     store.settle(wait=True)
 
@@ -84,15 +89,15 @@ def test_capture_sums_hidden_and_residual_and_assembles_across_steps():
         ([_slice("a", 1, 2, 3, 3, (0, 1))], h2, r2, [0, 1]),  # decode, position 3, row 1
     ]
     _run_steps(store, steps)
-    (entry,) = store.pop("a").values()
+    (entry,) = _entries(store, "a")
     out = assemble(entry, valid_len=4)
     expected = torch.cat([(h1 + r1)[1:4], (h2 + r2)[1:2]])
     assert out["layers"] == [0, 1]
     assert out["positions"].tolist() == [0, 1, 2, 3]
-    assert torch.equal(out["residual_stream"][0], expected)
+    assert torch.equal(out["tensor"][0], expected)
     # a later in-place change of the hidden states must not reach the buffers
     h1.zero_()
-    assert torch.equal(out["residual_stream"][1], expected)
+    assert torch.equal(out["tensor"][1], expected)
     assert store.nbytes == 0 and len(store) == 0
 
 
@@ -104,8 +109,8 @@ def test_a_step_that_stops_part_way_files_nothing():
     _run_steps(store, [([_slice("a", 0, 3, 0, 3, (0, 1))], h, None, [0])])
     assert store.pop("a") == {} and store.nbytes == 0
     _run_steps(store, [([_slice("b", 0, 3, 0, 3, (0, 1))], h, None, [0, 1])])
-    (b,) = store.pop("b").values()
-    assert torch.equal(assemble(b, 3)["residual_stream"][1], h)
+    (b,) = _entries(store, "b")
+    assert torch.equal(assemble(b, 3)["tensor"][1], h)
 
 
 def test_requests_of_one_step_get_their_own_copies():
@@ -115,11 +120,11 @@ def test_requests_of_one_step_get_their_own_copies():
     h = torch.randn(3, 4)
     _run_steps(store, [([_slice("a", 0, 2, 0, 2, (0,)), _slice("b", 2, 3, 0, 1, (0,))],
                         h, None, [0])])
-    (a,) = store.pop("a").values()
-    (b,) = store.pop("b").values()
+    (a,) = _entries(store, "a")
+    (b,) = _entries(store, "b")
     assert a.nbytes == 2 * 4 * 4 and b.nbytes == 4 * 4
     assert a.chunks[0].untyped_storage().nbytes() == a.nbytes
-    assert torch.equal(assemble(b, 1)["residual_stream"][0], h[2:3])
+    assert torch.equal(assemble(b, 1)["tensor"][0], h[2:3])
 
 
 def test_assemble_trims_surplus_and_deduplicates_recomputed_positions():
@@ -131,10 +136,10 @@ def test_assemble_trims_surplus_and_deduplicates_recomputed_positions():
         ([_slice("a", 0, 1, 2, 2, (0,))], h[2], None, [0]),  # surplus step at position 2
     ]
     _run_steps(store, steps)
-    (entry,) = store.pop("a").values()
+    (entry,) = _entries(store, "a")
     out = assemble(entry, valid_len=2)
     assert out["positions"].tolist() == [0, 1]
-    assert torch.equal(out["residual_stream"][0], h[1])
+    assert torch.equal(out["tensor"][0], h[1])
 
 
 @pytest.mark.parametrize("reduce", ["mean", "last"])
@@ -144,8 +149,8 @@ def test_reductions(reduce):
     _run_steps(store, [([_slice("a", 0, 3, 0, 3, (1,), reduce=reduce)], h, None, [1]),
                        ([_slice("a", 0, 1, 3, 3, (1,), reduce=reduce)], h2, None, [1]),
                        ([_slice("a", 0, 1, 4, 3, (1,), reduce=reduce)], h2 + 1, None, [1])])
-    (entry,) = store.pop("a").values()
-    out = assemble(entry, valid_len=4)["residual_stream"]  # position 4 is a surplus step
+    (entry,) = _entries(store, "a")
+    out = assemble(entry, valid_len=4)["tensor"]  # position 4 is a surplus step
     rows = torch.cat([h, h2])
     expected = rows.mean(0) if reduce == "mean" else rows[-1]
     torch.testing.assert_close(out, expected[None])
@@ -193,6 +198,6 @@ def test_store_byte_budget_refuses_new_rows_and_keeps_finished_ones():
 def test_assemble_with_no_valid_rows_is_empty():
     store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
     _run_steps(store, [([_slice("a", 0, 2, 5, 2, (0, 1))], torch.randn(2, 4), None, [0, 1])])
-    (entry,) = store.pop("a").values()
+    (entry,) = _entries(store, "a")
     out = assemble(entry, valid_len=3)
-    assert out["residual_stream"].shape == (2, 0, 4) and out["positions"].numel() == 0
+    assert out["tensor"].shape == (2, 0, 4) and out["positions"].numel() == 0

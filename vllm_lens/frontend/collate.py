@@ -20,8 +20,10 @@ from vllm_lens import envs, handoff
 from vllm_lens.admission import check_admission
 from vllm_lens.errors import LensExecutionError, LensRequestError
 from vllm_lens.hooks import HookError
+from vllm_lens.points import RESIDUAL_SIGNAL, SITES
 from vllm_lens.spec import (
     PAYLOAD_KEY,
+    CaptureSpec,
     LensRequest,
     ModelFacts,
     has_lens_keys,
@@ -64,6 +66,12 @@ def prompt_length(prompt: Any) -> int | None:
 def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
     """Combine every rank's ``lens_describe`` answer into one view of the model."""
     first = results[0]
+    meta: dict[int, Mapping[str, Any]] = {}
+    for r in results:
+        if r.get("tp_rank", 0) == 0:
+            meta.update((int(layer), m) for layer, m in r.get("qk_meta", ()))
+    sites = set.intersection(*(set(r.get("sites", ())) for r in results))
+    one = next(iter(meta.values()), {})
     return ModelFacts(
         model_class=first["model_class"],
         n_layers=first["n_layers"],
@@ -74,18 +82,34 @@ def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
         pre_hooks=all(r.get("pre_taps", False) for r in results),
         unsupported=next((r["unsupported"] for r in results if r.get("unsupported")), None),
         speculative=any(r.get("speculative", False) for r in results),
+        sites=tuple(site for site in SITES if site in sites),
+        d_mlp=int(first.get("d_mlp", 0)),
+        n_heads=int(one.get("num_heads", 0)),
+        n_kv_heads=int(one.get("num_kv_heads", 0)),
+        head_dim=int(one.get("head_size", 0)),
+        tp_size=int(first.get("tp_size", 1)),
+        qk_meta=tuple(meta.get(layer, {}) for layer in range(first["n_layers"])),
     )
 
 
 def merge_rank_payloads(
     parts: Sequence[tuple[Mapping[str, Any], torch.Tensor]],
-) -> dict[str, torch.Tensor]:
-    """Merge one request's captures (``handoff.receive`` results) from the pipeline stages
-    that captured it, in layer order."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge one signal of one request (``handoff.receive`` results) from the pipeline stages
+    that captured it, in layer order: (tensor, positions)."""
     ordered = sorted(parts, key=lambda part: part[0]["layers"][0])
-    streams = [tensor for _, tensor in ordered]
-    stream = streams[0] if len(streams) == 1 else torch.cat(streams)
-    return {"residual_stream": stream, "positions": ordered[0][0]["positions"]}
+    tensors = [tensor for _, tensor in ordered]
+    tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    return tensor, ordered[0][0]["positions"]
+
+
+def _row_shape(signal: str, facts: ModelFacts) -> tuple[int, ...]:
+    """The shape of one captured row of ``signal``."""
+    if signal == "attn_k":
+        return (facts.n_kv_heads, facts.head_dim)
+    if signal in ("attn_q", "attn_z"):
+        return (facts.n_heads, facts.head_dim)
+    return (facts.row_width(signal),)
 
 
 def discard_unread(rank_results: Sequence[Mapping[str, Any]] | None) -> None:
@@ -206,7 +230,7 @@ class LensSession:
                         params.n, request_id)
         engine_params = params.clone()
         engine_params.extra_args = {**rest, PAYLOAD_KEY: lens.to_payload()}
-        if lens.hooks or (lens.capture is not None and lens.capture.wants_prompt_rows()):
+        if lens.hooks or any(c.wants_prompt_rows() for c in lens.captures):
             # Prompt tokens served from the prefix cache never run through the layers.
             engine_params.skip_reading_prefix_cache = True
         self.in_flight[request_id] = lens
@@ -250,22 +274,22 @@ class LensSession:
         Returns what was attached for all ``n`` completions, by index: a streamed (DELTA)
         final output holds only the completions that changed in its step, not all of them.
         """
-        captures: dict[str, list[tuple[dict[str, Any], torch.Tensor]]] = {}
+        captures: dict[str, dict[str, list[tuple[dict[str, Any], torch.Tensor]]]] = {}
         hooks: dict[str, list[dict[str, Any]]] = {}
         errors: dict[str, str] = {}
-        seen: set[str] = set()
+        seen: dict[str, set[str]] = {}
         held: set[str] = set()
         trusted = any(h.pickled is not None for h in lens.hooks)
         for result in rank_results:
             for req_id, parts in (result or {}).get(lens.key, {}).items():
                 if parts.get("error") is not None:
                     errors.setdefault(req_id, parts["error"])
-                if parts.get("seen"):
-                    seen.add(req_id)
+                seen.setdefault(req_id, set()).update(parts.get("seen") or ())
                 if parts.get("held"):
                     held.add(req_id)
-                if parts.get("capture") is not None:
-                    captures.setdefault(req_id, []).append(handoff.receive(parts["capture"]))
+                for signal, sent in (parts.get("captures") or {}).items():
+                    captures.setdefault(req_id, {}).setdefault(signal, []).append(
+                        handoff.receive(sent))
                 if parts.get("hooks") is not None:
                     hooks.setdefault(req_id, []).append(decode_results(parts["hooks"], trusted))
         by_index: dict[int, dict[str, Any]] = {}
@@ -278,23 +302,24 @@ class LensSession:
                     error = ("vllm-lens lost this request's lens state: no worker held it at "
                              "fetch time (its steering, hooks or rows cannot be vouched for; "
                              "dropped after VLLM_LENS_FINISHED_TTL_S?)")
-                elif lens.capture is not None:
-                    error = _missing_rows(
-                        lens.capture.layers,
-                        next((v for k, v in captures.items() if k.startswith(prefix)), None),
-                        any(k.startswith(prefix) for k in seen))
+                else:
+                    mine = next((v for k, v in captures.items() if k.startswith(prefix)), {})
+                    signals_seen = set().union(
+                        *(v for k, v in seen.items() if k.startswith(prefix)))
+                    error = next(filter(None, (
+                        _missing_rows(c.layers, mine.get(c.signal), c.signal in signals_seen)
+                        for c in lens.captures)), None)
             if error is not None:
                 found["lens_error"] = LensExecutionError(error, request_id=output.request_id)
-                if lens.capture is not None:
+                if lens.captures:
                     found["activations"] = None
                 if lens.hooks:
                     found["hook_results"], found["hook_error"] = None, None
                 by_index[index] = found
                 continue
-            if lens.capture is not None:
-                parts = next((v for k, v in captures.items() if k.startswith(prefix)), None)
-                found["activations"] = (merge_rank_payloads(parts) if parts is not None
-                                        else self._empty(lens))
+            if lens.captures:
+                mine = next((v for k, v in captures.items() if k.startswith(prefix)), {})
+                found["activations"] = self._activations(lens, mine)
             if lens.hooks:
                 stages = next((v for k, v in hooks.items() if k.startswith(prefix)), [])
                 found["hook_results"], found["hook_error"] = merge_hook_results(stages)
@@ -313,7 +338,7 @@ class LensSession:
         error = LensExecutionError(f"vllm-lens failed at collation: {type(exc).__name__}: "
                                    f"{exc}", request_id=output.request_id)
         fields = {"lens_error": error}
-        if lens.capture is not None:
+        if lens.captures:
             fields["activations"] = None
         if lens.hooks:
             fields["hook_results"] = fields["hook_error"] = None
@@ -321,16 +346,42 @@ class LensSession:
             for name, value in fields.items():
                 setattr(target, name, value)
 
-    def _empty(self, lens: LensRequest) -> dict[str, torch.Tensor]:
+    def _activations(self, lens: LensRequest,
+                     parts: Mapping[str, list[tuple[dict[str, Any], torch.Tensor]]]
+                     ) -> dict[str, Any]:
+        """One completion's ``activations``: ``residual_stream`` and ``positions`` for
+        ``output_residual_stream``; ``<point>`` and ``<point>_positions`` per tap point;
+        ``attn_q``, ``attn_k``, ``qk_layers`` and ``qk_meta`` for ``output_qk``.
+        ``positions`` is always there: without a residual-stream capture, the first
+        signal's."""
+        acts: dict[str, Any] = {}
+        for spec in lens.captures:
+            found = parts.get(spec.signal)
+            tensor, positions = (merge_rank_payloads(found) if found is not None
+                                 else self._empty(spec))
+            if spec.signal == RESIDUAL_SIGNAL:
+                acts[RESIDUAL_SIGNAL], acts["positions"] = tensor, positions
+            else:
+                acts[spec.signal], acts[f"{spec.signal}_positions"] = tensor, positions
+                acts.setdefault("positions", positions)
+        if layers := lens.qk_layers:
+            meta = self._facts().qk_meta
+            acts["qk_layers"] = list(layers)
+            acts["qk_meta"] = [dict(meta[layer]) if layer < len(meta) else {}
+                               for layer in layers]
+        return acts
+
+    def _empty(self, spec: CaptureSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """A signal no position of which was selected."""
         facts = self._facts()
         dtype = getattr(torch, facts.dtype)
-        assert lens.capture is not None
-        n_layers = len(lens.capture.layers)
-        if lens.capture.reduce is not None:  # a reduction over no position: NaN rows
-            stream = torch.full((n_layers, facts.hidden_size), float("nan"), dtype=dtype)
+        row = _row_shape(spec.signal, facts)
+        n_layers = len(spec.layers)
+        if spec.reduce is not None:  # a reduction over no position: NaN rows
+            tensor = torch.full((n_layers, *row), float("nan"), dtype=dtype)
         else:
-            stream = torch.empty((n_layers, 0, facts.hidden_size), dtype=dtype)
-        return {"residual_stream": stream, "positions": torch.empty(0, dtype=torch.int64)}
+            tensor = torch.empty((n_layers, 0, *row), dtype=dtype)
+        return tensor, torch.empty(0, dtype=torch.int64)
 
     def forget(self, request_ids: Sequence[str]) -> list[str]:
         """Stop tracking finished or aborted requests; returns their lens keys (whose worker

@@ -1,5 +1,5 @@
-"""Copy requested residual-stream rows to the host (runs in: worker, TP rank 0 of each pipeline
-stage), and assemble a request's rows into one tensor when the front end fetches them.
+"""Copy requested rows of a signal (the residual stream, a tap point, Q/K) to the host (runs in:
+worker, TP rank 0 of each pipeline stage), and assemble a request's rows into one tensor when the front end fetches them.
 
 During a step each capturing layer does one gather and one copy into its capture group's
 staging tensor; after the step the store splits the staging tensor per request (one copy per
@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_lens.points import operands
 from vllm_lens.positions import ROLLING_SLACK
 from vllm_lens.worker.plan import CaptureGroup
 from vllm_lens.worker.store import Entry
@@ -21,12 +22,14 @@ from vllm_lens.worker.store import Entry
 __all__ = ["assemble", "capture_layer"]
 
 
-def capture_layer(group: CaptureGroup, index: int, hidden: torch.Tensor,
-                  residual: torch.Tensor | None) -> None:
-    """Write the residual stream at ``group``'s rows into ``group.staging[index]``."""
+def capture_layer(group: CaptureGroup, index: int, a: torch.Tensor,
+                  b: torch.Tensor | None) -> None:
+    """Write ``group``'s signal (from a tap's two tensors, see ``points.operands``) at its
+    rows into ``group.staging[index]``."""
+    hidden, residual = operands(group.signal, a, b)
     if group.staging is None:
         group.staging = torch.empty(
-            (len(group.layers), group.n_rows, hidden.shape[-1]), dtype=hidden.dtype,
+            (len(group.layers), group.n_rows, *hidden.shape[1:]), dtype=hidden.dtype,
             pin_memory=hidden.device.type != "cpu")
     dest = group.staging[index]
     rows = group.rows
@@ -52,8 +55,8 @@ def capture_layer(group: CaptureGroup, index: int, hidden: torch.Tensor,
 
 
 def assemble(entry: Entry, valid_len: int) -> dict[str, Any]:
-    """Stack an entry's chunks into ``[n_layers, n_positions, hidden]`` (or reduce them over
-    positions to ``[n_layers, hidden]``).
+    """Stack an entry's chunks into ``[n_layers, n_positions, *row]`` (or reduce them over
+    positions to ``[n_layers, *row]``).
 
     Rows at positions ``>= valid_len`` come from steps the scheduler ran past the stop and are
     dropped; a position captured twice (a preempted request recomputed) keeps its last copy;
@@ -79,17 +82,19 @@ def assemble(entry: Entry, valid_len: int) -> dict[str, Any]:
         kept = positions[keep]
         keep = keep[(kept >= lo) & (kept < (valid_len if hi is None else hi))]
     kept_positions = torch.from_numpy(positions[keep].astype(np.int64))
+    tail = tuple(first.shape[2:])
     if entry.reduce is not None and not keep.size:
-        stream = torch.full((first.shape[0], first.shape[-1]), float("nan"), dtype=first.dtype)
+        stream = torch.full((first.shape[0], *tail), float("nan"), dtype=first.dtype)
     elif entry.reduce == "last":
         stream = _rows_at(entry.chunks, positions.size, int(keep[-1])).clone()
         kept_positions = kept_positions[-1:]
     else:
-        stream = torch.empty((first.shape[0], keep.size, first.shape[-1]), dtype=first.dtype)
+        stream = torch.empty((first.shape[0], keep.size, *tail), dtype=first.dtype)
         _concat_rows(entry.chunks, keep, stream)
         if entry.reduce == "mean":
             stream = stream.float().mean(dim=1).to(first.dtype)
-    return {"layers": list(entry.layers), "positions": kept_positions, "residual_stream": stream}
+    return {"layers": list(entry.layers), "positions": kept_positions, "signal": entry.signal,
+            "tensor": stream}
 
 
 def _concat_rows(chunks: list[torch.Tensor], keep: np.ndarray, out: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ from vllm_lens.worker.capture import assemble
 from vllm_lens.worker.hooks import encode_results
 from vllm_lens.worker.requests import describe
 from vllm_lens.worker.runner import unsupported_reason
+from vllm_lens.worker.attention_taps import attention_meta
 from vllm_lens.worker.runtime import LensRuntime
 from vllm_lens.worker.taps import set_tap_handler, tap_info
 
@@ -67,14 +68,14 @@ class LensWorkerExtension:
                 (another host, or hand-off turned off) sends everything inline.
 
         Returns:
-            ``{lens key: {engine request id: {"capture": handoff | None, "hooks": bytes |
-            None, "error": str | None}}}``: the capture handoff carries ``{"layers",
-            "positions"}`` and the residual stream (``handoff.receive``), trimmed and reduced
-            here so that rows nobody asked for never leave the worker; ``hooks`` holds
+            ``{lens key: {engine request id: {"captures": {signal: handoff}, "hooks": bytes |
+            None, "error": str | None}}}``: each capture handoff carries ``{"layers",
+            "positions", "signal"}`` and the signal's tensor (``handoff.receive``), trimmed and
+            reduced here so that rows nobody asked for never leave the worker; ``hooks`` holds
             ``hooks.encode_results`` (TP rank 0 of each stage only: the other TP ranks ran the
             same hooks on the same rows); ``error`` says why this rank failed the request;
-            ``held`` is set by every rank that still held the request's record, ``seen`` by
-            those of them that capture some of its layers.
+            ``held`` is set by every rank that still held the request's record, ``seen`` (the
+            signals) by those of them that capture some of its layers.
             A failure while fetching one request fails that request only.
         """
         if _runtime is None:
@@ -186,27 +187,29 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
         out[req_id] = {"held": True}  # the request's lens work ran here (steering, hooks)
         if runtime.tp_rank == 0 and record.hooks is not None:
             out[req_id]["hooks"] = encode_results(record.hooks)
-        capture = record.lens.capture
-        if capture is not None and runtime.capture_layers.intersection(capture.layers):
-            # This rank kept the request's rows (if any position was selected): a front end
-            # that hears from no such rank knows rows were lost, not merely unselected.
-            out.setdefault(req_id, {})["seen"] = True
-    for req_id, entry in entries.items():
+        # The signals whose rows this rank kept (if any position was selected): a front end
+        # that hears from no such rank knows rows were lost, not merely unselected.
+        seen = [c.signal for c in record.lens.captures
+                if runtime.capture_layers.intersection(c.layers)]
+        if seen:
+            out[req_id]["seen"] = seen
+    for req_id, by_signal in entries.items():
         if req_id in out and "error" in out[req_id]:
             continue
         valid = next((n for p, n in valid_lens.items() if req_id.startswith(p)), None)
         if valid is None:
             continue
         record = records.get(req_id)
-        capture = assemble(entry, valid)
-        stream = capture.pop("residual_stream")
-        try:
-            if record is not None:
-                faults.check(record.lens.fault, "handoff")
-            sent = handoff.send(capture, stream, front_end_host)
-        except Exception as exc:
-            raise _HandoffFailed() from exc
-        out.setdefault(req_id, {})["capture"] = sent
+        for signal, entry in by_signal.items():
+            capture = assemble(entry, valid)
+            tensor = capture.pop("tensor")
+            try:
+                if record is not None:
+                    faults.check(record.lens.fault, "handoff")
+                sent = handoff.send(capture, tensor, front_end_host)
+            except Exception as exc:
+                raise _HandoffFailed() from exc
+            out.setdefault(req_id, {}).setdefault("captures", {})[signal] = sent
 
 
 def _describe(worker: Any) -> dict[str, Any]:
@@ -224,7 +227,7 @@ def _describe(worker: Any) -> dict[str, Any]:
         # Every TP rank holds the full residual stream; rank 0 alone captures it.
         capture_layers = frozenset(info.local_layers) if tp_rank == 0 else frozenset()
         _runtime = LensRuntime(runner, capture_layers=capture_layers, tp_rank=tp_rank,
-                               tp_size=tp_size)
+                               tp_size=tp_size, attention=info.attention)
         set_tap_handler(_runtime.on_tap)
         handoff.sweep()  # files orphaned by front ends that died before reading them
     return {
@@ -240,4 +243,10 @@ def _describe(worker: Any) -> dict[str, Any]:
         "tp_rank": tp_rank,
         "pp_rank": pp_rank,
         "speculative": vllm_config.speculative_config is not None,
+        "tp_size": tp_size,
+        "sites": list(info.sites) if info else [],
+        "d_mlp": info.d_mlp if info else 0,
+        # Per layer this stage owns (the front end joins the stages' lists).
+        "qk_meta": [[layer, attention_meta(module)] for layer, module in info.attention]
+        if info else [],
     }

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from vllm_lens import named_hooks, wire
+from vllm_lens.points import POINTS, operands
 from vllm_lens.spec import HookSpec
 
 __all__ = [
@@ -30,7 +31,8 @@ __all__ = [
 class _Run:
     fn: Any
     layers: frozenset[int]
-    pre: bool
+    point: str
+    """The tap point it runs at (``points.STEERABLE``)."""
     saved: dict[str, Any] = field(default_factory=dict)
 
 
@@ -54,7 +56,7 @@ class HookState:
                     fn = pickle.loads(spec.pickled)  # noqa: S301 - vetted by the front end
                 else:
                     fn = named_hooks.load(str(spec.name))(json.loads(spec.args))
-                state.runs.append(_Run(fn=fn, layers=frozenset(spec.layers), pre=spec.pre))
+                state.runs.append(_Run(fn=fn, layers=frozenset(spec.layers), point=spec.point))
         except Exception as exc:  # a hook that cannot even be built fails its request
             state.fail(exc)
         return state
@@ -114,31 +116,39 @@ class _Context:
         return self.params.get(name)
 
 
-def run_hook_calls(calls: list[HookCall], layer: int, pre: bool, hidden: torch.Tensor,
+def run_hook_calls(calls: list[HookCall], layer: int, site: str, hidden: torch.Tensor,
                    residual: torch.Tensor | None, model: Any, tp_rank: int,
                    params: ParameterSource) -> None:
-    """Run the hooks of each request at this tap; replacements are written back in place.
+    """Run the hooks of each request at this tap (``site``); replacements are written back in
+    place.
 
-    The stream handed to a hook is ``hidden + residual`` (a copy); a replacement ``x`` is
-    written as ``hidden = x - residual`` so that the layer (or the next) sees exactly ``x`` as
-    the residual stream.
+    The signal handed to a hook is a copy of its point's value (``hidden + residual`` for the
+    stream points, ``hidden`` for ``attn_out`` / ``mlp_out``); a replacement ``x`` of a stream
+    point is written as ``hidden = x - residual`` so that the layer (or the next) sees exactly
+    ``x`` as the residual stream.
     """
     for call in calls:
         rows = slice(call.start, call.end)
-        stream: torch.Tensor | None = None
+        streams: dict[str, torch.Tensor] = {}
         for state in call.states:
             for run in state.runs:
-                if state.error is not None or run.pre != pre or layer not in run.layers:
+                if (state.error is not None or layer not in run.layers
+                        or POINTS[run.point].site != site):
                     continue
+                a, b = operands(run.point, hidden, residual)
+                stream = streams.get(run.point)
                 if stream is None:
-                    stream = hidden[rows] + residual[rows] if residual is not None \
-                        else hidden[rows].clone()
+                    stream = a[rows] + b[rows] if b is not None else a[rows].clone()
                 ctx = _Context(run.saved, layer, call, model, tp_rank, params)
                 try:
                     out = run.fn(ctx, stream.clone())
                     if out is not None:
                         stream = _checked(out, stream, layer)
-                        hidden[rows] = stream - residual[rows] if residual is not None else stream
+                        hidden[rows] = stream - b[rows] if b is not None else stream
+                        # the other point of this site is read afresh from the new value
+                        streams = {run.point: stream}
+                    else:
+                        streams[run.point] = stream
                 except Exception as exc:
                     state.fail(exc)
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_lens.points import tap_key
 from vllm_lens.positions import Selector, parse_selector
 from vllm_lens.spec import CaptureSpec, LensRequest
 
@@ -60,6 +61,7 @@ class CaptureOwner:
     """The request's position selector, when its exact rows are known only at fetch time
     (``generated`` / ``all`` with a negative index): the rows kept meanwhile are a superset."""
     n_prompt: int = 0
+    signal: str = "residual_stream"
 
 
 @dataclass
@@ -72,12 +74,15 @@ class CaptureGroup:
 
     layers: tuple[int, ...]
     """Ascending; ``staging[i]`` holds layer ``layers[i]``."""
+    signal: str
+    """What is captured (``CaptureSpec.signal``); every owner shares it."""
     rows: torch.Tensor | slice
     """Row indices on the hidden states' device, or a slice when the rows are contiguous."""
     owners: list[CaptureOwner]
     n_rows: int
     staging: torch.Tensor | None = None
-    """``[len(layers), n_rows, hidden]`` on the host; allocated by the first tap that fills it."""
+    """``[len(layers), n_rows, *row shape]`` on the host; allocated by the first tap that
+    fills it."""
     complete: bool = False
     """Set by the last layer's tap: a step that stopped part-way leaves nothing to file."""
     ready: Any = None
@@ -137,15 +142,16 @@ class StepPlan:
     slices: list[RequestSlice]
     groups: list[CaptureGroup] = field(default_factory=list)
     """This step's capture groups (disjoint sets of requests)."""
-    capture: dict[int, list[tuple[CaptureGroup, int]]] = field(default_factory=dict)
-    """Layer index -> (group, index of the layer in ``group.layers``) for every group capturing
-    there (layers nobody captures are absent)."""
-    steer: dict[int, Any] = field(default_factory=dict)
-    """Layer index -> ``steer.SteerGroup`` (layers nobody steers are absent)."""
+    capture: dict[tuple[int, str], list[tuple[CaptureGroup, int]]] = field(
+        default_factory=dict)
+    """(layer, tap key) -> (group, index of the layer in ``group.layers``) for every group
+    capturing there (``points.tap_key``; places nobody captures at are absent)."""
+    steer: dict[tuple[int, str], Any] = field(default_factory=dict)
+    """(layer, site) -> ``steer.SteerGroup`` (places nobody steers at are absent)."""
     hook_calls: list[Any] = field(default_factory=list)
     """``hooks.HookCall`` per request with hooks in this step."""
-    hook_layers: frozenset[tuple[int, bool]] = frozenset()
-    """(layer, pre) pairs where some hook of this step runs."""
+    hook_layers: frozenset[tuple[int, str]] = frozenset()
+    """(layer, site) pairs where some hook of this step runs."""
     faults: bool = False
     """Some request of this step asked for an injected fault (test suite only)."""
 
@@ -162,21 +168,26 @@ class StepPlan:
         plan = cls(slices=slices)
         if not capture_layers:
             return plan
-        by_layers: dict[tuple[int, ...], list[tuple[RequestSlice, np.ndarray]]] = {}
+        by_layers: dict[tuple[str, tuple[int, ...]],
+                        list[tuple[RequestSlice, CaptureSpec, np.ndarray]]] = {}
         for s in slices:
-            spec = s.lens.capture
-            if spec is None:
-                continue
-            layers = _local_layers(spec.layers, capture_layers)
-            offsets = select_rows(spec, s.pos0, s.end - s.start, s.n_prompt)
-            if layers and offsets.size:
-                by_layers.setdefault(layers, []).append((s, offsets))
-        for layers, members in by_layers.items():
-            group = _make_group(layers, members, device)
+            for spec in s.lens.captures:
+                layers = _local_layers(spec.layers, capture_layers)
+                offsets = select_rows(spec, s.pos0, s.end - s.start, s.n_prompt)
+                if layers and offsets.size:
+                    by_layers.setdefault((spec.signal, layers), []).append((s, spec, offsets))
+        for (signal, layers), members in by_layers.items():
+            group = _make_group(signal, layers, members, device)
             plan.groups.append(group)
+            key = tap_key(signal)
             for index, layer in enumerate(layers):
-                plan.capture.setdefault(layer, []).append((group, index))
+                plan.capture.setdefault((layer, key), []).append((group, index))
         return plan
+
+    def wants(self, layer: int, site: str) -> bool:
+        """Whether any steering, hook or capture of this step runs at (layer, site)."""
+        return ((layer, site) in self.steer or (layer, site) in self.hook_layers
+                or (layer, site) in self.capture)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -185,21 +196,21 @@ def _local_layers(layers: tuple[int, ...], capture_layers: frozenset[int]) -> tu
     return tuple(layer for layer in layers if layer in capture_layers)
 
 
-def _make_group(layers: tuple[int, ...], members: list[tuple[RequestSlice, np.ndarray]],
+def _make_group(signal: str, layers: tuple[int, ...],
+                members: list[tuple[RequestSlice, CaptureSpec, np.ndarray]],
                 device: torch.device) -> CaptureGroup:
     owners = []
     lo = 0
-    for s, offsets in members:
-        spec = s.lens.capture
-        assert spec is not None
+    for s, spec, offsets in members:
         owners.append(CaptureOwner(s.req_id, s.lens.key, lo, lo + offsets.size,
                                    offsets + s.pos0, spec.reduce, final_window(spec),
-                                   s.n_prompt))
+                                   s.n_prompt, signal))
         lo += offsets.size
-    all_rows = np.concatenate([offsets + s.start for s, offsets in members])
+    all_rows = np.concatenate([offsets + s.start for s, _, offsets in members])
     first, last = int(all_rows[0]), int(all_rows[-1])
     if last - first + 1 == all_rows.size and np.all(np.diff(all_rows) == 1):
         rows: torch.Tensor | slice = slice(first, last + 1)
     else:
         rows = device_index(all_rows, device)
-    return CaptureGroup(layers=layers, rows=rows, owners=owners, n_rows=all_rows.size)
+    return CaptureGroup(layers=layers, signal=signal, rows=rows, owners=owners,
+                        n_rows=all_rows.size)

@@ -1,6 +1,6 @@
-"""The per-process tap handler: builds the step plan, then at each layer steers, runs hooks and
-captures, in that order, so captures show the steered and hooked stream; pre-hooks run at the
-layer's input (runs in: worker).
+"""The per-process tap handler: builds the step plan, then at each tap site of each layer
+(``points.SITES``) steers, runs hooks and captures, in that order, so captures show the steered
+and hooked signal (runs in: worker).
 
 One ``LensRuntime`` exists per worker process once the front end has asked for lens features
 (``lens_describe``); until then the taps have no handler and cost one Python call per layer.
@@ -22,7 +22,9 @@ import torch
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from vllm_lens import envs, faults
+from vllm_lens.points import POINTS
 from vllm_lens.spec import HookSpec
+from vllm_lens.worker.attention_taps import AttentionTaps
 from vllm_lens.worker.capture import capture_layer
 from vllm_lens.worker.hooks import HookCall, HookState, ParameterSource, run_hook_calls
 from vllm_lens.worker.plan import RequestSlice, StepPlan
@@ -43,7 +45,7 @@ class LensRuntime:
     all taps."""
 
     def __init__(self, runner, *, capture_layers: frozenset[int], tp_rank: int,
-                 tp_size: int) -> None:
+                 tp_size: int, attention: tuple = ()) -> None:
         self.runner = runner
         self.view = RunnerView(runner)
         self.capture_layers = capture_layers
@@ -60,13 +62,15 @@ class LensRuntime:
         self._plan_ctx: object | None = None
         self._plan: StepPlan = _EMPTY_PLAN
         self._steer_layout: tuple[tuple[str, int, int, int | None], ...] = ()
-        self._steer_groups: dict[int, SteerGroup] = {}
+        self._steer_groups: dict[tuple[int, str], SteerGroup] = {}
+        self.attention = AttentionTaps(attention, self.on_tap)
+        """Wrappers around the attention kernels, on only for steps that read Q/K/attn_z."""
 
     # -- tap handler ---------------------------------------------------------------------------
     def on_tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: int,
-               pre: bool) -> None:
+               site: str) -> None:
         try:
-            self._tap(hidden, residual, layer, pre)
+            self._tap(hidden, residual, layer, site)
         except Exception as exc:  # not pinned on fewer requests by the stages below
             self._plan = _EMPTY_PLAN  # the rest of the step does no lens work
             try:
@@ -75,25 +79,23 @@ class LensRuntime:
                 logger.exception("vllm-lens: cannot fail the step's lens requests")
 
     def _tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: int,
-             pre: bool) -> None:
+             site: str) -> None:
+        """At one site of one layer: steer, then run hooks, then capture (``site`` is a
+        ``points.tap_key``: the attention sites only capture)."""
         plan = self._plan_for_step(hidden)
         if plan.empty:
             return
         if plan.faults:
             for s in plan.slices:
                 faults.check(s.lens.fault, "step")
-        if pre:
-            if (layer, True) in plan.hook_layers:
-                self._guarded("hooks", (c.req_id for c in plan.hook_calls), self._run_hooks,
-                              plan, layer, True, hidden, residual)
-            return
-        steering = plan.steer.get(layer)
+        where = (layer, site)
+        steering = plan.steer.get(where)
         if steering is not None:
             self._guarded("steer", steering.req_ids, apply_steering, steering, hidden, residual)
-        if (layer, False) in plan.hook_layers:
+        if where in plan.hook_layers:
             self._guarded("hooks", (c.req_id for c in plan.hook_calls), self._run_hooks,
-                          plan, layer, False, hidden, residual)
-        for group, index in plan.capture.get(layer, ()):
+                          plan, layer, site, hidden, residual)
+        for group, index in plan.capture.get(where, ()):
             if not group.failed:
                 self._guarded_capture(plan, group, index, hidden, residual)
 
@@ -141,12 +143,12 @@ class LensRuntime:
         record = self.requests.records.get(req_id)
         return record.lens.fault if record is not None else None
 
-    def _run_hooks(self, plan: StepPlan, layer: int, pre: bool, hidden: torch.Tensor,
+    def _run_hooks(self, plan: StepPlan, layer: int, site: str, hidden: torch.Tensor,
                    residual: torch.Tensor | None) -> None:
         if plan.faults:
             for call in plan.hook_calls:
                 faults.check(self._fault_of(call.req_id), "hooks")
-        run_hook_calls(plan.hook_calls, layer, pre, hidden, residual, self.params.model,
+        run_hook_calls(plan.hook_calls, layer, site, hidden, residual, self.params.model,
                        self.tp_rank, self.params)
 
     # -- fetch ---------------------------------------------------------------------------------
@@ -184,6 +186,7 @@ class LensRuntime:
                 self._plan = self._build_plan(hidden.device, hidden.dtype)
             except Exception as exc:
                 self._fail_step(exc)
+            self.attention.enable(any(key[1] in ("attn", "attn_z") for key in self._plan.capture))
         return self._plan
 
     def _fail_step(self, exc: BaseException) -> None:
@@ -249,7 +252,7 @@ class LensRuntime:
         if hook_calls:
             plan.hook_calls = hook_calls
             plan.hook_layers = frozenset(
-                (layer, run.pre) for call in hook_calls for state in call.states
+                (layer, POINTS[run.point].site) for call in hook_calls for state in call.states
                 for run in state.runs for layer in run.layers)
         for group in plan.groups:
             self.store.stage(group)
@@ -267,7 +270,7 @@ class LensRuntime:
         return plan
 
     def _steering_for(self, steered: list[tuple[RequestSlice, list[PreparedSteer]]],
-                      device: torch.device) -> dict[int, SteerGroup]:
+                      device: torch.device) -> dict[tuple[int, str], SteerGroup]:
         """This step's per-layer steering, rebuilt only when the steered rows moved.
 
         In steady decoding every step puts the same requests at the same rows, and vectors

@@ -1,5 +1,5 @@
-"""Apply steering vectors to this rank's rows of the residual stream (runs in: worker, every
-TP rank; under PP each stage steers the layers it owns).
+"""Apply steering vectors to this rank's rows of a stream point (runs in: worker, every TP rank;
+under PP each stage steers the layers it owns).
 
 Each rank holds the full residual stream after the all-reduce, so every rank adds the same
 vectors and the ranks stay in agreement. Steering adds to ``hidden``: for fused-residual layers
@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from vllm_lens import wire
+from vllm_lens.points import POINTS
 from vllm_lens.spec import SteerSpec
 from vllm_lens.worker.plan import RequestSlice, device_index
 
@@ -54,38 +55,43 @@ class SteerGroup:
     rows: torch.Tensor | None = None
     """Rows receiving a plain (not norm-matched) addition, with ``delta`` the additions."""
     delta: torch.Tensor | None = None
-    norm_matched: list[tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=list)
-    """(rows, unit vectors per row, scale) for norm-matched vectors."""
+    norm_matched: list[tuple[torch.Tensor, torch.Tensor, float, bool]] = field(
+        default_factory=list)
+    """(rows, unit vectors per row, scale, whether the norm is of ``hidden + residual``) for
+    norm-matched vectors."""
     req_ids: list[str] = field(default_factory=list)
     """The requests steered here (they fail together if this layer's steering raises)."""
 
 
 def build_steer_groups(
     slices: list[tuple[RequestSlice, list[PreparedSteer]]], device: torch.device
-) -> dict[int, SteerGroup]:
-    """Per layer, the rows to steer and what to add, for every steered request of the step."""
-    plain: dict[int, tuple[list[np.ndarray], list[torch.Tensor]]] = {}
-    groups: dict[int, SteerGroup] = {}
+) -> dict[tuple[int, str], SteerGroup]:
+    """Per (layer, site), the rows to steer and what to add, for every steered request of the
+    step."""
+    plain: dict[tuple[int, str], tuple[list[np.ndarray], list[torch.Tensor]]] = {}
+    groups: dict[tuple[int, str], SteerGroup] = {}
     for s, prepared in slices:
         for p in prepared:
             offsets, vector_rows = _rows_for(p, s)
             if offsets.size == 0:
                 continue
             rows = offsets + s.start
+            point = POINTS[p.spec.point]
             for i, layer in enumerate(p.spec.layers):
-                owners = groups.setdefault(layer, SteerGroup()).req_ids
+                where = (layer, point.site)
+                owners = groups.setdefault(where, SteerGroup()).req_ids
                 if not owners or owners[-1] != s.req_id:
                     owners.append(s.req_id)
                 vecs = _vectors_for(p, i, vector_rows, offsets.size)
                 if p.spec.norm_match:
-                    groups[layer].norm_matched.append(
-                        (device_index(rows, device), vecs, p.spec.scale))
+                    groups[where].norm_matched.append(
+                        (device_index(rows, device), vecs, p.spec.scale, point.with_residual))
                 else:
-                    row_lists, deltas = plain.setdefault(layer, ([], []))
+                    row_lists, deltas = plain.setdefault(where, ([], []))
                     row_lists.append(rows)
                     deltas.append(vecs)
-    for layer, (row_lists, deltas) in plain.items():
-        group = groups[layer]
+    for where, (row_lists, deltas) in plain.items():
+        group = groups[where]
         group.rows = device_index(np.concatenate(row_lists), device)
         group.delta = torch.cat(deltas)
     return groups
@@ -114,8 +120,11 @@ def apply_steering(group: SteerGroup, hidden: torch.Tensor, residual: torch.Tens
     """Add this layer's steering to ``hidden`` in place (norms taken before any addition)."""
     norm_deltas = []
     if group.norm_matched:
-        stream = hidden if residual is None else hidden + residual
-        for rows, unit, scale in group.norm_matched:
+        full = hidden if residual is None else None
+        for rows, unit, scale, with_residual in group.norm_matched:
+            if with_residual and full is None:
+                full = hidden + residual
+            stream = full if with_residual else hidden
             norms = stream.index_select(0, rows).float().norm(dim=-1, keepdim=True)
             norm_deltas.append((rows, (scale * norms * unit.float()).to(hidden.dtype)))
     if group.rows is not None:

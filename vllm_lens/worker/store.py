@@ -7,8 +7,9 @@ so an entry never holds a view that keeps other requests' rows alive. On an acce
 staging tensors are filled by asynchronous copies, and a group settles once its ``ready``
 event has completed.
 
-Entries are keyed by (lens key, vLLM request id): the lens key is unique per user request,
-and a request sampled ``n > 1`` times runs as ``n`` engine requests that share it.
+Entries are keyed by (lens key, vLLM request id, signal): the lens key is unique per user
+request, a request sampled ``n > 1`` times runs as ``n`` engine requests that share it, and a
+request capturing several signals (tap points, Q/K) keeps one entry per signal.
 
 The total size is bounded by admission, not eviction: rows that would take the store past its
 byte budget are refused, and the request they belong to fails (the caller is told), while rows
@@ -40,6 +41,7 @@ class Entry:
     window: Selector | None = None
     """Re-applied at fetch time (see ``CaptureOwner.window``)."""
     n_prompt: int = 0
+    signal: str = "residual_stream"
     floor: int = 0
     """Positions below this may have been trimmed (a rolling window: ``Selector.keep_last``)."""
     top: int = -1
@@ -47,18 +49,18 @@ class Entry:
     positions: list[np.ndarray] = field(default_factory=list)
     """One array of absolute positions per step that captured rows."""
     chunks: list[torch.Tensor] = field(default_factory=list)
-    """One ``[n_layers, rows, hidden]`` CPU tensor per step, aligned with ``positions``."""
+    """One ``[n_layers, rows, *row]`` CPU tensor per step, aligned with ``positions``."""
     nbytes: int = 0
     finished_at: float | None = None
 
 
 class CaptureStore:
-    """Bounded map (lens key, request id) -> captured rows."""
+    """Bounded map (lens key, request id, signal) -> captured rows."""
 
     def __init__(self, max_bytes: int, finished_ttl_s: float) -> None:
         self.max_bytes = max_bytes
         self.finished_ttl_s = finished_ttl_s
-        self._entries: dict[tuple[str, str], Entry] = {}
+        self._entries: dict[tuple[str, str, str], Entry] = {}
         self._pending: list[CaptureGroup] = []
         self._nbytes = 0
         # Lens keys already fetched or released -> when. Their requests may still run one
@@ -116,17 +118,17 @@ class CaptureStore:
             ident = (owner.key, owner.req_id)
             if owner.key in self._closed or ident in refused:
                 continue  # a surplus step after the fetch, or a request refused already
-            size = (owner.hi - owner.lo) * staging.shape[0] * staging.shape[-1] \
-                * staging.element_size()
+            size = (owner.hi - owner.lo) * staging[:, :1].numel() * staging.element_size()
             if self._nbytes + size > self.max_bytes:
                 refused.add(ident)
                 self.discard(*ident)
                 over.append((*ident, self._over_budget(size)))
                 continue
-            entry = self._entries.get(ident)
+            entry = self._entries.get((*ident, group.signal))
             if entry is None:
-                entry = self._entries[ident] = Entry(owner.req_id, group.layers, owner.reduce,
-                                                     owner.window, owner.n_prompt)
+                entry = self._entries[(*ident, group.signal)] = Entry(
+                    owner.req_id, group.layers, owner.reduce, owner.window, owner.n_prompt,
+                    group.signal)
             # Copy out (unless the request owns the whole tensor): pinned memory is scarce,
             # and a view would keep the other requests' rows alive.
             rows = staging if whole else staging[:, owner.lo : owner.hi].clone()
@@ -161,12 +163,14 @@ class CaptureStore:
                 f"requests, {size:,} more asked): capture stopped. Capture fewer layers or "
                 "positions, fetch results sooner, or raise the setting")
 
-    def pop(self, key: str) -> dict[str, Entry]:
-        """Remove every entry of lens key ``key`` (request id -> entry) and ignore later rows."""
-        found = {req_id: e for (k, req_id), e in self._entries.items() if k == key}
-        for req_id, entry in found.items():
-            del self._entries[(key, req_id)]
+    def pop(self, key: str) -> dict[str, dict[str, Entry]]:
+        """Remove every entry of lens key ``key`` (request id -> signal -> entry) and ignore
+        later rows."""
+        found: dict[str, dict[str, Entry]] = {}
+        for ident in [i for i in self._entries if i[0] == key]:
+            entry = self._entries.pop(ident)
             self._nbytes -= entry.nbytes
+            found.setdefault(ident[1], {})[ident[2]] = entry
         self._closed.pop(key, None)  # re-inserted at the end: the dict stays in time order
         self._closed[key] = time.monotonic()
         return found
@@ -174,16 +178,15 @@ class CaptureStore:
     def discard(self, key: str, req_id: str) -> None:
         """Drop one request's rows (it failed); rows a running step still files for it are
         dropped at fetch."""
-        entry = self._entries.pop((key, req_id), None)
-        if entry is not None:
-            self._nbytes -= entry.nbytes
+        for ident in [i for i in self._entries if i[0] == key and i[1] == req_id]:
+            self._nbytes -= self._entries.pop(ident).nbytes
 
     def mark_finished(self, live_req_ids: Container[str]) -> list[tuple[str, str]]:
         """Stamp entries whose request left the batch, then drop those that waited past the
         grace period without a fetch (never to make room: see ``_file``).
 
-        Returns the (lens key, request id) of the entries dropped: their requests must fail
-        rather than come back with fewer rows.
+        Returns the (lens key, request id) of the entries dropped (once per request): their
+        requests must fail rather than come back with fewer rows.
         """
         now = time.monotonic()
         ttl = self.finished_ttl_s
@@ -200,5 +203,6 @@ class CaptureStore:
             elif now - entry.finished_at > ttl:
                 del self._entries[ident]
                 self._nbytes -= entry.nbytes
-                dropped.append(ident)
+                if ident[:2] not in dropped:
+                    dropped.append(ident[:2])
         return dropped

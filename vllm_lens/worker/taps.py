@@ -28,12 +28,14 @@ __all__ = ["PROVEN_MODEL_CLASSES", "TAP_OPS", "TapInfo", "install_taps", "set_ta
 
 TAP_OP_NAME = "vllm_lens::tap"
 PRE_TAP_OP_NAME = "vllm_lens::pre_tap"
+MID_TAP_OP_NAME = "vllm_lens::mid_tap"
+ACT_TAP_OP_NAME = "vllm_lens::act_tap"
 #: Every custom op vllm-lens puts in the traced graph.
-TAP_OPS = (PRE_TAP_OP_NAME, TAP_OP_NAME)
+TAP_OPS = (PRE_TAP_OP_NAME, MID_TAP_OP_NAME, ACT_TAP_OP_NAME, TAP_OP_NAME)
 
-#: handler(hidden, residual, layer_index, pre); ``residual`` is None for layers without one
-#: (and entering the first layer); ``pre`` is True at a layer's input.
-TapHandler = Callable[[torch.Tensor, "torch.Tensor | None", int, bool], None]
+#: handler(a, b, layer_index, site): ``site`` is one of ``points.SITES`` except ``attn``;
+#: ``b`` is the fused residual (None for layers without one, and entering the first layer).
+TapHandler = Callable[[torch.Tensor, "torch.Tensor | None", int, str], None]
 _handler: TapHandler | None = None
 
 
@@ -51,16 +53,17 @@ def set_tap_handler(handler: TapHandler | None) -> None:
 _LIBRARY = torch.library.Library("vllm_lens", "FRAGMENT")
 
 
-def _define_tap(name: str, pre: bool) -> None:
-    """Define one tap op. Its arguments are [num_tokens, hidden_size] tensors: at a layer's
-    output (``pre=False``) the residual stream is hidden + residual for fused-residual models
-    (Llama, Qwen2), hidden alone otherwise; at its input (``pre=True``) likewise, with no
-    residual entering the first layer."""
+def _define_tap(name: str, site: str) -> None:
+    """Define one tap op, for one site of ``points.SITES``. Its arguments are [num_tokens, d]
+    tensors: at a layer's output (``post``) the residual stream is hidden + residual for
+    fused-residual models (Llama, Qwen2), hidden alone otherwise; at its input (``pre``)
+    likewise, with no residual entering the first layer; between attention and MLP (``mid``)
+    the attention output and the stream it is added to; in the MLP (``act``) the activation."""
 
     def tap(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
         handler = _handler
         if handler is not None:
-            handler(hidden, residual, layer, pre)
+            handler(hidden, residual, layer, site)
 
     def fake(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
         return None
@@ -71,8 +74,10 @@ def _define_tap(name: str, pre: bool) -> None:
     torch.library.register_fake(name, fake, lib=_LIBRARY)
 
 
-_define_tap(PRE_TAP_OP_NAME, pre=True)
-_define_tap(TAP_OP_NAME, pre=False)
+_define_tap(PRE_TAP_OP_NAME, "pre")
+_define_tap(TAP_OP_NAME, "post")
+_define_tap(MID_TAP_OP_NAME, "mid")
+_define_tap(ACT_TAP_OP_NAME, "act")
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,34 @@ class TapInfo:
     tapped: bool = True
     """False for a model class not in ``PROVEN_MODEL_CLASSES``: its layers were found but
     left as they are (no tap op in its graph; lens requests are refused)."""
+    sites: tuple[str, ...] = ()
+    """Tap sites every local layer has (``points.SITES``)."""
+    attention: tuple[tuple[int, nn.Module], ...] = ()
+    """(layer, vLLM ``Attention`` module) per local layer, when the ``attn`` site exists."""
+    d_mlp: int = 0
+    """Full width of ``mlp_post`` (all TP ranks together)."""
+
+
+@dataclass(frozen=True)
+class InnerTaps:
+    """Where one architecture family's layer internals live (dotted paths from the layer)."""
+
+    mid: str
+    """The module called as ``module(attn_out, resid_pre)`` between attention and MLP (the
+    fused add + norm of pre-norm models): the ``mid`` tap reads its inputs."""
+    act: str
+    """The MLP's activation module: the ``act`` tap reads its output (``mlp_post``)."""
+    down_proj: str
+    """The MLP's output projection (its ``input_size`` is d_mlp)."""
+    attention: str
+    """vLLM's ``Attention`` module: Q/K and ``attn_z`` are read around its kernel."""
+
+
+#: Per proven model class, where the inner taps go.
+INNER_TAPS = {
+    "LlamaForCausalLM": InnerTaps(mid="post_attention_layernorm", act="mlp.act_fn",
+                                  down_proj="mlp.down_proj", attention="self_attn.attn"),
+}
 
 
 # Where Llama/Qwen2-style models (and multimodal wrappers around them) keep their layers.
@@ -154,6 +187,67 @@ def _tapped_class(cls: type[nn.Module]) -> type[nn.Module]:
     return tapped
 
 
+def _submodule(layer: nn.Module, path: str) -> nn.Module | None:
+    obj: object = layer
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+    return obj if isinstance(obj, nn.Module) else None
+
+
+def _inner_tapped_class(cls: type[nn.Module], site: str) -> type[nn.Module]:
+    """``cls`` with a tap on its inputs (``mid``: ``forward(x, residual)``) or on its output
+    (``act``)."""
+    key = (cls, site)
+    tapped = _INNER_CLASSES.get(key)
+    if tapped is None:
+        if site == "mid":
+            def forward(self, x, *args, **kwargs):
+                residual = args[0] if args else kwargs.get("residual")
+                torch.ops.vllm_lens.mid_tap(x, residual, self._vllm_lens_layer)
+                return cls.forward(self, x, *args, **kwargs)
+        else:
+            def forward(self, *args, **kwargs):
+                out = cls.forward(self, *args, **kwargs)
+                torch.ops.vllm_lens.act_tap(out, None, self._vllm_lens_layer)
+                return out
+
+        tapped = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                             "_vllm_lens_site": site})
+        _INNER_CLASSES[key] = tapped
+    return tapped
+
+
+_INNER_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _install_inner(layer: nn.Module, index: int, where: InnerTaps, tap: bool
+                   ) -> tuple[set[str], nn.Module | None, int]:
+    """Tap one layer's internals; returns (sites found, its Attention module, d_mlp)."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    sites: set[str] = set()
+    for site, path in (("mid", where.mid), ("act", where.act)):
+        module = _submodule(layer, path)
+        if module is None:
+            continue
+        if tap:
+            cls = type(module)
+            if getattr(cls, "_vllm_lens_site", None) is not None:  # tapped already
+                cls = cls.__mro__[1]
+            module.__class__ = _inner_tapped_class(cls, site)
+            module._vllm_lens_layer = index
+        sites.add(site)
+    attention = _submodule(layer, where.attention)
+    if type(attention) is Attention and getattr(attention, "kv_sharing_target_layer_name",
+                                                None) is None:
+        sites.add("attn")
+    else:
+        attention = None
+    down = _submodule(layer, where.down_proj)
+    d_mlp = int(getattr(down, "input_size", 0) or 0)
+    return sites, attention, d_mlp
+
+
 def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
     """Swap every local decoder layer of ``model`` for its tapped twin; idempotent. With
     ``tap=False`` only record what was found.
@@ -168,6 +262,9 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
 
     local = []
     pre_taps = True
+    where = INNER_TAPS.get(type(model).__name__)
+    inner: set[str] | None = None
+    attention, d_mlp = [], 0
     for index, layer in enumerate(layers):
         if isinstance(layer, PPMissingLayer):
             continue  # owned by another pipeline stage
@@ -177,9 +274,20 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
         if tap:
             layer.__class__ = _tapped_class(original)
             layer._vllm_lens_layer = index
+        if where is not None:
+            sites, attn, d_mlp = _install_inner(layer, index, where, tap)
+            inner = sites if inner is None else inner & sites
+            if attn is not None:
+                attention.append((index, attn))
         local.append(index)
+    sites = {"post"} | ({"pre"} if pre_taps else set()) | (inner or set())
+    if "attn" not in sites:
+        attention = []
     info = TapInfo(model_class=type(model).__name__, n_layers=len(layers),
-                   local_layers=tuple(local), pre_taps=pre_taps, tapped=tap)
+                   local_layers=tuple(local), pre_taps=pre_taps, tapped=tap,
+                   sites=tuple(site for site in ("pre", "attn", "mid", "act", "post")
+                               if site in sites),
+                   attention=tuple(attention), d_mlp=d_mlp)
     setattr(model, _INFO_ATTR, info)
     return info
 

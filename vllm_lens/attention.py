@@ -1,0 +1,101 @@
+"""Attention patterns from captured Q and K (runs in: anywhere; needs only torch).
+
+``output_qk`` returns the post-RoPE query and key of chosen layers exactly as vLLM's attention
+kernel received them, plus what the kernel did with them (``qk_meta``: scale, soft cap,
+sliding window, ALiBi slopes, attention sinks). These helpers rebuild the attention weights::
+
+    out = llm.generate(prompt, SamplingParams(extra_args={"output_qk": [5]}))[0]
+    pattern = attention_patterns(out.activations, 5)   # [n_heads, seq, seq]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["attention_patterns", "compute_attention_weights"]
+
+
+def compute_attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = True,
+    q_start: int | None = None,
+    sliding_window: Sequence[int] = (-1, -1),
+    logits_soft_cap: float = 0.0,
+    alibi_slopes: Sequence[float] | torch.Tensor | None = None,
+    sinks: Sequence[float] | torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Softmax attention weights ``[n_heads, q_len, kv_len]``.
+
+    Args:
+        q: ``[q_len, n_heads, head_dim]``; its rows are positions ``q_start ..``.
+        k: ``[kv_len, n_kv_heads, head_dim]`` at positions ``0 .. kv_len - 1``; grouped-query
+            heads are shared by ``n_heads / n_kv_heads`` query heads each.
+        q_start: position of ``q[0]`` (default ``kv_len - q_len``: the queries are the last
+            positions).
+        sliding_window: ``(left, right)`` as vLLM keeps it: a query at ``i`` sees keys
+            ``i - left .. i + right`` (``-1``: unbounded).
+        logits_soft_cap: ``cap * tanh(scores / cap)`` before masking (0: off).
+        alibi_slopes: per head, ``slope * (key_pos - query_pos)`` is added to the scores.
+        sinks: per head, a logit that joins each softmax's denominator only.
+    """
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"q and k must be [positions, heads, head_dim], got {tuple(q.shape)} "
+                         f"and {tuple(k.shape)}")
+    q_len, n_heads, _ = q.shape
+    kv_len, n_kv, _ = k.shape
+    if n_heads % n_kv:
+        raise ValueError(f"{n_heads} query heads cannot share {n_kv} key heads evenly")
+    if q_start is None:
+        q_start = kv_len - q_len
+    k = k.to(dtype).repeat_interleave(n_heads // n_kv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.to(dtype), k) * scale
+    if logits_soft_cap:
+        scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    q_pos = torch.arange(q_start, q_start + q_len, device=q.device)[:, None]
+    k_pos = torch.arange(kv_len, device=q.device)[None, :]
+    if alibi_slopes is not None:
+        slopes = torch.as_tensor(alibi_slopes, dtype=dtype, device=q.device)
+        scores = scores + slopes[:, None, None] * (k_pos - q_pos).to(dtype)
+    masked = torch.zeros((q_len, kv_len), dtype=torch.bool, device=q.device)
+    if causal:
+        masked |= k_pos > q_pos
+    left, right = (int(w) for w in sliding_window)
+    if left >= 0:
+        masked |= k_pos < q_pos - left
+    if right >= 0:
+        masked |= k_pos > q_pos + right
+    scores = scores.masked_fill(masked, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = torch.as_tensor(sinks, dtype=dtype, device=q.device)[:, None, None]
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+    weights = torch.exp(scores - top)
+    return weights / (weights.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
+
+
+def attention_patterns(activations: Mapping[str, Any], layer: int, *,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The attention weights ``[n_heads, seq, seq]`` of ``layer`` over every captured position
+    (from an ``output_qk`` result: ``out.activations``)."""
+    layers = list(activations.get("qk_layers") or [])
+    if layer not in layers:
+        raise KeyError(f"layer {layer} was not captured with output_qk (captured: {layers})")
+    i = layers.index(layer)
+    meta = activations["qk_meta"][i]
+    q, k = activations["attn_q"][i], activations["attn_k"][i]
+    positions = activations.get("attn_q_positions")
+    q_start = int(positions[0]) if positions is not None and len(positions) else 0
+    if q_start:
+        raise ValueError(f"Q/K were captured from position {q_start}, not 0: an attention "
+                         "pattern needs every key")
+    return compute_attention_weights(
+        q, k, scale=meta["scale"], q_start=0, sliding_window=meta["sliding_window"],
+        logits_soft_cap=meta["logits_soft_cap"], alibi_slopes=meta["alibi_slopes"],
+        sinks=meta["sinks"], dtype=dtype)

@@ -1,0 +1,125 @@
+"""Tap points of a decoder layer: their names, aliases and where each is read (runs in: front
+end, to validate requests; worker, to route taps).
+
+Per decoder layer ``L`` (TransformerLens names)::
+
+    resid_pre -> attention (attn_q, attn_k, attn_z) -> attn_out -> resid_mid
+              -> MLP (mlp_post) -> mlp_out -> resid_post
+
+A point is read at one of five *sites* inside the traced model, each a tap op that receives
+two tensors ``(a, b)``: ``b`` is the fused residual where the model keeps one apart (Llama,
+Qwen2), else ``None``. A point's value is ``a`` or ``a + b``:
+
+========== ====== ================================ ===========================================
+point      site   value                            what it is
+========== ====== ================================ ===========================================
+resid_pre  pre    ``a + b``                        the stream entering the layer
+attn_out   mid    ``a``                            what attention adds (after o_proj)
+resid_mid  mid    ``a + b``                        ``resid_pre + attn_out``
+mlp_out    post   ``a``                            what the MLP adds
+resid_post post   ``a + b``                        the stream leaving the layer
+mlp_post   act    ``a``                            the MLP's activation, input of down_proj
+attn_z     attn   the attention kernel's output    per head, input of o_proj
+attn_q/k   attn   the attention kernel's inputs    per head, post-RoPE
+========== ====== ================================ ===========================================
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "ATTENTION_SIGNALS", "POINTS", "RESIDUAL_SIGNAL", "SITES", "STEERABLE", "Point",
+    "operands", "resolve", "site_of", "tap_key",
+]
+
+#: Where taps run, in the order a layer reaches them.
+SITES = ("pre", "attn", "mid", "act", "post")
+
+
+@dataclass(frozen=True)
+class Point:
+    name: str
+    site: str
+    with_residual: bool
+    """The value is ``a + b`` (the full stream), not ``a`` alone."""
+    width: str
+    """What the last dimension is: ``hidden``, ``mlp`` (d_mlp), or ``heads`` ([heads, dim])."""
+    steerable: bool
+
+
+POINTS: dict[str, Point] = {p.name: p for p in (
+    Point("resid_pre", "pre", True, "hidden", True),
+    Point("attn_out", "mid", False, "hidden", True),
+    Point("resid_mid", "mid", True, "hidden", True),
+    Point("mlp_out", "post", False, "hidden", True),
+    Point("resid_post", "post", True, "hidden", True),
+    Point("mlp_post", "act", False, "mlp", False),
+    Point("attn_z", "attn", False, "heads", False),
+)}
+#: Points steering vectors and hooks may write to (each is a ``[n_tokens, hidden]`` stream).
+STEERABLE = tuple(name for name, p in POINTS.items() if p.steerable)
+#: The signal ``output_residual_stream`` captures (at ``resid_post``).
+RESIDUAL_SIGNAL = "residual_stream"
+#: Signals read from the attention kernel's inputs (``output_qk``).
+ATTENTION_SIGNALS = ("attn_q", "attn_k")
+
+# Aliases: TransformerLens hook names and the RhizoNymph fork's three points.
+_ALIASES = {
+    "pre_attn": "resid_pre", "post_attn": "resid_mid", "post_block": "resid_post",
+    "attn.hook_z": "attn_z", "hook_z": "attn_z", "z": "attn_z",
+    "mlp.hook_post": "mlp_post", "hook_mlp_post": "mlp_post",
+}
+_BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
+
+
+def resolve(name: str) -> tuple[str, int | None]:
+    """``(point, layer)`` named by ``name``; ``layer`` is set by ``blocks.{L}.`` names.
+
+    >>> resolve("attn_out"), resolve("hook_resid_mid"), resolve("blocks.3.hook_attn_out")
+    (('attn_out', None), ('resid_mid', None), ('attn_out', 3))
+    >>> resolve("post_block"), resolve("blocks.0.attn.hook_z")
+    (('resid_post', None), ('attn_z', 0))
+
+    Raises:
+        KeyError: not a tap point (the message lists them).
+    """
+    layer = None
+    text = name.strip() if isinstance(name, str) else name
+    if isinstance(text, str) and (m := _BLOCK.match(text)):
+        layer, text = int(m.group(1)), m.group(2)
+    if isinstance(text, str):
+        text = _ALIASES.get(text, text)
+        if text.startswith("hook_"):
+            text = _ALIASES.get(text, text.removeprefix("hook_"))
+    if text not in POINTS:
+        raise KeyError(f"unknown tap point {name!r}; use one of {', '.join(POINTS)} (or "
+                       "hook_<point>, blocks.<layer>.hook_<point>, pre_attn, post_attn, "
+                       "post_block)")
+    return text, layer
+
+
+def tap_key(signal: str) -> str:
+    """Which tap call reads ``signal``: its site, except that ``attn_z`` is read after the
+    attention kernel ran (``"attn_z"``) and Q/K before (``"attn"``)."""
+    return "attn_z" if signal == "attn_z" else site_of(signal)
+
+
+def operands(signal: str, a, b):
+    """The tensors whose sum is ``signal``'s value, from a tap's two (``(q, k)`` at the
+    ``attn`` site): ``(a, b)``, ``(a, None)`` or ``(b, None)``."""
+    if signal == "attn_k":
+        return b, None
+    if signal == RESIDUAL_SIGNAL or (signal in POINTS and POINTS[signal].with_residual):
+        return a, b
+    return a, None
+
+
+def site_of(signal: str) -> str:
+    """The site a captured signal is read at."""
+    if signal == RESIDUAL_SIGNAL:
+        return "post"
+    if signal in ATTENTION_SIGNALS:
+        return "attn"
+    return POINTS[signal].site

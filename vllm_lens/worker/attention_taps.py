@@ -1,0 +1,86 @@
+"""Q, K and per-head output around vLLM's attention kernel (runs in: worker).
+
+vLLM runs attention as one opaque custom op (``unified_attention_with_output``, on CPU and
+CUDA alike), outside the compiled graph and outside CUDA graphs; its body looks up
+``layer.impl.forward`` at run time. Wrapping that bound method therefore sees the post-RoPE
+query ``[tokens, heads, head_dim]`` and key ``[tokens, kv_heads, head_dim]`` exactly as the
+kernel receives them, and the kernel's output (``attn_z``), with no change to the traced graph.
+
+The wrappers are dormant: they are installed only for the steps that capture Q/K or
+``attn_z`` and removed when no step needs them, so plain traffic pays nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["AttentionTaps", "attention_meta"]
+
+#: handler(a, b, layer, site): ``("attn", q, k)`` before the kernel, ``("attn_z", out, None)``
+#: after it.
+Handler = Callable[[torch.Tensor, "torch.Tensor | None", int, str], None]
+
+
+class AttentionTaps:
+    """Wraps (or unwraps) ``impl.forward`` of each local layer's ``Attention`` module."""
+
+    def __init__(self, modules: tuple[tuple[int, nn.Module], ...], handler: Handler) -> None:
+        self.modules = modules
+        self.handler = handler
+        self.enabled = False
+
+    def enable(self, on: bool) -> None:
+        if on == self.enabled:
+            return
+        for layer, module in self.modules:
+            impl = module.impl
+            if on:
+                impl.forward = _wrapped(impl.forward, layer, self.handler)
+            else:
+                impl.__dict__.pop("forward", None)  # back to the class's method
+        self.enabled = on
+
+
+def _wrapped(original: Callable[..., Any], layer: int, handler: Handler) -> Callable[..., Any]:
+    def forward(attn_layer, query, key, value, kv_cache, attn_metadata, output=None,
+                **kwargs):
+        if key is not None:
+            handler(query, key, layer, "attn")
+        result = original(attn_layer, query, key, value, kv_cache, attn_metadata,
+                          output=output, **kwargs)
+        z = output if output is not None else result
+        if isinstance(z, torch.Tensor):
+            handler(z, None, layer, "attn_z")
+        return result
+
+    return forward
+
+
+def attention_meta(module: nn.Module) -> dict[str, Any]:
+    """What ``vllm_lens.attention`` needs to rebuild one layer's attention pattern."""
+    impl = module.impl
+    window = getattr(impl, "sliding_window", None)
+    if window is None or window == -1:
+        window = (-1, -1)
+    elif isinstance(window, int):
+        window = (window - 1, 0)  # a query sees itself and window - 1 keys before it
+    else:
+        window = tuple(int(w) for w in window)
+    slopes = getattr(impl, "alibi_slopes", None)
+    sinks = getattr(impl, "sinks", None)
+    cap = getattr(impl, "logits_soft_cap", None)
+    return {
+        "scale": float(impl.scale),
+        "logits_soft_cap": float(cap or 0.0),
+        "sliding_window": list(window),
+        "alibi_slopes": None if slopes is None else torch.as_tensor(slopes).float().tolist(),
+        "sinks": None if sinks is None else sinks.detach().float().cpu().tolist(),
+        "num_heads": int(impl.num_heads),
+        "num_kv_heads": int(impl.num_kv_heads),
+        "head_size": int(impl.head_size),
+        "layer_name": str(getattr(module, "layer_name", "")),
+    }

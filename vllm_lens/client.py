@@ -30,7 +30,14 @@ from vllm_lens.activations import (
 )
 from vllm_lens.errors import LensError
 from vllm_lens.hooks import hook_to_json
-from vllm_lens.spec import CAPTURE_KEY, HOOKS_KEY, STEER_KEY, TRANSPORT_KEY
+from vllm_lens.spec import (
+    ACTIVATIONS_KEY,
+    CAPTURE_KEY,
+    HOOKS_KEY,
+    QK_KEY,
+    STEER_KEY,
+    TRANSPORT_KEY,
+)
 
 __all__ = ["AsyncLensClient", "LensClient", "LensHTTPError", "LensResult", "encode_xargs"]
 
@@ -100,6 +107,9 @@ class _Protocol:
             lens[CAPTURE_KEY] = capture
         elif capture_layers is not None:
             lens[CAPTURE_KEY] = capture_layers
+        for key in (ACTIVATIONS_KEY, QK_KEY):  # lens keys passed by name
+            if openai_kwargs.get(key) is not None:
+                lens[key] = openai_kwargs.pop(key)
         if steering_vectors is not None:
             lens[STEER_KEY] = steering_vectors
         if hooks is not None:
@@ -201,7 +211,8 @@ class LensClient:
                  hooks: Any = None, stream: bool = False, transport: str = "json",
                  **openai_kwargs: Any) -> Any:
         """``/v1/completions``. Returns a ``LensResult`` or, with ``stream=True``, an iterator
-        of partial ones. ``openai_kwargs`` go into the request body (``n``, ``seed``, ...)."""
+        of partial ones. ``output_activations=`` and ``output_qk=`` are sent as those lens
+        keys; other ``openai_kwargs`` go into the request body (``n``, ``seed``, ...)."""
         return self._run("/v1/completions", "prompt", prompt, stream, dict(
             max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
             capture=capture, steering_vectors=steering_vectors, hooks=hooks,

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import AutoModelForCausalLM
 
 
 class HFReference:
     def __init__(self, path: str) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        # Eager attention: the only implementation that returns attention weights.
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager").eval()
         self.layers = self.model.model.layers
 
     @torch.no_grad()
@@ -81,6 +85,90 @@ class HFReference:
         finally:
             for h in handles:
                 h.remove()
+        return ids[len(prompt_ids):]
+
+    @contextlib.contextmanager
+    def point_hooks(self, edits: dict | None = None):
+        """Record every tap point of every layer (Llama modules) into the yielded dict
+        ``{(point, layer): [T, ...]}``; ``edits[(point, layer)](value [T, d]) -> value``
+        replaces a stream point (``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out``,
+        ``resid_post``) as vllm-lens does."""
+        edits = edits or {}
+        seen: dict = {}
+        handles = []
+
+        def put(point, i, value):
+            edit = edits.get((point, i))
+            if edit is not None:
+                value = edit(value)
+            seen[(point, i)] = value
+            return value
+
+        for i, layer in enumerate(self.layers):
+            def pre(_m, args, kwargs, i=i):
+                h = args[0] if args else kwargs["hidden_states"]
+                new = put("resid_pre", i, h[0])[None]
+                if args:
+                    return (new, *args[1:]), kwargs
+                return args, {**kwargs, "hidden_states": new}
+
+            def attn(_m, _inp, out, i=i):
+                attn_out = put("attn_out", i, out[0][0])
+                mid = seen[("resid_pre", i)] + attn_out
+                new_mid = put("resid_mid", i, mid)
+                if new_mid is not mid:
+                    attn_out = new_mid - seen[("resid_pre", i)]
+                return (attn_out[None], *out[1:])
+
+            def mlp(_m, _inp, out, i=i):
+                return put("mlp_out", i, out[0])[None]
+
+            def post(_m, _inp, out, i=i):
+                h = out[0] if isinstance(out, tuple) else out
+                new = put("resid_post", i, h[0])[None]
+                return (new, *out[1:]) if isinstance(out, tuple) else new
+
+            def down(_m, inp, i=i):
+                seen[("mlp_post", i)] = inp[0][0]
+
+            def o_proj(_m, inp, i=i):
+                z = inp[0][0]
+                seen[("attn_z", i)] = z.reshape(z.shape[0], -1, layer.self_attn.head_dim)
+
+            handles += [
+                layer.register_forward_pre_hook(pre, with_kwargs=True),
+                layer.self_attn.register_forward_hook(attn),
+                layer.mlp.register_forward_hook(mlp),
+                layer.register_forward_hook(post),
+                layer.mlp.down_proj.register_forward_pre_hook(down),
+                layer.self_attn.o_proj.register_forward_pre_hook(o_proj),
+            ]
+        try:
+            yield seen
+        finally:
+            for h in handles:
+                h.remove()
+
+    @torch.no_grad()
+    def points(self, token_ids: list[int], edits: dict | None = None,
+               attentions: bool = False) -> dict:
+        """Every tap point of every layer for ``token_ids`` (with ``edits``); with
+        ``attentions`` also ``("attn", layer)``: eager attention weights [heads, T, T]."""
+        with self.point_hooks(edits) as seen:
+            out = self.model(torch.tensor([token_ids]), output_attentions=attentions)
+        if attentions:
+            for i, weights in enumerate(out.attentions):
+                seen[("attn", i)] = weights[0]
+        return seen
+
+    @torch.no_grad()
+    def point_greedy(self, prompt_ids: list[int], max_new_tokens: int,
+                     edits: dict) -> list[int]:
+        """Greedy generation with ``edits`` (see ``point_hooks``), recomputing every step."""
+        ids = list(prompt_ids)
+        with self.point_hooks(edits):
+            for _ in range(max_new_tokens):
+                ids.append(int(self.model(torch.tensor([ids])).logits[0, -1].argmax()))
         return ids[len(prompt_ids):]
 
     @torch.no_grad()

@@ -4,9 +4,10 @@
 
 The throughput benchmark compares whole engines, so on a shared machine its plain-traffic ratio
 carries run-to-run noise of several percent. This measures the one thing the plugin adds to a
-step without lens requests — two tap calls per decoder layer (``vllm_lens::pre_tap`` at its
-input, ``vllm_lens::tap`` at its output; both are registered the same way and cost the same) —
-and prints it next to the duration of a decode step (``--step-ms``: pass the one throughput.py
+step without lens requests — four tap calls per decoder layer (``vllm_lens::pre_tap`` at its
+input, ``mid_tap`` between attention and MLP, ``act_tap`` after the MLP's activation,
+``vllm_lens::tap`` at its output; all are registered the same way and cost the same; the
+attention wrappers are not installed while no step reads Q/K) — and prints it next to the duration of a decode step (``--step-ms``: pass the one throughput.py
 implies on your machine, e.g. 64 tokens / (tokens/s) for the 64-request case, or
 1 / (tokens/s) for batch 1).
 """
@@ -44,15 +45,16 @@ def main() -> None:
     taps.set_tap_handler(None)
     idle = per_call_us(hidden, residual, args.calls)
     # A handler that returns at once, like the runtime's with an empty plan.
-    taps.set_tap_handler(lambda h, r, layer, pre: None)
+    taps.set_tap_handler(lambda h, r, layer, site: None)
     attached = per_call_us(hidden, residual, args.calls)
     taps.set_tap_handler(None)
+    n_taps = len(taps.TAP_OPS)
     for name, us in (("no handler (before any lens request)", idle),
                      ("handler attached, nothing to do", attached)):
-        per_step_ms = 2 * us * args.layers / 1000  # pre_tap + tap per layer
+        per_step_ms = n_taps * us * args.layers / 1000
         print(f"{name}: {us:.2f} us/call -> {per_step_ms:.3f} ms/step over {args.layers} "
-              f"layers x 2 taps = {per_step_ms / args.step_ms:.3%} of a {args.step_ms:.0f} ms "
-              "decode step")
+              f"layers x {n_taps} taps = {per_step_ms / args.step_ms:.3%} of a "
+              f"{args.step_ms:.0f} ms decode step")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ benchmark's process, which also keeps vLLM's engine-core busy loop from competin
 model for the two cores).
 
 Cases: plain requests, captures (1 layer; all layers; all layers at the last prompt token
-only), steering (1 layer with one shared vector or a distinct vector per request; every
+only; ``attn_out`` at one layer; Q/K of one layer; every tap point at every layer at the last
+prompt token), steering (1 layer with one shared vector or a distinct vector per request; every
 layer), each with ``--prompts`` greedy requests of ``--tokens`` generated tokens; and plain
 requests one at a time (batch 1), where the plugin's fixed per-step cost weighs most.
 Results go to stdout as a Markdown table (paste into benchmarks/RESULTS.md).
@@ -60,6 +61,12 @@ CASES: dict[str, tuple[int | None, Callable[[int], Any]]] = {
     "capture all 30 layers": (None, lambda i: {"output_residual_stream": True}),
     "capture all layers, last_prompt": (None, lambda i: {
         "output_residual_stream": {"layers": True, "positions": "last_prompt"}}),
+    "attn_out at 1 layer": (None, lambda i: {"output_activations": {"attn_out": [15]}}),
+    "Q/K of 1 layer": (None, lambda i: {"output_qk": [15]}),
+    "every point, all layers, last_prompt": (None, lambda i: {"output_activations": {
+        p: {"layers": True, "positions": "last_prompt"} for p in (
+            "resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "mlp_post",
+            "attn_z")}}),
     "steer 1 layer, same vector": (None, lambda i: {
         "apply_steering_vectors": [_vector(0, [15])]}),
     "steer 1 layer, distinct vectors": (None, lambda i: {

@@ -83,6 +83,8 @@ def binary_descriptor(acts: Mapping[str, Any], handle: str, nbytes: int) -> dict
     """The binary form of one choice's activations, once its bytes are stored under ``handle``."""
     tensors = {k: v for k, v in acts.items() if isinstance(v, torch.Tensor)}
     stream = tensors.get("residual_stream")
+    if stream is None:  # a capture at tap points only: the first signal's dtype
+        stream = next((v for k, v in tensors.items() if not k.endswith("positions")), None)
     return {
         "transport": "binary",
         "handle": handle,

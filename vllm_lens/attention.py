@@ -25,6 +25,7 @@ def compute_attention_weights(
     scale: float,
     causal: bool = True,
     q_start: int | None = None,
+    q_positions: torch.Tensor | None = None,
     sliding_window: Sequence[int] = (-1, -1),
     logits_soft_cap: float = 0.0,
     alibi_slopes: Sequence[float] | torch.Tensor | None = None,
@@ -39,6 +40,8 @@ def compute_attention_weights(
             heads are shared by ``n_heads / n_kv_heads`` query heads each.
         q_start: position of ``q[0]`` (default ``kv_len - q_len``: the queries are the last
             positions).
+        q_positions: the position of each query row, for rows that are not consecutive
+            (overrides ``q_start``).
         sliding_window: ``(left, right)`` as vLLM keeps it: a query at ``i`` sees keys
             ``i - left .. i + right`` (``-1``: unbounded).
         logits_soft_cap: ``cap * tanh(scores / cap)`` before masking (0: off).
@@ -58,7 +61,10 @@ def compute_attention_weights(
     scores = torch.einsum("qhd,khd->hqk", q.to(dtype), k) * scale
     if logits_soft_cap:
         scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
-    q_pos = torch.arange(q_start, q_start + q_len, device=q.device)[:, None]
+    if q_positions is not None:
+        q_pos = torch.as_tensor(q_positions, device=q.device).reshape(q_len, 1)
+    else:
+        q_pos = torch.arange(q_start, q_start + q_len, device=q.device)[:, None]
     k_pos = torch.arange(kv_len, device=q.device)[None, :]
     if alibi_slopes is not None:
         slopes = torch.as_tensor(alibi_slopes, dtype=dtype, device=q.device)
@@ -91,10 +97,10 @@ def attention_patterns(activations: Mapping[str, Any], layer: int, *,
     meta = activations["qk_meta"][i]
     q, k = activations["attn_q"][i], activations["attn_k"][i]
     positions = activations.get("attn_q_positions")
-    q_start = int(positions[0]) if positions is not None and len(positions) else 0
-    if q_start:
-        raise ValueError(f"Q/K were captured from position {q_start}, not 0: an attention "
-                         "pattern needs every key")
+    if positions is not None and not torch.equal(
+            torch.as_tensor(positions), torch.arange(len(positions))):
+        raise ValueError("Q/K were not captured at positions 0..n-1 (an attention pattern "
+                         "needs every key); use compute_attention_weights on what you have")
     return compute_attention_weights(
         q, k, scale=meta["scale"], q_start=0, sliding_window=meta["sliding_window"],
         logits_soft_cap=meta["logits_soft_cap"], alibi_slopes=meta["alibi_slopes"],

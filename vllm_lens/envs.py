@@ -100,5 +100,12 @@ def shm_handoff() -> bool:
         "0", "false", "no", "off")
 
 
+def inner_taps() -> bool:
+    """Whether decoder layers get the taps inside them (``attn_out``/``resid_mid``,
+    ``mlp_post``); read when the model is built, and by the front end for the compile cache."""
+    return os.environ.get("VLLM_LENS_INNER_TAPS", "1").strip().lower() not in (
+        "0", "false", "no", "off")
+
+
 def test_faults() -> bool:
     return _flag("VLLM_LENS_TEST_FAULTS")

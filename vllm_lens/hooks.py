@@ -40,6 +40,8 @@ class HookContext(Protocol):
 
     saved: dict[str, Any]
     """Persists across layers and steps for this request and hook; returned as its result."""
+    hook_point: str
+    """The tap point the hook runs at (``resid_post`` unless it asked for another)."""
     layer_idx: int
     seq_len: int
     """Tokens of the sequence up to and including this step's."""

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ENTRY_POINT_GROUP", "linear_probe", "load", "logit_lens_topk"]
+__all__ = ["ENTRY_POINT_GROUP", "attention_to_span", "linear_probe", "load", "logit_lens_topk"]
 
 ENTRY_POINT_GROUP = "vllm_lens.hooks"
 HookFn = Callable[[Any, torch.Tensor], "torch.Tensor | None"]
@@ -163,3 +163,93 @@ def linear_probe(args: Mapping[str, Any]) -> HookFn:
         return None
 
     return hook
+
+
+def attention_to_span(args: Mapping[str, Any]) -> HookFn:
+    """Each head's attention mass on a span of key positions, for chosen query positions,
+    computed in the worker from the attention kernel's Q and K (hook point ``attn_qk``), so a
+    detector gets a few numbers per request instead of Q and K.
+
+    ``args``: ``{"span": [start, stop]`` (absolute key positions, ``stop`` exclusive),
+    ``"queries": "last_prompt" | "prompt" | "generated" | "all" | a slice such as
+    "prompt[-4:]" | [positions]}`` (default ``"last_prompt"``). The hook keeps the K rows of
+    earlier steps itself (hooked requests compute every position, prefix cache or not), on the
+    device, for the life of the request. ``saved``: ``{"mass": {layer: [queries, heads]},
+    "positions": {layer: [queries]}}`` (float32; the mass is the softmax weight summed over
+    the span, exactly as the kernel's attention would weigh it: scale, window, soft cap, ALiBi
+    and sinks applied). Bounded like ``logit_lens_topk`` by
+    ``VLLM_LENS_ATTENTION_HOOK_MAX_ROWS`` rows (positions × layers × samples; default 65536).
+    """
+    from vllm_lens.attention import compute_attention_weights
+    from vllm_lens.positions import parse_selector
+
+    unknown = set(args) - {"span", "queries"}
+    if unknown:
+        raise ValueError(f"unknown argument(s) {sorted(unknown)}; attention_to_span takes "
+                         "span, queries")
+    span = args.get("span")
+    if (not isinstance(span, list) or len(span) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in span)
+            or not 0 <= span[0] < span[1]):
+        raise ValueError(f"span must be [start, stop] with 0 <= start < stop, got {span!r}")
+    queries = args.get("queries", "last_prompt")
+    if isinstance(queries, list):
+        if not queries or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0
+                                  for p in queries):
+            raise ValueError("queries must be a selector or a non-empty list of positions")
+        wanted = torch.tensor(sorted(set(queries)), dtype=torch.int64)
+        selector = None
+    else:
+        selector = parse_selector(queries) if isinstance(queries, str) else None
+        if selector is None or (selector.base != "prompt" and (
+                (selector.start or 0) < 0 or (selector.stop or 0) < 0)):
+            raise ValueError(f"queries must be 'last_prompt', 'prompt', 'generated', 'all', "
+                             f"a slice of them counting from the start, or a list of "
+                             f"positions, got {queries!r}")
+    # This request's state (the factory runs once per request): K rows by position, and how
+    # many query rows each layer recorded (a recomputed position is recorded once).
+    keys: dict[int, torch.Tensor] = {}
+    recorded: dict[int, int] = {}
+    last_query: dict[int, int] = {}
+
+    def hook(ctx: Any, q: torch.Tensor) -> None:
+        meta = ctx.attention
+        if meta is None:
+            raise ValueError(f"layer {ctx.layer_idx}'s attention metadata is unknown")
+        positions = ctx.positions
+        start, end = int(positions[0]), int(positions[-1]) + 1
+        stored = keys.get(ctx.layer_idx)
+        if stored is None or stored.shape[0] < end:
+            grown = torch.empty((max(end, 2 * (0 if stored is None else stored.shape[0])),
+                                 *ctx.key.shape[1:]), dtype=ctx.key.dtype, device=ctx.key.device)
+            if stored is not None:
+                grown[: stored.shape[0]] = stored
+            keys[ctx.layer_idx] = stored = grown
+        stored[start:end] = ctx.key
+        if selector is None:
+            pick = torch.isin(positions, wanted)
+        else:
+            lo, hi = selector.bounds(ctx.prompt_len)
+            pick = (positions >= lo) & (positions < (end if hi is None else hi))
+        pick &= positions > last_query.get(ctx.layer_idx, -1)
+        chosen = positions[pick]
+        if not chosen.numel():
+            return None
+        weights = compute_attention_weights(
+            q[pick.to(q.device)], stored[: int(chosen[-1]) + 1], scale=meta["scale"],
+            q_positions=chosen.to(q.device), sliding_window=meta["sliding_window"],
+            logits_soft_cap=meta["logits_soft_cap"], alibi_slopes=meta["alibi_slopes"],
+            sinks=meta["sinks"])
+        mass = weights[:, :, span[0] : span[1]].sum(dim=-1).T  # [queries, heads]
+        row = recorded.get(ctx.layer_idx, 0)
+        _append(ctx.saved, "mass", ctx.layer_idx, mass, row)
+        _append(ctx.saved, "positions", ctx.layer_idx, chosen, row)
+        recorded[ctx.layer_idx] = row + chosen.numel()
+        last_query[ctx.layer_idx] = int(chosen[-1])
+        return None
+
+    return hook
+
+
+attention_to_span.max_rows = (  # type: ignore[attr-defined]
+    "VLLM_LENS_ATTENTION_HOOK_MAX_ROWS", 65536)

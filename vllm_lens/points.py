@@ -30,8 +30,8 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
-    "ATTENTION_SIGNALS", "POINTS", "RESIDUAL_SIGNAL", "SITES", "STEERABLE", "Point",
-    "operands", "resolve", "site_of", "tap_key",
+    "ATTENTION_SIGNALS", "POINTS", "QK_HOOK_POINT", "RESIDUAL_SIGNAL", "SITES", "STEERABLE",
+    "Point", "hook_site", "operands", "resolve", "site_of", "tap_key",
 ]
 
 #: Where taps run, in the order a layer reaches them.
@@ -60,6 +60,9 @@ POINTS: dict[str, Point] = {p.name: p for p in (
 )}
 #: Points steering vectors and hooks may write to (each is a ``[n_tokens, hidden]`` stream).
 STEERABLE = tuple(name for name, p in POINTS.items() if p.steerable)
+#: A hook point that reads the attention kernel's Q (as ``hidden``) and K (``ctx.key``), with
+#: the layer's ``ctx.attention`` metadata; such hooks may not replace anything.
+QK_HOOK_POINT = "attn_qk"
 #: The signal ``output_residual_stream`` captures (at ``resid_post``).
 RESIDUAL_SIGNAL = "residual_stream"
 #: Signals read from the attention kernel's inputs (``output_qk``).
@@ -98,6 +101,11 @@ def resolve(name: str) -> tuple[str, int | None]:
                        "hook_<point>, blocks.<layer>.hook_<point>, pre_attn, post_attn, "
                        "post_block)")
     return text, layer
+
+
+def hook_site(point: str) -> str:
+    """The site a hook at ``point`` (``STEERABLE`` or ``QK_HOOK_POINT``) runs at."""
+    return "attn" if point == QK_HOOK_POINT else POINTS[point].site
 
 
 def tap_key(signal: str) -> str:

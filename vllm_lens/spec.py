@@ -339,6 +339,8 @@ def parse_extra_args(
     raw_capture = rest.pop(CAPTURE_KEY, None)
     raw_points = rest.pop(ACTIVATIONS_KEY, None)
     raw_qk = rest.pop(QK_KEY, None)
+    if raw_points is False:
+        raw_points = None
     raw_steer = rest.pop(STEER_KEY, None)
     raw_hooks = rest.pop(HOOKS_KEY, None)
     fault = _parse_fault(rest.pop(faults.FAULT_KEY, None), request_id)
@@ -503,6 +505,12 @@ def _parse_qk(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[Capt
     raw = _json_value(raw, QK_KEY, request_id)
     _check_site("attn_q", facts, QK_KEY, request_id)
     layers = _parse_layers(raw, facts, QK_KEY, request_id)
+    blind = [layer for layer in layers
+             if layer >= len(facts.qk_meta) or not facts.qk_meta[layer]]
+    if blind:
+        raise UnsupportedModelError(QK_KEY, f"the attention of layers {blind} cannot be "
+                                    "described (scale, window ...), so their Q/K are not "
+                                    "captured", request_id=request_id)
     return (CaptureSpec(layers=layers, signal="attn_q"),
             CaptureSpec(layers=layers, signal="attn_k"))
 
@@ -674,8 +682,13 @@ def _check_against_model(sv: Any, facts: ModelFacts, where: str,
     )
 
 
-def _parse_write_point(raw: Any, facts: ModelFacts, where: str, request_id: str | None) -> str:
-    """A point steering or a hook writes to: one of ``points.STEERABLE`` (or an alias)."""
+def _parse_write_point(raw: Any, facts: ModelFacts, where: str, request_id: str | None,
+                       *, hook: bool = False) -> str:
+    """A point steering or a hook writes to: one of ``points.STEERABLE`` (or an alias); for
+    a hook also ``points.QK_HOOK_POINT`` (read-only)."""
+    if hook and raw == tap_points.QK_HOOK_POINT:
+        _check_site("attn_q", facts, where, request_id)
+        return raw
     try:
         point, layer = tap_points.resolve(raw)
     except KeyError as exc:
@@ -761,7 +774,8 @@ def _parse_hook(item: Any, facts: ModelFacts, where: str, request_id: str | None
                                "layer's output sees the same stream)", request_id=request_id)
     point = "resid_pre" if item.pre else "resid_post"
     if item.hook_point is not None:
-        point = _parse_write_point(item.hook_point, facts, f"{where}.hook_point", request_id)
+        point = _parse_write_point(item.hook_point, facts, f"{where}.hook_point", request_id,
+                                   hook=True)
         if item.pre and point != "resid_pre":
             raise LensRequestError(f"{where}.pre", f"pre=True means hook_point='resid_pre', "
                                    f"not {point!r}; give one of them", request_id=request_id)

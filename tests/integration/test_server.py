@@ -354,3 +354,40 @@ def test_pickled_hooks_work_when_the_operator_opts_in(tiny_path):
         assert info.value.status == 500 and "broken on purpose" in info.value.message
         assert info.value.param == "apply_hooks"
         assert c.generate(PROMPT, max_tokens=2).text is not None  # still serving, same connection
+
+
+@pytest.mark.parametrize("transport", ["json", "binary"])
+def test_points_and_qk_over_http_equal_offline(client, smol_llm, transport):
+    from vllm_lens.attention import attention_patterns
+
+    points = {"attn_out": [3], "mlp_post": {"layers": [3], "positions": "last_prompt"}}
+    result = client.generate(PROMPT, max_tokens=4, output_activations=points, output_qk=[3],
+                             transport=transport)
+    sp = SamplingParams(max_tokens=4, temperature=0, extra_args={
+        "output_activations": points, "output_qk": [3]})
+    offline = smol_llm.generate([{"prompt_token_ids": result.prompt_token_ids}], sp)[0]
+    assert result.token_ids == list(offline.outputs[0].token_ids)
+    for name in ("attn_out", "mlp_post", "attn_q", "attn_k"):
+        got, expected = result.activations[name], offline.activations[name]
+        assert got.shape == expected.shape, name
+        assert max_relative_error(got.flatten(2), expected.flatten(2)) <= TOL, name
+        assert torch.equal(result.activations[f"{name}_positions"],
+                           offline.activations[f"{name}_positions"])
+    assert result.activations["qk_meta"] == offline.activations["qk_meta"]
+    torch.testing.assert_close(attention_patterns(result.activations, 3),
+                               attention_patterns(offline.activations, 3))
+
+
+def test_points_through_the_openai_sdk(smol_server):
+    sdk = openai.OpenAI(base_url=smol_server.base_url + "/v1", api_key="none")
+    model = sdk.models.list().data[0].id
+    completion = sdk.completions.create(
+        model=model, prompt=PROMPT, max_tokens=2, temperature=0,
+        extra_body={"vllm_xargs": {"output_activations": '{"blocks.5.hook_resid_mid": true}',
+                                   "output_qk": "[5]"}})
+    acts = decode_activations(completion)
+    assert acts["resid_mid"].shape[:2] == (1, acts["positions"].numel())
+    assert acts["attn_k"].shape[2:] == (3, 64) and acts["qk_layers"] == [5]
+    with pytest.raises(openai.BadRequestError, match="unknown tap point"):
+        sdk.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body={
+            "vllm_xargs": {"output_activations": '{"attn": true}'}})

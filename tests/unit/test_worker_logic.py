@@ -77,7 +77,7 @@ def _run_steps(store, steps):
         for layer in layers:
             for group, index in plan.capture.get((layer, "post"), ()):
                 capture_layer(group, index, hidden, residual)
-    store.settle(wait=True)
+    return store.settle(wait=True)
 
 
 def test_capture_sums_hidden_and_residual_and_assembles_across_steps():
@@ -106,8 +106,11 @@ def test_a_step_that_stops_part_way_files_nothing():
     # written, so none of it may reach the request's rows.
     store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
     h = torch.randn(3, 4)
-    _run_steps(store, [([_slice("a", 0, 3, 0, 3, (0, 1))], h, None, [0])])
+    failed = _run_steps(store, [([_slice("a", 0, 3, 0, 3, (0, 1))], h, None, [0])])
     assert store.pop("a") == {} and store.nbytes == 0
+    # ... and the request is told (it fails), never served without those rows.
+    assert [(k, r) for k, r, _ in failed] == [("a", "req-a")]
+    assert "layers [1] were not produced" in failed[0][2]
     _run_steps(store, [([_slice("b", 0, 3, 0, 3, (0, 1))], h, None, [0, 1])])
     (b,) = _entries(store, "b")
     assert torch.equal(assemble(b, 3)["tensor"][1], h)

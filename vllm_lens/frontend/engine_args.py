@@ -41,6 +41,7 @@ from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs
 
+from vllm_lens import envs
 from vllm_lens._patching import wrap_attribute
 from vllm_lens.worker.taps import TAP_OPS
 
@@ -187,13 +188,16 @@ def _version() -> str:
         return "source"
 
 
-#: ``additional_config`` entry that separates tapped from untapped compile-cache entries; the
-#: version keeps a graph compiled with an older release's tap ops from being loaded.
-COMPILE_CACHE_MARKER = ("vllm_lens", f"taps-{_version()}")
+def compile_cache_marker() -> tuple[str, str]:
+    """``additional_config`` entry that separates tapped from untapped compile-cache entries;
+    the version and the set of tap ops in the graph (inner taps on or off) keep a graph
+    compiled with other taps from being loaded."""
+    inner = "inner" if envs.inner_taps() else "outer"
+    return "vllm_lens", f"taps-{_version()}-{len(TAP_OPS)}ops-{inner}"
 
 
 def _mark_compile_cache(args: EngineArgs) -> None:
-    key, value = COMPILE_CACHE_MARKER
+    key, value = compile_cache_marker()
     if isinstance(args.additional_config, dict):
         args.additional_config = {**args.additional_config, key: value}
     else:

@@ -32,17 +32,26 @@ class AttentionTaps:
         self.modules = modules
         self.handler = handler
         self.enabled = False
+        self.meta: dict[int, dict[str, Any]] = {}
+        """Layer -> ``attention_meta`` (for hooks at ``attn_qk``), where it can be read."""
+        for layer, module in modules:
+            try:
+                self.meta[layer] = attention_meta(module)
+            except Exception:  # noqa: BLE001 - such a layer's hooks get no metadata
+                pass
 
     def enable(self, on: bool) -> None:
         if on == self.enabled:
             return
+        self.enabled = on
         for layer, module in self.modules:
             impl = module.impl
-            if on:
-                impl.forward = _wrapped(impl.forward, layer, self.handler)
-            else:
-                impl.__dict__.pop("forward", None)  # back to the class's method
-        self.enabled = on
+            wrapped = "forward" in impl.__dict__  # judged per module: a failure part-way
+            if on and not wrapped:               # leaves nothing wrapped twice or forgotten
+                impl.forward = _wrapped(type(impl).forward.__get__(impl), layer,
+                                        self.handler)
+            elif not on and wrapped:
+                del impl.forward  # back to the class's method
 
 
 def _wrapped(original: Callable[..., Any], layer: int, handler: Handler) -> Callable[..., Any]:
@@ -53,7 +62,9 @@ def _wrapped(original: Callable[..., Any], layer: int, handler: Handler) -> Call
         result = original(attn_layer, query, key, value, kv_cache, attn_metadata,
                           output=output, **kwargs)
         z = output if output is not None else result
-        if isinstance(z, torch.Tensor):
+        # With a fused output quantization the kernel writes quantized values: no attn_z
+        # then (its capture is incomplete, and the request fails rather than get them).
+        if isinstance(z, torch.Tensor) and kwargs.get("output_scale") is None:
             handler(z, None, layer, "attn_z")
         return result
 

@@ -38,7 +38,8 @@ def capture_layer(group: CaptureGroup, index: int, a: torch.Tensor,
     else:
         picked = hidden.index_select(0, rows)
         extra = None if residual is None else residual.index_select(0, rows)
-    last = index == len(group.layers) - 1
+    group.filled.add(index)
+    last = len(group.filled) == len(group.layers)
     if hidden.device.type == "cpu":
         if extra is None:
             dest.copy_(picked)

@@ -7,19 +7,22 @@ prefix so they can never collide with the worker's own attributes (vLLM asserts 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm_lens import faults, handoff, wire
 from vllm_lens.spec import HookSpec
+from vllm_lens.worker.attention_taps import attention_meta
 from vllm_lens.worker.capture import assemble
 from vllm_lens.worker.hooks import encode_results
 from vllm_lens.worker.requests import describe
 from vllm_lens.worker.runner import unsupported_reason
-from vllm_lens.worker.attention_taps import attention_meta
 from vllm_lens.worker.runtime import LensRuntime
 from vllm_lens.worker.taps import set_tap_handler, tap_info
 
 __all__ = ["LensWorkerExtension"]
+
+logger = logging.getLogger(__name__)
 
 _runtime: LensRuntime | None = None
 
@@ -212,6 +215,18 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
             out.setdefault(req_id, {}).setdefault("captures", {})[signal] = sent
 
 
+def _qk_meta(info: Any) -> list[list[Any]]:
+    """``[layer, attention_meta]`` per local layer with Q/K taps; a layer whose metadata
+    cannot be read is left out (its Q/K are then not described, and never guessed)."""
+    out = []
+    for layer, module in info.attention if info else ():
+        try:
+            out.append([layer, attention_meta(module)])
+        except Exception:  # noqa: BLE001 - describe must answer
+            logger.warning("vllm-lens: cannot read the attention metadata of layer %d", layer)
+    return out
+
+
 def _describe(worker: Any) -> dict[str, Any]:
     """``lens_describe`` of ``worker`` (may raise; the RPC turns that into a refusal)."""
     global _runtime
@@ -247,6 +262,5 @@ def _describe(worker: Any) -> dict[str, Any]:
         "sites": list(info.sites) if info else [],
         "d_mlp": info.d_mlp if info else 0,
         # Per layer this stage owns (the front end joins the stages' lists).
-        "qk_meta": [[layer, attention_meta(module)] for layer, module in info.attention]
-        if info else [],
+        "qk_meta": _qk_meta(info),
     }

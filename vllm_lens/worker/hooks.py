@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from vllm_lens import named_hooks, wire
-from vllm_lens.points import POINTS, operands
+from vllm_lens.points import QK_HOOK_POINT, hook_site, operands
 from vllm_lens.spec import HookSpec
 
 __all__ = [
@@ -87,6 +87,7 @@ class HookCall:
     end: int
     pos0: int
     states: tuple[HookState, ...]
+    n_prompt: int = 0
     positions: torch.Tensor = field(init=False)
     """Absolute positions of the rows (CPU, int64)."""
 
@@ -98,12 +99,16 @@ class HookCall:
 class _Context:
     """The ``HookContext`` handed to hook functions (see ``vllm_lens.hooks``)."""
 
-    __slots__ = ("layer_idx", "model", "params", "positions", "request_id", "saved", "seq_len",
-                 "tp_rank")
+    __slots__ = ("attention", "hook_point", "key", "layer_idx", "model", "params", "positions",
+                 "prompt_len", "request_id", "saved", "seq_len", "tp_rank")
 
     def __init__(self, saved: dict, layer: int, call: HookCall, model: Any, tp_rank: int,
-                 params: ParameterSource) -> None:
+                 params: ParameterSource, hook_point: str = "resid_post") -> None:
         self.saved = saved
+        self.hook_point = hook_point
+        self.prompt_len = call.n_prompt
+        self.key: torch.Tensor | None = None
+        self.attention: dict[str, Any] | None = None
         self.layer_idx = layer
         self.seq_len = call.pos0 + call.end - call.start
         self.positions = call.positions
@@ -118,28 +123,33 @@ class _Context:
 
 def run_hook_calls(calls: list[HookCall], layer: int, site: str, hidden: torch.Tensor,
                    residual: torch.Tensor | None, model: Any, tp_rank: int,
-                   params: ParameterSource) -> None:
+                   params: ParameterSource, attention: dict[str, Any] | None = None) -> None:
     """Run the hooks of each request at this tap (``site``); replacements are written back in
     place.
 
     The signal handed to a hook is a copy of its point's value (``hidden + residual`` for the
     stream points, ``hidden`` for ``attn_out`` / ``mlp_out``); a replacement ``x`` of a stream
     point is written as ``hidden = x - residual`` so that the layer (or the next) sees exactly
-    ``x`` as the residual stream.
+    ``x`` as the residual stream. At the ``attn`` site ``hidden`` and ``residual`` are the
+    kernel's Q and K: a hook there gets its rows of Q, ``ctx.key`` its rows of K and
+    ``ctx.attention`` the layer's metadata (``attention``), and must return ``None``.
     """
+    if site == "attn":
+        _run_qk_hooks(calls, layer, hidden, residual, model, tp_rank, params, attention)
+        return
     for call in calls:
         rows = slice(call.start, call.end)
         streams: dict[str, torch.Tensor] = {}
         for state in call.states:
             for run in state.runs:
                 if (state.error is not None or layer not in run.layers
-                        or POINTS[run.point].site != site):
+                        or hook_site(run.point) != site):
                     continue
                 a, b = operands(run.point, hidden, residual)
                 stream = streams.get(run.point)
                 if stream is None:
                     stream = a[rows] + b[rows] if b is not None else a[rows].clone()
-                ctx = _Context(run.saved, layer, call, model, tp_rank, params)
+                ctx = _Context(run.saved, layer, call, model, tp_rank, params, run.point)
                 try:
                     out = run.fn(ctx, stream.clone())
                     if out is not None:
@@ -149,6 +159,27 @@ def run_hook_calls(calls: list[HookCall], layer: int, site: str, hidden: torch.T
                         streams = {run.point: stream}
                     else:
                         streams[run.point] = stream
+                except Exception as exc:
+                    state.fail(exc)
+
+
+def _run_qk_hooks(calls: list[HookCall], layer: int, q: torch.Tensor, k: torch.Tensor,
+                  model: Any, tp_rank: int, params: ParameterSource,
+                  attention: dict[str, Any] | None) -> None:
+    for call in calls:
+        rows = slice(call.start, call.end)
+        for state in call.states:
+            for run in state.runs:
+                if (state.error is not None or layer not in run.layers
+                        or run.point != QK_HOOK_POINT):
+                    continue
+                ctx = _Context(run.saved, layer, call, model, tp_rank, params, run.point)
+                ctx.key = k[rows].clone()
+                ctx.attention = attention
+                try:
+                    if run.fn(ctx, q[rows].clone()) is not None:
+                        raise TypeError(f"hook at {QK_HOOK_POINT} of layer {layer} returned a "
+                                        "value; Q/K hooks only read (return None)")
                 except Exception as exc:
                     state.fail(exc)
 

@@ -83,8 +83,11 @@ class CaptureGroup:
     staging: torch.Tensor | None = None
     """``[len(layers), n_rows, *row shape]`` on the host; allocated by the first tap that
     fills it."""
+    filled: set[int] = field(default_factory=set)
+    """Indices (into ``layers``) whose rows were written this step."""
     complete: bool = False
-    """Set by the last layer's tap: a step that stopped part-way leaves nothing to file."""
+    """Set when every layer's rows were written: a group that is not complete when its step is
+    over fails its requests (a tap that did not run never yields partial rows)."""
     ready: Any = None
     """On an accelerator: a ``torch.Event`` recorded after the last layer's copy to the host."""
     failed: bool = False
@@ -183,11 +186,6 @@ class StepPlan:
             for index, layer in enumerate(layers):
                 plan.capture.setdefault((layer, key), []).append((group, index))
         return plan
-
-    def wants(self, layer: int, site: str) -> bool:
-        """Whether any steering, hook or capture of this step runs at (layer, site)."""
-        return ((layer, site) in self.steer or (layer, site) in self.hook_layers
-                or (layer, site) in self.capture)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -22,7 +22,7 @@ import torch
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from vllm_lens import envs, faults
-from vllm_lens.points import POINTS
+from vllm_lens.points import hook_site
 from vllm_lens.spec import HookSpec
 from vllm_lens.worker.attention_taps import AttentionTaps
 from vllm_lens.worker.capture import capture_layer
@@ -149,7 +149,7 @@ class LensRuntime:
             for call in plan.hook_calls:
                 faults.check(self._fault_of(call.req_id), "hooks")
         run_hook_calls(plan.hook_calls, layer, site, hidden, residual, self.params.model,
-                       self.tp_rank, self.params)
+                       self.tp_rank, self.params, self.attention.meta.get(layer))
 
     # -- fetch ---------------------------------------------------------------------------------
     def pop_records(self, key: str) -> dict[str, RequestRecord]:
@@ -186,7 +186,9 @@ class LensRuntime:
                 self._plan = self._build_plan(hidden.device, hidden.dtype)
             except Exception as exc:
                 self._fail_step(exc)
-            self.attention.enable(any(key[1] in ("attn", "attn_z") for key in self._plan.capture))
+            self.attention.enable(
+                any(key[1] in ("attn", "attn_z") for key in self._plan.capture)
+                or any(site == "attn" for _, site in self._plan.hook_layers))
         return self._plan
 
     def _fail_step(self, exc: BaseException) -> None:
@@ -232,7 +234,7 @@ class LensRuntime:
                 continue
             if states:
                 hook_calls.append(HookCall(sched.req_id, sched.start, sched.end, sched.pos0,
-                                           states))
+                                           states, sched.n_prompt))
             if record is not None:
                 slices.append(RequestSlice(
                     req_id=sched.req_id, lens=record.lens, start=sched.start, end=sched.end,
@@ -252,7 +254,7 @@ class LensRuntime:
         if hook_calls:
             plan.hook_calls = hook_calls
             plan.hook_layers = frozenset(
-                (layer, POINTS[run.point].site) for call in hook_calls for state in call.states
+                (layer, hook_site(run.point)) for call in hook_calls for state in call.states
                 for run in state.runs for layer in run.layers)
         for group in plan.groups:
             self.store.stage(group)

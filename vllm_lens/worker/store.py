@@ -83,8 +83,9 @@ class CaptureStore:
         """File the rows of finished steps into their requests' entries.
 
         Called between steps: every staged group whose copies have completed (at once on the
-        CPU; ``wait`` blocks for the accelerator) is split per request. A group whose step
-        did not reach its last layer (it never ran, or failed part-way) is dropped.
+        CPU; ``wait`` blocks for the accelerator) is split per request. A group that failed
+        is dropped (its requests failed already); one whose step did not write every layer's
+        rows (a tap did not run) fails its requests.
 
         Returns (lens key, request id, problem) for each request whose rows could not be
         filed: their rows are gone and the caller fails those requests.
@@ -93,7 +94,14 @@ class CaptureStore:
         failed: list[tuple[str, str, str]] = []
         refused: set[tuple[str, str]] = set()
         for group in pending:
-            if not group.complete or group.failed:
+            if group.failed:
+                continue
+            if not group.complete:
+                missing = [layer for i, layer in enumerate(group.layers)
+                           if i not in group.filled]
+                failed.extend((o.key, o.req_id, f"its {group.signal} rows of layers {missing} "
+                               "were not produced in a step (their tap did not run)")
+                              for o in group.owners)
                 continue
             try:
                 if group.ready is not None and not group.ready.query():

@@ -1,11 +1,13 @@
-"""Tap points: one per decoder layer, inside the traced graph (runs in: worker).
+"""Tap ops in each decoder layer, inside the traced graph (runs in: worker).
 
 PyTorch forward hooks do not fire in vLLM's compiled model, so vllm-lens changes what is
 traced instead: right after the model is constructed (before weights load and before the first
 forward pass, which is when vLLM compiles) every decoder layer's class is swapped for a thin
-subclass whose ``forward`` calls the custom op ``vllm_lens::pre_tap`` on the layer's inputs
-(for pre-hooks), then the original, then ``vllm_lens::tap`` on its outputs.
-Swapping the class keeps parameter names, so weight loading is untouched, and one code path
+subclass whose ``forward`` calls the custom op ``vllm_lens::pre_tap`` on the layer's inputs,
+then the original, then ``vllm_lens::tap`` on its outputs. Inside the layer (``INNER_TAPS``,
+per model class; ``VLLM_LENS_INNER_TAPS=0`` leaves them out) the module between attention and
+MLP gets ``vllm_lens::mid_tap`` on its inputs and the MLP's activation ``vllm_lens::act_tap``
+on its output, the same way. Swapping the class keeps parameter names, so weight loading is untouched, and one code path
 serves compiled and eager mode: Dynamo sees an ordinary op, eager mode calls it directly.
 
 The op is declared as mutating ``hidden`` so steering can add to the stream in place; what it
@@ -24,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm_lens import envs
+
 __all__ = ["PROVEN_MODEL_CLASSES", "TAP_OPS", "TapInfo", "install_taps", "set_tap_handler", "tap_info"]
 
 TAP_OP_NAME = "vllm_lens::tap"
@@ -33,8 +37,9 @@ ACT_TAP_OP_NAME = "vllm_lens::act_tap"
 #: Every custom op vllm-lens puts in the traced graph.
 TAP_OPS = (PRE_TAP_OP_NAME, MID_TAP_OP_NAME, ACT_TAP_OP_NAME, TAP_OP_NAME)
 
-#: handler(a, b, layer_index, site): ``site`` is one of ``points.SITES`` except ``attn``;
-#: ``b`` is the fused residual (None for layers without one, and entering the first layer).
+#: handler(a, b, layer_index, site): ``site`` is ``pre``, ``mid``, ``act`` or ``post`` here
+#: (``worker.attention_taps`` calls it with ``attn`` / ``attn_z``); ``b`` is the fused
+#: residual (None for layers without one, and entering the first layer).
 TapHandler = Callable[[torch.Tensor, "torch.Tensor | None", int, str], None]
 _handler: TapHandler | None = None
 
@@ -47,8 +52,8 @@ def set_tap_handler(handler: TapHandler | None) -> None:
 
 # Registered directly on a Library rather than with ``torch.library.custom_op``: the latter's
 # dispatch wrappers cost ~15 us per call, the direct registration ~2.5 us (measured on the CI
-# kind; ``benchmarks/tap_overhead.py``), and plain traffic pays this call twice per layer per
-# step. vLLM registers its own ops the same way (``direct_register_custom_op``). One
+# kind; ``benchmarks/tap_overhead.py``), and plain traffic pays this call four times per
+# layer per step. vLLM registers its own ops the same way (``direct_register_custom_op``). One
 # ``CompositeExplicitAutograd`` kernel serves every device; the fake kernel lets Dynamo trace it.
 _LIBRARY = torch.library.Library("vllm_lens", "FRAGMENT")
 
@@ -220,13 +225,14 @@ def _inner_tapped_class(cls: type[nn.Module], site: str) -> type[nn.Module]:
 _INNER_CLASSES: dict[tuple[type, str], type] = {}
 
 
-def _install_inner(layer: nn.Module, index: int, where: InnerTaps, tap: bool
+def _install_inner(layer: nn.Module, index: int, where: InnerTaps, tap: bool, inner: bool
                    ) -> tuple[set[str], nn.Module | None, int]:
-    """Tap one layer's internals; returns (sites found, its Attention module, d_mlp)."""
+    """Tap one layer's internals (the ``mid`` and ``act`` ops only if ``inner``); returns
+    (sites found, its Attention module, d_mlp)."""
     from vllm.model_executor.layers.attention.attention import Attention
 
     sites: set[str] = set()
-    for site, path in (("mid", where.mid), ("act", where.act)):
+    for site, path in (("mid", where.mid), ("act", where.act)) if inner else ():
         module = _submodule(layer, path)
         if module is None:
             continue
@@ -238,8 +244,11 @@ def _install_inner(layer: nn.Module, index: int, where: InnerTaps, tap: bool
             module._vllm_lens_layer = index
         sites.add(site)
     attention = _submodule(layer, where.attention)
-    if type(attention) is Attention and getattr(attention, "kv_sharing_target_layer_name",
-                                                None) is None:
+    # The kernel must see the query as the model computed it: not quantized first (an fp8 KV
+    # cache with a backend taking fp8 queries), and K of its own (no KV sharing).
+    if (type(attention) is Attention
+            and getattr(attention, "kv_sharing_target_layer_name", None) is None
+            and getattr(attention, "query_quant", None) is None):
         sites.add("attn")
     else:
         attention = None
@@ -263,6 +272,7 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
     local = []
     pre_taps = True
     where = INNER_TAPS.get(type(model).__name__)
+    inner_ops = envs.inner_taps()
     inner: set[str] | None = None
     attention, d_mlp = [], 0
     for index, layer in enumerate(layers):
@@ -275,7 +285,7 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
             layer.__class__ = _tapped_class(original)
             layer._vllm_lens_layer = index
         if where is not None:
-            sites, attn, d_mlp = _install_inner(layer, index, where, tap)
+            sites, attn, d_mlp = _install_inner(layer, index, where, tap, inner_ops)
             inner = sites if inner is None else inner & sites
             if attn is not None:
                 attention.append((index, attn))

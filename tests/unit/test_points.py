@@ -1,0 +1,170 @@
+"""Tap point names, the output_activations / output_qk keys, and attention weights from Q/K."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from vllm_lens import LensRequestError, UnsupportedConfigError, UnsupportedModelError
+from vllm_lens.admission import check_capture_size
+from vllm_lens.attention import attention_patterns, compute_attention_weights
+from vllm_lens.points import POINTS, STEERABLE, resolve
+from vllm_lens.spec import LensRequest, ModelFacts, parse_extra_args
+
+FACTS = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=8, max_model_len=64,
+                   mapped=True, sites=("pre", "attn", "mid", "act", "post"), d_mlp=32,
+                   n_heads=2, n_kv_heads=1, head_dim=4, qk_meta=({"scale": 0.5},) * 4)
+
+
+def parse(extra, facts=FACTS):
+    return parse_extra_args(extra, lambda: facts)[1]
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("attn_out", ("attn_out", None)), ("hook_resid_pre", ("resid_pre", None)),
+    ("blocks.3.hook_mlp_out", ("mlp_out", 3)), ("blocks.0.attn.hook_z", ("attn_z", 0)),
+    ("blocks.2.mlp.hook_post", ("mlp_post", 2)), ("pre_attn", ("resid_pre", None)),
+    ("post_attn", ("resid_mid", None)), ("post_block", ("resid_post", None)),
+    ("hook_z", ("attn_z", None)),
+])
+def test_names_and_aliases(name, expected):
+    assert resolve(name) == expected
+
+
+@pytest.mark.parametrize("name", ["attn", "blocks.x.hook_attn_out", "hook_", "resid", 3, None])
+def test_unknown_names_list_the_points(name):
+    with pytest.raises(KeyError, match="resid_pre, attn_out"):
+        resolve(name)
+
+
+def test_steerable_points_are_the_stream_points():
+    assert STEERABLE == ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+    assert not POINTS["mlp_post"].steerable and not POINTS["attn_z"].steerable
+
+
+def test_output_activations_merges_names_of_one_point():
+    lens = parse({"output_activations": {"blocks.3.hook_attn_out": True, "attn_out": [1],
+                                         "mlp_post": {"layers": [0], "reduce": "mean"}}})
+    by_signal = {c.signal: c for c in lens.points}
+    assert by_signal["attn_out"].layers == (1, 3)
+    assert by_signal["mlp_post"].reduce == "mean" and lens.capture is None
+    assert LensRequest.from_payload(lens.to_payload()).points == lens.points
+
+
+def test_output_activations_as_json_string_and_conflicts():
+    lens = parse({"output_activations": '{"resid_mid": "true"}'})
+    assert lens.points[0].layers == (0, 1, 2, 3)
+    with pytest.raises(LensRequestError) as info:
+        parse({"output_activations": {"attn_out": [1], "hook_attn_out": {
+            "layers": [2], "positions": "prompt"}}})
+    assert info.value.field == "output_activations.hook_attn_out"
+    with pytest.raises(LensRequestError, match="unknown field"):
+        parse({"output_activations": {"attn_out": {"layers": [1], "layer": 2}}})
+
+
+def test_output_qk_is_q_and_k_at_every_position():
+    lens = parse({"output_qk": [2, 0]})
+    assert [(c.signal, c.layers, c.positions) for c in lens.points] == [
+        ("attn_q", (0, 2), "all"), ("attn_k", (0, 2), "all")]
+    assert lens.qk_layers == (0, 2) and all(c.wants_prompt_rows() for c in lens.points)
+    assert parse({"output_qk": "true"}).qk_layers == (0, 1, 2, 3)
+    assert parse({"output_qk": False}) is None
+    assert parse({"output_activations": False}) is None
+    half_blind = dataclasses.replace(FACTS, qk_meta=({"scale": 0.5}, {}, {}, {}))
+    with pytest.raises(UnsupportedModelError, match="layers \\[1, 2\\]"):
+        parse({"output_qk": [0, 1, 2]}, half_blind)
+
+
+def test_points_the_model_lacks_are_refused_by_name():
+    outer_only = dataclasses.replace(FACTS, sites=("pre", "post"))
+    with pytest.raises(UnsupportedModelError) as info:
+        parse({"output_activations": {"attn_out": [1]}}, outer_only)
+    assert info.value.field == "output_activations.attn_out" and "LlamaForCausalLM" in str(
+        info.value)
+    with pytest.raises(UnsupportedModelError):
+        parse({"output_qk": True}, outer_only)
+    assert parse({"output_activations": {"resid_pre": [1]}}, outer_only) is not None
+
+
+def test_sharded_points_are_refused_under_tensor_parallelism():
+    tp2 = dataclasses.replace(FACTS, tp_size=2)
+    for extra in ({"output_qk": [1]}, {"output_activations": {"attn_z": [1]}},
+                  {"output_activations": {"mlp_post": [1]}}):
+        with pytest.raises(UnsupportedConfigError, match="tensor_parallel_size=2"):
+            parse(extra, tp2)
+    assert parse({"output_activations": {"attn_out": [1]}}, tp2) is not None
+
+
+def test_admission_counts_every_signal_at_its_width(monkeypatch):
+    lens = parse({"output_activations": {"mlp_post": [0, 1]}, "output_qk": [0]})
+    facts = dataclasses.replace(FACTS, max_model_len=1024)
+    monkeypatch.setenv("VLLM_LENS_MAX_CAPTURE_BYTES", str(100 * 4 * (2 * 32 + 8 + 4)))
+    check_capture_size(lens.captures, facts, 90, 10, 1)  # 100 rows fit exactly
+    with pytest.raises(LensRequestError) as info:
+        check_capture_size(lens.captures, facts, 91, 10, 1)
+    assert info.value.field == "output_activations.mlp_post" and "2 signals" not in str(
+        info.value) and "3 signals together" in str(info.value)
+
+
+def _naive(q, k, scale, q_start, window=(-1, -1), cap=0.0, slopes=None, sinks=None):
+    """Attention weights one query, one head at a time."""
+    q_len, n_heads, _ = q.shape
+    kv_len, n_kv, _ = k.shape
+    out = torch.zeros(n_heads, q_len, kv_len, dtype=torch.float64)
+    for h in range(n_heads):
+        kh = h // (n_heads // n_kv)
+        for i in range(q_len):
+            qp = q_start + i
+            logits = []
+            for j in range(kv_len):
+                visible = j <= qp and (window[0] < 0 or j >= qp - window[0]) and (
+                    window[1] < 0 or j <= qp + window[1])
+                if not visible:
+                    logits.append(-math.inf)
+                    continue
+                s = float(q[i, h].double() @ k[j, kh].double()) * scale
+                if cap:
+                    s = cap * math.tanh(s / cap)
+                if slopes is not None:
+                    s += slopes[h] * (j - qp)
+                logits.append(s)
+            top = max(logits + ([sinks[h]] if sinks is not None else []))
+            e = [math.exp(x - top) if x > -math.inf else 0.0 for x in logits]
+            total = sum(e) + (math.exp(sinks[h] - top) if sinks is not None else 0.0)
+            out[h, i] = torch.tensor(e) / total
+    return out
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"window": (3, 0)}, {"cap": 2.0}, {"slopes": [0.5, 0.25, 0.125, 0.0625]},
+    {"sinks": [0.3, -1.0, 2.0, 0.0]}, {"window": (2, 0), "cap": 1.5, "sinks": [1, 1, 1, 1]},
+])
+@pytest.mark.parametrize("q_rows", ["all", "decode"])
+def test_attention_weights_match_a_naive_loop(kwargs, q_rows):
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(9, 2, 8, generator=g)
+    q = torch.randn(9, 4, 8, generator=g)
+    q_start = 0 if q_rows == "all" else 7
+    q = q[q_start:]
+    got = compute_attention_weights(
+        q, k, scale=0.35, q_start=q_start if q_rows == "decode" else None,
+        sliding_window=kwargs.get("window", (-1, -1)), logits_soft_cap=kwargs.get("cap", 0.0),
+        alibi_slopes=kwargs.get("slopes"), sinks=kwargs.get("sinks"), dtype=torch.float64)
+    expected = _naive(q, k, 0.35, q_start, kwargs.get("window", (-1, -1)), kwargs.get("cap", 0.0),
+                      kwargs.get("slopes"), kwargs.get("sinks"))
+    torch.testing.assert_close(got, expected)
+
+
+def test_attention_patterns_reads_an_output_qk_result():
+    g = torch.Generator().manual_seed(1)
+    acts = {"attn_q": torch.randn(2, 5, 4, 8, generator=g),
+            "attn_k": torch.randn(2, 5, 2, 8, generator=g),
+            "attn_q_positions": torch.arange(5), "qk_layers": [1, 3],
+            "qk_meta": [{"scale": 0.5, "logits_soft_cap": 0.0, "sliding_window": [-1, -1],
+                         "alibi_slopes": None, "sinks": None}] * 2}
+    pattern = attention_patterns(acts, 3)
+    expected = _naive(acts["attn_q"][1], acts["attn_k"][1], 0.5, 0)
+    torch.testing.assert_close(pattern.double(), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(KeyError, match="captured: \\[1, 3\\]"):
+        attention_patterns(acts, 2)

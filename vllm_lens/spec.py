@@ -489,9 +489,12 @@ def _check_site(point: str, facts: ModelFacts, where: str, request_id: str | Non
     proven here (the attention and MLP internals are per rank under tensor parallelism)."""
     site = tap_points.site_of(point)
     if site not in facts.sites:
+        hint = ("; the engine may have been started with VLLM_LENS_INNER_TAPS=0"
+                if site in ("mid", "act") else "")
         raise UnsupportedModelError(
             where, f"the tap point {point} is not available on {facts.model_class} (its "
-            f"layers have taps at {', '.join(facts.sites)} only)", request_id=request_id)
+            f"layers have taps at {', '.join(facts.sites) or 'no site'} only{hint})",
+            request_id=request_id)
     if site in ("act", "attn") and facts.tp_size > 1:
         raise UnsupportedConfigError(
             where, f"{point} is sharded across tensor-parallel ranks and gathering it is not "

@@ -201,3 +201,44 @@ def test_bad_points_fail_alone(tiny_llm, extra, field, message):
     ok = tiny_llm.generate(["Hi"], SamplingParams(max_tokens=2, extra_args={
         "output_activations": {"attn_out": [1]}}))[0]
     assert ok.activations["attn_out"].shape[:2] == (1, 2)
+
+
+@pytest.mark.parametrize("queries", ["prompt[-3:]", "generated", [0, 17, 30]])
+def test_attention_to_span_in_the_worker_equals_the_pattern_from_qk(tiny_llm, queries):
+    """The named hook keeps K of earlier prefill chunks itself; its per-head mass on the span
+    equals what the client computes from output_qk."""
+    from vllm_lens import NamedHook
+
+    span = [2, 9]
+    hook = NamedHook("attention_to_span", [1, 3], {"span": span, "queries": queries},
+                     hook_point="attn_qk")
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                        extra_args={"apply_hooks": [hook], "output_qk": [1, 3]})
+    out = tiny_llm.generate([TINY_PROMPT], sp)[0]
+    assert out.hook_error is None
+    saved = out.hook_results["0"]
+    n_prompt = len(out.prompt_token_ids)
+    n_rows = n_prompt + len(out.outputs[0].token_ids) - 1
+    expected_positions = {
+        "prompt[-3:]": list(range(n_prompt - 3, n_prompt)),
+        "generated": list(range(n_prompt, n_rows)),
+    }.get(queries if isinstance(queries, str) else "", queries)
+    for layer in (1, 3):
+        positions = saved["positions"][str(layer)].tolist()
+        assert positions == expected_positions
+        pattern = attention_patterns(out.activations, layer)  # [heads, seq, seq]
+        expected = pattern[:, positions, span[0]:span[1]].sum(dim=-1).T
+        torch.testing.assert_close(saved["mass"][str(layer)], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ({"span": [5, 2]}, "span must be"), ({"span": [0, 4], "queries": "generated[-2:]"},
+                                          "queries must be"),
+    ({"span": [0, 4], "top": 3}, "unknown argument"),
+])
+def test_attention_to_span_refuses_bad_arguments(tiny_llm, args, message):
+    from vllm_lens import NamedHook
+
+    hook = NamedHook("attention_to_span", [1], args, hook_point="attn_qk")
+    with pytest.raises(LensRequestError, match=message):
+        tiny_llm.generate(["Hi"], SamplingParams(max_tokens=1, extra_args={"apply_hooks": [hook]}))

@@ -30,8 +30,8 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
-    "ATTENTION_SIGNALS", "POINTS", "QK_HOOK_POINT", "RESIDUAL_SIGNAL", "SITES", "STEERABLE",
-    "Point", "hook_site", "operands", "resolve", "site_of", "tap_key",
+    "ATTENTION_SIGNALS", "POINTS", "QK_HOOK_POINT", "RESIDUAL_SIGNAL", "SHARDED", "SITES",
+    "STEERABLE", "Point", "hook_site", "operands", "resolve", "shard_dim", "site_of", "tap_key",
 ]
 
 #: Where taps run, in the order a layer reaches them.
@@ -67,6 +67,14 @@ QK_HOOK_POINT = "attn_qk"
 RESIDUAL_SIGNAL = "residual_stream"
 #: Signals read from the attention kernel's inputs (``output_qk``).
 ATTENTION_SIGNALS = ("attn_q", "attn_k")
+#: Signals each tensor-parallel rank holds a part of (heads, or MLP columns): every rank
+#: captures its part, and the front end joins them in rank order.
+SHARDED = ("attn_q", "attn_k", "attn_z", "mlp_post")
+
+
+def shard_dim(signal: str) -> int:
+    """The dimension (from the end) along which a sharded signal's parts join."""
+    return -1 if signal == "mlp_post" else -2
 
 # Aliases: TransformerLens hook names and the RhizoNymph fork's three points.
 _ALIASES = {

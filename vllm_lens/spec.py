@@ -485,8 +485,7 @@ def _parse_points(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[
 
 
 def _check_site(point: str, facts: ModelFacts, where: str, request_id: str | None) -> None:
-    """Refuse a point whose site this model's taps do not have, or that needs what is not
-    proven here (the attention and MLP internals are per rank under tensor parallelism)."""
+    """Refuse a point whose site this model's taps do not have."""
     site = tap_points.site_of(point)
     if site not in facts.sites:
         hint = ("; the engine may have been started with VLLM_LENS_INNER_TAPS=0"
@@ -495,11 +494,6 @@ def _check_site(point: str, facts: ModelFacts, where: str, request_id: str | Non
             where, f"the tap point {point} is not available on {facts.model_class} (its "
             f"layers have taps at {', '.join(facts.sites) or 'no site'} only{hint})",
             request_id=request_id)
-    if site in ("act", "attn") and facts.tp_size > 1:
-        raise UnsupportedConfigError(
-            where, f"{point} is sharded across tensor-parallel ranks and gathering it is not "
-            f"supported yet (tensor_parallel_size={facts.tp_size}); use "
-            "tensor_parallel_size=1, or pipeline parallelism", request_id=request_id)
 
 
 def _parse_qk(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[CaptureSpec, ...]:
@@ -691,6 +685,11 @@ def _parse_write_point(raw: Any, facts: ModelFacts, where: str, request_id: str 
     a hook also ``points.QK_HOOK_POINT`` (read-only)."""
     if hook and raw == tap_points.QK_HOOK_POINT:
         _check_site("attn_q", facts, where, request_id)
+        if facts.tp_size > 1:
+            raise UnsupportedConfigError(
+                where, f"hooks at {raw} would see each tensor-parallel rank's heads apart "
+                f"(tensor_parallel_size={facts.tp_size}); use output_qk, or "
+                "tensor_parallel_size=1", request_id=request_id)
         return raw
     try:
         point, layer = tap_points.resolve(raw)

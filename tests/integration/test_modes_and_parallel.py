@@ -29,6 +29,25 @@ STEER = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args=
 })
 
 
+#: Every tap point and Q/K at every layer: under TP the heads and MLP columns come from both
+#: ranks, under PP the layers from both stages.
+SIGNALS = ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "mlp_post", "attn_z",
+           "attn_q", "attn_k"]
+POINTS = SamplingParams(max_tokens=6, temperature=0, extra_args={
+    "output_activations": {p: True for p in SIGNALS[:7]}, "output_qk": True,
+    "output_residual_stream": [1]})
+
+
+def _assert_points_same(outs, ref_outs, tol):
+    for out, ref in zip(outs, ref_outs):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        for signal in SIGNALS:
+            a, b = out.activations[signal], ref.activations[signal]
+            assert a.shape == b.shape, signal
+            assert max_relative_error(a.flatten(2), b.flatten(2)) <= tol, signal
+        assert out.activations["qk_meta"] == ref.activations["qk_meta"]
+
+
 def _lm_head_shape(ctx, hidden):
     ctx.saved["shape"] = list(ctx.get_parameter("lm_head.weight").shape)
     ctx.saved.setdefault("ranks", set()).add(ctx.tp_rank)
@@ -82,7 +101,8 @@ def _assert_inline_handoff_equals_shared_memory(llm, monkeypatch):
 
 
 def _run(llm):
-    return llm.generate(PROMPTS, ALL_LAYERS), llm.generate(PROMPTS, STEER)
+    return llm.generate(PROMPTS, ALL_LAYERS), llm.generate(PROMPTS, STEER), llm.generate(
+        PROMPTS, POINTS)
 
 
 def _assert_same_as_reference(outs, ref_outs, tol):
@@ -95,20 +115,21 @@ def _assert_same_as_reference(outs, ref_outs, tol):
 
 @pytest.fixture(scope="module")
 def reference(tiny_llm):
-    captured, steered = _run(tiny_llm)
+    captured, steered, points = _run(tiny_llm)
     unsteered = tiny_llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0,
                                                           ignore_eos=True))
     assert all(a.outputs[0].token_ids != b.outputs[0].token_ids
                for a, b in zip(steered, unsteered))  # the steering matters
-    return captured, steered
+    return captured, steered, points
 
 
 def test_compiled_mode_matches_eager(tiny_path, reference):
     with running_llm(tiny_path, max_num_batched_tokens=16, max_num_seqs=8) as llm:
         assert llm.llm_engine.vllm_config.compilation_config.mode != 0  # really compiled
         outs = _run(llm)
-    for got, expected in zip(outs, reference):
+    for got, expected in zip(outs[:2], reference[:2]):
         _assert_same_as_reference(got, expected, tol=1e-5)
+    _assert_points_same(outs[2], reference[2], tol=1e-5)
 
 
 @pytest.mark.slow
@@ -122,8 +143,9 @@ def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch):
         _assert_inline_handoff_equals_shared_memory(llm, monkeypatch)
     assert [d["tp_rank"] for d in describe] == [0, 1]
     _assert_hook_results(hooked, vocab)  # the parameter is gathered from both ranks
-    for got, expected in zip(outs, reference):
+    for got, expected in zip(outs[:2], reference[:2]):
         _assert_same_as_reference(got, expected, tol=1e-4)
+    _assert_points_same(outs[2], reference[2], tol=1e-4)
 
 
 @pytest.mark.slow
@@ -145,8 +167,9 @@ def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch):
         _assert_inline_handoff_equals_shared_memory(llm, monkeypatch)
     _assert_hook_results(hooked, vocab)
     assert [d["local_layers"] for d in describe] == [[0, 1], [2, 3]]
-    for got, expected in zip(outs, reference):
+    for got, expected in zip(outs[:2], reference[:2]):
         _assert_same_as_reference(got, expected, tol=1e-4)
+    _assert_points_same(outs[2], reference[2], tol=1e-4)
     for out, first, ref in zip(one_per_stage, first_stage_only, reference[0]):
         torch.testing.assert_close(out.activations["residual_stream"],
                                    ref.activations["residual_stream"][[1, 3]],

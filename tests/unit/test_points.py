@@ -87,13 +87,18 @@ def test_points_the_model_lacks_are_refused_by_name():
     assert parse({"output_activations": {"resid_pre": [1]}}, outer_only) is not None
 
 
-def test_sharded_points_are_refused_under_tensor_parallelism():
+def test_qk_hooks_are_refused_under_tensor_parallelism_but_captures_are_not():
+    from vllm_lens import NamedHook
+
     tp2 = dataclasses.replace(FACTS, tp_size=2)
     for extra in ({"output_qk": [1]}, {"output_activations": {"attn_z": [1]}},
                   {"output_activations": {"mlp_post": [1]}}):
-        with pytest.raises(UnsupportedConfigError, match="tensor_parallel_size=2"):
-            parse(extra, tp2)
-    assert parse({"output_activations": {"attn_out": [1]}}, tp2) is not None
+        assert parse(extra, tp2) is not None  # each rank captures its part
+    hook = NamedHook("attention_to_span", [1], {"span": [0, 2]}, hook_point="attn_qk")
+    assert parse({"apply_hooks": [hook]}).hooks[0].point == "attn_qk"
+    with pytest.raises(UnsupportedConfigError, match="tensor_parallel_size=2") as info:
+        parse({"apply_hooks": [hook]}, tp2)
+    assert info.value.field == "apply_hooks[0].hook_point"
 
 
 def test_admission_counts_every_signal_at_its_width(monkeypatch):

@@ -20,7 +20,7 @@ from vllm_lens import envs, handoff
 from vllm_lens.admission import check_admission
 from vllm_lens.errors import LensExecutionError, LensRequestError
 from vllm_lens.hooks import HookError
-from vllm_lens.points import RESIDUAL_SIGNAL, SITES
+from vllm_lens.points import RESIDUAL_SIGNAL, SHARDED, SITES, shard_dim
 from vllm_lens.spec import (
     PAYLOAD_KEY,
     CaptureSpec,
@@ -66,12 +66,8 @@ def prompt_length(prompt: Any) -> int | None:
 def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
     """Combine every rank's ``lens_describe`` answer into one view of the model."""
     first = results[0]
-    meta: dict[int, Mapping[str, Any]] = {}
-    for r in results:
-        if r.get("tp_rank", 0) == 0:
-            meta.update((int(layer), m) for layer, m in r.get("qk_meta", ()))
     sites = set.intersection(*(set(r.get("sites", ())) for r in results))
-    one = next(iter(meta.values()), {})
+    meta = _join_qk_meta(results)
     return ModelFacts(
         model_class=first["model_class"],
         n_layers=first["n_layers"],
@@ -84,21 +80,57 @@ def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
         speculative=any(r.get("speculative", False) for r in results),
         sites=tuple(site for site in SITES if site in sites),
         d_mlp=int(first.get("d_mlp", 0)),
-        n_heads=int(one.get("num_heads", 0)),
-        n_kv_heads=int(one.get("num_kv_heads", 0)),
-        head_dim=int(one.get("head_size", 0)),
+        n_heads=int(first.get("num_heads_total", 0)),
+        n_kv_heads=int(first.get("num_kv_heads_total", 0)),
+        head_dim=int(next(iter(meta.values()), {}).get("head_size", 0)),
         tp_size=int(first.get("tp_size", 1)),
         qk_meta=tuple(meta.get(layer, {}) for layer in range(first["n_layers"])),
     )
 
 
+def _join_qk_meta(results: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per layer, the attention metadata of all TP ranks as one: head counts of the whole
+    layer, per-head values (ALiBi slopes, sinks) joined in rank order."""
+    by_layer: dict[int, list[tuple[int, Mapping[str, Any]]]] = {}
+    for r in results:
+        for layer, m in r.get("qk_meta", ()):
+            by_layer.setdefault(int(layer), []).append((int(r.get("tp_rank", 0)), m))
+    first = results[0]
+    joined = {}
+    for layer, metas in by_layer.items():
+        metas = [m for _, m in sorted(metas, key=lambda pair: pair[0])]
+        one = dict(metas[0])
+        for name in ("alibi_slopes", "sinks"):
+            if one.get(name) is not None:
+                one[name] = [v for m in metas for v in m[name]]
+        one["num_heads"] = int(first.get("num_heads_total", one["num_heads"]))
+        one["num_kv_heads"] = int(first.get("num_kv_heads_total", one["num_kv_heads"]))
+        joined[layer] = one
+    return joined
+
+
 def merge_rank_payloads(
-    parts: Sequence[tuple[Mapping[str, Any], torch.Tensor]],
+    parts: Sequence[tuple[Mapping[str, Any], torch.Tensor]], n_kv_heads: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge one signal of one request (``handoff.receive`` results) from the pipeline stages
-    that captured it, in layer order: (tensor, positions)."""
-    ordered = sorted(parts, key=lambda part: part[0]["layers"][0])
-    tensors = [tensor for _, tensor in ordered]
+    """Merge one signal of one request (``handoff.receive`` results) from the ranks that
+    captured it: pipeline stages in layer order; the tensor-parallel parts of a sharded
+    signal (``points.SHARDED``) joined in rank order along their heads or columns (a key head
+    that several ranks hold, when there are fewer key heads than ranks, is kept once).
+    Returns (tensor, positions)."""
+    ordered = sorted(parts, key=lambda part: (part[0]["layers"][0], part[0].get("tp_rank", 0)))
+    stages: dict[tuple[int, ...], list[tuple[Mapping[str, Any], torch.Tensor]]] = {}
+    for header, tensor in ordered:
+        stages.setdefault(tuple(header["layers"]), []).append((header, tensor))
+    tensors = []
+    for shards in stages.values():
+        if len(shards) == 1:
+            tensors.append(shards[0][1])
+            continue
+        signal = shards[0][0]["signal"]
+        if signal == "attn_k" and 0 < n_kv_heads < len(shards):
+            replicas = len(shards) // n_kv_heads  # ranks r holds key head r // replicas
+            shards = shards[::replicas]
+        tensors.append(torch.cat([t for _, t in shards], dim=shard_dim(signal)))
     tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
     return tensor, ordered[0][0]["positions"]
 
@@ -152,7 +184,7 @@ def _ended_early(output: RequestOutput, index: int) -> bool:
 
 def _missing_rows(layers: Sequence[int],
                   parts: Sequence[tuple[Mapping[str, Any], torch.Tensor]] | None,
-                  seen: bool) -> str | None:
+                  seen: bool, copies: int = 1) -> str | None:
     """Why a completion's capture is incomplete, or ``None``: every requested layer must come
     back, and "no rows" is an answer only from a worker that still held the request (then no
     position was selected)."""
@@ -162,9 +194,10 @@ def _missing_rows(layers: Sequence[int],
         return ("vllm-lens lost this request's captured rows: no worker held them at fetch "
                 "time (dropped past VLLM_LENS_WORKER_MAX_BYTES or VLLM_LENS_FINISHED_TTL_S)")
     got = sorted(layer for header, _ in parts for layer in header["layers"])
-    if got != list(layers):
-        return (f"vllm-lens lost captured rows: layers {sorted(set(layers) - set(got))} did not "
-                "come back from their pipeline stage")
+    if got != sorted(list(layers) * copies):
+        lost = sorted(layer for layer in layers if got.count(layer) != copies)
+        return (f"vllm-lens lost captured rows: layers {lost} did not come back from their "
+                "pipeline stage" + (" (from every tensor-parallel rank)" if copies > 1 else ""))
     return None
 
 
@@ -306,8 +339,10 @@ class LensSession:
                     mine = next((v for k, v in captures.items() if k.startswith(prefix)), {})
                     signals_seen = set().union(
                         *(v for k, v in seen.items() if k.startswith(prefix)))
+                    tp = self.facts.tp_size if self.facts is not None else 1
                     error = next(filter(None, (
-                        _missing_rows(c.layers, mine.get(c.signal), c.signal in signals_seen)
+                        _missing_rows(c.layers, mine.get(c.signal), c.signal in signals_seen,
+                                      tp if c.signal in SHARDED else 1)
                         for c in lens.captures)), None)
             if error is not None:
                 found["lens_error"] = LensExecutionError(error, request_id=output.request_id)
@@ -357,8 +392,8 @@ class LensSession:
         acts: dict[str, Any] = {}
         for spec in lens.captures:
             found = parts.get(spec.signal)
-            tensor, positions = (merge_rank_payloads(found) if found is not None
-                                 else self._empty(spec))
+            tensor, positions = (merge_rank_payloads(found, self._facts().n_kv_heads)
+                                 if found is not None else self._empty(spec))
             if spec.signal == RESIDUAL_SIGNAL:
                 acts[RESIDUAL_SIGNAL], acts["positions"] = tensor, positions
             else:

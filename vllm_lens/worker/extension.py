@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from vllm_lens import faults, handoff, wire
+from vllm_lens.points import SHARDED
 from vllm_lens.spec import HookSpec
 from vllm_lens.worker.attention_taps import attention_meta
 from vllm_lens.worker.capture import assemble
@@ -193,7 +194,8 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
         # The signals whose rows this rank kept (if any position was selected): a front end
         # that hears from no such rank knows rows were lost, not merely unselected.
         seen = [c.signal for c in record.lens.captures
-                if runtime.capture_layers.intersection(c.layers)]
+                if (runtime.shard_layers if c.signal in SHARDED
+                    else runtime.capture_layers).intersection(c.layers)]
         if seen:
             out[req_id]["seen"] = seen
     for req_id, by_signal in entries.items():
@@ -205,6 +207,7 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
         record = records.get(req_id)
         for signal, entry in by_signal.items():
             capture = assemble(entry, valid)
+            capture["tp_rank"] = runtime.tp_rank
             tensor = capture.pop("tensor")
             try:
                 if record is not None:
@@ -239,10 +242,12 @@ def _describe(worker: Any) -> dict[str, Any]:
     tp_rank, tp_size, pp_rank = _ranks()
     if (reason is None and info is not None and info.tapped
             and (_runtime is None or _runtime.runner is not runner)):
-        # Every TP rank holds the full residual stream; rank 0 alone captures it.
+        # Every TP rank holds the full residual stream; rank 0 alone captures it. Heads and
+        # MLP columns are split across the ranks: each captures its part.
         capture_layers = frozenset(info.local_layers) if tp_rank == 0 else frozenset()
         _runtime = LensRuntime(runner, capture_layers=capture_layers, tp_rank=tp_rank,
-                               tp_size=tp_size, attention=info.attention)
+                               tp_size=tp_size, attention=info.attention,
+                               shard_layers=frozenset(info.local_layers))
         set_tap_handler(_runtime.on_tap)
         handoff.sweep()  # files orphaned by front ends that died before reading them
     return {
@@ -259,6 +264,9 @@ def _describe(worker: Any) -> dict[str, Any]:
         "pp_rank": pp_rank,
         "speculative": vllm_config.speculative_config is not None,
         "tp_size": tp_size,
+        "num_heads_total": int(model_config.get_num_attention_heads(vllm_config.parallel_config)
+                               * tp_size),
+        "num_kv_heads_total": int(model_config.get_total_num_kv_heads()),
         "sites": list(info.sites) if info else [],
         "d_mlp": info.d_mlp if info else 0,
         # Per layer this stage owns (the front end joins the stages' lists).

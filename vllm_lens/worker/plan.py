@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_lens.points import tap_key
+from vllm_lens.points import SHARDED, tap_key
 from vllm_lens.positions import Selector, parse_selector
 from vllm_lens.spec import CaptureSpec, LensRequest
 
@@ -164,18 +164,24 @@ class StepPlan:
 
     @classmethod
     def build(
-        cls, slices: list[RequestSlice], device: torch.device, capture_layers: frozenset[int]
+        cls, slices: list[RequestSlice], device: torch.device, capture_layers: frozenset[int],
+        shard_layers: frozenset[int] | None = None,
     ) -> StepPlan:
-        """Group capture rows by the set of layers wanted, for the layers this rank captures
-        (its pipeline stage's layers on TP rank 0, none elsewhere)."""
+        """Group capture rows by the set of layers wanted, for the layers this rank captures:
+        ``capture_layers`` (its pipeline stage's layers on TP rank 0, none elsewhere), and
+        for signals each TP rank holds a part of (``points.SHARDED``) ``shard_layers`` (its
+        stage's layers on every rank; default: ``capture_layers``)."""
         plan = cls(slices=slices)
-        if not capture_layers:
+        if shard_layers is None:
+            shard_layers = capture_layers
+        if not capture_layers and not shard_layers:
             return plan
         by_layers: dict[tuple[str, tuple[int, ...]],
                         list[tuple[RequestSlice, CaptureSpec, np.ndarray]]] = {}
         for s in slices:
             for spec in s.lens.captures:
-                layers = _local_layers(spec.layers, capture_layers)
+                layers = _local_layers(
+                    spec.layers, shard_layers if spec.signal in SHARDED else capture_layers)
                 offsets = select_rows(spec, s.pos0, s.end - s.start, s.n_prompt)
                 if layers and offsets.size:
                     by_layers.setdefault((spec.signal, layers), []).append((s, spec, offsets))

@@ -45,11 +45,15 @@ class LensRuntime:
     all taps."""
 
     def __init__(self, runner, *, capture_layers: frozenset[int], tp_rank: int,
-                 tp_size: int, attention: tuple = ()) -> None:
+                 tp_size: int, attention: tuple = (),
+                 shard_layers: frozenset[int] | None = None) -> None:
         self.runner = runner
         self.view = RunnerView(runner)
         self.capture_layers = capture_layers
         """Layers whose rows this rank captures: its stage's layers on TP rank 0, else none."""
+        self.shard_layers = capture_layers if shard_layers is None else shard_layers
+        """Layers whose part of a sharded signal (``points.SHARDED``) this rank captures: its
+        stage's layers on every TP rank."""
         self.tp_rank = tp_rank
         self.store = CaptureStore(envs.worker_max_bytes(), envs.finished_ttl_s())
         self.requests = RequestTable(envs.finished_ttl_s())
@@ -249,7 +253,7 @@ class LensRuntime:
         if not slices and not hook_calls:
             self._steer_layout, self._steer_groups = (), {}
             return _EMPTY_PLAN
-        plan = StepPlan.build(slices, device, self.capture_layers)
+        plan = StepPlan.build(slices, device, self.capture_layers, self.shard_layers)
         plan.faults = any(s.lens.fault is not None for s in slices)
         if hook_calls:
             plan.hook_calls = hook_calls

@@ -242,3 +242,21 @@ def test_attention_to_span_refuses_bad_arguments(tiny_llm, args, message):
     hook = NamedHook("attention_to_span", [1], args, hook_point="attn_qk")
     with pytest.raises(LensRequestError, match=message):
         tiny_llm.generate(["Hi"], SamplingParams(max_tokens=1, extra_args={"apply_hooks": [hook]}))
+
+
+def test_3d_steering_at_resid_mid_lands_on_its_positions(tiny_llm, tiny_ref):
+    n_prompt = len(tiny_llm.get_tokenizer()(TINY_PROMPT)["input_ids"])
+    rows = torch.stack([_vector(s, 4.0) for s in (11, 12, 13)])[None]
+    sv = SteeringVector(activations=rows, layer_indices=[2], hook_point="resid_mid",
+                        position_indices=[3, 20, n_prompt + 1])
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args={
+        "apply_steering_vectors": [sv], "output_activations": {"resid_post": [2, 3]}})
+    out = tiny_llm.generate([TINY_PROMPT], sp)[0]
+    assert len(out.prompt_token_ids) == n_prompt
+    edits = {("resid_mid", 2): _edit(sv, 0)}
+    assert list(out.outputs[0].token_ids) == tiny_ref.point_greedy(
+        list(out.prompt_token_ids), 6, edits)
+    ref = tiny_ref.points(_ids(out)[:-1], edits)
+    for i, layer in enumerate((2, 3)):
+        assert max_relative_error(out.activations["resid_post"][i],
+                                  ref[("resid_post", layer)]) <= TOL

@@ -49,6 +49,9 @@ def main() -> None:
                              "value stay in the same half")
     parser.add_argument("--heads", type=int, default=8,
                         help="how many heads the calibration half selects")
+    parser.add_argument("--splits", type=int, default=20,
+                        help="further random calibration/held-out splits of the pairs to "
+                             "report the AUROC's spread over")
     parser.add_argument("--out", default="attention_tracker.png",
                         help="where to write the heatmap and histogram")
     args = parser.parse_args()
@@ -84,22 +87,43 @@ def main() -> None:
     injected = torch.tensor([bool(r["injected"]) for r in rows])
     calibration = torch.tensor([r["id"] % 2 == 0 for r in rows])
 
-    cal_b, cal_i = mass[calibration & ~injected], mass[calibration & injected]
-    drop = cal_b.mean(0) - cal_i.mean(0)
-    spread = torch.sqrt((cal_b.var(0) + cal_i.var(0)) / 2).clamp_min(1e-6)
-    effect = drop / spread  # [layers, heads]: how much injection lowers the mass
-    top = effect.flatten().topk(args.heads).indices
-    heads = [(int(i) // effect.shape[1], int(i) % effect.shape[1]) for i in top]
-    score = mass.flatten(1)[:, top].mean(1)  # low: attention left the instruction
+    def fit(calibration):
+        """Heads chosen on ``calibration`` (effect size of the drop: benign - injected mean,
+        over the pooled std) and every prompt's score (those heads' mean mass)."""
+        cal_b, cal_i = mass[calibration & ~injected], mass[calibration & injected]
+        spread = torch.sqrt((cal_b.var(0) + cal_i.var(0)) / 2).clamp_min(1e-6)
+        effect = (cal_b.mean(0) - cal_i.mean(0)) / spread  # [layers, heads]
+        top = effect.flatten().topk(args.heads).indices
+        return effect, top, mass.flatten(1)[:, top].mean(1)  # low: attention left
 
+    def held_out_auroc(calibration, score):
+        held = ~calibration
+        return auroc((-score[held & injected]).tolist(), (-score[held & ~injected]).tolist())
+
+    effect, top, score = fit(calibration)
+    heads = [(int(i) // effect.shape[1], int(i) % effect.shape[1]) for i in top]
     held = ~calibration
-    held_auroc = auroc((-score[held & injected]).tolist(), (-score[held & ~injected]).tolist())
+    held_auroc = held_out_auroc(calibration, score)
+    # The same on other splits of the pairs (a small set: how much does the split matter?)
+    ids = sorted({r["id"] for r in rows})
+    generator = torch.Generator().manual_seed(0)
+    others = []
+    for _ in range(args.splits):
+        half = set(torch.tensor(ids)[torch.randperm(len(ids), generator=generator)]
+                   [: len(ids) // 2].tolist())
+        split = torch.tensor([r["id"] in half for r in rows])
+        others.append(held_out_auroc(split, fit(split)[2]))
     lengths = torch.tensor([float(len(p["prompt_token_ids"])) for p in prompts])
     length_auroc = auroc(lengths[held & injected].tolist(), lengths[held & ~injected].tolist())
     print(f"{len(rows)} prompts ({int(calibration.sum())} calibration, {int(held.sum())} held "
           f"out); heads (layer, head) chosen on calibration: {heads}")
     print(f"held-out AUROC (injected vs benign, lower instruction attention = injected): "
           f"{held_auroc:.3f}; prompt length alone: {length_auroc:.3f}")
+    if others:
+        others.sort()
+        print(f"over {len(others)} random splits of the pairs: median held-out AUROC "
+              f"{others[len(others) // 2]:.3f} (lowest {others[0]:.3f}, highest "
+              f"{others[-1]:.3f})")
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
     image = left.imshow(effect.T, aspect="auto", cmap="coolwarm", origin="lower",

@@ -165,6 +165,10 @@ def linear_probe(args: Mapping[str, Any]) -> HookFn:
     return hook
 
 
+#: Attention weights ``attention_to_span`` materialises at once (heads × queries × keys).
+_ATTENTION_BLOCK_ELEMENTS = 16 << 20
+
+
 def attention_to_span(args: Mapping[str, Any]) -> HookFn:
     """Each head's attention mass on a span of key positions, for chosen query positions,
     computed in the worker from the attention kernel's Q and K (hook point ``attn_qk``), so a
@@ -209,6 +213,7 @@ def attention_to_span(args: Mapping[str, Any]) -> HookFn:
     # This request's state (the factory runs once per request): K rows by position, and how
     # many query rows each layer recorded (a recomputed position is recorded once).
     keys: dict[int, torch.Tensor] = {}
+    filled: dict[int, int] = {}  # K rows 0..filled-1 were written
     recorded: dict[int, int] = {}
     last_query: dict[int, int] = {}
 
@@ -218,6 +223,11 @@ def attention_to_span(args: Mapping[str, Any]) -> HookFn:
             raise ValueError(f"layer {ctx.layer_idx}'s attention metadata is unknown")
         positions = ctx.positions
         start, end = int(positions[0]), int(positions[-1]) + 1
+        if start > filled.get(ctx.layer_idx, 0):
+            raise ValueError(f"positions {filled.get(ctx.layer_idx, 0)}..{start - 1} never "
+                             "passed through this hook (served from a cache?): their keys "
+                             "are unknown")
+        filled[ctx.layer_idx] = max(filled.get(ctx.layer_idx, 0), end)
         stored = keys.get(ctx.layer_idx)
         if stored is None or stored.shape[0] < end:
             grown = torch.empty((max(end, 2 * (0 if stored is None else stored.shape[0])),
@@ -235,12 +245,19 @@ def attention_to_span(args: Mapping[str, Any]) -> HookFn:
         chosen = positions[pick]
         if not chosen.numel():
             return None
-        weights = compute_attention_weights(
-            q[pick.to(q.device)], stored[: int(chosen[-1]) + 1], scale=meta["scale"],
-            q_positions=chosen.to(q.device), sliding_window=meta["sliding_window"],
-            logits_soft_cap=meta["logits_soft_cap"], alibi_slopes=meta["alibi_slopes"],
-            sinks=meta["sinks"])
-        mass = weights[:, :, span[0] : span[1]].sum(dim=-1).T  # [queries, heads]
+        rows = torch.nonzero(pick).flatten().to(q.device)
+        # Weights of a block of queries at a time: at most _ATTENTION_BLOCK_ELEMENTS floats.
+        kv_len = int(chosen[-1]) + 1
+        block = max(1, _ATTENTION_BLOCK_ELEMENTS // (q.shape[1] * kv_len))
+        parts = []
+        for lo in range(0, rows.numel(), block):
+            weights = compute_attention_weights(
+                q.index_select(0, rows[lo : lo + block]), stored[:kv_len], scale=meta["scale"],
+                q_positions=chosen[lo : lo + block].to(q.device),
+                sliding_window=meta["sliding_window"], logits_soft_cap=meta["logits_soft_cap"],
+                alibi_slopes=meta["alibi_slopes"], sinks=meta["sinks"])
+            parts.append(weights[:, :, span[0] : span[1]].sum(dim=-1).T)  # [queries, heads]
+        mass = torch.cat(parts)
         row = recorded.get(ctx.layer_idx, 0)
         _append(ctx.saved, "mass", ctx.layer_idx, mass, row)
         _append(ctx.saved, "positions", ctx.layer_idx, chosen, row)

@@ -213,6 +213,11 @@ def _count_tokens(ctx, hidden):
 def test_persistent_hooks(tiny_path):
     with env(VLLM_LENS_HOOK_RESULTS_MAX="5"), running_llm(
             tiny_path, enforce_eager=True, enable_prefix_caching=False) as llm:
+        # Q/K hooks keep per-request state: they are refused as persistent hooks.
+        with pytest.raises(LensRequestError, match="per request only") as info:
+            llm.register_hooks([NamedHook("attention_to_span", [1], {"span": [0, 2]},
+                                          hook_point="attn_qk")])
+        assert info.value.field == "hooks[0].hook_point"
         llm.register_hooks([Hook(_count_tokens, [0]),
                             NamedHook("linear_probe", [3], {"weight": [0.01] * 128})])
         sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)

@@ -173,3 +173,54 @@ def test_attention_patterns_reads_an_output_qk_result():
     torch.testing.assert_close(pattern.double(), expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(KeyError, match="captured: \\[1, 3\\]"):
         attention_patterns(acts, 2)
+
+
+def _part(signal, layers, rank, tensor, positions=(0, 1, 2)):
+    return ({"signal": signal, "layers": list(layers), "tp_rank": rank,
+             "positions": torch.tensor(positions)}, tensor)
+
+
+def test_tensor_parallel_parts_join_in_rank_order():
+    from vllm_lens.frontend.collate import merge_rank_payloads
+
+    q = torch.randn(2, 3, 8, 4)  # [layers, positions, heads, dim]: 2 heads per rank of 4
+    parts = [_part("attn_q", (0, 1), r, q[:, :, 2 * r : 2 * r + 2]) for r in (2, 0, 3, 1)]
+    joined, positions = merge_rank_payloads(parts, n_kv_heads=2)
+    assert torch.equal(joined, q) and positions.tolist() == [0, 1, 2]
+    mlp = torch.randn(2, 3, 16)
+    parts = [_part("mlp_post", (0, 1), r, mlp[..., 8 * r : 8 * r + 8]) for r in (1, 0)]
+    assert torch.equal(merge_rank_payloads(parts)[0], mlp)
+
+
+def test_replicated_key_heads_are_kept_once():
+    from vllm_lens.frontend.collate import merge_rank_payloads
+
+    k = torch.randn(1, 3, 2, 4)  # 2 key heads, tp=4: ranks 0,1 hold head 0, ranks 2,3 head 1
+    parts = [_part("attn_k", (5,), r, k[:, :, r // 2 : r // 2 + 1]) for r in range(4)]
+    assert torch.equal(merge_rank_payloads(parts, n_kv_heads=2)[0], k)
+    # pipeline stages and ranks together: layers in order, heads joined within each stage
+    parts = [_part("attn_k", (0,), r, k[:, :, r // 2 : r // 2 + 1] + 1) for r in range(4)]
+    joined, _ = merge_rank_payloads(parts + [_part("attn_k", (5,), r, k[:, :, r // 2 :
+                                                   r // 2 + 1]) for r in range(4)], 2)
+    assert torch.equal(joined, torch.cat([k + 1, k]))
+    with pytest.raises(ValueError, match="different positions"):
+        merge_rank_payloads([_part("attn_q", (0,), 0, k), _part("attn_q", (0,), 1, k, (0, 1, 3))])
+
+
+def test_attention_metadata_joins_per_head_values_once_per_rank():
+    from vllm_lens.frontend.collate import facts_from_describe
+
+    def rank(r):
+        return {"model_class": "LlamaForCausalLM", "n_layers": 1, "hidden_size": 8,
+                "max_model_len": 64, "mapped": True, "dtype": "float32", "tp_rank": r,
+                "tp_size": 2, "sites": ["pre", "attn", "post"], "num_heads_total": 4,
+                "num_kv_heads_total": 2, "qk_meta": [[0, {
+                    "scale": 0.5, "logits_soft_cap": 0.0, "sliding_window": [-1, -1],
+                    "alibi_slopes": None, "sinks": [float(r), float(r) + 0.5],
+                    "num_heads": 2, "num_kv_heads": 1, "head_size": 4}]]}
+
+    facts = facts_from_describe([rank(1), rank(0), rank(0), rank(1)])  # 2 DP engines
+    meta = facts.qk_meta[0]
+    assert meta["sinks"] == [0.0, 0.5, 1.0, 1.5]
+    assert (meta["num_heads"], meta["num_kv_heads"]) == (4, 2)
+    assert (facts.n_heads, facts.n_kv_heads, facts.head_dim, facts.tp_size) == (4, 2, 4, 2)

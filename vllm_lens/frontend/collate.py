@@ -91,14 +91,14 @@ def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
 def _join_qk_meta(results: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
     """Per layer, the attention metadata of all TP ranks as one: head counts of the whole
     layer, per-head values (ALiBi slopes, sinks) joined in rank order."""
-    by_layer: dict[int, list[tuple[int, Mapping[str, Any]]]] = {}
-    for r in results:
+    by_layer: dict[int, dict[int, Mapping[str, Any]]] = {}
+    for r in results:  # (with data parallelism, every engine answers alike: one per rank)
         for layer, m in r.get("qk_meta", ()):
-            by_layer.setdefault(int(layer), []).append((int(r.get("tp_rank", 0)), m))
+            by_layer.setdefault(int(layer), {}).setdefault(int(r.get("tp_rank", 0)), m)
     first = results[0]
     joined = {}
-    for layer, metas in by_layer.items():
-        metas = [m for _, m in sorted(metas, key=lambda pair: pair[0])]
+    for layer, by_rank in by_layer.items():
+        metas = [by_rank[rank] for rank in sorted(by_rank)]
         one = dict(metas[0])
         for name in ("alibi_slopes", "sinks"):
             if one.get(name) is not None:
@@ -123,6 +123,10 @@ def merge_rank_payloads(
         stages.setdefault(tuple(header["layers"]), []).append((header, tensor))
     tensors = []
     for shards in stages.values():
+        first = shards[0][0]["positions"]
+        if any(not torch.equal(h["positions"], first) for h, _ in shards[1:]):
+            raise ValueError("tensor-parallel ranks returned different positions for one "
+                             "signal")
         if len(shards) == 1:
             tensors.append(shards[0][1])
             continue

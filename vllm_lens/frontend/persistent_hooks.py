@@ -27,6 +27,8 @@ from typing import Any
 from vllm_lens import wire
 from vllm_lens.frontend.collate import LensSession, facts_from_describe, merge_hook_results
 from vllm_lens.frontend.rpc import all_workers
+from vllm_lens.errors import LensRequestError
+from vllm_lens.points import QK_HOOK_POINT
 from vllm_lens.spec import check_engine, parse_hooks
 from vllm_lens.worker.hooks import decode_results
 
@@ -43,6 +45,12 @@ def _register(session: LensSession, hooks: Any,
     session.facts = facts_from_describe((yield "lens_describe", ()))
     check_engine(session.facts, "hooks", hooks=True)
     specs = parse_hooks(hooks, session.facts)
+    for i, spec in enumerate(specs):
+        if spec.point == QK_HOOK_POINT:
+            # Q/K hooks keep state per request (attention_to_span keeps K) and persistent
+            # hooks also see prefix-cached requests, whose early positions never run.
+            raise LensRequestError(f"hooks[{i}].hook_point", f"{QK_HOOK_POINT} hooks run per "
+                                   "request only (apply_hooks), not as persistent hooks")
     session.persistent_trusted = any(s.pickled is not None for s in specs)
     if prefetch_params:
         yield from _prefetch(prefetch_params)

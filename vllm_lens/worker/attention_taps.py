@@ -43,7 +43,6 @@ class AttentionTaps:
     def enable(self, on: bool) -> None:
         if on == self.enabled:
             return
-        self.enabled = on
         for layer, module in self.modules:
             impl = module.impl
             wrapped = "forward" in impl.__dict__  # judged per module: a failure part-way
@@ -52,6 +51,7 @@ class AttentionTaps:
                                         self.handler)
             elif not on and wrapped:
                 del impl.forward  # back to the class's method
+        self.enabled = on  # after the loop: a failure part-way is retried next step
 
 
 def _wrapped(original: Callable[..., Any], layer: int, handler: Handler) -> Callable[..., Any]:

@@ -71,10 +71,12 @@ class HookState:
         return {str(i): run.saved for i, run in enumerate(self.runs)}
 
     def to_host(self) -> None:
-        """Move what the hooks saved to the host (once their request finished: results kept
-        for later collection must not hold device memory)."""
+        """Move what the hooks saved to the host and drop the hook functions (once their
+        request finished: results kept for later collection must not hold device memory,
+        nor may a function's own state, such as ``attention_to_span``'s K rows)."""
         for run in self.runs:
             run.saved = _to_cpu(run.saved)
+            run.fn = None
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,7 @@ def run_hook_calls(calls: list[HookCall], layer: int, site: str, hidden: torch.T
         streams: dict[str, torch.Tensor] = {}
         for state in call.states:
             for run in state.runs:
-                if (state.error is not None or layer not in run.layers
+                if (state.error is not None or run.fn is None or layer not in run.layers
                         or hook_site(run.point) != site):
                     continue
                 a, b = operands(run.point, hidden, residual)
@@ -170,12 +172,12 @@ def _run_qk_hooks(calls: list[HookCall], layer: int, q: torch.Tensor, k: torch.T
         rows = slice(call.start, call.end)
         for state in call.states:
             for run in state.runs:
-                if (state.error is not None or layer not in run.layers
+                if (state.error is not None or run.fn is None or layer not in run.layers
                         or run.point != QK_HOOK_POINT):
                     continue
                 ctx = _Context(run.saved, layer, call, model, tp_rank, params, run.point)
                 ctx.key = k[rows].clone()
-                ctx.attention = attention
+                ctx.attention = None if attention is None else dict(attention)  # its own copy
                 try:
                     if run.fn(ctx, q[rows].clone()) is not None:
                         raise TypeError(f"hook at {QK_HOOK_POINT} of layer {layer} returned a "

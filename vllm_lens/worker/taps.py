@@ -232,9 +232,12 @@ def _install_inner(layer: nn.Module, index: int, where: InnerTaps, tap: bool, in
     from vllm.model_executor.layers.attention.attention import Attention
 
     sites: set[str] = set()
+    down = _submodule(layer, where.down_proj)
     for site, path in (("mid", where.mid), ("act", where.act)) if inner else ():
         module = _submodule(layer, path)
-        if module is None:
+        if module is None or (site == "act" and _quantized_input(down)):
+            # A quantized down_proj may take its input from a fused act+quant kernel that
+            # never calls the activation module: no mlp_post there (and no lost fusion).
             continue
         if tap:
             cls = type(module)
@@ -252,9 +255,19 @@ def _install_inner(layer: nn.Module, index: int, where: InnerTaps, tap: bool, in
         sites.add("attn")
     else:
         attention = None
-    down = _submodule(layer, where.down_proj)
     d_mlp = int(getattr(down, "input_size", 0) or 0)
     return sites, attention, d_mlp
+
+
+def _quantized_input(linear: nn.Module | None) -> bool:
+    """Whether ``linear`` quantizes its input (then vLLM may fuse the activation into it)."""
+    if linear is None or getattr(linear, "quant_method", None) is None:
+        return False
+    try:
+        from vllm.model_executor.layers.fusion.quant_activation import get_input_quant_key
+    except ImportError:  # no fusion registry in this vLLM: judge by the quant method
+        return type(linear.quant_method).__name__ != "UnquantizedLinearMethod"
+    return get_input_quant_key(linear) is not None
 
 
 def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:

@@ -123,11 +123,9 @@ class InnerTaps:
     """vLLM's ``Attention`` module: Q/K and ``attn_z`` are read around its kernel."""
 
 
-#: Per proven model class, where the inner taps go.
-INNER_TAPS = {
-    "LlamaForCausalLM": InnerTaps(mid="post_attention_layernorm", act="mlp.act_fn",
-                                  down_proj="mlp.down_proj", attention="self_attn.attn"),
-}
+#: Llama-style layers: pre-norm, fused residual, the add + norm before the MLP, gated MLP.
+_LLAMA_STYLE = InnerTaps(mid="post_attention_layernorm", act="mlp.act_fn",
+                         down_proj="mlp.down_proj", attention="self_attn.attn")
 
 
 # Where Llama/Qwen2-style models (and multimodal wrappers around them) keep their layers.
@@ -138,9 +136,14 @@ _LAYER_PATHS = (
     ("language_model", "layers"),
 )
 #: Model classes whose decoder layers' outputs the taps understand, proven against
-#: transformers by the test suite (``(hidden, residual)`` fused-residual Llama layers). Lens
+#: transformers by the test suite (``(hidden, residual)`` fused-residual pre-norm layers). Lens
 #: requests on any other class are refused up front, naming it; plain requests serve.
-PROVEN_MODEL_CLASSES = frozenset({"LlamaForCausalLM"})
+PROVEN_MODEL_CLASSES = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM"})
+#: Per proven model class, where the inner taps go (Qwen3 adds q/k norms before RoPE, inside
+#: attention: the kernel's Q/K are after them).
+INNER_TAPS = {name: _LLAMA_STYLE for name in PROVEN_MODEL_CLASSES}
 _TAPPED_CLASSES: dict[type, type] = {}
 _INFO_ATTR = "_vllm_lens_taps"
 

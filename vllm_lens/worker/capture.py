@@ -1,5 +1,6 @@
-"""Copy requested rows of a signal (the residual stream, a tap point, Q/K) to the host (runs in:
-worker, TP rank 0 of each pipeline stage), and assemble a request's rows into one tensor when the front end fetches them.
+"""Copy requested rows of a signal (the residual stream, a tap point, Q/K) to the host, and
+assemble a request's rows into one tensor when the front end fetches them (runs in: worker, TP
+rank 0 of each pipeline stage; every TP rank for the signals split across ranks).
 
 During a step each capturing layer does one gather and one copy into its capture group's
 staging tensor; after the step the store splits the staging tensor per request (one copy per

@@ -7,8 +7,9 @@ subclass whose ``forward`` calls the custom op ``vllm_lens::pre_tap`` on the lay
 then the original, then ``vllm_lens::tap`` on its outputs. Inside the layer (``INNER_TAPS``,
 per model class; ``VLLM_LENS_INNER_TAPS=0`` leaves them out) the module between attention and
 MLP gets ``vllm_lens::mid_tap`` on its inputs and the MLP's activation ``vllm_lens::act_tap``
-on its output, the same way. Swapping the class keeps parameter names, so weight loading is untouched, and one code path
-serves compiled and eager mode: Dynamo sees an ordinary op, eager mode calls it directly.
+on its output, the same way. Swapping the class keeps parameter names, so weight loading is
+untouched, and one code path serves compiled and eager mode: Dynamo sees an ordinary op, eager
+mode calls it directly.
 
 The op is declared as mutating ``hidden`` so steering can add to the stream in place; what it
 does is delegated to a per-process handler (``set_tap_handler``). With no handler (plain

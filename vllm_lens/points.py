@@ -44,19 +44,17 @@ class Point:
     site: str
     with_residual: bool
     """The value is ``a + b`` (the full stream), not ``a`` alone."""
-    width: str
-    """What the last dimension is: ``hidden``, ``mlp`` (d_mlp), or ``heads`` ([heads, dim])."""
     steerable: bool
 
 
 POINTS: dict[str, Point] = {p.name: p for p in (
-    Point("resid_pre", "pre", True, "hidden", True),
-    Point("attn_out", "mid", False, "hidden", True),
-    Point("resid_mid", "mid", True, "hidden", True),
-    Point("mlp_out", "post", False, "hidden", True),
-    Point("resid_post", "post", True, "hidden", True),
-    Point("mlp_post", "act", False, "mlp", False),
-    Point("attn_z", "attn", False, "heads", False),
+    Point("resid_pre", "pre", True, True),
+    Point("attn_out", "mid", False, True),
+    Point("resid_mid", "mid", True, True),
+    Point("mlp_out", "post", False, True),
+    Point("resid_post", "post", True, True),
+    Point("mlp_post", "act", False, False),
+    Point("attn_z", "attn", False, False),
 )}
 #: Points steering vectors and hooks may write to (each is a ``[n_tokens, hidden]`` stream).
 STEERABLE = tuple(name for name, p in POINTS.items() if p.steerable)

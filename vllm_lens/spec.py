@@ -14,6 +14,7 @@ import difflib
 import functools
 import hashlib
 import numbers
+import math
 import json
 import uuid
 from collections.abc import Callable, Mapping
@@ -111,15 +112,17 @@ class ModelFacts:
     """Per layer: what ``vllm_lens.attention`` needs to rebuild the attention pattern
     (``scale``, ``logits_soft_cap``, ``sliding_window``, ``alibi_slopes``, ``sinks``)."""
 
+    def row_shape(self, signal: str) -> tuple[int, ...]:
+        """The shape of one captured row (one position, one layer) of ``signal``."""
+        if signal == "attn_k":
+            return (self.n_kv_heads, self.head_dim)
+        if signal in ("attn_q", "attn_z"):
+            return (self.n_heads, self.head_dim)
+        return (self.d_mlp if signal == "mlp_post" else self.hidden_size,)
+
     def row_width(self, signal: str) -> int:
         """Elements per captured row of ``signal``."""
-        if signal == "attn_k":
-            return self.n_kv_heads * self.head_dim
-        if signal in ("attn_q", "attn_z"):
-            return self.n_heads * self.head_dim
-        if signal == "mlp_post":
-            return self.d_mlp
-        return self.hidden_size
+        return math.prod(self.row_shape(signal))
 
 
 @dataclass(frozen=True)

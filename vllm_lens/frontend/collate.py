@@ -139,15 +139,6 @@ def merge_rank_payloads(
     return tensor, ordered[0][0]["positions"]
 
 
-def _row_shape(signal: str, facts: ModelFacts) -> tuple[int, ...]:
-    """The shape of one captured row of ``signal``."""
-    if signal == "attn_k":
-        return (facts.n_kv_heads, facts.head_dim)
-    if signal in ("attn_q", "attn_z"):
-        return (facts.n_heads, facts.head_dim)
-    return (facts.row_width(signal),)
-
-
 def discard_unread(rank_results: Sequence[Mapping[str, Any]] | None) -> None:
     """Delete the handoff files of ``lens_fetch`` results that will not be (or were not all)
     received: a cancelled request, or an attach that failed part-way. Received ones are gone
@@ -414,7 +405,7 @@ class LensSession:
         """A signal no position of which was selected."""
         facts = self._facts()
         dtype = getattr(torch, facts.dtype)
-        row = _row_shape(spec.signal, facts)
+        row = facts.row_shape(spec.signal)
         n_layers = len(spec.layers)
         if spec.reduce is not None:  # a reduction over no position: NaN rows
             tensor = torch.full((n_layers, *row), float("nan"), dtype=dtype)

@@ -13,12 +13,40 @@ _SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
               num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
               tie_word_embeddings=True)
 
-#: family -> (transformers config class, model class, extra config fields)
+#: GPT-2 names the same shape its own way (and has no key/value head count: 2 of each).
+_GPT2_SHAPE = dict(n_embd=128, n_inner=256, n_layer=4, n_head=2, n_positions=2048,
+                   tie_word_embeddings=True)
+#: MoE: 4 experts of 64 columns, 2 chosen per token.
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=64)
+
+#: family -> (transformers config class, model class, config fields beyond ``_SHAPE``, or
+#: replacing it when they include ``"shape"``)
 FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 64}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 64, "sliding_window": None}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": None}),
+    # Soft-capped attention logits, every other layer a 16-token sliding window.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 64, "sliding_window": 16, "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 64}),
+    # q/k norms, sliding windows on layers 0-2 (layer 3 global), local RoPE base.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 64, "sliding_window": 16, "query_pre_attn_scalar": 64,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"shape": _GPT2_SHAPE}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "sliding_window": None}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        **_MOE, "num_experts": 4, "shared_expert_intermediate_size": 128}),
+    # Served by vLLM's Transformers backend. Pythia's shape: parallel attention + MLP, a
+    # quarter of each head rotated, untied unembedding.
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {
+        "shape": {k: v for k, v in _SHAPE.items() if k != "num_key_value_heads"},  # no GQA
+        "rotary_pct": 0.25, "partial_rotary_factor": 0.25, "use_parallel_residual": True,
+        "tie_word_embeddings": False}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
 }
 
 
@@ -34,16 +62,18 @@ def tiny_family_dir(family: str) -> str:
 
     config_name, model_name, extra = FAMILIES[family]
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    extra = dict(extra)
+    shape = extra.pop("shape", _SHAPE)
     config = getattr(transformers, config_name)(
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, **_SHAPE, **extra)
+        eos_token_id=tokenizer.eos_token_id, **{**shape, **extra})
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).to(torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0.0, 0.05)
-            elif "norm" in name:
+            elif "norm" in name or ".ln_" in name:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
     final.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=final.parent) as tmp:

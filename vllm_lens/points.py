@@ -6,9 +6,9 @@ Per decoder layer ``L`` (TransformerLens names)::
     resid_pre -> attention (attn_q, attn_k, attn_z) -> attn_out -> resid_mid
               -> MLP (mlp_post) -> mlp_out -> resid_post
 
-A point is read at one of five *sites* inside the traced model, each a tap op that receives
+A point is read at one of the *sites* inside the traced model, each a tap op that receives
 two tensors ``(a, b)``: ``b`` is the fused residual where the model keeps one apart (Llama,
-Qwen2), else ``None``. A point's value is ``a`` or ``a + b``:
+Qwen2, Gemma), else ``None``. A point's value is ``a`` or ``a + b``:
 
 ========== ====== ================================ ===========================================
 point      site   value                            what it is
@@ -21,7 +21,14 @@ resid_post post   ``a + b``                        the stream leaving the layer
 mlp_post   act    ``a``                            the MLP's activation, input of down_proj
 attn_z     attn   the attention kernel's output    per head, input of o_proj
 attn_q/k   attn   the attention kernel's inputs    per head, post-RoPE
+router_... router the MoE router's output          ``router_logits``, per expert
 ========== ====== ================================ ===========================================
+
+Blocks that add to the stream inside the layer (GPT-2, GPT-NeoX, OLMo 2: *split* layouts)
+have no fused residual to read ``attn_out`` and ``mlp_out`` beside: there they are read at
+the outputs of the attention block (``attn_block``) and of the MLP (``mlp_block``), and the
+``mid`` site is the MLP's input (``resid_mid`` alone). Parallel blocks (GPT-NeoX) have no
+``mid`` site: attention and the MLP both read ``resid_pre``, so there is no ``resid_mid``.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ __all__ = [
 ]
 
 #: Where taps run, in the order a layer reaches them.
-SITES = ("pre", "attn", "mid", "act", "post")
+SITES = ("pre", "attn", "attn_block", "mid", "router", "act", "mlp_block", "post")
 
 
 @dataclass(frozen=True)
@@ -45,16 +52,19 @@ class Point:
     with_residual: bool
     """The value is ``a + b`` (the full stream), not ``a`` alone."""
     steerable: bool
+    split_site: str | None = None
+    """Where the point is read in split layouts, if not at ``site``."""
 
 
 POINTS: dict[str, Point] = {p.name: p for p in (
     Point("resid_pre", "pre", True, True),
-    Point("attn_out", "mid", False, True),
+    Point("attn_out", "mid", False, True, split_site="attn_block"),
     Point("resid_mid", "mid", True, True),
-    Point("mlp_out", "post", False, True),
+    Point("mlp_out", "post", False, True, split_site="mlp_block"),
     Point("resid_post", "post", True, True),
     Point("mlp_post", "act", False, False),
     Point("attn_z", "attn", False, False),
+    Point("router_logits", "router", False, False),
 )}
 #: Points steering vectors and hooks may write to (each is a ``[n_tokens, hidden]`` stream).
 STEERABLE = tuple(name for name, p in POINTS.items() if p.steerable)
@@ -109,15 +119,16 @@ def resolve(name: str) -> tuple[str, int | None]:
     return text, layer
 
 
-def hook_site(point: str) -> str:
-    """The site a hook at ``point`` (``STEERABLE`` or ``QK_HOOK_POINT``) runs at."""
-    return "attn" if point == QK_HOOK_POINT else POINTS[point].site
+def hook_site(point: str, split: bool = False) -> str:
+    """The site a hook at ``point`` (``STEERABLE`` or ``QK_HOOK_POINT``) runs at, in a split
+    layout if ``split``."""
+    return "attn" if point == QK_HOOK_POINT else site_of(point, split)
 
 
-def tap_key(signal: str) -> str:
+def tap_key(signal: str, split: bool = False) -> str:
     """Which tap call reads ``signal``: its site, except that ``attn_z`` is read after the
     attention kernel ran (``"attn_z"``) and Q/K before (``"attn"``)."""
-    return "attn_z" if signal == "attn_z" else site_of(signal)
+    return "attn_z" if signal == "attn_z" else site_of(signal, split)
 
 
 def operands(signal: str, a, b):
@@ -130,10 +141,11 @@ def operands(signal: str, a, b):
     return a, None
 
 
-def site_of(signal: str) -> str:
-    """The site a captured signal is read at."""
+def site_of(signal: str, split: bool = False) -> str:
+    """The site a captured signal is read at (in a split layout if ``split``)."""
     if signal == RESIDUAL_SIGNAL:
         return "post"
     if signal in ATTENTION_SIGNALS:
         return "attn"
-    return POINTS[signal].site
+    point = POINTS[signal]
+    return (point.split_site or point.site) if split else point.site

@@ -111,6 +111,13 @@ class ModelFacts:
     qk_meta: tuple[Mapping[str, Any], ...] = ()
     """Per layer: what ``vllm_lens.attention`` needs to rebuild the attention pattern
     (``scale``, ``logits_soft_cap``, ``sliding_window``, ``alibi_slopes``, ``sinks``)."""
+    split: bool = False
+    """The layers add to the stream themselves (GPT-2, GPT-NeoX, OLMo 2): ``attn_out`` and
+    ``mlp_out`` are read at sites of their own (``points``)."""
+    block: str = "sequential"
+    """``sequential`` or ``parallel`` (attention and MLP both read ``resid_pre``)."""
+    n_experts: int = 0
+    """Width of ``router_logits`` (MoE models), 0 without a router."""
 
     def row_shape(self, signal: str) -> tuple[int, ...]:
         """The shape of one captured row (one position, one layer) of ``signal``."""
@@ -118,6 +125,8 @@ class ModelFacts:
             return (self.n_kv_heads, self.head_dim)
         if signal in ("attn_q", "attn_z"):
             return (self.n_heads, self.head_dim)
+        if signal == "router_logits":
+            return (self.n_experts,)
         return (self.d_mlp if signal == "mlp_post" else self.hidden_size,)
 
     def row_width(self, signal: str) -> int:
@@ -489,10 +498,15 @@ def _parse_points(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[
 
 def _check_site(point: str, facts: ModelFacts, where: str, request_id: str | None) -> None:
     """Refuse a point whose site this model's taps do not have."""
-    site = tap_points.site_of(point)
+    site = tap_points.site_of(point, facts.split)
     if site not in facts.sites:
+        if site == "mid" and facts.block == "parallel":
+            raise UnsupportedModelError(
+                where, f"{facts.model_class} runs attention and the MLP in parallel on "
+                f"resid_pre, so there is no {point} (use resid_pre, attn_out, mlp_out or "
+                "resid_post)", request_id=request_id)
         hint = ("; the engine may have been started with VLLM_LENS_INNER_TAPS=0"
-                if site in ("mid", "act") else "")
+                if site not in ("pre", "post", "attn") else "")
         raise UnsupportedModelError(
             where, f"the tap point {point} is not available on {facts.model_class} (its "
             f"layers have taps at {', '.join(facts.sites) or 'no site'} only{hint})",

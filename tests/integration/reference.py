@@ -8,12 +8,43 @@ import torch
 from transformers import AutoModelForCausalLM
 
 
+#: Where each transformers family keeps what the tap points read (dotted paths; the layers
+#: from the model, the rest from a layer): ``attn_out`` / ``mlp_out`` are the outputs of the
+#: modules whose results are added to the stream, ``mlp_post`` / ``attn_z`` the inputs of the
+#: MLP's and attention's output projections, ``router`` an MoE gate (logits, scores, indices).
+_LLAMA_MODULES = dict(layers="model.layers", attn_out="self_attn", mlp_out="mlp",
+                      down="mlp.down_proj", o_proj="self_attn.o_proj", router=None)
+_MODULES = {
+    "gemma2": {**_LLAMA_MODULES, "attn_out": "post_attention_layernorm",
+               "mlp_out": "post_feedforward_layernorm"},
+    "gpt2": dict(layers="transformer.h", attn_out="attn", mlp_out="mlp", down="mlp.c_proj",
+                 o_proj="attn.c_proj", router=None),
+    "mixtral": {**_LLAMA_MODULES, "down": None, "router": "mlp.gate"},
+    "qwen2_moe": {**_LLAMA_MODULES, "down": None, "router": "mlp.gate"},
+    "gpt_neox": dict(layers="gpt_neox.layers", attn_out="attention", mlp_out="mlp",
+                     down="mlp.dense_4h_to_h", o_proj="attention.dense", router=None),
+    "olmo2": {**_LLAMA_MODULES, "attn_out": "post_attention_layernorm",
+              "mlp_out": "post_feedforward_layernorm"},
+}
+_MODULES["gemma3_text"] = _MODULES["gemma2"]
+
+
+def _get(root, path: str):
+    for name in path.split("."):
+        root = getattr(root, name)
+    return root
+
+
 class HFReference:
     def __init__(self, path: str) -> None:
         # Eager attention: the only implementation that returns attention weights.
         self.model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation="eager").eval()
-        self.layers = self.model.model.layers
+        self.modules = _MODULES.get(self.model.config.model_type, _LLAMA_MODULES)
+        self.layers = _get(self.model, self.modules["layers"])
+        config = self.model.config
+        self.head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
 
     @torch.no_grad()
     def residual_stream(self, token_ids: list[int], layers: list[int]) -> torch.Tensor:
@@ -89,10 +120,11 @@ class HFReference:
 
     @contextlib.contextmanager
     def point_hooks(self, edits: dict | None = None):
-        """Record every tap point of every layer (Llama modules) into the yielded dict
+        """Record every tap point of every layer into the yielded dict
         ``{(point, layer): [T, ...]}``; ``edits[(point, layer)](value [T, d]) -> value``
         replaces a stream point (``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out``,
-        ``resid_post``) as vllm-lens does."""
+        ``resid_post``) as vllm-lens does. MoE layers also record ``router_logits`` and
+        ``router_experts`` (the experts chosen per token)."""
         edits = edits or {}
         seen: dict = {}
         handles = []
@@ -113,15 +145,22 @@ class HFReference:
                 return args, {**kwargs, "hidden_states": new}
 
             def attn(_m, _inp, out, i=i):
-                attn_out = put("attn_out", i, out[0][0])
+                value = out[0] if isinstance(out, tuple) else out
+                attn_out = put("attn_out", i, value[0])
                 mid = seen[("resid_pre", i)] + attn_out
                 new_mid = put("resid_mid", i, mid)
                 if new_mid is not mid:
                     attn_out = new_mid - seen[("resid_pre", i)]
-                return (attn_out[None], *out[1:])
+                return (attn_out[None], *out[1:]) if isinstance(out, tuple) else attn_out[None]
 
             def mlp(_m, _inp, out, i=i):
-                return put("mlp_out", i, out[0])[None]
+                value = out[0] if isinstance(out, tuple) else out
+                new = put("mlp_out", i, value[0])[None]
+                return (new, *out[1:]) if isinstance(out, tuple) else new
+
+            def router(_m, _inp, out, i=i):
+                seen[("router_logits", i)] = out[0].reshape(-1, out[0].shape[-1])
+                seen[("router_experts", i)] = out[2].reshape(-1, out[2].shape[-1])
 
             def post(_m, _inp, out, i=i):
                 h = out[0] if isinstance(out, tuple) else out
@@ -133,16 +172,20 @@ class HFReference:
 
             def o_proj(_m, inp, i=i):
                 z = inp[0][0]
-                seen[("attn_z", i)] = z.reshape(z.shape[0], -1, layer.self_attn.head_dim)
+                seen[("attn_z", i)] = z.reshape(z.shape[0], -1, self.head_dim)
 
+            where = self.modules
             handles += [
                 layer.register_forward_pre_hook(pre, with_kwargs=True),
-                layer.self_attn.register_forward_hook(attn),
-                layer.mlp.register_forward_hook(mlp),
+                _get(layer, where["attn_out"]).register_forward_hook(attn),
+                _get(layer, where["mlp_out"]).register_forward_hook(mlp),
                 layer.register_forward_hook(post),
-                layer.mlp.down_proj.register_forward_pre_hook(down),
-                layer.self_attn.o_proj.register_forward_pre_hook(o_proj),
+                _get(layer, where["o_proj"]).register_forward_pre_hook(o_proj),
             ]
+            if where["down"]:
+                handles.append(_get(layer, where["down"]).register_forward_pre_hook(down))
+            if where["router"]:
+                handles.append(_get(layer, where["router"]).register_forward_hook(router))
         try:
             yield seen
         finally:

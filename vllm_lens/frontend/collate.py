@@ -85,6 +85,9 @@ def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
         head_dim=int(next(iter(meta.values()), {}).get("head_size", 0)),
         tp_size=int(first.get("tp_size", 1)),
         qk_meta=tuple(meta.get(layer, {}) for layer in range(first["n_layers"])),
+        split=bool(first.get("split", False)),
+        block=str(first.get("block", "sequential")),
+        n_experts=int(first.get("n_experts", 0)),
     )
 
 

@@ -247,7 +247,7 @@ def _describe(worker: Any) -> dict[str, Any]:
         capture_layers = frozenset(info.local_layers) if tp_rank == 0 else frozenset()
         _runtime = LensRuntime(runner, capture_layers=capture_layers, tp_rank=tp_rank,
                                tp_size=tp_size, attention=info.attention,
-                               shard_layers=frozenset(info.local_layers))
+                               shard_layers=frozenset(info.local_layers), split=info.split)
         set_tap_handler(_runtime.on_tap)
         handoff.sweep()  # files orphaned by front ends that died before reading them
     return {
@@ -269,6 +269,9 @@ def _describe(worker: Any) -> dict[str, Any]:
         "num_kv_heads_total": int(model_config.get_total_num_kv_heads()),
         "sites": list(info.sites) if info else [],
         "d_mlp": info.d_mlp if info else 0,
+        "split": info.split if info else False,
+        "block": info.block if info else "sequential",
+        "n_experts": info.n_experts if info else 0,
         # Per layer this stage owns (the front end joins the stages' lists).
         "qk_meta": _qk_meta(info),
     }

@@ -165,12 +165,13 @@ class StepPlan:
     @classmethod
     def build(
         cls, slices: list[RequestSlice], device: torch.device, capture_layers: frozenset[int],
-        shard_layers: frozenset[int] | None = None,
+        shard_layers: frozenset[int] | None = None, split: bool = False,
     ) -> StepPlan:
         """Group capture rows by the set of layers wanted, for the layers this rank captures:
         ``capture_layers`` (its pipeline stage's layers on TP rank 0, none elsewhere), and
         for signals each TP rank holds a part of (``points.SHARDED``) ``shard_layers`` (its
-        stage's layers on every rank; default: ``capture_layers``)."""
+        stage's layers on every rank; default: ``capture_layers``). ``split``: the model's layout
+        (``points``)."""
         plan = cls(slices=slices)
         if shard_layers is None:
             shard_layers = capture_layers
@@ -188,7 +189,7 @@ class StepPlan:
         for (signal, layers), members in by_layers.items():
             group = _make_group(signal, layers, members, device)
             plan.groups.append(group)
-            key = tap_key(signal)
+            key = tap_key(signal, split)
             for index, layer in enumerate(layers):
                 plan.capture.setdefault((layer, key), []).append((group, index))
         return plan

@@ -47,7 +47,7 @@ class LensRuntime:
 
     def __init__(self, runner, *, capture_layers: frozenset[int], tp_rank: int,
                  tp_size: int, attention: tuple = (),
-                 shard_layers: frozenset[int] | None = None) -> None:
+                 shard_layers: frozenset[int] | None = None, split: bool = False) -> None:
         self.runner = runner
         self.view = RunnerView(runner)
         self.capture_layers = capture_layers
@@ -56,6 +56,8 @@ class LensRuntime:
         """Layers whose part of a sharded signal (``points.SHARDED``) this rank captures: its
         stage's layers on every TP rank."""
         self.tp_rank = tp_rank
+        self.split = split
+        """The model's layers add to the stream themselves (``points``: split layouts)."""
         self.store = CaptureStore(envs.worker_max_bytes(), envs.finished_ttl_s())
         self.requests = RequestTable(envs.finished_ttl_s())
         self.params = ParameterSource(runner.get_model(), tp_size)
@@ -154,7 +156,8 @@ class LensRuntime:
             for call in plan.hook_calls:
                 faults.check(self._fault_of(call.req_id), "hooks")
         run_hook_calls(plan.hook_calls, layer, site, hidden, residual, self.params.model,
-                       self.tp_rank, self.params, self.attention.meta.get(layer))
+                       self.tp_rank, self.params, self.attention.meta.get(layer),
+                       split=self.split)
 
     # -- fetch ---------------------------------------------------------------------------------
     def pop_records(self, key: str) -> dict[str, RequestRecord]:
@@ -254,12 +257,13 @@ class LensRuntime:
         if not slices and not hook_calls:
             self._steer_layout, self._steer_groups = (), {}
             return _EMPTY_PLAN
-        plan = StepPlan.build(slices, device, self.capture_layers, self.shard_layers)
+        plan = StepPlan.build(slices, device, self.capture_layers, self.shard_layers,
+                              split=self.split)
         plan.faults = any(s.lens.fault is not None for s in slices)
         if hook_calls:
             plan.hook_calls = hook_calls
             plan.hook_layers = frozenset(
-                (layer, hook_site(run.point)) for call in hook_calls for state in call.states
+                (layer, hook_site(run.point, self.split)) for call in hook_calls for state in call.states
                 for run in state.runs for layer in run.layers)
         for group in plan.groups:
             self.store.stage(group)
@@ -289,7 +293,7 @@ class LensRuntime:
             for s, prepared in steered)
         if layout != self._steer_layout:
             self._steer_layout = ()  # a failed build leaves nothing stale behind
-            self._steer_groups = build_steer_groups(steered, device)
+            self._steer_groups = build_steer_groups(steered, device, self.split)
             self._steer_layout = layout
         return self._steer_groups
 

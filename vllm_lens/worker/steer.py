@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from vllm_lens import wire
-from vllm_lens.points import POINTS
+from vllm_lens.points import POINTS, site_of
 from vllm_lens.spec import SteerSpec
 from vllm_lens.worker.plan import RequestSlice, device_index
 
@@ -64,7 +64,8 @@ class SteerGroup:
 
 
 def build_steer_groups(
-    slices: list[tuple[RequestSlice, list[PreparedSteer]]], device: torch.device
+    slices: list[tuple[RequestSlice, list[PreparedSteer]]], device: torch.device,
+    split: bool = False,
 ) -> dict[tuple[int, str], SteerGroup]:
     """Per (layer, site), the rows to steer and what to add, for every steered request of the
     step."""
@@ -78,7 +79,7 @@ def build_steer_groups(
             rows = offsets + s.start
             point = POINTS[p.spec.point]
             for i, layer in enumerate(p.spec.layers):
-                where = (layer, point.site)
+                where = (layer, site_of(point.name, split))
                 owners = groups.setdefault(where, SteerGroup()).req_ids
                 if not owners or owners[-1] != s.req_id:
                     owners.append(s.req_id)

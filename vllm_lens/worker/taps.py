@@ -4,10 +4,11 @@ PyTorch forward hooks do not fire in vLLM's compiled model, so vllm-lens changes
 traced instead: right after the model is constructed (before weights load and before the first
 forward pass, which is when vLLM compiles) every decoder layer's class is swapped for a thin
 subclass whose ``forward`` calls the custom op ``vllm_lens::pre_tap`` on the layer's inputs,
-then the original, then ``vllm_lens::tap`` on its outputs. Inside the layer (``INNER_TAPS``,
-per model class; ``VLLM_LENS_INNER_TAPS=0`` leaves them out) the module between attention and
-MLP gets ``vllm_lens::mid_tap`` on its inputs and the MLP's activation ``vllm_lens::act_tap``
-on its output, the same way. Swapping the class keeps parameter names, so weight loading is
+then the original, then ``vllm_lens::tap`` on its outputs. Inside the layer (where
+``worker.layouts`` says, per model class; ``VLLM_LENS_INNER_TAPS=0`` leaves them out) the
+module called on ``resid_mid`` gets ``vllm_lens::mid_tap`` on its inputs, and the MLP's
+activation, an MoE router and (in split layouts) the attention and MLP blocks a tap op on
+their outputs, the same way. Swapping the class keeps parameter names, so weight loading is
 untouched, and one code path serves compiled and eager mode: Dynamo sees an ordinary op, eager
 mode calls it directly.
 
@@ -18,6 +19,7 @@ traffic before any lens request) it returns at once.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from collections.abc import Callable
@@ -28,6 +30,8 @@ import torch
 from torch import nn
 
 from vllm_lens import envs
+from vllm_lens.points import SITES
+from vllm_lens.worker.layouts import LAYOUTS, Layout, layout_of, model_key
 
 __all__ = ["PROVEN_MODEL_CLASSES", "TAP_OPS", "TapInfo", "install_taps", "set_tap_handler", "tap_info"]
 
@@ -35,10 +39,15 @@ TAP_OP_NAME = "vllm_lens::tap"
 PRE_TAP_OP_NAME = "vllm_lens::pre_tap"
 MID_TAP_OP_NAME = "vllm_lens::mid_tap"
 ACT_TAP_OP_NAME = "vllm_lens::act_tap"
+#: The ops of the sites only some layouts have (``points``): what attention and the MLP
+#: return in split layouts, and an MoE router's logits.
+SITE_OP_NAMES = {"mid": MID_TAP_OP_NAME, "act": ACT_TAP_OP_NAME,
+                 "attn_block": "vllm_lens::attn_block_tap",
+                 "mlp_block": "vllm_lens::mlp_block_tap", "router": "vllm_lens::router_tap"}
 #: Every custom op vllm-lens puts in the traced graph.
-TAP_OPS = (PRE_TAP_OP_NAME, MID_TAP_OP_NAME, ACT_TAP_OP_NAME, TAP_OP_NAME)
+TAP_OPS = (PRE_TAP_OP_NAME, *SITE_OP_NAMES.values(), TAP_OP_NAME)
 
-#: handler(a, b, layer_index, site): ``site`` is ``pre``, ``mid``, ``act`` or ``post`` here
+#: handler(a, b, layer_index, site): ``site`` is one of ``points.SITES`` but ``attn`` here
 #: (``worker.attention_taps`` calls it with ``attn`` / ``attn_z``); ``b`` is the fused
 #: residual (None for layers without one, and entering the first layer).
 TapHandler = Callable[[torch.Tensor, "torch.Tensor | None", int, str], None]
@@ -82,8 +91,8 @@ def _define_tap(name: str, site: str) -> None:
 
 _define_tap(PRE_TAP_OP_NAME, "pre")
 _define_tap(TAP_OP_NAME, "post")
-_define_tap(MID_TAP_OP_NAME, "mid")
-_define_tap(ACT_TAP_OP_NAME, "act")
+for _site, _name in SITE_OP_NAMES.items():
+    _define_tap(_name, _site)
 
 
 @dataclass(frozen=True)
@@ -96,8 +105,8 @@ class TapInfo:
     local_layers: tuple[int, ...]
     """Layers owned (and tapped) by this pipeline stage."""
     pre_taps: bool
-    """Whether every local layer taps its input too (its ``forward`` takes ``hidden_states``
-    and ``residual``), so pre-hooks can run."""
+    """Whether every local layer taps its input too (its ``forward`` takes
+    ``hidden_states``), so pre-hooks can run."""
     tapped: bool = True
     """False for a model class not in ``PROVEN_MODEL_CLASSES``: its layers were found but
     left as they are (no tap op in its graph; lens requests are refused)."""
@@ -107,77 +116,76 @@ class TapInfo:
     """(layer, vLLM ``Attention`` module) per local layer, when the ``attn`` site exists."""
     d_mlp: int = 0
     """Full width of ``mlp_post`` (all TP ranks together)."""
+    split: bool = False
+    """The layers add to the stream themselves (``points``: split layouts)."""
+    block: str = "sequential"
+    """``Layout.block`` of the model's family."""
+    n_experts: int = 0
+    """Width of ``router_logits`` (MoE), 0 without a router site."""
 
 
-@dataclass(frozen=True)
-class InnerTaps:
-    """Where one architecture family's layer internals live (dotted paths from the layer)."""
-
-    mid: str
-    """The module called as ``module(attn_out, resid_pre)`` between attention and MLP (the
-    fused add + norm of pre-norm models): the ``mid`` tap reads its inputs."""
-    act: str
-    """The MLP's activation module: the ``act`` tap reads its output (``mlp_post``)."""
-    down_proj: str
-    """The MLP's output projection (its ``input_size`` is d_mlp)."""
-    attention: str
-    """vLLM's ``Attention`` module: Q/K and ``attn_z`` are read around its kernel."""
-
-
-#: Llama-style layers: pre-norm, fused residual, the add + norm before the MLP, gated MLP.
-_LLAMA_STYLE = InnerTaps(mid="post_attention_layernorm", act="mlp.act_fn",
-                         down_proj="mlp.down_proj", attention="self_attn.attn")
-
-
-# Where Llama/Qwen2-style models (and multimodal wrappers around them) keep their layers.
-_LAYER_PATHS = (
-    ("model", "layers"),
-    ("language_model", "model", "layers"),
-    ("model", "language_model", "layers"),
-    ("language_model", "layers"),
-)
-#: Model classes whose decoder layers' outputs the taps understand, proven against
-#: transformers by the test suite (``(hidden, residual)`` fused-residual pre-norm layers). Lens
-#: requests on any other class are refused up front, naming it; plain requests serve.
-PROVEN_MODEL_CLASSES = frozenset({
-    "LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM"})
-#: Per proven model class, where the inner taps go (Qwen3 adds q/k norms before RoPE, inside
-#: attention: the kernel's Q/K are after them).
-INNER_TAPS = {name: _LLAMA_STYLE for name in PROVEN_MODEL_CLASSES}
-_TAPPED_CLASSES: dict[type, type] = {}
+# Where unmapped models usually keep their layers: found only to report their depth.
+_LAYER_PATHS = ("model.layers", "language_model.model.layers", "model.language_model.layers",
+                "language_model.layers", "transformer.h")
+#: Model classes whose decoder layers the taps understand, proven against transformers by
+#: the test suite (``worker.layouts``). Lens requests on any other class are refused up
+#: front, naming it; plain requests serve.
+PROVEN_MODEL_CLASSES = frozenset(LAYOUTS)
+_TAPPED_CLASSES: dict[tuple[type, bool], type] = {}
 _INFO_ATTR = "_vllm_lens_taps"
 
 
-def _find_layers(model: nn.Module) -> nn.ModuleList | None:
-    for path in _LAYER_PATHS:
-        obj: object = model
-        for name in path:
-            obj = getattr(obj, name, None)
-            if obj is None:
-                break
+def _find_layers(model: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList | None:
+    for path in paths:
+        obj = _submodule(model, path)
         if isinstance(obj, nn.ModuleList) and len(obj) > 0:
             return obj
     return None
 
 
-def _input_slots(cls: type[nn.Module]) -> tuple[int, int] | None:
-    """Positions of ``hidden_states`` and ``residual`` among ``forward``'s positional args."""
+def _input_slots(cls: type[nn.Module]) -> tuple[int, int | None] | None:
+    """Positions of ``hidden_states`` and ``residual`` (``None`` for layers that keep no
+    residual apart) among ``forward``'s positional args."""
     names = [p for p in inspect.signature(cls.forward).parameters][1:]  # drop self
-    if "hidden_states" not in names or "residual" not in names:
+    if "hidden_states" not in names:
         return None
-    return names.index("hidden_states"), names.index("residual")
+    return names.index("hidden_states"), names.index("residual") if "residual" in names else None
 
 
-def _inputs(args: tuple, kwargs: dict, slots: tuple[int, int]) -> tuple[Any, Any]:
+def _inputs(args: tuple, kwargs: dict, slots: tuple[int, int | None]) -> tuple[Any, Any]:
     h, r = slots
     hidden = args[h] if len(args) > h else kwargs.get("hidden_states")
+    if r is None:
+        return hidden, None
     residual = args[r] if len(args) > r else kwargs.get("residual")
     return hidden, residual
 
 
-def _tapped_class(cls: type[nn.Module]) -> type[nn.Module]:
-    tapped = _TAPPED_CLASSES.get(cls)
+def _rows(t: Any) -> Any:
+    """``[num_tokens, d]`` view of a tap's tensor: the Transformers backend's modules carry a
+    leading batch dimension of 1 (a view, so steering in place reaches the model)."""
+    return t[0] if isinstance(t, torch.Tensor) and t.dim() == 3 else t
+
+
+def _call_original(cls: type[nn.Module], module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """``module``'s own forward: an instance-bound one (the Transformers backend rewrites
+    some modules' ``forward`` per instance; ``_claim_forward`` moved it) or ``cls``'s."""
+    bound = module.__dict__.get("_vllm_lens_forward")
+    return bound(*args, **kwargs) if bound is not None else cls.forward(module, *args, **kwargs)
+
+
+def _claim_forward(module: nn.Module) -> None:
+    """Move an instance-bound ``forward`` aside so that the tapped class's runs (it calls the
+    moved one)."""
+    bound = module.__dict__.pop("forward", None)
+    if bound is not None:
+        module.__dict__["_vllm_lens_forward"] = bound
+
+
+def _tapped_class(cls: type[nn.Module], fused: bool = True) -> type[nn.Module]:
+    """``cls`` with taps on its input stream and on its output: ``(hidden, residual)`` for
+    ``fused`` layers, the stream alone otherwise (any further outputs are ignored)."""
+    tapped = _TAPPED_CLASSES.get((cls, fused))
     if tapped is None:
         slots = _input_slots(cls)
 
@@ -185,14 +193,18 @@ def _tapped_class(cls: type[nn.Module]) -> type[nn.Module]:
             if slots is not None:
                 hidden_in, residual_in = _inputs(args, kwargs, slots)
                 if isinstance(hidden_in, torch.Tensor):
-                    torch.ops.vllm_lens.pre_tap(hidden_in, residual_in, self._vllm_lens_layer)
-            out = cls.forward(self, *args, **kwargs)
-            hidden, residual = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
-            torch.ops.vllm_lens.tap(hidden, residual, self._vllm_lens_layer)
+                    torch.ops.vllm_lens.pre_tap(_rows(hidden_in), _rows(residual_in),
+                                                self._vllm_lens_layer)
+            out = _call_original(cls, self, args, kwargs)
+            if isinstance(out, tuple):
+                hidden, residual = out[0], out[1] if fused else None
+            else:
+                hidden, residual = out, None
+            torch.ops.vllm_lens.tap(_rows(hidden), _rows(residual), self._vllm_lens_layer)
             return out
 
         tapped = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
-        _TAPPED_CLASSES[cls] = tapped
+        _TAPPED_CLASSES[(cls, fused)] = tapped
     return tapped
 
 
@@ -204,20 +216,23 @@ def _submodule(layer: nn.Module, path: str) -> nn.Module | None:
 
 
 def _inner_tapped_class(cls: type[nn.Module], site: str) -> type[nn.Module]:
-    """``cls`` with a tap on its inputs (``mid``: ``forward(x, residual)``) or on its output
-    (``act``)."""
+    """``cls`` with a tap on its inputs (``mid``: ``forward(x[, residual])``) or on its output
+    (every other site; the first element of a tuple output)."""
     key = (cls, site)
     tapped = _INNER_CLASSES.get(key)
     if tapped is None:
+        op = getattr(torch.ops.vllm_lens, SITE_OP_NAMES[site].split("::")[1])
         if site == "mid":
-            def forward(self, x, *args, **kwargs):
-                residual = args[0] if args else kwargs.get("residual")
-                torch.ops.vllm_lens.mid_tap(x, residual, self._vllm_lens_layer)
-                return cls.forward(self, x, *args, **kwargs)
+            def forward(self, *args, **kwargs):
+                x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
+                residual = args[1] if len(args) > 1 else kwargs.get("residual")
+                op(_rows(x), _rows(residual), self._vllm_lens_layer)
+                return _call_original(cls, self, args, kwargs)
         else:
             def forward(self, *args, **kwargs):
-                out = cls.forward(self, *args, **kwargs)
-                torch.ops.vllm_lens.act_tap(out, None, self._vllm_lens_layer)
+                out = _call_original(cls, self, args, kwargs)
+                op(_rows(out[0] if isinstance(out, tuple) else out), None,
+                   self._vllm_lens_layer)
                 return out
 
         tapped = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
@@ -229,28 +244,61 @@ def _inner_tapped_class(cls: type[nn.Module], site: str) -> type[nn.Module]:
 _INNER_CLASSES: dict[tuple[type, str], type] = {}
 
 
-def _install_inner(layer: nn.Module, index: int, where: InnerTaps, tap: bool, inner: bool
-                   ) -> tuple[set[str], nn.Module | None, int]:
-    """Tap one layer's internals (the ``mid`` and ``act`` ops only if ``inner``); returns
-    (sites found, its Attention module, d_mlp)."""
+def _own_module(layer: nn.Module, path: str, module: nn.Module, claimed: set[int]
+                ) -> nn.Module | None:
+    """``module`` as this layer's alone, so that its tap can name the layer: vLLM hands one
+    cached instance of a stateless module (an activation from ``get_act_fn``) to every layer
+    and every model in the process, so such a module is replaced by a private copy here.
+    ``None`` for a module with weights that another layer uses too (not tapped)."""
+    if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+        if id(module) in claimed:
+            return None
+        claimed.add(id(module))
+        return module
+    clone = copy.copy(module)
+    for name in ("_modules", "_parameters", "_buffers"):
+        object.__setattr__(clone, name, dict(getattr(module, name)))
+    parent_path, _, attr = path.rpartition(".")
+    parent = _submodule(layer, parent_path) if parent_path else layer
+    setattr(parent, attr, clone)
+    return clone
+
+
+def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inner: bool,
+                   claimed: set[int]) -> tuple[set[str], nn.Module | None, int, int]:
+    """Tap one layer's internals (the ops inside the layer only if ``inner``); returns
+    (sites found, its Attention module, d_mlp, n_experts). ``claimed``: the modules with
+    weights tapped so far (a module two layers share is not tapped)."""
     from vllm.model_executor.layers.attention.attention import Attention
 
     sites: set[str] = set()
-    down = _submodule(layer, where.down_proj)
-    for site, path in (("mid", where.mid), ("act", where.act)) if inner else ():
-        module = _submodule(layer, path)
+    down = _submodule(layer, layout.down_proj) if layout.down_proj else None
+    paths = {"mid": layout.mid, "act": layout.act, "attn_block": layout.attn_block,
+             "mlp_block": layout.mlp_block, "router": layout.router}
+    n_experts = 0
+    for site, path in paths.items() if inner else ():
+        module = _submodule(layer, path) if path else None
         if module is None or (site == "act" and _quantized_input(down)):
             # A quantized down_proj may take its input from a fused act+quant kernel that
             # never calls the activation module: no mlp_post there (and no lost fusion).
             continue
+        if site == "router":
+            n_experts = int(getattr(module, "output_size", 0) or 0)
+            if not n_experts:
+                continue
         if tap:
             cls = type(module)
             if getattr(cls, "_vllm_lens_site", None) is not None:  # tapped already
                 cls = cls.__mro__[1]
+            else:
+                module = _own_module(layer, path, module, claimed)
+                if module is None:
+                    continue
+            _claim_forward(module)
             module.__class__ = _inner_tapped_class(cls, site)
             module._vllm_lens_layer = index
         sites.add(site)
-    attention = _submodule(layer, where.attention)
+    attention = _submodule(layer, layout.attention)
     # The kernel must see the query as the model computed it: not quantized first (an fp8 KV
     # cache with a backend taking fp8 queries), and K of its own (no KV sharing).
     if (type(attention) is Attention
@@ -260,7 +308,7 @@ def _install_inner(layer: nn.Module, index: int, where: InnerTaps, tap: bool, in
     else:
         attention = None
     d_mlp = int(getattr(down, "input_size", 0) or 0)
-    return sites, attention, d_mlp
+    return sites, attention, d_mlp, n_experts
 
 
 def _quantized_input(linear: nn.Module | None) -> bool:
@@ -276,22 +324,25 @@ def _quantized_input(linear: nn.Module | None) -> bool:
 
 def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
     """Swap every local decoder layer of ``model`` for its tapped twin; idempotent. With
-    ``tap=False`` only record what was found.
+    ``tap=False`` only record what was found. Classes without a ``Layout`` are never tapped.
 
     Returns what was found, or ``None`` when the model's layers cannot be located (then lens
     requests on this model are refused with an error naming its class).
     """
-    layers = _find_layers(model)
+    layout = layout_of(model)
+    tap = tap and layout is not None
+    layers = _find_layers(model, (layout.layers,) if layout else _LAYER_PATHS)
     if layers is None:
         return None
     from vllm.model_executor.models.utils import PPMissingLayer
 
     local = []
     pre_taps = True
-    where = INNER_TAPS.get(type(model).__name__)
     inner_ops = envs.inner_taps()
     inner: set[str] | None = None
-    attention, d_mlp = [], 0
+    attention, d_mlp, n_experts = [], 0, 0
+    claimed: set[int] = set()
+    fused = layout.fused_residual if layout else True
     for index, layer in enumerate(layers):
         if isinstance(layer, PPMissingLayer):
             continue  # owned by another pipeline stage
@@ -299,10 +350,12 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
         original = type(layer).__mro__[1] if tapped_already else type(layer)
         pre_taps = pre_taps and _input_slots(original) is not None
         if tap:
-            layer.__class__ = _tapped_class(original)
+            _claim_forward(layer)
+            layer.__class__ = _tapped_class(original, fused)
             layer._vllm_lens_layer = index
-        if where is not None:
-            sites, attn, d_mlp = _install_inner(layer, index, where, tap, inner_ops)
+        if layout is not None:
+            sites, attn, d_mlp, n_experts = _install_inner(layer, index, layout, tap, inner_ops,
+                                                           claimed)
             inner = sites if inner is None else inner & sites
             if attn is not None:
                 attention.append((index, attn))
@@ -310,11 +363,13 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
     sites = {"post"} | ({"pre"} if pre_taps else set()) | (inner or set())
     if "attn" not in sites:
         attention = []
-    info = TapInfo(model_class=type(model).__name__, n_layers=len(layers),
+    info = TapInfo(model_class=model_key(model), n_layers=len(layers),
                    local_layers=tuple(local), pre_taps=pre_taps, tapped=tap,
-                   sites=tuple(site for site in ("pre", "attn", "mid", "act", "post")
-                               if site in sites),
-                   attention=tuple(attention), d_mlp=d_mlp)
+                   sites=tuple(site for site in SITES if site in sites),
+                   attention=tuple(attention), d_mlp=d_mlp,
+                   split=layout is not None and layout.split,
+                   block=layout.block if layout else "sequential",
+                   n_experts=n_experts if "router" in sites else 0)
     setattr(model, _INFO_ATTR, info)
     return info
 
@@ -342,7 +397,7 @@ def tapped_model_class(cls: type[nn.Module]) -> type[nn.Module]:
         @functools.wraps(cls.__init__)
         def __init__(self, *args, **kwargs):
             cls.__init__(self, *args, **kwargs)
-            install_taps(self, tap=cls.__name__ in PROVEN_MODEL_CLASSES)
+            install_taps(self)
 
         sub = type(cls.__name__, (cls,), {
             "__init__": __init__,

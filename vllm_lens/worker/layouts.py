@@ -1,0 +1,130 @@
+"""Where each proven model family keeps what vllm-lens taps (runs in: worker).
+
+One row per vLLM model class, read by ``worker.taps`` when the model is constructed. Anything
+not in ``LAYOUTS`` is unmapped: its plain requests serve, and lens requests are refused with
+an error naming the class. A class joins the table only with a test in
+``tests/integration/test_families.py`` that checks it against transformers.
+
+Paths are dotted attribute paths, from the model for ``layers`` and from one decoder layer
+for the rest; ``None`` means the family has no such module (its points are refused).
+
+Models vLLM runs through its Transformers modeling backend (``TransformersForCausalLM``) are
+keyed ``"TransformersForCausalLM:<transformers architecture>"``: their layers are
+transformers' own modules (with vLLM's linear layers and attention inside), so the paths are
+transformers' names; their tensors carry a leading batch dimension of 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["LAYOUTS", "Layout", "layout_of", "model_key"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The shape of one family's decoder layer, and where its parts are."""
+
+    layers: str
+    """The ``nn.ModuleList`` of decoder layers."""
+    block: str
+    """``sequential`` (attention, then the MLP on its result) or ``parallel`` (both read the
+    layer's input: there is no ``resid_mid``)."""
+    norms: str
+    """``pre``, ``post`` (OLMo 2: after each sublayer, inside its branch) or ``sandwich``
+    (Gemma 2/3: both). Documentation only: the taps sit where the stream is added to."""
+    fused_residual: bool
+    """The layers pass ``(hidden, residual)`` along and add them in the next norm (Llama);
+    otherwise they add to the stream themselves (a *split* layout, ``points``)."""
+    mid: str | None
+    """The module called on ``resid_mid`` before the MLP: fused layouts call it as
+    ``module(attn_out, resid_pre)`` (the add + norm), split ones as ``module(resid_mid)``."""
+    attention: str
+    """vLLM's ``Attention`` module: Q/K and ``attn_z`` are read around its kernel."""
+    act: str | None
+    """The MLP's activation module, whose output is ``mlp_post`` (``None`` for MoE)."""
+    down_proj: str | None
+    """The MLP's output projection (its ``input_size`` is d_mlp)."""
+    attn_block: str | None = None
+    """Split layouts: the module whose output is ``attn_out``."""
+    mlp_block: str | None = None
+    """Split layouts: the module whose output is ``mlp_out``."""
+    router: str | None = None
+    """MoE: the gate whose output is ``router_logits`` (every layer's, or no layer's)."""
+    requires: tuple[str, object] | None = None
+    """(config attribute, value) the layout holds for; other configs are unmapped."""
+
+    @property
+    def split(self) -> bool:
+        return not self.fused_residual
+
+
+#: Llama and the families that share its layer: pre-norm, fused residual, gated MLP.
+_LLAMA = Layout(layers="model.layers", block="sequential", norms="pre", fused_residual=True,
+                mid="post_attention_layernorm", attention="self_attn.attn",
+                act="mlp.act_fn", down_proj="mlp.down_proj")
+#: Gemma 2 / 3: a norm before and after each sublayer; ``attn_out`` and ``mlp_out`` are what
+#: is added to the stream, after the post-norms (as in transformers and TransformerLens).
+_GEMMA = Layout(layers="model.layers", block="sequential", norms="sandwich",
+                fused_residual=True, mid="pre_feedforward_layernorm",
+                attention="self_attn.attn", act="mlp.act_fn", down_proj="mlp.down_proj")
+#: GPT-2: LayerNorm before each sublayer, the residual added inside the block.
+_GPT2 = Layout(layers="transformer.h", block="sequential", norms="pre", fused_residual=False,
+               mid="ln_2", attention="attn.attn", act="mlp.act", down_proj="mlp.c_proj",
+               attn_block="attn", mlp_block="mlp")
+#: Mixtral: Llama's layer with a sparse MoE block (no single activation: no ``mlp_post``).
+_MIXTRAL = Layout(layers="model.layers", block="sequential", norms="pre", fused_residual=True,
+                  mid="post_attention_layernorm", attention="self_attn.attn", act=None,
+                  down_proj=None, router="block_sparse_moe.gate")
+#: Qwen2-MoE: routed experts plus a gated shared expert (``mlp_out`` is their sum).
+_QWEN2_MOE = Layout(layers="model.layers", block="sequential", norms="pre",
+                    fused_residual=True, mid="post_attention_layernorm",
+                    attention="self_attn.attn", act=None, down_proj=None, router="mlp.gate")
+
+#: GPT-NeoX (Pythia), transformers' modules: attention and the MLP both read the layer's
+#: input and are added to it together (``use_parallel_residual``).
+_GPT_NEOX = Layout(layers="model.layers", block="parallel", norms="pre", fused_residual=False,
+                   mid=None, attention="attention.attn", act="mlp.act",
+                   down_proj="mlp.dense_4h_to_h", attn_block="attention", mlp_block="mlp",
+                   requires=("use_parallel_residual", True))
+#: OLMo 2, transformers' modules: each sublayer's output is normed before it is added.
+_OLMO2 = Layout(layers="model.layers", block="sequential", norms="post", fused_residual=False,
+                mid="mlp", attention="self_attn.attn", act="mlp.act_fn",
+                down_proj="mlp.down_proj", attn_block="post_attention_layernorm",
+                mlp_block="post_feedforward_layernorm")
+
+LAYOUTS: dict[str, Layout] = {
+    "LlamaForCausalLM": _LLAMA,
+    "MistralForCausalLM": _LLAMA,
+    "Phi3ForCausalLM": _LLAMA,
+    "Qwen2ForCausalLM": _LLAMA,
+    "Qwen3ForCausalLM": _LLAMA,  # q/k norms sit inside attention, before the kernel
+    "Gemma2ForCausalLM": _GEMMA,
+    "Gemma3ForCausalLM": _GEMMA,
+    "GPT2LMHeadModel": _GPT2,
+    "MixtralForCausalLM": _MIXTRAL,
+    "Qwen2MoeForCausalLM": _QWEN2_MOE,
+    "TransformersForCausalLM:GPTNeoXForCausalLM": _GPT_NEOX,
+    "TransformersForCausalLM:Olmo2ForCausalLM": _OLMO2,
+}
+
+
+def model_key(model: object) -> str:
+    """The ``LAYOUTS`` key of a constructed vLLM model: its class name, with the
+    transformers architecture for the Transformers backend's generic classes."""
+    name = type(model).__name__
+    if name.startswith("Transformers"):
+        architectures = getattr(getattr(model, "config", None), "architectures", None) or ["?"]
+        return f"{name}:{architectures[0]}"
+    return name
+
+
+def layout_of(model: object) -> Layout | None:
+    """``model``'s layout, or ``None`` when its class (or its config) is not mapped."""
+    layout = LAYOUTS.get(model_key(model))
+    if layout is not None and layout.requires is not None:
+        attr, value = layout.requires
+        config = getattr(model, "config", None)
+        if getattr(config, attr, None) != value:
+            return None
+    return layout

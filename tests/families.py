@@ -22,6 +22,7 @@ _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=64)
 #: family -> (transformers config class, model class, config fields beyond ``_SHAPE``, or
 #: replacing it when they include ``"shape"``)
 FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"head_dim": 64}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 64}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 64, "sliding_window": None}),
@@ -47,6 +48,8 @@ FAMILIES = {
         "rotary_pct": 0.25, "partial_rotary_factor": 0.25, "use_parallel_residual": True,
         "tie_word_embeddings": False}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # A multimodal model (SmolVLM's architecture): a tiny vision tower around the Llama above.
+    "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration", {"wraps": "llama"}),
 }
 
 
@@ -63,10 +66,14 @@ def tiny_family_dir(family: str) -> str:
     config_name, model_name, extra = FAMILIES[family]
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     extra = dict(extra)
-    shape = extra.pop("shape", _SHAPE)
-    config = getattr(transformers, config_name)(
-        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, **{**shape, **extra})
+    processor = None
+    if "wraps" in extra:
+        config, processor = _idefics3_config(tokenizer, extra.pop("wraps"))
+    else:
+        shape = extra.pop("shape", _SHAPE)
+        config = getattr(transformers, config_name)(
+            vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, **{**shape, **extra})
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).to(torch.float32)
     with torch.no_grad():
@@ -79,5 +86,27 @@ def tiny_family_dir(family: str) -> str:
     with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
         build = Path(tmp) / "build"
         model.save_pretrained(build)
-        tokenizer.save_pretrained(build)
+        (processor or tokenizer).save_pretrained(build)
         return str(_publish(build, final))
+
+
+def _idefics3_config(tokenizer, text_family: str):
+    """An Idefics3 config around ``text_family``'s (a tiny vision tower: 32-pixel images in
+    patches of 8, 4 image tokens each) and its processor (which adds its tokens)."""
+    import transformers
+    from transformers import Idefics3Config, Idefics3ImageProcessor, Idefics3Processor
+
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessor(size={"longest_edge": 32},
+                                               max_image_size={"longest_edge": 32},
+                                               do_image_splitting=False),
+        tokenizer=tokenizer, image_seq_len=4)
+    config_name, _, extra = FAMILIES[text_family]
+    text = getattr(transformers, config_name)(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, **{**_SHAPE, **extra})
+    vision = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+              "num_attention_heads": 1, "image_size": 32, "patch_size": 8}
+    config = Idefics3Config(vision_config=vision, text_config=text.to_dict(), scale_factor=2,
+                            image_token_id=processor.image_token_id, tie_word_embeddings=True)
+    return config, processor

@@ -118,6 +118,8 @@ class ModelFacts:
     """``sequential`` or ``parallel`` (attention and MLP both read ``resid_pre``)."""
     n_experts: int = 0
     """Width of ``router_logits`` (MoE models), 0 without a router."""
+    moe_top_k: int = 0
+    """Experts each token is routed to (MoE models)."""
 
     def row_shape(self, signal: str) -> tuple[int, ...]:
         """The shape of one captured row (one position, one layer) of ``signal``."""

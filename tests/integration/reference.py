@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 
 #: Where each transformers family keeps what the tap points read (dotted paths; the layers
@@ -27,6 +27,7 @@ _MODULES = {
               "mlp_out": "post_feedforward_layernorm"},
 }
 _MODULES["gemma3_text"] = _MODULES["gemma2"]
+_MODULES["idefics3"] = {**_LLAMA_MODULES, "layers": "model.text_model.layers"}
 
 
 def _get(root, path: str):
@@ -38,11 +39,14 @@ def _get(root, path: str):
 class HFReference:
     def __init__(self, path: str) -> None:
         # Eager attention: the only implementation that returns attention weights.
-        self.model = AutoModelForCausalLM.from_pretrained(
+        auto = AutoModelForCausalLM
+        if AutoConfig.from_pretrained(path).model_type == "idefics3":
+            auto = AutoModelForImageTextToText  # run on text alone here
+        self.model = auto.from_pretrained(
             path, dtype=torch.float32, attn_implementation="eager").eval()
         self.modules = _MODULES.get(self.model.config.model_type, _LLAMA_MODULES)
         self.layers = _get(self.model, self.modules["layers"])
-        config = self.model.config
+        config = self.model.config.get_text_config()
         self.head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads)
 

@@ -1,7 +1,11 @@
-"""Llama-style families beyond Llama (Qwen2 with q/k/v biases, Qwen3 with q/k norms, Mistral),
-each a tiny random model, against transformers: the residual stream at every layer, every tap
-point, Q/K attention patterns, 2D and 3D steering, and plain requests token-identical to vLLM
-without the plugin. One eager engine per family, prefill in chunks of 16 tokens."""
+"""Every model family in ``worker.layouts``, each a tiny random model (``tests/families.py``),
+against transformers: the residual stream at every layer, every tap point the family has, Q/K
+attention patterns, 2D and 3D steering, hooks that replace and read, and plain requests
+token-identical to vLLM without the plugin. One engine per family, prefill in chunks of 16
+tokens; the families whose layers are not Llama's run compiled (Dynamo traces the taps and
+the Transformers backend's own modules), the Llama-style ones eager.
+
+``tools/family_matrix.py`` turns this module's results into the compatibility matrix."""
 
 import pytest
 import torch
@@ -10,7 +14,7 @@ from vllm import SamplingParams
 from tests.families import FAMILIES, tiny_family_dir
 from tests.integration.engines import generate_without_plugin, running_llm
 from tests.integration.reference import HFReference, _steering_delta, max_relative_error
-from vllm_lens import SteeringVector
+from vllm_lens import Hook, SteeringVector, UnsupportedModelError
 from vllm_lens.attention import attention_patterns
 
 PROMPT = ("Once upon a time in a quiet village by the sea, an old fisherman mended his nets "
@@ -20,6 +24,8 @@ POINTS = ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "mlp_po
 MOE = {"mixtral", "qwen2_moe"}
 
 
+#: Multimodal models (tested with text prompts and with an image).
+MULTIMODAL = {"idefics3"}
 #: Parallel blocks (attention and MLP both read resid_pre) have no resid_mid.
 PARALLEL = {"gpt_neox"}
 
@@ -30,15 +36,21 @@ def points_of(family: str) -> list[str]:
     if family in PARALLEL:
         return [p for p in POINTS if p != "resid_mid"]
     return POINTS
-CHUNKED = dict(enforce_eager=True, max_num_batched_tokens=16, max_num_seqs=8)
+CHUNKED = dict(max_num_batched_tokens=16, max_num_seqs=8)
+#: Families run in vLLM's default compiled mode; the rest with ``enforce_eager``.
+COMPILED = {"gpt2", "gpt_neox", "olmo2", "gemma2", "mixtral"}
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request):
     path = tiny_family_dir(request.param)
-    with running_llm(path, **CHUNKED) as llm:
+    with running_llm(path, **_mode(request.param)) as llm:
         yield request.param, path, llm, HFReference(path)
+
+
+def _mode(family: str) -> dict:
+    return CHUNKED if family in COMPILED else {**CHUNKED, "enforce_eager": True}
 
 
 def _ids(out):
@@ -68,6 +80,10 @@ def test_every_layer_every_point_and_attention_match_transformers(family):
     for layer in (0, 3):
         pattern = attention_patterns(acts, layer)
         assert (pattern - expected[("attn", layer)]).abs().max() < 1e-5, (name, layer)
+    if name in MOE:  # the experts each token was routed to, from the captured logits
+        for i, layer in enumerate((1, 3)):
+            chosen = acts["router_experts"][i].sort(dim=-1).values
+            assert torch.equal(chosen, expected[("router_experts", layer)].sort(dim=-1).values)
 
 
 def test_2d_and_3d_steering_match_transformers(family):
@@ -90,6 +106,67 @@ def test_2d_and_3d_steering_match_transformers(family):
                               expected[("resid_post", 3)]) <= TOL, name
 
 
+def test_hooks_replace_and_read_as_transformers(family):
+    name, _, llm, ref = family
+    read_point = "resid_pre" if name in PARALLEL else "resid_mid"
+
+    def halve(ctx, mlp_out):
+        return 0.5 * mlp_out
+
+    def record(ctx, stream):
+        ctx.saved.setdefault("rows", []).append(stream.clone())
+
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={
+        "apply_hooks": [Hook(halve, [1], hook_point="mlp_out"),
+                        Hook(record, [2], hook_point=read_point)],
+        "output_residual_stream": [3]})
+    out = llm.generate([PROMPT], sp)[0]
+    assert out.lens_error is None
+    edits = {("mlp_out", 1): lambda h: 0.5 * h}
+    assert list(out.outputs[0].token_ids) == ref.point_greedy(
+        list(out.prompt_token_ids), 4, edits), name
+    expected = ref.points(_ids(out)[:-1], edits)
+    rows = torch.cat(out.hook_results["1"]["rows"])
+    assert max_relative_error(rows, expected[(read_point, 2)]) <= TOL, name
+    assert max_relative_error(out.activations["residual_stream"][0],
+                              expected[("resid_post", 3)]) <= TOL, name
+
+
+def test_a_multimodal_prompt_matches_transformers(family):
+    """An image in the prompt: the language model's rows at the image tokens too."""
+    name, path, llm, ref = family
+    if name not in MULTIMODAL:
+        pytest.skip("text-only family")
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    image = Image.new("RGB", (32, 32), (200, 40, 90))
+    text = "<image>What is in the picture?"
+    inputs = AutoProcessor.from_pretrained(path)(text=text, images=[image], return_tensors="pt")
+    sp = SamplingParams(max_tokens=1, temperature=0, extra_args={
+        "output_residual_stream": True, "output_activations": {"attn_out": [1]}})
+    out = llm.generate([{"prompt": text, "multi_modal_data": {"image": image}}], sp)[0]
+    assert out.lens_error is None
+    ids = inputs["input_ids"][0].tolist()
+    assert list(out.prompt_token_ids) == ids  # the image tokens are in the prompt
+    with torch.no_grad(), ref.point_hooks() as seen:
+        ref.model(**inputs)
+    acts = out.activations
+    for layer in range(4):
+        assert max_relative_error(acts["residual_stream"][layer],
+                                  seen[("resid_post", layer)]) <= TOL, layer
+    assert max_relative_error(acts["attn_out"][0], seen[("attn_out", 1)]) <= TOL
+
+
+def test_points_a_family_lacks_are_refused_by_name(family):
+    name, _, llm, _ = family
+    lacking = [p for p in POINTS + ["router_logits"] if p not in points_of(name)]
+    for point in lacking:
+        sp = SamplingParams(max_tokens=1, extra_args={"output_activations": {point: [0]}})
+        with pytest.raises(UnsupportedModelError, match=point):
+            llm.generate([PROMPT], sp)
+
+
 def test_plain_requests_are_token_identical_to_vllm_without_plugin(family):
     name, path, llm, _ = family
     prompts = [PROMPT, "The capital of France is", "1, 2, 3, 4,"]
@@ -97,4 +174,4 @@ def test_plain_requests_are_token_identical_to_vllm_without_plugin(family):
                           extra_args={"output_activations": {"attn_out": [2]}} if i == 1
                           else None) for i in range(len(prompts))]
     with_plugin = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sps)]
-    assert with_plugin == generate_without_plugin(path, prompts, 8, **CHUNKED), name
+    assert with_plugin == generate_without_plugin(path, prompts, 8, **_mode(name)), name

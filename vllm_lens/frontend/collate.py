@@ -63,6 +63,15 @@ def prompt_length(prompt: Any) -> int | None:
     return len(ids) if ids is not None else None
 
 
+def chosen_experts(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The experts each row was routed to, ``[..., top_k]`` (most weight first): the families
+    with a router in ``worker.layouts`` (Mixtral, Qwen2-MoE) route each token to the top-k
+    of its softmaxed logits, which are the top-k of the logits."""
+    if top_k <= 0 or router_logits.shape[-1] == 0:
+        return torch.empty((*router_logits.shape[:-1], 0), dtype=torch.int64)
+    return router_logits.float().topk(min(top_k, router_logits.shape[-1]), dim=-1).indices
+
+
 def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
     """Combine every rank's ``lens_describe`` answer into one view of the model."""
     first = results[0]
@@ -88,6 +97,7 @@ def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
         split=bool(first.get("split", False)),
         block=str(first.get("block", "sequential")),
         n_experts=int(first.get("n_experts", 0)),
+        moe_top_k=int(first.get("moe_top_k", 0)),
     )
 
 
@@ -384,7 +394,8 @@ class LensSession:
                      ) -> dict[str, Any]:
         """One completion's ``activations``: ``residual_stream`` and ``positions`` for
         ``output_residual_stream``; ``<point>`` and ``<point>_positions`` per tap point;
-        ``attn_q``, ``attn_k``, ``qk_layers`` and ``qk_meta`` for ``output_qk``.
+        ``attn_q``, ``attn_k``, ``qk_layers`` and ``qk_meta`` for ``output_qk``;
+        ``router_experts`` beside unreduced ``router_logits``.
         ``positions`` is always there: without a residual-stream capture, the first
         signal's."""
         acts: dict[str, Any] = {}
@@ -397,6 +408,8 @@ class LensSession:
             else:
                 acts[spec.signal], acts[f"{spec.signal}_positions"] = tensor, positions
                 acts.setdefault("positions", positions)
+                if spec.signal == "router_logits" and spec.reduce is None:
+                    acts["router_experts"] = chosen_experts(tensor, self._facts().moe_top_k)
         if layers := lens.qk_layers:
             meta = self._facts().qk_meta
             acts["qk_layers"] = list(layers)

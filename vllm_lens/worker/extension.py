@@ -272,6 +272,8 @@ def _describe(worker: Any) -> dict[str, Any]:
         "split": info.split if info else False,
         "block": info.block if info else "sequential",
         "n_experts": info.n_experts if info else 0,
+        "moe_top_k": int(getattr(model_config.hf_text_config, "num_experts_per_tok", 0) or 0)
+        if info and info.n_experts else 0,
         # Per layer this stage owns (the front end joins the stages' lists).
         "qk_meta": _qk_meta(info),
     }

@@ -16,6 +16,7 @@ transformers' names; their tensors carry a leading batch dimension of 1.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 __all__ = ["LAYOUTS", "Layout", "layout_of", "model_key"]
@@ -104,6 +105,9 @@ LAYOUTS: dict[str, Layout] = {
     "GPT2LMHeadModel": _GPT2,
     "MixtralForCausalLM": _MIXTRAL,
     "Qwen2MoeForCausalLM": _QWEN2_MOE,
+    # Multimodal: Idefics3 (and SmolVLM, its subclass) build a LlamaModel as their text model.
+    "Idefics3ForConditionalGeneration": dataclasses.replace(_LLAMA, layers="model.text_model.layers"),
+    "SmolVLMForConditionalGeneration": dataclasses.replace(_LLAMA, layers="model.text_model.layers"),
     "TransformersForCausalLM:GPTNeoXForCausalLM": _GPT_NEOX,
     "TransformersForCausalLM:Olmo2ForCausalLM": _OLMO2,
 }

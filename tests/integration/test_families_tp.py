@@ -1,0 +1,35 @@
+"""Tensor parallel 2 on one family of each layer shape, against transformers: every tap point
+the family has (heads and MLP columns joined from both ranks), Q/K attention patterns, and
+2D/3D steering (applied on both ranks). GPT-2 (split layout, native), GPT-NeoX (parallel
+blocks, Transformers backend), Gemma 2 (sandwich norms, soft cap, sliding windows) and Mixtral
+(MoE: experts split across the ranks, the router replicated). Eager engines, one worker per
+core."""
+
+import pytest
+
+from tests.families import tiny_family_dir
+from tests.integration import test_families as single
+from tests.integration.engines import env, running_llm
+from tests.integration.reference import HFReference
+
+#: The families run here (``tools/family_matrix.py`` reads this for its TP=2 column).
+TP_FAMILIES = ("gpt2", "gpt_neox", "gemma2", "mixtral")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", params=TP_FAMILIES)
+def family(request):
+    path = tiny_family_dir(request.param)
+    with env(VLLM_CPU_OMP_THREADS_BIND="0|1"), running_llm(
+            path, tensor_parallel_size=2, enforce_eager=True, **single.CHUNKED) as llm:
+        assert [d["tp_rank"] for d in llm.collective_rpc("lens_describe")] == [0, 1]
+        yield request.param, path, llm, HFReference(path)
+
+
+def test_tp2_every_point_and_attention_match_transformers(family):
+    single.test_every_layer_every_point_and_attention_match_transformers(family)
+
+
+def test_tp2_steering_matches_transformers(family):
+    single.test_2d_and_3d_steering_match_transformers(family)

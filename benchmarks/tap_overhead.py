@@ -4,9 +4,10 @@
 
 The throughput benchmark compares whole engines, so on a shared machine its plain-traffic ratio
 carries run-to-run noise of several percent. This measures the one thing the plugin adds to a
-step without lens requests — four tap calls per decoder layer (``vllm_lens::pre_tap`` at its
-input, ``mid_tap`` between attention and MLP, ``act_tap`` after the MLP's activation,
-``vllm_lens::tap`` at its output; all are registered the same way and cost the same; the
+step without lens requests — four tap calls per Llama-style decoder layer
+(``vllm_lens::pre_tap`` at its input, ``mid_tap`` between attention and MLP, ``act_tap`` after
+the MLP's activation, ``vllm_lens::tap`` at its output; GPT-2-style layers add two, an MoE
+router one; all are registered the same way and cost the same; the
 attention wrappers are not installed while no step reads Q/K) — and prints it next to the duration of a decode step (``--step-ms``: pass the one throughput.py
 implies on your machine, e.g. 64 tokens / (tokens/s) for the 64-request case, or
 1 / (tokens/s) for batch 1).

@@ -106,7 +106,7 @@ def _idefics3_config(tokenizer, text_family: str):
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, **{**_SHAPE, **extra})
     vision = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
-              "num_attention_heads": 1, "image_size": 32, "patch_size": 8}
+              "num_attention_heads": 2, "image_size": 32, "patch_size": 8}  # 2: TP=2
     config = Idefics3Config(vision_config=vision, text_config=text.to_dict(), scale_factor=2,
                             image_token_id=processor.image_token_id, tie_word_embeddings=True)
     return config, processor

@@ -36,7 +36,6 @@ COLUMNS = {  # column -> the tests behind it (per family)
     "hooks": ["test_hooks_replace_and_read_as_transformers"],
     "plain tokens = no plugin": ["test_plain_requests_are_token_identical_to_vllm_without_plugin"],
 }
-IMAGE = "test_a_multimodal_prompt_matches_transformers"
 TP_TESTS = ["test_tp2_every_point_and_attention_match_transformers",
             "test_tp2_steering_matches_transformers"]
 
@@ -83,8 +82,7 @@ def render(results: dict) -> str:
                   else cell(results, family, [LACKING], ok="refused") for p in ALL_POINTS]
         extra = [cell(results, family, tests) for tests in COLUMNS.values()]
         tp = cell(results, family, TP_TESTS) if family in TP_FAMILIES else "not run"
-        image = (cell(results, family, [IMAGE]) if family in single.MULTIMODAL
-                 else "(text only)")
+        image = every if family in single.MULTIMODAL else "(text only)"
         mode = "compiled" if family in single.COMPILED else "eager"
         rows.append([family, name, shape, mode, every, *points, every, *extra, image, tp])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

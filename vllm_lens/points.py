@@ -119,16 +119,16 @@ def resolve(name: str) -> tuple[str, int | None]:
     return text, layer
 
 
-def hook_site(point: str, split: bool = False) -> str:
+def hook_site(point: str, *, split: bool) -> str:
     """The site a hook at ``point`` (``STEERABLE`` or ``QK_HOOK_POINT``) runs at, in a split
     layout if ``split``."""
-    return "attn" if point == QK_HOOK_POINT else site_of(point, split)
+    return "attn" if point == QK_HOOK_POINT else site_of(point, split=split)
 
 
-def tap_key(signal: str, split: bool = False) -> str:
+def tap_key(signal: str, *, split: bool) -> str:
     """Which tap call reads ``signal``: its site, except that ``attn_z`` is read after the
     attention kernel ran (``"attn_z"``) and Q/K before (``"attn"``)."""
-    return "attn_z" if signal == "attn_z" else site_of(signal, split)
+    return "attn_z" if signal == "attn_z" else site_of(signal, split=split)
 
 
 def operands(signal: str, a, b):
@@ -141,7 +141,7 @@ def operands(signal: str, a, b):
     return a, None
 
 
-def site_of(signal: str, split: bool = False) -> str:
+def site_of(signal: str, *, split: bool) -> str:
     """The site a captured signal is read at (in a split layout if ``split``)."""
     if signal == RESIDUAL_SIGNAL:
         return "post"

@@ -88,12 +88,12 @@ class ModelFacts:
     max_model_len: int
     mapped: bool
     """False when the workers could not find the model's decoder layers, or found them in a
-    model class the taps are not proven on (``worker.taps.PROVEN_MODEL_CLASSES``)."""
+    model class without a layout (``worker.layouts``)."""
     dtype: str = "float32"
     """The model's dtype name (``torch.<dtype>``): the dtype of captured activations."""
     pre_hooks: bool = True
-    """False when the decoder layers' inputs cannot be tapped (their ``forward`` lacks
-    ``hidden_states`` / ``residual``): ``pre=True`` hooks are refused."""
+    """False when the decoder layers' inputs cannot be tapped (their ``forward`` takes no
+    ``hidden_states``): ``pre=True`` hooks are refused."""
     unsupported: str | None = None
     """Why this engine's configuration refuses every lens request (it names the setting),
     or ``None`` (see ``worker.runner.unsupported_reason``)."""
@@ -119,7 +119,12 @@ class ModelFacts:
     n_experts: int = 0
     """Width of ``router_logits`` (MoE models), 0 without a router."""
     moe_top_k: int = 0
-    """Experts each token is routed to (MoE models)."""
+    """Experts each token is routed to, where they follow from the logits (``softmax_topk``
+    routing); 0 otherwise (then no ``router_experts``)."""
+    unmapped: str | None = None
+    """Why the model class is not mapped (when ``mapped`` is False)."""
+    inner_taps: bool = True
+    """False when the engine was started with ``VLLM_LENS_INNER_TAPS=0``."""
 
     def row_shape(self, signal: str) -> tuple[int, ...]:
         """The shape of one captured row (one position, one layer) of ``signal``."""
@@ -414,9 +419,9 @@ def check_engine(facts: ModelFacts, field: str, *, hooks: bool,
     if not facts.mapped:
         raise UnsupportedModelError(
             field,
-            f"vllm-lens does not support model class {facts.model_class} (its decoder layers "
-            "are not mapped, or not yet proven against transformers); lens features are "
-            "refused for it (plain requests still work)",
+            f"vllm-lens does not support model class {facts.model_class} "
+            f"({facts.unmapped or 'its decoder layers are not mapped'}; see 'Model families' "
+            "in the README); lens features are refused for it (plain requests still work)",
             request_id=request_id,
         )
 
@@ -500,19 +505,31 @@ def _parse_points(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[
 
 def _check_site(point: str, facts: ModelFacts, where: str, request_id: str | None) -> None:
     """Refuse a point whose site this model's taps do not have."""
-    site = tap_points.site_of(point, facts.split)
+    site = tap_points.site_of(point, split=facts.split)
     if site not in facts.sites:
         if site == "mid" and facts.block == "parallel":
             raise UnsupportedModelError(
                 where, f"{facts.model_class} runs attention and the MLP in parallel on "
                 f"resid_pre, so there is no {point} (use resid_pre, attn_out, mlp_out or "
                 "resid_post)", request_id=request_id)
-        hint = ("; the engine may have been started with VLLM_LENS_INNER_TAPS=0"
-                if site not in ("pre", "post", "attn") else "")
+        if not facts.inner_taps and site not in ("pre", "post", "attn"):
+            why = "the engine was started with VLLM_LENS_INNER_TAPS=0"
+        else:
+            why = _MISSING_SITE.get(site, "its layers have no tap there")
         raise UnsupportedModelError(
-            where, f"the tap point {point} is not available on {facts.model_class} (its "
-            f"layers have taps at {', '.join(facts.sites) or 'no site'} only{hint})",
+            where, f"the tap point {point} is not available on {facts.model_class} ({why})",
             request_id=request_id)
+
+
+#: Why a model offers no tap at a site (the engine's inner taps on).
+_MISSING_SITE = {
+    "router": "its layers have no MoE router",
+    "act": "its layers have no single MLP activation to read: MoE experts, or a down "
+           "projection taking quantized input",
+    "attn": "its attention is not vLLM's plain attention kernel (MLA, shared KV, or a query "
+            "quantized first)",
+    "pre": "its layers' inputs cannot be tapped",
+}
 
 
 def _parse_qk(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[CaptureSpec, ...]:

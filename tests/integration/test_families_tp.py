@@ -1,19 +1,17 @@
-"""Tensor parallel 2 on one family of each layer shape, against transformers: every tap point
-the family has (heads and MLP columns joined from both ranks), Q/K attention patterns, and
-2D/3D steering (applied on both ranks). GPT-2 (split layout, native), GPT-NeoX (parallel
-blocks, Transformers backend), Gemma 2 (sandwich norms, soft cap, sliding windows) and Mixtral
-(MoE: experts split across the ranks, the router replicated). Eager engines, one worker per
-core."""
+"""Tensor parallel 2 on every family, against transformers: every tap point the family has
+(heads and MLP columns joined from both ranks, a single key head replicated on both), Q/K
+attention patterns, and 2D/3D steering (applied on both ranks); MoE experts are split across
+the ranks, their router replicated. Eager engines, one worker per core."""
 
 import pytest
 
-from tests.families import tiny_family_dir
+from tests.families import FAMILIES, tiny_family_dir
 from tests.integration import test_families as single
 from tests.integration.engines import env, running_llm
 from tests.integration.reference import HFReference
 
 #: The families run here (``tools/family_matrix.py`` reads this for its TP=2 column).
-TP_FAMILIES = ("gpt2", "gpt_neox", "gemma2", "mixtral")
+TP_FAMILIES = tuple(sorted(FAMILIES))
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ def test_tapped_engines_get_the_extension_and_their_own_compile_cache_key(tiny_p
     config = EngineArgs(model=tiny_path, additional_config={"mine": 1}).create_engine_config()
     assert config.parallel_config.worker_extension_cls == WORKER_EXTENSION
     key, value = compile_cache_marker()
-    assert key == "vllm_lens" and value.startswith("taps-") and value.endswith("-inner")
+    assert key == "vllm_lens" and value.startswith("taps-") and "-inner-" in value
     assert config.additional_config == {"mine": 1, key: value}
     tapped_hash = config.compute_hash()
     config.additional_config = {"mine": 1}  # what the same engine without vllm-lens gets
@@ -22,4 +22,4 @@ def test_tapped_engines_get_the_extension_and_their_own_compile_cache_key(tiny_p
 def test_inner_taps_off_is_another_compile_cache_entry(monkeypatch):
     inner = compile_cache_marker()
     monkeypatch.setenv("VLLM_LENS_INNER_TAPS", "0")
-    assert compile_cache_marker() != inner and compile_cache_marker()[1].endswith("-outer")
+    assert compile_cache_marker() != inner and "-outer-" in compile_cache_marker()[1]

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from vllm_lens import LensRequestError, UnsupportedConfigError, UnsupportedModelError
+from vllm_lens import (LensRequestError, SteeringVector, UnsupportedConfigError,
+                       UnsupportedModelError)
 from vllm_lens.admission import check_capture_size
 from vllm_lens.attention import attention_patterns, compute_attention_weights
 from vllm_lens.points import POINTS, STEERABLE, resolve
@@ -224,3 +225,69 @@ def test_attention_metadata_joins_per_head_values_once_per_rank():
     assert meta["sinks"] == [0.0, 0.5, 1.0, 1.5]
     assert (meta["num_heads"], meta["num_kv_heads"]) == (4, 2)
     assert (facts.n_heads, facts.n_kv_heads, facts.head_dim, facts.tp_size) == (4, 2, 4, 2)
+
+
+SPLIT = dataclasses.replace(FACTS, model_class="GPT2LMHeadModel", split=True,
+                            sites=("pre", "attn", "attn_block", "mid", "act", "mlp_block",
+                                   "post"))
+PARALLEL = dataclasses.replace(SPLIT, model_class="TransformersForCausalLM:GPTNeoXForCausalLM",
+                               block="parallel",
+                               sites=("pre", "attn", "attn_block", "act", "mlp_block", "post"))
+MOE = dataclasses.replace(FACTS, model_class="MixtralForCausalLM", n_experts=4, moe_top_k=2,
+                          sites=("pre", "attn", "mid", "router", "post"))
+
+
+def test_split_layouts_read_attn_out_and_mlp_out_at_the_sublayers():
+    from vllm_lens.points import site_of
+
+    assert [site_of(p, split=False) for p in ("attn_out", "mlp_out", "resid_mid")] == [
+        "mid", "post", "mid"]
+    assert [site_of(p, split=True) for p in ("attn_out", "mlp_out", "resid_mid")] == [
+        "attn_block", "mlp_block", "mid"]
+    specs = parse({"output_activations": {"attn_out": [1], "mlp_out": [2]}}, SPLIT).captures
+    assert [s.signal for s in specs] == ["attn_out", "mlp_out"]
+
+
+def test_a_parallel_block_has_no_resid_mid():
+    with pytest.raises(UnsupportedModelError, match="in parallel.*no resid_mid"):
+        parse({"output_activations": {"resid_mid": [1]}}, PARALLEL)
+    with pytest.raises(UnsupportedModelError, match="no resid_mid"):
+        parse({"apply_steering_vectors": [SteeringVector(
+            activations=torch.zeros(1, 8), layer_indices=[1], hook_point="post_attn")]},
+            PARALLEL)
+    assert parse({"output_activations": {"attn_out": [1]}}, PARALLEL).captures
+
+
+def test_router_logits_only_where_there_is_a_router():
+    (spec,) = parse({"output_activations": {"router_logits": True}}, MOE).captures
+    assert spec.layers == (0, 1, 2, 3) and MOE.row_shape("router_logits") == (4,)
+    with pytest.raises(UnsupportedModelError, match="router_logits is not available"):
+        parse({"output_activations": {"router_logits": [0]}})
+    with pytest.raises(LensRequestError, match="cannot be written"):
+        parse({"apply_steering_vectors": [SteeringVector(
+            activations=torch.zeros(1, 8), layer_indices=[1], hook_point="router_logits")]},
+            MOE)
+
+
+def test_chosen_experts_are_the_top_k_logits():
+    from vllm_lens.frontend.collate import chosen_experts
+
+    logits = torch.tensor([[[0.1, 2.0, -1.0, 1.5], [3.0, 0.0, 0.2, 0.1]]])
+    assert chosen_experts(logits, 2).tolist() == [[[1, 3], [0, 2]]]
+    assert chosen_experts(logits, 0).shape == (1, 2, 0)
+
+
+def test_layouts_are_keyed_by_class_and_gated_by_config():
+    from types import SimpleNamespace
+
+    from vllm_lens.worker.layouts import layout_of, model_key
+
+    TransformersForCausalLM = type("TransformersForCausalLM", (), {})  # noqa: N806
+    neox = TransformersForCausalLM()
+    neox.config = SimpleNamespace(architectures=["GPTNeoXForCausalLM"],
+                                  use_parallel_residual=True)
+    assert model_key(neox) == "TransformersForCausalLM:GPTNeoXForCausalLM"
+    assert layout_of(neox).block == "parallel"
+    neox.config.use_parallel_residual = False  # sequential GPT-NeoX: not this layout
+    assert layout_of(neox) is None
+    assert layout_of(type("GPTJForCausalLM", (), {})()) is None

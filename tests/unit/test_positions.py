@@ -74,7 +74,7 @@ def _file_steps(store: CaptureStore, lens: LensRequest, steps, n_prompt: int,
     peak = 0
     for pos0, n_rows in steps:
         s = RequestSlice(req_id="r", lens=lens, start=0, end=n_rows, pos0=pos0, n_prompt=n_prompt)
-        plan = StepPlan.build([s], torch.device("cpu"), frozenset({0}))
+        plan = StepPlan.build([s], torch.device("cpu"), frozenset({0}), split=False)
         hidden = torch.arange(pos0, pos0 + n_rows, dtype=torch.float32)[:, None].expand(-1, width)
         for group in plan.groups:
             group.staging = hidden[group.rows][None].clone()

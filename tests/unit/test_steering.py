@@ -116,7 +116,7 @@ def test_2d_and_3d_steering_land_on_the_right_rows():
         # rows 3..6 of the batch hold positions 4..7 of request b
         (_slice(b, 3, 7, 4), [prepare(s, cpu, torch.float32) for s in b.steer]),
     ]
-    groups = build_steer_groups(steered, cpu)
+    groups = build_steer_groups(steered, cpu, split=False)
     hidden = torch.zeros(8, H)
     apply_steering(groups[(2, "post")], hidden, None)
     expected = torch.zeros(8, H)
@@ -131,7 +131,7 @@ def test_norm_match_scales_with_the_full_stream():
     lens = parse([sv(activations=v, norm_match=True, scale=0.5)])
     cpu = torch.device("cpu")
     groups = build_steer_groups(
-        [(_slice(lens, 0, 2, 0), [prepare(s, cpu, torch.float32) for s in lens.steer])], cpu)
+        [(_slice(lens, 0, 2, 0), [prepare(s, cpu, torch.float32) for s in lens.steer])], cpu, split=False)
     hidden = torch.randn(2, H)
     residual = torch.randn(2, H)
     before = hidden + residual
@@ -145,7 +145,7 @@ def test_positions_beyond_the_slice_are_skipped():
     lens = parse([sv(activations=torch.randn(1, 2, H), position_indices=[10, 11])])
     cpu = torch.device("cpu")
     groups = build_steer_groups(
-        [(_slice(lens, 0, 4, 0), [prepare(s, cpu, torch.float32) for s in lens.steer])], cpu)
+        [(_slice(lens, 0, 4, 0), [prepare(s, cpu, torch.float32) for s in lens.steer])], cpu, split=False)
     assert groups == {}
 
 

@@ -42,7 +42,7 @@ def test_plan_groups_requests_by_layer_set():
     a = _slice("a", 0, 3, 0, 3, (0, 2))
     b = _slice("b", 4, 5, 9, 5, (2,))
     c = _slice("c", 5, 6, 7, 5, (0, 2))
-    plan = StepPlan.build([a, b, c], torch.device("cpu"), frozenset(range(4)))
+    plan = StepPlan.build([a, b, c], torch.device("cpu"), frozenset(range(4)), split=False)
     assert set(plan.capture) == {(0, "post"), (2, "post")}
     ac, bb = plan.groups
     assert ac.layers == (0, 2) and bb.layers == (2,)
@@ -54,14 +54,15 @@ def test_plan_groups_requests_by_layer_set():
 
 
 def test_plan_without_capture_rank_has_no_groups():
-    plan = StepPlan.build([_slice("a", 0, 3, 0, 3, (0,))], torch.device("cpu"), frozenset())
+    plan = StepPlan.build([_slice("a", 0, 3, 0, 3, (0,))], torch.device("cpu"), frozenset(),
+                          split=False)
     assert not plan.empty and plan.capture == {} and plan.groups == []
 
 
 def test_plan_captures_only_this_stages_layers():
     a = _slice("a", 0, 3, 0, 3, (0, 3))
     b = _slice("b", 3, 4, 5, 5, (1,))
-    plan = StepPlan.build([a, b], torch.device("cpu"), frozenset({2, 3}))
+    plan = StepPlan.build([a, b], torch.device("cpu"), frozenset({2, 3}), split=False)
     assert set(plan.capture) == {(3, "post")}
     assert [o.key for g in plan.groups for o in g.owners] == ["a"]
 
@@ -71,7 +72,7 @@ def _run_steps(store, steps):
     plan and stage at the step's start, settle at the next step's start."""
     for slices, hidden, residual, layers in steps:
         store.settle()
-        plan = StepPlan.build(slices, hidden.device, frozenset(range(4)))
+        plan = StepPlan.build(slices, hidden.device, frozenset(range(4)), split=False)
         for group in plan.groups:
             store.stage(group)
         for layer in layers:
@@ -185,7 +186,7 @@ def test_store_byte_budget_refuses_new_rows_and_keeps_finished_ones():
     store.mark_finished(live_req_ids=set())  # both finished, not fetched yet
     lens = LensRequest(key="k2", capture=CaptureSpec(layers=(0,)))
     s = RequestSlice(req_id="req-k2", lens=lens, start=0, end=1, pos0=0, n_prompt=1)
-    plan = StepPlan.build([s], torch.device("cpu"), frozenset({0}))
+    plan = StepPlan.build([s], torch.device("cpu"), frozenset({0}), split=False)
     (group,) = plan.groups
     capture_layer(group, 0, torch.ones(1, 4), None)
     store.stage(group)

@@ -64,9 +64,10 @@ def prompt_length(prompt: Any) -> int | None:
 
 
 def chosen_experts(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """The experts each row was routed to, ``[..., top_k]`` (most weight first): the families
-    with a router in ``worker.layouts`` (Mixtral, Qwen2-MoE) route each token to the top-k
-    of its softmaxed logits, which are the top-k of the logits."""
+    """The experts each row was routed to, ``[..., top_k]`` (most weight first), recomputed
+    from the captured logits: for ``Layout.routing == "softmax_topk"`` (the only routing
+    whose ``moe_top_k`` the workers report) they are the top-k of the softmaxed logits, which
+    are the top-k of the logits."""
     if top_k <= 0 or router_logits.shape[-1] == 0:
         return torch.empty((*router_logits.shape[:-1], 0), dtype=torch.int64)
     return router_logits.float().topk(min(top_k, router_logits.shape[-1]), dim=-1).indices
@@ -98,6 +99,8 @@ def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
         block=str(first.get("block", "sequential")),
         n_experts=int(first.get("n_experts", 0)),
         moe_top_k=int(first.get("moe_top_k", 0)),
+        unmapped=next((r["unmapped"] for r in results if r.get("unmapped")), None),
+        inner_taps=all(r.get("inner_taps", True) for r in results),
     )
 
 

@@ -34,6 +34,7 @@ the step has lens work.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import logging
 import os
@@ -43,6 +44,7 @@ from vllm.engine.arg_utils import EngineArgs
 
 from vllm_lens import envs
 from vllm_lens._patching import wrap_attribute
+from vllm_lens.worker.layouts import LAYOUTS
 from vllm_lens.worker.taps import TAP_OPS
 
 logger = logging.getLogger(__name__)
@@ -190,10 +192,12 @@ def _version() -> str:
 
 def compile_cache_marker() -> tuple[str, str]:
     """``additional_config`` entry that separates tapped from untapped compile-cache entries;
-    the version and the set of tap ops in the graph (inner taps on or off) keep a graph
-    compiled with other taps from being loaded."""
+    the version, the set of tap ops in the graph (inner taps on or off) and the layout table
+    (where the ops go; it may change without a version change in a source checkout) keep a
+    graph compiled with other taps from being loaded."""
     inner = "inner" if envs.inner_taps() else "outer"
-    return "vllm_lens", f"taps-{_version()}-{len(TAP_OPS)}ops-{inner}"
+    table = hashlib.sha256(repr(sorted(LAYOUTS.items())).encode()).hexdigest()[:12]
+    return "vllm_lens", f"taps-{_version()}-{len(TAP_OPS)}ops-{inner}-{table}"
 
 
 def _mark_compile_cache(args: EngineArgs) -> None:

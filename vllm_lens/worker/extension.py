@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_lens import faults, handoff, wire
+from vllm_lens import envs, faults, handoff, wire
 from vllm_lens.points import SHARDED
 from vllm_lens.spec import HookSpec
 from vllm_lens.worker.attention_taps import attention_meta
@@ -273,7 +273,9 @@ def _describe(worker: Any) -> dict[str, Any]:
         "block": info.block if info else "sequential",
         "n_experts": info.n_experts if info else 0,
         "moe_top_k": int(getattr(model_config.hf_text_config, "num_experts_per_tok", 0) or 0)
-        if info and info.n_experts else 0,
+        if info and info.routing == "softmax_topk" else 0,
+        "unmapped": info.unmapped if info else "its decoder layers were not found",
+        "inner_taps": envs.inner_taps(),
         # Per layer this stage owns (the front end joins the stages' lists).
         "qk_meta": _qk_meta(info),
     }

@@ -126,7 +126,7 @@ class _Context:
 def run_hook_calls(calls: list[HookCall], layer: int, site: str, hidden: torch.Tensor,
                    residual: torch.Tensor | None, model: Any, tp_rank: int,
                    params: ParameterSource, attention: dict[str, Any] | None = None, *,
-                   split: bool = False) -> None:
+                   split: bool) -> None:
     """Run the hooks of each request at this tap (``site``); replacements are written back in
     place.
 
@@ -146,7 +146,7 @@ def run_hook_calls(calls: list[HookCall], layer: int, site: str, hidden: torch.T
         for state in call.states:
             for run in state.runs:
                 if (state.error is not None or run.fn is None or layer not in run.layers
-                        or hook_site(run.point, split) != site):
+                        or hook_site(run.point, split=split) != site):
                     continue
                 a, b = operands(run.point, hidden, residual)
                 stream = streams.get(run.point)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["LAYOUTS", "Layout", "layout_of", "model_key"]
+__all__ = ["LAYOUTS", "Layout", "layout_of", "model_key", "unmapped_reason"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,13 @@ class Layout:
     mlp_block: str | None = None
     """Split layouts: the module whose output is ``mlp_out``."""
     router: str | None = None
-    """MoE: the gate whose output is ``router_logits`` (every layer's, or no layer's)."""
+    """MoE: the gate whose output is ``router_logits``. Offered only if every layer has one
+    (models mixing dense and MoE layers get no ``router_logits``)."""
+    routing: str | None = None
+    """How the router picks experts, when ``router_experts`` can be derived from the logits:
+    ``softmax_topk`` (the top ``num_experts_per_tok`` of the softmaxed logits)."""
+    batched: bool = False
+    """The layers' tensors carry a leading batch dimension of 1 (the Transformers backend)."""
     requires: tuple[str, object] | None = None
     """(config attribute, value) the layout holds for; other configs are unmapped."""
 
@@ -76,23 +82,24 @@ _GPT2 = Layout(layers="transformer.h", block="sequential", norms="pre", fused_re
 #: Mixtral: Llama's layer with a sparse MoE block (no single activation: no ``mlp_post``).
 _MIXTRAL = Layout(layers="model.layers", block="sequential", norms="pre", fused_residual=True,
                   mid="post_attention_layernorm", attention="self_attn.attn", act=None,
-                  down_proj=None, router="block_sparse_moe.gate")
+                  down_proj=None, router="block_sparse_moe.gate", routing="softmax_topk")
 #: Qwen2-MoE: routed experts plus a gated shared expert (``mlp_out`` is their sum).
 _QWEN2_MOE = Layout(layers="model.layers", block="sequential", norms="pre",
                     fused_residual=True, mid="post_attention_layernorm",
-                    attention="self_attn.attn", act=None, down_proj=None, router="mlp.gate")
+                    attention="self_attn.attn", act=None, down_proj=None, router="mlp.gate",
+                    routing="softmax_topk")
 
 #: GPT-NeoX (Pythia), transformers' modules: attention and the MLP both read the layer's
 #: input and are added to it together (``use_parallel_residual``).
 _GPT_NEOX = Layout(layers="model.layers", block="parallel", norms="pre", fused_residual=False,
                    mid=None, attention="attention.attn", act="mlp.act",
                    down_proj="mlp.dense_4h_to_h", attn_block="attention", mlp_block="mlp",
-                   requires=("use_parallel_residual", True))
+                   requires=("use_parallel_residual", True), batched=True)
 #: OLMo 2, transformers' modules: each sublayer's output is normed before it is added.
 _OLMO2 = Layout(layers="model.layers", block="sequential", norms="post", fused_residual=False,
                 mid="mlp", attention="self_attn.attn", act="mlp.act_fn",
                 down_proj="mlp.down_proj", attn_block="post_attention_layernorm",
-                mlp_block="post_feedforward_layernorm")
+                mlp_block="post_feedforward_layernorm", batched=True)
 
 LAYOUTS: dict[str, Layout] = {
     "LlamaForCausalLM": _LLAMA,
@@ -105,9 +112,9 @@ LAYOUTS: dict[str, Layout] = {
     "GPT2LMHeadModel": _GPT2,
     "MixtralForCausalLM": _MIXTRAL,
     "Qwen2MoeForCausalLM": _QWEN2_MOE,
-    # Multimodal: Idefics3 (and SmolVLM, its subclass) build a LlamaModel as their text model.
-    "Idefics3ForConditionalGeneration": dataclasses.replace(_LLAMA, layers="model.text_model.layers"),
-    "SmolVLMForConditionalGeneration": dataclasses.replace(_LLAMA, layers="model.text_model.layers"),
+    # Multimodal: Idefics3 builds a LlamaModel as its text model.
+    "Idefics3ForConditionalGeneration": dataclasses.replace(
+        _LLAMA, layers="model.text_model.layers"),
     "TransformersForCausalLM:GPTNeoXForCausalLM": _GPT_NEOX,
     "TransformersForCausalLM:Olmo2ForCausalLM": _OLMO2,
 }
@@ -126,9 +133,23 @@ def model_key(model: object) -> str:
 def layout_of(model: object) -> Layout | None:
     """``model``'s layout, or ``None`` when its class (or its config) is not mapped."""
     layout = LAYOUTS.get(model_key(model))
-    if layout is not None and layout.requires is not None:
-        attr, value = layout.requires
-        config = getattr(model, "config", None)
-        if getattr(config, attr, None) != value:
-            return None
+    if layout is not None and unmet_requirement(model, layout) is not None:
+        return None
     return layout
+
+
+def unmet_requirement(model: object, layout: Layout) -> str | None:
+    """Why ``layout`` does not hold for ``model``'s config (``Layout.requires``), if so."""
+    if layout.requires is None:
+        return None
+    attr, value = layout.requires
+    found = getattr(getattr(model, "config", None), attr, None)
+    return None if found == value else f"it is mapped only with {attr}={value} (got {found})"
+
+
+def unmapped_reason(model: object) -> str | None:
+    """Why ``model`` has no layout, for the refusal's message (``None`` if it has one)."""
+    layout = LAYOUTS.get(model_key(model))
+    if layout is None:
+        return "its decoder layers are not mapped"
+    return unmet_requirement(model, layout)

@@ -165,7 +165,7 @@ class StepPlan:
     @classmethod
     def build(
         cls, slices: list[RequestSlice], device: torch.device, capture_layers: frozenset[int],
-        shard_layers: frozenset[int] | None = None, split: bool = False,
+        shard_layers: frozenset[int] | None = None, *, split: bool,
     ) -> StepPlan:
         """Group capture rows by the set of layers wanted, for the layers this rank captures:
         ``capture_layers`` (its pipeline stage's layers on TP rank 0, none elsewhere), and
@@ -189,7 +189,7 @@ class StepPlan:
         for (signal, layers), members in by_layers.items():
             group = _make_group(signal, layers, members, device)
             plan.groups.append(group)
-            key = tap_key(signal, split)
+            key = tap_key(signal, split=split)
             for index, layer in enumerate(layers):
                 plan.capture.setdefault((layer, key), []).append((group, index))
         return plan

@@ -4,7 +4,7 @@ and hooked signal (runs in: worker).
 
 One ``LensRuntime`` exists per worker process once the front end has asked for lens features
 (``lens_describe``); until then the taps have no handler and cost one Python call each (four
-per layer).
+per layer on Llama-style layers, six where attention and the MLP are tapped apart).
 
 Nothing raised here may leave the tap: the tap runs inside the model's forward pass, and an
 exception there would kill the engine. A failure while handling a request fails that request
@@ -263,7 +263,7 @@ class LensRuntime:
         if hook_calls:
             plan.hook_calls = hook_calls
             plan.hook_layers = frozenset(
-                (layer, hook_site(run.point, self.split)) for call in hook_calls for state in call.states
+                (layer, hook_site(run.point, split=self.split)) for call in hook_calls for state in call.states
                 for run in state.runs for layer in run.layers)
         for group in plan.groups:
             self.store.stage(group)
@@ -293,7 +293,7 @@ class LensRuntime:
             for s, prepared in steered)
         if layout != self._steer_layout:
             self._steer_layout = ()  # a failed build leaves nothing stale behind
-            self._steer_groups = build_steer_groups(steered, device, self.split)
+            self._steer_groups = build_steer_groups(steered, device, split=self.split)
             self._steer_layout = layout
         return self._steer_groups
 

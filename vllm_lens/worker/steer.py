@@ -64,8 +64,8 @@ class SteerGroup:
 
 
 def build_steer_groups(
-    slices: list[tuple[RequestSlice, list[PreparedSteer]]], device: torch.device,
-    split: bool = False,
+    slices: list[tuple[RequestSlice, list[PreparedSteer]]], device: torch.device, *,
+    split: bool,
 ) -> dict[tuple[int, str], SteerGroup]:
     """Per (layer, site), the rows to steer and what to add, for every steered request of the
     step."""
@@ -79,7 +79,7 @@ def build_steer_groups(
             rows = offsets + s.start
             point = POINTS[p.spec.point]
             for i, layer in enumerate(p.spec.layers):
-                where = (layer, site_of(point.name, split))
+                where = (layer, site_of(point.name, split=split))
                 owners = groups.setdefault(where, SteerGroup()).req_ids
                 if not owners or owners[-1] != s.req_id:
                     owners.append(s.req_id)

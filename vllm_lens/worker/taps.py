@@ -31,9 +31,9 @@ from torch import nn
 
 from vllm_lens import envs
 from vllm_lens.points import SITES
-from vllm_lens.worker.layouts import LAYOUTS, Layout, layout_of, model_key
+from vllm_lens.worker.layouts import Layout, layout_of, model_key, unmapped_reason
 
-__all__ = ["PROVEN_MODEL_CLASSES", "TAP_OPS", "TapInfo", "install_taps", "set_tap_handler", "tap_info"]
+__all__ = ["TAP_OPS", "TapInfo", "install_taps", "set_tap_handler", "tap_info"]
 
 TAP_OP_NAME = "vllm_lens::tap"
 PRE_TAP_OP_NAME = "vllm_lens::pre_tap"
@@ -62,8 +62,8 @@ def set_tap_handler(handler: TapHandler | None) -> None:
 
 # Registered directly on a Library rather than with ``torch.library.custom_op``: the latter's
 # dispatch wrappers cost ~15 us per call, the direct registration ~2.5 us (measured on the CI
-# kind; ``benchmarks/tap_overhead.py``), and plain traffic pays this call four times per
-# layer per step. vLLM registers its own ops the same way (``direct_register_custom_op``). One
+# kind; ``benchmarks/tap_overhead.py``), and plain traffic pays this call at every tap op
+# of every layer per step (four on Llama-style layers). vLLM registers its own ops the same way (``direct_register_custom_op``). One
 # ``CompositeExplicitAutograd`` kernel serves every device; the fake kernel lets Dynamo trace it.
 _LIBRARY = torch.library.Library("vllm_lens", "FRAGMENT")
 
@@ -72,8 +72,9 @@ def _define_tap(name: str, site: str) -> None:
     """Define one tap op, for one site of ``points.SITES``. Its arguments are [num_tokens, d]
     tensors: at a layer's output (``post``) the residual stream is hidden + residual for
     fused-residual models (Llama, Qwen2), hidden alone otherwise; at its input (``pre``)
-    likewise, with no residual entering the first layer; between attention and MLP (``mid``)
-    the attention output and the stream it is added to; in the MLP (``act``) the activation."""
+    likewise, with no residual entering the first layer; before the MLP (``mid``) the
+    attention output and the stream it is added to (fused), or ``resid_mid`` alone (split
+    layouts); at the other sites the output of one module (``points``)."""
 
     def tap(hidden: torch.Tensor, residual: torch.Tensor | None, layer: int) -> None:
         handler = _handler
@@ -108,7 +109,7 @@ class TapInfo:
     """Whether every local layer taps its input too (its ``forward`` takes
     ``hidden_states``), so pre-hooks can run."""
     tapped: bool = True
-    """False for a model class not in ``PROVEN_MODEL_CLASSES``: its layers were found but
+    """False for a model without a layout (``worker.layouts``): its layers were found but
     left as they are (no tap op in its graph; lens requests are refused)."""
     sites: tuple[str, ...] = ()
     """Tap sites every local layer has (``points.SITES``)."""
@@ -122,16 +123,16 @@ class TapInfo:
     """``Layout.block`` of the model's family."""
     n_experts: int = 0
     """Width of ``router_logits`` (MoE), 0 without a router site."""
+    routing: str | None = None
+    """``Layout.routing`` where the router site exists."""
+    unmapped: str | None = None
+    """Why the model class is not tapped (``layouts.unmapped_reason``), if it is not."""
 
 
 # Where unmapped models usually keep their layers: found only to report their depth.
 _LAYER_PATHS = ("model.layers", "language_model.model.layers", "model.language_model.layers",
                 "language_model.layers", "transformer.h")
-#: Model classes whose decoder layers the taps understand, proven against transformers by
-#: the test suite (``worker.layouts``). Lens requests on any other class are refused up
-#: front, naming it; plain requests serve.
-PROVEN_MODEL_CLASSES = frozenset(LAYOUTS)
-_TAPPED_CLASSES: dict[tuple[type, bool], type] = {}
+_TAPPED_CLASSES: dict[tuple[type, bool, bool], type] = {}
 _INFO_ATTR = "_vllm_lens_taps"
 
 
@@ -162,9 +163,13 @@ def _inputs(args: tuple, kwargs: dict, slots: tuple[int, int | None]) -> tuple[A
 
 
 def _rows(t: Any) -> Any:
-    """``[num_tokens, d]`` view of a tap's tensor: the Transformers backend's modules carry a
-    leading batch dimension of 1 (a view, so steering in place reaches the model)."""
+    """``[num_tokens, d]`` view of a tap's tensor in a ``Layout.batched`` model (a leading
+    batch dimension of 1; a view, so steering in place reaches the model)."""
     return t[0] if isinstance(t, torch.Tensor) and t.dim() == 3 else t
+
+
+def _same(t: Any) -> Any:
+    return t
 
 
 def _call_original(cls: type[nn.Module], module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -182,29 +187,32 @@ def _claim_forward(module: nn.Module) -> None:
         module.__dict__["_vllm_lens_forward"] = bound
 
 
-def _tapped_class(cls: type[nn.Module], fused: bool = True) -> type[nn.Module]:
+def _tapped_class(cls: type[nn.Module], fused: bool = True, batched: bool = False
+                  ) -> type[nn.Module]:
     """``cls`` with taps on its input stream and on its output: ``(hidden, residual)`` for
-    ``fused`` layers, the stream alone otherwise (any further outputs are ignored)."""
-    tapped = _TAPPED_CLASSES.get((cls, fused))
+    ``fused`` layers, the stream alone otherwise (any further outputs are ignored);
+    ``batched``: the tensors carry a leading batch dimension of 1."""
+    tapped = _TAPPED_CLASSES.get((cls, fused, batched))
     if tapped is None:
         slots = _input_slots(cls)
+        rows = _rows if batched else _same
 
         def forward(self, *args, **kwargs):
             if slots is not None:
                 hidden_in, residual_in = _inputs(args, kwargs, slots)
                 if isinstance(hidden_in, torch.Tensor):
-                    torch.ops.vllm_lens.pre_tap(_rows(hidden_in), _rows(residual_in),
+                    torch.ops.vllm_lens.pre_tap(rows(hidden_in), rows(residual_in),
                                                 self._vllm_lens_layer)
             out = _call_original(cls, self, args, kwargs)
             if isinstance(out, tuple):
                 hidden, residual = out[0], out[1] if fused else None
             else:
                 hidden, residual = out, None
-            torch.ops.vllm_lens.tap(_rows(hidden), _rows(residual), self._vllm_lens_layer)
+            torch.ops.vllm_lens.tap(rows(hidden), rows(residual), self._vllm_lens_layer)
             return out
 
         tapped = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
-        _TAPPED_CLASSES[(cls, fused)] = tapped
+        _TAPPED_CLASSES[(cls, fused, batched)] = tapped
     return tapped
 
 
@@ -215,23 +223,30 @@ def _submodule(layer: nn.Module, path: str) -> nn.Module | None:
     return obj if isinstance(obj, nn.Module) else None
 
 
-def _inner_tapped_class(cls: type[nn.Module], site: str) -> type[nn.Module]:
-    """``cls`` with a tap on its inputs (``mid``: ``forward(x[, residual])``) or on its output
-    (every other site; the first element of a tuple output)."""
-    key = (cls, site)
+def _inner_tapped_class(cls: type[nn.Module], site: str, fused: bool, batched: bool
+                        ) -> type[nn.Module]:
+    """``cls`` with a tap on its inputs (``mid``: its first argument, and the residual beside
+    it where the layout is ``fused``) or on its output (every other site; the first element
+    of a tuple output). ``batched``: the tensors carry a leading batch dimension of 1."""
+    key = (cls, site, fused, batched)
     tapped = _INNER_CLASSES.get(key)
     if tapped is None:
         op = getattr(torch.ops.vllm_lens, SITE_OP_NAMES[site].split("::")[1])
+        rows = _rows if batched else _same
         if site == "mid":
+            first = next(iter(list(inspect.signature(cls.forward).parameters)[1:]), "x")
+
             def forward(self, *args, **kwargs):
-                x = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
-                residual = args[1] if len(args) > 1 else kwargs.get("residual")
-                op(_rows(x), _rows(residual), self._vllm_lens_layer)
+                x = args[0] if args else kwargs.get(first)
+                residual = None
+                if fused:
+                    residual = args[1] if len(args) > 1 else kwargs.get("residual")
+                op(rows(x), rows(residual), self._vllm_lens_layer)
                 return _call_original(cls, self, args, kwargs)
         else:
             def forward(self, *args, **kwargs):
                 out = _call_original(cls, self, args, kwargs)
-                op(_rows(out[0] if isinstance(out, tuple) else out), None,
+                op(rows(out[0] if isinstance(out, tuple) else out), None,
                    self._vllm_lens_layer)
                 return out
 
@@ -241,23 +256,20 @@ def _inner_tapped_class(cls: type[nn.Module], site: str) -> type[nn.Module]:
     return tapped
 
 
-_INNER_CLASSES: dict[tuple[type, str], type] = {}
+_INNER_CLASSES: dict[tuple[type, str, bool, bool], type] = {}
 
 
-def _own_module(layer: nn.Module, path: str, module: nn.Module, claimed: set[int]
-                ) -> nn.Module | None:
+def _own_module(layer: nn.Module, path: str, module: nn.Module) -> nn.Module:
     """``module`` as this layer's alone, so that its tap can name the layer: vLLM hands one
     cached instance of a stateless module (an activation from ``get_act_fn``) to every layer
-    and every model in the process, so such a module is replaced by a private copy here.
-    ``None`` for a module with weights that another layer uses too (not tapped)."""
+    and every model in the process, so such a module is replaced by a private copy here (its
+    bound methods still point at the shared instance: it has no state to share)."""
     if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
-        if id(module) in claimed:
-            return None
-        claimed.add(id(module))
         return module
     clone = copy.copy(module)
-    for name in ("_modules", "_parameters", "_buffers"):
-        object.__setattr__(clone, name, dict(getattr(module, name)))
+    for name in ("_modules", "_parameters", "_buffers", "_forward_hooks",
+                 "_forward_pre_hooks"):
+        object.__setattr__(clone, name, type(getattr(module, name))(getattr(module, name)))
     parent_path, _, attr = path.rpartition(".")
     parent = _submodule(layer, parent_path) if parent_path else layer
     setattr(parent, attr, clone)
@@ -265,10 +277,12 @@ def _own_module(layer: nn.Module, path: str, module: nn.Module, claimed: set[int
 
 
 def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inner: bool,
-                   claimed: set[int]) -> tuple[set[str], nn.Module | None, int, int]:
+                   claimed: dict[int, tuple[str, int]]
+                   ) -> tuple[set[str], nn.Module | None, int, int]:
     """Tap one layer's internals (the ops inside the layer only if ``inner``); returns
-    (sites found, its Attention module, d_mlp, n_experts). ``claimed``: the modules with
-    weights tapped so far (a module two layers share is not tapped)."""
+    (sites found, its Attention module, d_mlp, n_experts). ``claimed``: (site, layer) of
+    every module tapped so far; a module met again at another site or layer is not tapped,
+    and its site is not offered for this layer."""
     from vllm.model_executor.layers.attention.attention import Attention
 
     sites: set[str] = set()
@@ -288,14 +302,18 @@ def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inne
                 continue
         if tap:
             cls = type(module)
-            if getattr(cls, "_vllm_lens_site", None) is not None:  # tapped already
+            if getattr(cls, "_vllm_lens_site", None) is not None:
+                # Tapped by an earlier call: fine only if for this very site and layer.
+                if (cls._vllm_lens_site, module._vllm_lens_layer) != (site, index):
+                    continue
                 cls = cls.__mro__[1]
             else:
-                module = _own_module(layer, path, module, claimed)
-                if module is None:
-                    continue
+                module = _own_module(layer, path, module)
+            if claimed.setdefault(id(module), (site, index)) != (site, index):
+                continue  # shared with another site or layer: its tap could not tell them apart
             _claim_forward(module)
-            module.__class__ = _inner_tapped_class(cls, site)
+            module.__class__ = _inner_tapped_class(cls, site, layout.fused_residual,
+                                                   layout.batched)
             module._vllm_lens_layer = index
         sites.add(site)
     attention = _submodule(layer, layout.attention)
@@ -341,7 +359,7 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
     inner_ops = envs.inner_taps()
     inner: set[str] | None = None
     attention, d_mlp, n_experts = [], 0, 0
-    claimed: set[int] = set()
+    claimed: dict[int, tuple[str, int]] = {}
     fused = layout.fused_residual if layout else True
     for index, layer in enumerate(layers):
         if isinstance(layer, PPMissingLayer):
@@ -351,7 +369,7 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
         pre_taps = pre_taps and _input_slots(original) is not None
         if tap:
             _claim_forward(layer)
-            layer.__class__ = _tapped_class(original, fused)
+            layer.__class__ = _tapped_class(original, fused, layout.batched)
             layer._vllm_lens_layer = index
         if layout is not None:
             sites, attn, d_mlp, n_experts = _install_inner(layer, index, layout, tap, inner_ops,
@@ -369,7 +387,9 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
                    attention=tuple(attention), d_mlp=d_mlp,
                    split=layout is not None and layout.split,
                    block=layout.block if layout else "sequential",
-                   n_experts=n_experts if "router" in sites else 0)
+                   n_experts=n_experts if "router" in sites else 0,
+                   routing=layout.routing if layout and "router" in sites else None,
+                   unmapped=None if tap else unmapped_reason(model))
     setattr(model, _INFO_ATTR, info)
     return info
 

@@ -1,0 +1,109 @@
+"""Installing taps by a layout (``worker.layouts``) on toy models: which tap fires where, for
+which layer, twice installed, with modules shared between layers (no vLLM engine)."""
+
+import pytest
+import torch
+from torch import nn
+
+from vllm_lens.worker import layouts, taps
+from vllm_lens.worker.layouts import Layout
+
+SPLIT = Layout(layers="model.layers", block="sequential", norms="pre", fused_residual=False,
+               mid="ln_2", attention="attn.attn", act="mlp.act", down_proj="mlp.down",
+               attn_block="attn", mlp_block="mlp")
+
+
+class Mlp(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.up, self.down, self.act = nn.Linear(4, 8), nn.Linear(8, 4), act
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+class Block(nn.Module):
+    """GPT-2's shape: the residual is added inside the block."""
+
+    def __init__(self, act, attn=None):
+        super().__init__()
+        self.ln_2 = nn.LayerNorm(4)
+        self.attn = attn or nn.Linear(4, 4)
+        self.mlp = Mlp(act)
+
+    def forward(self, hidden_states):
+        h = hidden_states + self.attn(hidden_states)
+        return h + self.mlp(self.ln_2(h))
+
+
+def toy(name, blocks):
+    model = type(name, (nn.Module,), {})()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList(blocks)
+    return model
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    monkeypatch.setitem(layouts.LAYOUTS, "ToyForCausalLM", SPLIT)
+    seen = []
+    taps.set_tap_handler(lambda a, b, layer, site: seen.append((layer, site)))
+    yield seen
+    taps.set_tap_handler(None)
+
+
+def test_a_split_layout_taps_every_site_of_every_layer_once(calls):
+    shared = nn.GELU()  # vLLM hands one activation instance to every layer
+    model = toy("ToyForCausalLM", [Block(shared), Block(shared)])
+    for _ in range(2):  # installing twice changes nothing
+        info = taps.install_taps(model)
+    assert info.sites == ("pre", "attn_block", "mid", "act", "mlp_block", "post")
+    assert info.split and info.d_mlp == 0  # nn.Linear has no input_size
+    layers = model.model.layers
+    assert layers[0].mlp.act is not layers[1].mlp.act  # private copies ...
+    assert type(shared) is nn.GELU  # ... and the shared instance left as it was
+    for layer in (0, 1):
+        calls.clear()
+        layers[layer](torch.randn(3, 4))
+        assert calls == [(layer, site) for site in info.sites]
+
+
+def test_a_module_shared_by_two_layers_is_not_offered(calls):
+    attn = nn.Linear(4, 4)
+    model = toy("ToyForCausalLM", [Block(nn.GELU(), attn), Block(nn.GELU(), attn)])
+    info = taps.install_taps(model)
+    assert "attn_block" not in info.sites and "mid" in info.sites
+
+
+def test_the_mid_tap_of_a_split_layout_gets_the_stream_alone_and_writes_through(calls):
+    model = toy("ToyForCausalLM", [Block(nn.GELU())])
+    taps.install_taps(model)
+    x = torch.randn(3, 4)
+    plain = model.model.layers[0](x)
+
+    def bump(a, b, layer, site):
+        assert b is None
+        if site == "mid":
+            a.add_(1.0)  # steering resid_mid in place reaches the MLP and the stream
+
+    taps.set_tap_handler(bump)
+    steered = model.model.layers[0](x)
+    taps.set_tap_handler(None)
+    block = model.model.layers[0]
+    h = x + block.attn(x) + 1.0
+    torch.testing.assert_close(steered, h + block.mlp(block.ln_2(h)))
+    assert not torch.allclose(steered, plain)
+
+
+def test_unmapped_models_and_unmet_config_gates_are_left_alone(calls, monkeypatch):
+    model = toy("OtherForCausalLM", [Block(nn.GELU())])
+    info = taps.install_taps(model)
+    assert not info.tapped and info.unmapped == "its decoder layers are not mapped"
+    gated = Layout(**{**SPLIT.__dict__, "requires": ("parallel", True)})
+    monkeypatch.setitem(layouts.LAYOUTS, "ToyForCausalLM", gated)
+    model = toy("ToyForCausalLM", [Block(nn.GELU())])
+    model.config = type("Config", (), {"parallel": False})()
+    info = taps.install_taps(model)
+    assert not info.tapped and "parallel=True" in info.unmapped
+    model.model.layers[0](torch.randn(2, 4))
+    assert calls == []

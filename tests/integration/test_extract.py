@@ -1,0 +1,62 @@
+"""``vllm-lens extract``: a prompt file to an activation dataset on disk, equal to
+transformers; bad rows listed (exit status 1, the good rows written); a re-run resumes."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from tests.integration.reference import max_relative_error
+from vllm_lens import datasets
+
+ENGINE = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
+          "--kv-cache-memory-bytes", str(256 << 20)]
+
+
+def run_extract(model, source, output, *extra):
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_lens.cli", "extract", "--model", model, "--input",
+         str(source), "--output", str(output), "--layers", "1,3",
+         "--points", "resid_post,attn_out", "--max-tokens", "0", *extra, *ENGINE],
+        capture_output=True, text=True, timeout=600)
+
+
+def test_extract_writes_a_dataset_equal_to_transformers_and_resumes(tmp_path, tiny_path,
+                                                                    tiny_ref):
+    good = [{"prompt": "The capital of France is", "key": "fr"},
+            {"prompt": "Once upon a time in a quiet village"},
+            {"messages": [{"role": "user", "content": "Name three colours."}], "key": "chat"}]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("\n".join([json.dumps(r) for r in good]
+                                + ["not json", json.dumps({"prompt": ""}),
+                                   json.dumps({"prompt": "again", "key": "fr"})]) + "\n")
+    output = tmp_path / "acts"
+    first = run_extract(tiny_path, source, output)
+    assert first.returncode == 1, first.stderr[-3000:]
+    for line in ("line 4: not JSON", "line 5: needs a non-empty prompt",
+                 "line 6: key 'fr' appears twice"):
+        assert line in first.stderr
+    ds = datasets.open(output)
+    assert ds.keys() == ["fr", "2", "chat"]
+    assert ds.manifest["layers"] == [1, 3] and ds.manifest["dtype"] == "float32"
+    for ex in ds:
+        ids = ex["prompt_token_ids"]
+        assert ex["positions"].tolist() == list(range(len(ids)))  # prompt rows only
+        expected = tiny_ref.points(ids)
+        for i, layer in enumerate((1, 3)):
+            for point in ("resid_post", "attn_out"):
+                assert max_relative_error(ex[point][i], expected[(point, layer)]) <= 1e-4
+    rows = ds.tensor("attn_out", 3)
+    assert torch.equal(rows, torch.cat([ex["attn_out"][1] for ex in ds]))
+
+    # More prompts, and a re-run: only the new keys are extracted.
+    with source.open("a") as f:
+        f.write(json.dumps({"prompt": "1, 2, 3, 4,", "key": "count"}) + "\n")
+    second = run_extract(tiny_path, source, output)
+    assert "3 of 4 examples already written" in second.stderr, second.stderr[-3000:]
+    ds = datasets.open(output)
+    assert ds.keys() == ["fr", "2", "chat", "count"]
+    count = ds.get("count")
+    expected = tiny_ref.points(count["prompt_token_ids"])
+    assert max_relative_error(count["resid_post"][1], expected[("resid_post", 1)]) <= 1e-4

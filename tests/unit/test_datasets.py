@@ -1,0 +1,100 @@
+"""Activation datasets on disk: shards, index and manifest written atomically, read back by
+key, by position and memory-mapped per point and layer; a killed writer leaves a valid
+dataset and a resumed one skips what is there."""
+
+import json
+
+import pytest
+import torch
+
+from vllm_lens import datasets
+from vllm_lens.shard_writer import INDEX, ShardWriter
+
+MANIFEST = {"model": "tiny", "points": ["resid_post", "attn_z"], "layers": [1, 3],
+            "dtype": "bfloat16", "row_shapes": {"resid_post": [8], "attn_z": [2, 4]},
+            "positions": "all"}
+
+
+def example(i, n_rows):
+    g = torch.Generator().manual_seed(i)
+    return {"resid_post": torch.randn(2, n_rows, 8, generator=g),
+            "attn_z": torch.randn(2, n_rows, 2, 4, generator=g)}
+
+
+def write(root, keys, rows_per_shard=5, resume=False):
+    written = {}
+    with ShardWriter(root, MANIFEST, rows_per_shard=rows_per_shard, resume=resume) as w:
+        for i, key in keys:
+            n = 1 + i % 4
+            written[key] = example(i, n)
+            w.add(key, written[key], positions=range(10, 10 + n), prompt_token_ids=[i, i + 1])
+    return written
+
+
+def test_examples_come_back_exactly_by_index_key_and_point(tmp_path):
+    written = write(tmp_path, [(i, f"ex{i}") for i in range(7)])
+    ds = datasets.open(tmp_path)
+    assert len(ds) == 7 and ds.keys() == [f"ex{i}" for i in range(7)]
+    assert len(list(tmp_path.glob("shard-*.safetensors"))) > 1  # 5 rows per shard
+    for i, ex in enumerate(ds):
+        want = written[f"ex{i}"]
+        assert ex["key"] == f"ex{i}" and ex["prompt_token_ids"] == [i, i + 1]
+        assert ex["positions"].tolist() == list(range(10, 10 + 1 + i % 4))
+        for point in ("resid_post", "attn_z"):
+            assert ex[point].dtype == torch.bfloat16
+            assert torch.equal(ex[point], want[point].to(torch.bfloat16))
+    assert torch.equal(ds.get("ex3")["attn_z"], ds[3]["attn_z"])
+    rows = ds.tensor("resid_post", 3)  # layer 3 is the second captured layer
+    assert torch.equal(rows, torch.cat([written[k]["resid_post"][1] for k in ds.keys()])
+                       .to(torch.bfloat16))
+    with pytest.raises(KeyError, match="not attn_out at 3"):
+        ds.tensor("attn_out", 3)
+
+
+def test_rows_are_read_through_a_memory_map_of_the_shard(tmp_path):
+    write(tmp_path, [(0, "a"), (1, "b")], rows_per_shard=1000)
+    part = datasets.open(tmp_path).tensor("attn_z", 1)  # one shard: no copy
+    assert part.shape == (1 + 2, 2, 4) and part.abs().sum() > 0
+    shard = next(tmp_path.glob("shard-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    raw = part.contiguous().view(torch.uint8).numpy().tobytes()
+    at = bytes(data).index(raw)
+    data[at:at + len(raw)] = bytes(len(raw))
+    with open(shard, "r+b") as f:  # change the file under the map
+        f.write(data)
+    assert part.abs().sum() == 0
+
+
+def test_a_killed_writer_leaves_a_valid_dataset_and_resume_skips_what_is_there(tmp_path):
+    write(tmp_path, [(i, f"ex{i}") for i in range(4)])
+    # Killed while appending to the index, after a shard that never got its lines:
+    with open(tmp_path / INDEX, "a") as f:
+        f.write('{"key": "half')
+    (tmp_path / "shard-00099.safetensors").write_bytes(b"partial")
+    ds = datasets.open(tmp_path)
+    assert ds.keys() == [f"ex{i}" for i in range(4)]  # the partial line is no entry
+    more = write(tmp_path, [(i, f"ex{i}") for i in range(4, 9)], resume=True)
+    ds = datasets.open(tmp_path)
+    assert ds.keys() == [f"ex{i}" for i in range(9)]
+    assert not (tmp_path / "shard-00099.safetensors").exists()
+    assert torch.equal(ds.get("ex8")["resid_post"], more["ex8"]["resid_post"].to(torch.bfloat16))
+    for line in (tmp_path / INDEX).read_text().splitlines():
+        json.loads(line)
+
+
+def test_bad_examples_and_reopening_without_resume_are_refused(tmp_path):
+    write(tmp_path, [(0, "a")])
+    with pytest.raises(FileExistsError, match="resume=True"):
+        ShardWriter(tmp_path, MANIFEST)
+    with pytest.raises(ValueError, match="manifest has layers"):
+        ShardWriter(tmp_path, {**MANIFEST, "layers": [2]}, resume=True)
+    w = ShardWriter(tmp_path / "other", MANIFEST)
+    with pytest.raises(ValueError, match="attn_z has shape"):
+        w.add("x", {**example(0, 2), "attn_z": torch.zeros(2, 2, 3, 4)}, positions=[0, 1])
+    with pytest.raises(ValueError, match="no rows of attn_z"):
+        w.add("x", {"resid_post": torch.zeros(2, 1, 8)}, positions=[0])
+    w.add("x", example(0, 1), positions=[0])
+    with pytest.raises(ValueError, match="already in the dataset"):
+        w.add("x", example(0, 1), positions=[0])
+    with pytest.raises(FileNotFoundError, match="not an activation dataset"):
+        datasets.open(tmp_path / "nowhere")

@@ -1,0 +1,137 @@
+"""Reading activation datasets back (runs in: the user's process; torch and the standard
+library only, no vLLM).
+
+Use::
+
+    ds = vllm_lens.datasets.open("acts/my-dataset")
+    ex = ds.get("example-7")        # {"key", "prompt_token_ids", "positions", <point>: tensor}
+    ex["resid_post"].shape          # [n_layers, n_rows, hidden]
+    x = ds.tensor("resid_post", 12)   # every row at layer 12, memory-mapped from the shards
+
+The format (``vllm_lens.shard_writer``): ``manifest.json``, ``index.jsonl`` (one example per
+line: key, shard, offset, rows, positions, prompt token ids) and safetensors shards holding
+``"<point>/<layer>"`` tensors of ``[rows, *row_shape]``, the examples' rows one after the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_lens.shard_writer import FORMAT, INDEX, MANIFEST, read_index, shard_name, tensor_name
+
+__all__ = ["ActivationDataset", "open"]
+
+# safetensors dtype names -> (numpy dtype to map the bytes as, torch dtype to view them as)
+_DTYPES = {
+    "F64": (np.float64, torch.float64), "F32": (np.float32, torch.float32),
+    "F16": (np.float16, torch.float16), "BF16": (np.uint16, torch.bfloat16),
+    "I64": (np.int64, torch.int64), "I32": (np.int32, torch.int32),
+    "I16": (np.int16, torch.int16), "I8": (np.int8, torch.int8),
+    "U8": (np.uint8, torch.uint8), "BOOL": (np.bool_, torch.bool),
+}
+
+
+def open(path: str | os.PathLike) -> ActivationDataset:  # noqa: A001 - the documented name
+    """Open the dataset directory ``path`` (written by a capture sink or ``ShardWriter``)."""
+    return ActivationDataset(path)
+
+
+class ActivationDataset(torch.utils.data.Dataset):
+    """The examples of a dataset, in shard order: ``len(ds)``, ``ds[i]``, ``ds.get(key)``,
+    iteration, and ``ds.tensor(point, layer)`` for one point's rows across every example.
+
+    Also a ``torch.utils.data.Dataset`` of examples (``ds[i]`` as above), for a
+    ``DataLoader`` with a collate function of your own (examples have different lengths).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.root = Path(path)
+        manifest_path = self.root / MANIFEST
+        if not manifest_path.exists():
+            raise FileNotFoundError(f"{self.root} is not an activation dataset (no {MANIFEST})")
+        self.manifest: dict[str, Any] = json.loads(manifest_path.read_text())
+        if self.manifest.get("format") != FORMAT:
+            raise ValueError(f"{self.root}: format {self.manifest.get('format')!r} is not "
+                             f"{FORMAT!r}")
+        self.points: tuple[str, ...] = tuple(self.manifest["points"])
+        self.layers: tuple[int, ...] = tuple(int(x) for x in self.manifest["layers"])
+        self.entries, _ = read_index(self.root / INDEX)
+        self._by_key = {entry["key"]: i for i, entry in enumerate(self.entries)}
+        self._headers: dict[int, tuple[int, dict[str, Any]]] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        entry = self.entries[i]
+        out: dict[str, Any] = {
+            "key": entry["key"],
+            "prompt_token_ids": list(entry["prompt_token_ids"]),
+            "positions": torch.tensor(entry["positions"], dtype=torch.int64),
+        }
+        lo, hi = entry["offset"], entry["offset"] + entry["rows"]
+        for point in self.points:
+            out[point] = torch.stack([self._mapped(entry["shard"], tensor_name(point, layer))[lo:hi]
+                                      for layer in self.layers])
+        return out
+
+    def get(self, key: str) -> dict[str, Any]:
+        """The example with ``key`` (``KeyError`` if the dataset has none)."""
+        return self[self._by_key[key]]
+
+    def keys(self) -> list[str]:
+        return [entry["key"] for entry in self.entries]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def tensor(self, point: str, layer: int) -> torch.Tensor:
+        """``[total_rows, *row_shape]``: every example's rows of ``point`` at ``layer``, in
+        index order. Backed by the shard files' memory maps when the dataset has one shard;
+        with several, only this point and layer are read into memory (``shard_tensors``
+        gives the memory-mapped parts)."""
+        parts = self.shard_tensors(point, layer)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def shard_tensors(self, point: str, layer: int) -> list[torch.Tensor]:
+        """The rows of ``point`` at ``layer`` per shard, memory-mapped (read-only: do not write
+        to them), in index order."""
+        if point not in self.points or layer not in self.layers:
+            raise KeyError(f"the dataset holds {', '.join(self.points)} at layers "
+                           f"{list(self.layers)}, not {point} at {layer}")
+        shards = sorted({entry["shard"] for entry in self.entries})
+        return [self._mapped(shard, tensor_name(point, layer)) for shard in shards]
+
+    def _mapped(self, shard: int, name: str) -> torch.Tensor:
+        path = self.root / shard_name(shard)
+        data_start, header = self._header(shard, path)
+        info = header[name]
+        start, end = info["data_offsets"]
+        np_dtype, torch_dtype = _DTYPES[info["dtype"]]
+        shape = tuple(info["shape"])
+        if end == start:
+            return torch.empty(shape, dtype=torch_dtype)
+        array = np.memmap(path, dtype=np_dtype, mode="r", offset=data_start + start, shape=shape)
+        import warnings
+
+        with warnings.catch_warnings():  # a read-only map: torch warns it cannot protect it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(array).view(torch_dtype)
+
+    def _header(self, shard: int, path: Path) -> tuple[int, dict[str, Any]]:
+        cached = self._headers.get(shard)
+        if cached is None:
+            with path.open("rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            cached = self._headers[shard] = (8 + size, header)
+        return cached

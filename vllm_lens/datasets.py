@@ -1,12 +1,11 @@
-"""Reading activation datasets back (runs in: the user's process; torch and the standard
-library only, no vLLM).
+"""Reading activation datasets back (runs in: the user's process; torch and numpy, no vLLM).
 
 Use::
 
     ds = vllm_lens.datasets.open("acts/my-dataset")
     ex = ds.get("example-7")        # {"key", "prompt_token_ids", "positions", <point>: tensor}
     ex["resid_post"].shape          # [n_layers, n_rows, hidden]
-    x = ds.tensor("resid_post", 12)   # every row at layer 12, memory-mapped from the shards
+    x = ds.tensor("resid_post", 12)   # every row at layer 12 (memory-mapped if one shard)
 
 The format (``vllm_lens.shard_writer``): ``manifest.json``, ``index.jsonl`` (one example per
 line: key, shard, offset, rows, positions, prompt token ids) and safetensors shards holding
@@ -63,9 +62,16 @@ class ActivationDataset(torch.utils.data.Dataset):
                              f"{FORMAT!r}")
         self.points: tuple[str, ...] = tuple(self.manifest["points"])
         self.layers: tuple[int, ...] = tuple(int(x) for x in self.manifest["layers"])
-        self.entries, _ = read_index(self.root / INDEX)
+        self.entries, _, _ = read_index(self.root / INDEX)
         self._by_key = {entry["key"]: i for i, entry in enumerate(self.entries)}
-        self._headers: dict[int, tuple[int, dict[str, Any]]] = {}
+        self._shards: dict[int, tuple[np.ndarray, dict[str, Any]]] = {}
+        self._maps: dict[tuple[int, str], torch.Tensor] = {}
+        self._covered: dict[int, int] = {}
+        """Per shard, the rows its index entries cover (a writer reading the dataset while
+        it is written may find a shard whose lines are still arriving)."""
+        for entry in self.entries:
+            end = entry["offset"] + entry["rows"]
+            self._covered[entry["shard"]] = max(self._covered.get(entry["shard"], 0), end)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -79,8 +85,9 @@ class ActivationDataset(torch.utils.data.Dataset):
         }
         lo, hi = entry["offset"], entry["offset"] + entry["rows"]
         for point in self.points:
-            out[point] = torch.stack([self._mapped(entry["shard"], tensor_name(point, layer))[lo:hi]
-                                      for layer in self.layers])
+            out[point] = torch.stack([
+                self._mapped(entry["shard"], tensor_name(point, layer))[lo:hi]
+                for layer in self.layers])
         return out
 
     def get(self, key: str) -> dict[str, Any]:
@@ -96,10 +103,13 @@ class ActivationDataset(torch.utils.data.Dataset):
 
     def tensor(self, point: str, layer: int) -> torch.Tensor:
         """``[total_rows, *row_shape]``: every example's rows of ``point`` at ``layer``, in
-        index order. Backed by the shard files' memory maps when the dataset has one shard;
-        with several, only this point and layer are read into memory (``shard_tensors``
-        gives the memory-mapped parts)."""
+        index order. A view of the shard file's memory map when the dataset has one shard
+        (copy-on-write: writing to it never reaches the file); with several, this point and
+        layer are read into memory (``shard_tensors`` gives the memory-mapped parts)."""
         parts = self.shard_tensors(point, layer)
+        if not parts:
+            dtype = getattr(torch, str(self.manifest["dtype"]))
+            return torch.empty((0, *self.manifest["row_shapes"][point]), dtype=dtype)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def shard_tensors(self, point: str, layer: int) -> list[torch.Tensor]:
@@ -108,30 +118,37 @@ class ActivationDataset(torch.utils.data.Dataset):
         if point not in self.points or layer not in self.layers:
             raise KeyError(f"the dataset holds {', '.join(self.points)} at layers "
                            f"{list(self.layers)}, not {point} at {layer}")
-        shards = sorted({entry["shard"] for entry in self.entries})
-        return [self._mapped(shard, tensor_name(point, layer)) for shard in shards]
+        return [self._mapped(shard, tensor_name(point, layer))[:rows]
+                for shard, rows in sorted(self._covered.items())]
 
     def _mapped(self, shard: int, name: str) -> torch.Tensor:
-        path = self.root / shard_name(shard)
-        data_start, header = self._header(shard, path)
+        cached = self._maps.get((shard, name))
+        if cached is None:
+            cached = self._maps[(shard, name)] = self._map(shard, name)
+        return cached
+
+    def _map(self, shard: int, name: str) -> torch.Tensor:
+        data, header = self._shard(shard)
         info = header[name]
         start, end = info["data_offsets"]
         np_dtype, torch_dtype = _DTYPES[info["dtype"]]
         shape = tuple(info["shape"])
         if end == start:
             return torch.empty(shape, dtype=torch_dtype)
-        array = np.memmap(path, dtype=np_dtype, mode="r", offset=data_start + start, shape=shape)
-        import warnings
+        return torch.from_numpy(data[start:end].view(np_dtype).reshape(shape)).view(torch_dtype)
 
-        with warnings.catch_warnings():  # a read-only map: torch warns it cannot protect it
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(array).view(torch_dtype)
-
-    def _header(self, shard: int, path: Path) -> tuple[int, dict[str, Any]]:
-        cached = self._headers.get(shard)
+    def _shard(self, shard: int) -> tuple[np.ndarray, dict[str, Any]]:
+        """One copy-on-write memory map of a shard's data, and its header (one file
+        descriptor per shard, however many tensors are read from it)."""
+        cached = self._shards.get(shard)
         if cached is None:
+            path = self.root / shard_name(shard)
             with path.open("rb") as f:
                 (size,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(size))
-            cached = self._headers[shard] = (8 + size, header)
+            if path.stat().st_size > 8 + size:
+                data = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + size)
+            else:  # only empty tensors (examples with no rows)
+                data = np.empty(0, dtype=np.uint8)
+            cached = self._shards[shard] = (data, header)
         return cached

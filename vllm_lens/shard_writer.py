@@ -1,6 +1,6 @@
-"""Writing activation datasets to disk: fixed-size safetensors shards, an index and a
-manifest, each written atomically (runs in: whatever process writes a dataset — a capture
-sink in a worker, or a script).
+"""Writing activation datasets to disk: safetensors shards of bounded size, an index and a
+manifest, each written atomically (runs in: the process that writes a dataset — today
+``vllm-lens extract``, or any script).
 
 A dataset is a directory::
 
@@ -11,18 +11,22 @@ A dataset is a directory::
     shard-00000.safetensors  per point and layer ``"<point>/<layer>"``: ``[rows, *row_shape]``,
     shard-00001.safetensors  the examples' rows one after the other
 
-Every file appears under its final name only once complete (written beside it, then renamed),
-and an example enters the index only after the shard holding its rows is complete, so a job
-killed at any moment leaves a valid dataset: the examples not yet in the index are simply
-absent, and a writer reopened on the directory (``ShardWriter(..., resume=True)``) skips the
-keys the index already has. ``vllm_lens.datasets`` reads it back; numpy or safetensors users
-can read the shards and the JSON files directly.
+Every file appears under its final name only once complete (written beside it, synced, then
+renamed, and the directory synced), and an example enters the index only after the shard
+holding its rows is on disk, so a job killed at any moment leaves a valid dataset: the
+examples not yet in the index are absent. A failed index append is cut back; a writer
+reopened on the directory (``ShardWriter(..., resume=True)``) drops a last line cut short, a
+last shard whose lines did not all arrive and any orphan files, then skips the keys the index
+has. One writer per directory at a time (a lock file). ``vllm_lens.datasets`` reads it back;
+numpy or safetensors users can read the shards and the JSON files directly.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,9 @@ __all__ = ["FORMAT", "INDEX", "MANIFEST", "ShardWriter", "read_index", "shard_na
 FORMAT = "vllm-lens-activations/1"
 MANIFEST = "manifest.json"
 INDEX = "index.jsonl"
+_SHARD = re.compile(r"^shard-(\d{5,})\.safetensors$")
+#: Manifest fields that may differ between the runs that wrote one dataset.
+_VERSIONS = ("vllm_version", "vllm_lens_version")
 
 
 def shard_name(number: int) -> str:
@@ -46,102 +53,178 @@ def tensor_name(point: str, layer: int) -> str:
     return f"{point}/{layer}"
 
 
-def read_index(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The index's entries, and the length in bytes of its complete lines (a job killed
-    while appending may leave a partial last line, which is not an entry)."""
-    entries, good = [], 0
+def read_index(path: Path) -> tuple[list[dict[str, Any]], list[int], int]:
+    """The index's entries, the byte offset where each entry's line starts, and the length
+    of its complete lines. Only a last line cut short (no newline: a job killed while
+    appending) is tolerated; a bad line anywhere else raises ``ValueError``."""
+    entries: list[dict[str, Any]] = []
+    starts: list[int] = []
+    good = 0
     if not path.exists():
-        return entries, good
-    data = path.read_bytes()
-    for line in data.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
+        return entries, starts, good
+    lines = path.read_bytes().splitlines(keepends=True)
+    for number, line in enumerate(lines, start=1):
+        if not line.endswith(b"\n") and number == len(lines):
             break
         try:
-            entries.append(json.loads(line))
-        except ValueError:
-            break
+            entry = json.loads(line)
+            if not isinstance(entry, dict) or not isinstance(entry.get("key"), str):
+                raise ValueError("not an example entry")
+        except ValueError as exc:
+            raise ValueError(f"{path}: line {number} is not an index entry ({exc}); the "
+                             "dataset is damaged") from None
+        entries.append(entry)
+        starts.append(good)
         good += len(line)
-    return entries, good
+    return entries, starts, good
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Make the complete file ``tmp`` appear as ``path``, durably."""
+    with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 class ShardWriter:
-    """Appends examples to a dataset directory, ``rows_per_shard`` rows to a shard.
+    """Appends examples to a dataset directory, a shard at a time.
 
     Args:
         root: the dataset directory (created if missing).
         manifest: what the dataset holds: at least ``points`` (names), ``layers`` (ints),
-            ``dtype`` (a torch dtype name) and ``row_shapes`` (point -> the shape of one row);
-            written on first use, and checked against the existing one on ``resume``.
-        rows_per_shard: rows (positions) per shard; the last shard may hold fewer.
+            ``dtype`` (a torch dtype name) and ``row_shapes`` (point -> the shape of one row),
+            and anything else that describes it (model, positions spec ...); written on first
+            use, and on ``resume`` equal to the existing one but for the versions.
+        rows_per_shard: a shard is written once this many rows are queued ...
+        max_shard_bytes: ... or this many bytes (an example's rows never span two shards).
         resume: reopen an existing dataset and skip the keys its index has; otherwise an
             existing index is an error.
     """
 
     def __init__(self, root: str | os.PathLike, manifest: Mapping[str, Any], *,
-                 rows_per_shard: int = 65536, resume: bool = False) -> None:
-        if rows_per_shard < 1:
-            raise ValueError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
+                 rows_per_shard: int = 65536, max_shard_bytes: int = 1 << 30,
+                 resume: bool = False) -> None:
+        if rows_per_shard < 1 or max_shard_bytes < 1:
+            raise ValueError("rows_per_shard and max_shard_bytes must be >= 1")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.manifest = {"format": FORMAT, **manifest}
+        self.manifest = _jsonable({"format": FORMAT, **manifest})
         self.points: tuple[str, ...] = tuple(self.manifest["points"])
         self.layers: tuple[int, ...] = tuple(int(x) for x in self.manifest["layers"])
         self.dtype = getattr(torch, str(self.manifest["dtype"]))
         self.row_shapes = {p: tuple(self.manifest["row_shapes"][p]) for p in self.points}
         self.rows_per_shard = rows_per_shard
+        self.max_shard_bytes = max_shard_bytes
         self.written: set[str] = set()
         """Keys already in the index."""
         self._next_shard = 0
         self._pending: list[tuple[dict[str, Any], dict[str, torch.Tensor]]] = []
-        self._pending_rows = 0
-        self._open(resume)
+        self._pending_keys: set[str] = set()
+        self._pending_rows = self._pending_bytes = 0
+        self._lock = self._take_lock()
+        try:
+            self._open(resume)
+        except BaseException:
+            self._release()
+            raise
+
+    def _take_lock(self) -> Any:
+        import fcntl
+
+        lock = open(self.root / ".lock", "w")  # noqa: SIM115 - held until close
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            raise RuntimeError(f"{self.root}: another writer has this dataset open") from None
+        return lock
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing drops the lock
+            self._lock = None
 
     def _open(self, resume: bool) -> None:
         manifest_path, index_path = self.root / MANIFEST, self.root / INDEX
         if index_path.exists() and not resume:
             raise FileExistsError(f"{self.root} already holds a dataset; pass resume=True to "
                                   "add to it")
+        for tmp in self.root.glob(".*.tmp-*"):  # left by a killed writer (we hold the lock)
+            tmp.unlink()
         if manifest_path.exists():
             existing = json.loads(manifest_path.read_text())
-            for field in ("format", "points", "layers", "dtype", "row_shapes"):
-                if _jsonable(existing.get(field)) != _jsonable(self.manifest.get(field)):
+            for field in sorted(set(existing) | set(self.manifest)):
+                if field not in _VERSIONS and existing.get(field) != self.manifest.get(field):
                     raise ValueError(f"{self.root}: the dataset's manifest has {field}="
                                      f"{existing.get(field)!r}, not {self.manifest.get(field)!r}")
         else:
-            _atomic_write(manifest_path, json.dumps(self.manifest, indent=1).encode())
-        entries, good = read_index(index_path)
+            tmp = _temp_name(manifest_path)
+            tmp.write_text(json.dumps(self.manifest, indent=1))
+            _publish(tmp, manifest_path)
+        entries, starts, good = read_index(index_path)
+        if entries:  # the last shard's lines may not all have arrived
+            last = entries[-1]["shard"]
+            first = next(i for i, e in enumerate(entries) if e["shard"] == last)
+            covered = sum(e["rows"] for e in entries[first:])
+            if covered != self._shard_rows(last):
+                entries, good = entries[:first], starts[first]
         if index_path.exists() and good < index_path.stat().st_size:
-            with open(index_path, "r+b") as f:  # drop a partial last line
+            with open(index_path, "r+b") as f:
                 f.truncate(good)
+                os.fsync(f.fileno())
         for entry in entries:
             self.written.add(entry["key"])
             self._next_shard = max(self._next_shard, entry["shard"] + 1)
-        # Shards of a killed job that never reached the index are dropped, not reused.
-        for stale in self.root.glob("shard-*.safetensors"):
-            if int(stale.stem.split("-")[1]) >= self._next_shard:
-                stale.unlink()
+        for path in self.root.iterdir():  # shards of a killed job that never reached the index
+            m = _SHARD.match(path.name)
+            if m and int(m.group(1)) >= self._next_shard:
+                path.unlink()
+
+    def _shard_rows(self, number: int) -> int:
+        """Rows in shard ``number`` (-1 if it is missing or unreadable)."""
+        path = self.root / shard_name(number)
+        try:
+            with path.open("rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            return int(header[tensor_name(self.points[0], self.layers[0])]["shape"][0])
+        except (OSError, ValueError, KeyError, struct.error):
+            return -1
 
     def add(self, key: str, rows: Mapping[str, torch.Tensor], positions: Sequence[int],
-            prompt_token_ids: Sequence[int] = ()) -> None:
+            prompt_token_ids: Sequence[int] = (), token_ids: Sequence[int] = (), *,
+            reduced: bool = False) -> None:
         """Queue one example: ``rows[point]`` is ``[n_layers, n_rows, *row_shape]`` (the
         manifest's layers, in order; the same ``n_rows`` for every point), ``positions`` the
-        token positions its rows come from (one per row; for a reduction, those reduced into
-        its one row). Written when a shard fills up (or at ``close``)."""
-        if key in self.written or any(entry["key"] == key for entry, _ in self._pending):
+        token positions of its rows (one per row; if ``reduced``, the positions reduced into
+        its one row), ``token_ids`` the generated tokens. Written when the shard fills up (or
+        at ``close``)."""
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"example keys are non-empty strings, got {key!r}")
+        if key in self.written or key in self._pending_keys:
             raise ValueError(f"example key {key!r} is already in the dataset")
         missing = [point for point in self.points if point not in rows]
         if missing:
             raise ValueError(f"example {key!r} has no rows of {', '.join(missing)}")
-        n_rows = rows[self.points[0]].shape[1] if rows[self.points[0]].dim() > 1 else -1
+        first = rows[self.points[0]]
+        n_rows = int(first.shape[1]) if first.dim() > 1 else -1
+        if reduced and n_rows != 1:
+            raise ValueError(f"example {key!r}: a reduced example has one row, not {n_rows}")
+        if not reduced and len(positions) != n_rows:
+            raise ValueError(f"example {key!r}: {len(positions)} positions for {n_rows} rows")
         checked = {}
         for point in self.points:
             t = rows[point]
@@ -151,39 +234,63 @@ class ShardWriter:
                                  f"expected {expected}")
             checked[point] = t.detach().to("cpu", self.dtype)
         entry = {"key": key, "rows": n_rows, "positions": [int(p) for p in positions],
-                 "prompt_token_ids": [int(t) for t in prompt_token_ids]}
+                 "prompt_token_ids": [int(t) for t in prompt_token_ids],
+                 "token_ids": [int(t) for t in token_ids]}
         self._pending.append((entry, checked))
+        self._pending_keys.add(key)
         self._pending_rows += n_rows
-        if self._pending_rows >= self.rows_per_shard:
+        self._pending_bytes += sum(t.numel() * t.element_size() for t in checked.values())
+        if (self._pending_rows >= self.rows_per_shard
+                or self._pending_bytes >= self.max_shard_bytes):
             self.flush()
 
     def flush(self) -> None:
-        """Write the queued examples as one shard, then their index lines."""
+        """Write the queued examples as one shard, then their index lines. On failure (a
+        full disk ...) nothing of it is left behind, and the examples stay queued."""
         if not self._pending:
             return
-        from safetensors.torch import save
+        from safetensors.torch import save_file
 
         number = self._next_shard
-        tensors = {}
-        for point in self.points:
-            for i, layer in enumerate(self.layers):
-                parts = [rows[point][i] for _, rows in self._pending]
-                tensors[tensor_name(point, layer)] = torch.cat(parts).contiguous()
-        _atomic_write(self.root / shard_name(number), save(tensors))
-        offset, lines = 0, []
-        for entry, _ in self._pending:
-            lines.append(json.dumps({**entry, "shard": number, "offset": offset}))
-            offset += entry["rows"]
-        with open(self.root / INDEX, "a") as f:  # one write: whole lines or none
-            f.write("".join(line + "\n" for line in lines))
-            f.flush()
-            os.fsync(f.fileno())
-        self.written.update(entry["key"] for entry, _ in self._pending)
+        path = self.root / shard_name(number)
+        tmp = _temp_name(path)
+        index_path = self.root / INDEX
+        size_before = index_path.stat().st_size if index_path.exists() else 0
+        try:
+            tensors = {}
+            for point in self.points:
+                for i, layer in enumerate(self.layers):
+                    parts = [rows[point][i] for _, rows in self._pending]
+                    tensors[tensor_name(point, layer)] = torch.cat(parts).contiguous()
+            save_file(tensors, tmp)
+            del tensors
+            _publish(tmp, path)
+            offset, lines = 0, []
+            for entry, _ in self._pending:
+                lines.append(json.dumps({**entry, "shard": number, "offset": offset}))
+                offset += entry["rows"]
+            with open(index_path, "a") as f:
+                f.write("".join(line + "\n" for line in lines))
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            if index_path.exists() and index_path.stat().st_size > size_before:
+                with open(index_path, "r+b") as f:  # cut a partial append back
+                    f.truncate(size_before)
+            path.unlink(missing_ok=True)
+            raise
+        self.written.update(self._pending_keys)
         self._next_shard = number + 1
-        self._pending, self._pending_rows = [], 0
+        self._pending, self._pending_keys = [], set()
+        self._pending_rows = self._pending_bytes = 0
 
     def close(self) -> None:
-        self.flush()
+        """Write what is queued and let go of the directory."""
+        try:
+            self.flush()
+        finally:
+            self._release()
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -191,6 +298,8 @@ class ShardWriter:
     def __exit__(self, exc_type, *_: object) -> None:
         if exc_type is None:
             self.close()
+        else:
+            self._release()
 
 
 def _jsonable(value: Any) -> Any:

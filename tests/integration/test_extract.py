@@ -14,11 +14,11 @@ ENGINE = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
           "--kv-cache-memory-bytes", str(256 << 20)]
 
 
-def run_extract(model, source, output, *extra):
+def run_extract(model, source, output, *extra, points="resid_post,hook_attn_out"):
     return subprocess.run(
         [sys.executable, "-m", "vllm_lens.cli", "extract", "--model", model, "--input",
-         str(source), "--output", str(output), "--layers", "1,3",
-         "--points", "resid_post,attn_out", "--max-tokens", "0", *extra, *ENGINE],
+         str(source), "--output", str(output), "--layers", "1,3", "--points", points,
+         *extra, *ENGINE],
         capture_output=True, text=True, timeout=600)
 
 
@@ -32,7 +32,7 @@ def test_extract_writes_a_dataset_equal_to_transformers_and_resumes(tmp_path, ti
                                 + ["not json", json.dumps({"prompt": ""}),
                                    json.dumps({"prompt": "again", "key": "fr"})]) + "\n")
     output = tmp_path / "acts"
-    first = run_extract(tiny_path, source, output)
+    first = run_extract(tiny_path, source, output, "--max-tokens", "0")
     assert first.returncode == 1, first.stderr[-3000:]
     for line in ("line 4: not JSON", "line 5: needs a non-empty prompt",
                  "line 6: key 'fr' appears twice"):
@@ -40,6 +40,11 @@ def test_extract_writes_a_dataset_equal_to_transformers_and_resumes(tmp_path, ti
     ds = datasets.open(output)
     assert ds.keys() == ["fr", "2", "chat"]
     assert ds.manifest["layers"] == [1, 3] and ds.manifest["dtype"] == "float32"
+    assert ds.manifest["points"] == ["resid_post", "attn_out"]  # the alias, resolved
+    chat = tiny_ref_tokenizer(tiny_path).apply_chat_template(
+        good[2]["messages"], add_generation_prompt=True, tokenize=True)
+    chat = chat["input_ids"] if hasattr(chat, "keys") else chat
+    assert ds.get("chat")["prompt_token_ids"] == list(chat)
     for ex in ds:
         ids = ex["prompt_token_ids"]
         assert ex["positions"].tolist() == list(range(len(ids)))  # prompt rows only
@@ -53,10 +58,36 @@ def test_extract_writes_a_dataset_equal_to_transformers_and_resumes(tmp_path, ti
     # More prompts, and a re-run: only the new keys are extracted.
     with source.open("a") as f:
         f.write(json.dumps({"prompt": "1, 2, 3, 4,", "key": "count"}) + "\n")
-    second = run_extract(tiny_path, source, output)
+    second = run_extract(tiny_path, source, output, "--max-tokens", "0")
     assert "3 of 4 examples already written" in second.stderr, second.stderr[-3000:]
     ds = datasets.open(output)
     assert ds.keys() == ["fr", "2", "chat", "count"]
     count = ds.get("count")
     expected = tiny_ref.points(count["prompt_token_ids"])
-    assert max_relative_error(count["resid_post"][1], expected[("resid_post", 1)]) <= 1e-4
+    assert max_relative_error(count["resid_post"][1], expected[("resid_post", 3)]) <= 1e-4
+    other = run_extract(tiny_path, source, output, "--max-tokens", "0", "--positions",
+                        "last_prompt")
+    assert other.returncode != 0 and "made with positions='all'" in other.stderr
+
+
+def test_extract_reduced_rows_with_generated_tokens(tmp_path, tiny_path, tiny_ref):
+    source = tmp_path / "prompts.csv"
+    source.write_text("key,prompt\na,The capital of France is\nb,Once upon a time\n")
+    output = tmp_path / "acts"
+    done = run_extract(tiny_path, source, output, "--reduce", "mean", "--max-tokens", "3",
+                       points="resid_post")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for ex in datasets.open(output):
+        entry = next(e for e in datasets.open(output).entries if e["key"] == ex["key"])
+        ids = ex["prompt_token_ids"] + entry["token_ids"][:2]  # 3 generated, 2 run
+        assert len(entry["token_ids"]) == 3 and ex["positions"].tolist() == list(range(len(ids)))
+        expected = tiny_ref.points(ids)
+        for i, layer in enumerate((1, 3)):
+            mean = expected[("resid_post", layer)].mean(dim=0, keepdim=True)
+            assert max_relative_error(ex["resid_post"][i], mean) <= 1e-4
+
+
+def tiny_ref_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,109 @@
+"""Prompt files for ``vllm-lens extract``: JSONL, CSV or Parquet rows with ``prompt`` or
+``messages`` and an optional ``key``, each bad row named (runs in: the user's process)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Example", "read_examples"]
+
+
+@dataclass(frozen=True)
+class Example:
+    key: str
+    prompt: str | None = None
+    messages: list[Any] | None = None
+
+
+def read_examples(path: Path) -> tuple[list[Example], list[str]]:
+    """The examples of an input file, and one message per bad row (``"line N: ..."``)."""
+    rows: Iterator[tuple[int, Any]]
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        with path.open(newline="") as f:
+            rows = iter(list(enumerate(csv.DictReader(f), start=2)))  # line 1: the header
+    elif suffix == ".parquet":
+        try:
+            import pandas
+        except ImportError:
+            raise SystemExit("vllm-lens extract: reading Parquet needs pandas "
+                             "(pip install pandas pyarrow)") from None
+        rows = ((i, {k: _plain(v) for k, v in row.items()}) for i, row in enumerate(
+            pandas.read_parquet(path).to_dict(orient="records"), start=1))
+    else:
+        rows = _jsonl_rows(path)
+    examples, bad, seen = [], [], set()
+    for line, row in rows:
+        try:
+            example = _example(line, row)
+        except ValueError as exc:
+            bad.append(f"line {line}: {exc}")
+            continue
+        if example.key in seen:
+            bad.append(f"line {line}: key {example.key!r} appears twice")
+            continue
+        seen.add(example.key)
+        examples.append(example)
+    return examples, bad
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    with path.open() as f:
+        for line, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                yield line, json.loads(text)
+            except ValueError as exc:
+                yield line, ValueError(f"not JSON ({exc})")
+
+
+def _example(line: int, row: Any) -> Example:
+    if isinstance(row, ValueError):
+        raise row
+    if not isinstance(row, dict):
+        raise ValueError("expected an object with prompt or messages")
+    key = row.get("key")
+    if key is None or key == "":
+        key = str(line)
+    elif isinstance(key, int) and not isinstance(key, bool):
+        key = str(key)
+    elif not isinstance(key, str):
+        raise ValueError(f"key must be a string or an integer, got {key!r}")
+    prompt, messages = row.get("prompt"), row.get("messages")
+    if isinstance(messages, str) and messages:
+        try:
+            messages = json.loads(messages)
+        except ValueError:
+            raise ValueError("messages is not JSON") from None
+    if prompt not in (None, "") and messages not in (None, ""):
+        raise ValueError("give prompt or messages, not both")
+    if isinstance(prompt, str) and prompt:
+        return Example(key, prompt=prompt)
+    if isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        return Example(key, messages=messages)
+    raise ValueError("needs a non-empty prompt (text) or messages (a list of {role, content})")
+
+
+
+
+def _plain(value: Any) -> Any:
+    """A Parquet cell as JSON would give it: arrays as lists, NaN as missing."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value

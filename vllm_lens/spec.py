@@ -125,6 +125,8 @@ class ModelFacts:
     """Why the model class is not mapped (when ``mapped`` is False)."""
     inner_taps: bool = True
     """False when the engine was started with ``VLLM_LENS_INNER_TAPS=0``."""
+    pp_size: int = 1
+    """Pipeline-parallel stages."""
 
     def row_shape(self, signal: str) -> tuple[int, ...]:
         """The shape of one captured row (one position, one layer) of ``signal``."""
@@ -424,6 +426,15 @@ def check_engine(facts: ModelFacts, field: str, *, hooks: bool,
             "in the README); lens features are refused for it (plain requests still work)",
             request_id=request_id,
         )
+    if facts.pp_size > 1 and facts.model_class not in PIPELINE_PROVEN:
+        raise UnsupportedConfigError(
+            field, f"pipeline parallelism (pipeline_parallel_size={facts.pp_size}) is proven "
+            f"only on {', '.join(sorted(PIPELINE_PROVEN))}, not on {facts.model_class}; use "
+            "tensor parallelism (tested on every family) or one stage", request_id=request_id)
+
+
+#: Model classes whose lens features the suite runs under pipeline parallelism.
+PIPELINE_PROVEN = frozenset({"LlamaForCausalLM"})
 
 
 def _parse_fault(raw: Any, request_id: str | None) -> str | None:

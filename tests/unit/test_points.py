@@ -225,6 +225,16 @@ def test_attention_metadata_joins_per_head_values_once_per_rank():
     assert meta["sinks"] == [0.0, 0.5, 1.0, 1.5]
     assert (meta["num_heads"], meta["num_kv_heads"]) == (4, 2)
     assert (facts.n_heads, facts.n_kv_heads, facts.head_dim, facts.tp_size) == (4, 2, 4, 2)
+    assert facts.pp_size == 1
+    staged = facts_from_describe([{**rank(0), "pp_rank": 0}, {**rank(0), "pp_rank": 1}])
+    assert staged.pp_size == 2
+
+
+def test_pipeline_parallel_is_refused_on_families_it_is_not_proven_on():
+    staged = dataclasses.replace(SPLIT, pp_size=2)
+    with pytest.raises(UnsupportedConfigError, match="pipeline_parallel_size=2.*GPT2LMHeadModel"):
+        parse({"output_residual_stream": [0]}, staged)
+    assert parse({"output_residual_stream": [0]}, dataclasses.replace(FACTS, pp_size=2))
 
 
 SPLIT = dataclasses.replace(FACTS, model_class="GPT2LMHeadModel", split=True,

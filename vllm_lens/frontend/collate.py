@@ -101,6 +101,7 @@ def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
         moe_top_k=int(first.get("moe_top_k", 0)),
         unmapped=next((r["unmapped"] for r in results if r.get("unmapped")), None),
         inner_taps=all(r.get("inner_taps", True) for r in results),
+        pp_size=len({int(r.get("pp_rank", 0)) for r in results}),
     )
 
 

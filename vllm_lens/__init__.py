@@ -21,6 +21,7 @@ from vllm_lens.errors import (
     LensExecutionError,
     LensRequestError,
     RemoteCodeRefusedError,
+    SinkRefusedError,
     UnsupportedConfigError,
     UnsupportedModelError,
     WireError,
@@ -29,6 +30,7 @@ from vllm_lens.hooks import Hook, HookContext, HookError, NamedHook
 from vllm_lens.spec import CaptureSpec
 from vllm_lens.activations import decode_activations
 from vllm_lens.steering import SteeringVector
+from vllm_lens.sink_control import flush_sinks
 
 __all__ = [
     "CaptureSpec",
@@ -40,9 +42,11 @@ __all__ = [
     "LensRequestError",
     "NamedHook",
     "RemoteCodeRefusedError",
+    "SinkRefusedError",
     "SteeringVector",
     "UnsupportedConfigError",
     "UnsupportedModelError",
     "WireError",
     "decode_activations",
+    "flush_sinks",
 ]

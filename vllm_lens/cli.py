@@ -7,10 +7,12 @@
         [--reduce mean|last] [--max-tokens 0] [vLLM engine options: --dtype, -tp, ...]
 
 Input rows (``vllm_lens.prompt_files``) have ``prompt`` (text) or ``messages`` (a chat,
-rendered with the model's chat template) and an optional ``key``. Activations are written in
-the format of ``vllm_lens.shard_writer`` a shard at a time, so they do not accumulate in
-memory (the prompt file itself is read whole); a re-run skips the keys already written and
-refuses a dataset made with other settings. Bad input rows, and examples the engine refuses,
+rendered with the model's chat template) and an optional ``key``. The engine's workers write the rows
+themselves through a capture sink of the job's own (``vllm_lens.sinks``; the front end sees
+only receipts), in the format of ``vllm_lens.shard_writer`` a shard at a time, so nothing
+grows with the dataset (the prompt file itself is read whole); a re-run skips the keys
+already written and refuses a dataset made with other settings (``extract.json`` keeps
+those the manifest does not). Bad input rows, and examples the engine refuses,
 are listed and make the command exit with status 1; the others are still extracted.
 ``--max-tokens N`` generates N tokens, of which the first N-1 have rows (the last is sampled
 but never run through the model); their ids are in the index (``token_ids``).
@@ -19,6 +21,7 @@ but never run through the model); their ids are in the index (``token_ids``).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -72,9 +75,15 @@ def extract(args: Any) -> int:
     from vllm_lens.points import resolve
     from vllm_lens.prompt_files import read_examples
     from vllm_lens.shard_writer import INDEX, MANIFEST, read_index
+    from vllm_lens.sinks.config import check_name
 
     if args.max_tokens < 0 or args.batch_size < 1:
         raise SystemExit("vllm-lens extract: --max-tokens must be >= 0, --batch-size >= 1")
+    output = args.output.resolve()
+    try:
+        check_name(output.name, "--output's directory")
+    except ValueError as exc:
+        raise SystemExit(f"vllm-lens extract: {exc}") from None
     points = []
     for name in (p.strip() for p in args.points.split(",") if p.strip()):
         try:
@@ -93,29 +102,35 @@ def extract(args: Any) -> int:
     examples, bad = read_examples(args.input)
     for message in bad:
         print(f"vllm-lens extract: {args.input}: {message}", file=sys.stderr)
-    resume = (args.output / INDEX).exists()
-    if (args.output / MANIFEST).exists():
-        _check_same_job(json.loads((args.output / MANIFEST).read_text()), args, points)
+    job_settings = {"model": args.model, "max_tokens": args.max_tokens}
+    if (output / MANIFEST).exists():
+        _check_same_job(json.loads((output / MANIFEST).read_text()), args, points)
+    if (output / _JOB).exists():
+        _check_job_file(json.loads((output / _JOB).read_text()), job_settings, output)
+    _check_unlocked(output)
     todo = examples
-    if resume:
-        done = {entry["key"] for entry in read_index(args.output / INDEX)[0]}
+    if (output / INDEX).exists():
+        done = {entry["key"] for entry in read_index(output / INDEX)[0]}
         todo = [e for e in examples if e.key not in done]
         print(f"vllm-lens extract: resuming, {len(examples) - len(todo)} of {len(examples)} "
               "examples already written", file=sys.stderr)
+    output.mkdir(parents=True, exist_ok=True)
+    _write_job_file(output / _JOB, job_settings)
     layers: Any = True if args.layers.strip() == "all" else [
         int(x) for x in args.layers.split(",") if x.strip()]
     capture = {"layers": layers, "positions": args.positions}
     if args.reduce:
         capture["reduce"] = args.reduce
-    sp = SamplingParams(
-        temperature=0, max_tokens=max(args.max_tokens, 1),
-        extra_args={"output_activations": {point: capture for point in points}})
+    # The engine's workers write the rows themselves, through a sink of this job's own.
+    os.environ["VLLM_LENS_SINKS"] = json.dumps({
+        **_operator_sinks(), _SINK: {"kind": "safetensors", "root": str(output.parent),
+                                     "rows_per_shard": args.rows_per_shard, "flush_s": 0}})
+    extra_args = {"output_activations": {point: capture for point in points}}
+    sp = SamplingParams(temperature=0, max_tokens=max(args.max_tokens, 1),
+                        extra_args=extra_args)
     llm = LLM(**{k: v for k, v in vars(args).items() if k not in _OWN})
-    job = _Job(args, llm, points, sp, resume)
-    try:
-        job.run(todo, bad)
-    finally:
-        job.close()
+    job = _Job(args, llm, sp, output)
+    job.run(todo, bad)
     if bad:
         print(f"vllm-lens extract: {len(bad)} bad input row(s) or failed example(s); the "
               "others were written", file=sys.stderr)
@@ -123,10 +138,30 @@ def extract(args: Any) -> int:
     return 0
 
 
+#: The sink ``extract`` adds to the engine's (named so that no operator's name can clash).
+_SINK = "vllm-lens-extract"
+#: Settings of the job that are not in the dataset's manifest, checked on resume.
+_JOB = "extract.json"
+
+
+def _operator_sinks() -> dict[str, Any]:
+    """The sinks already configured in this environment (kept beside ``extract``'s own)."""
+    from vllm_lens.sinks.config import parse_config
+
+    raw = os.environ.get("VLLM_LENS_SINKS", "").strip()
+    if not raw:
+        return {}
+    try:
+        parse_config(raw)
+        return json.loads(raw if raw.startswith("{") else Path(raw).read_text())
+    except ValueError as exc:
+        raise SystemExit(f"vllm-lens extract: {exc}") from None
+
+
 def _check_same_job(manifest: dict[str, Any], args: Any, points: list[str]) -> None:
     """Refuse, before the engine starts, to add to a dataset made with other settings."""
     mine = {"points": points, "positions": args.positions, "reduce": args.reduce,
-            "max_tokens": args.max_tokens, "model": args.model}
+            "model": args.model}
     if args.layers.strip() != "all":
         mine["layers"] = sorted({int(x) for x in args.layers.split(",") if x.strip()})
     for field, value in mine.items():
@@ -136,16 +171,49 @@ def _check_same_job(manifest: dict[str, Any], args: Any, points: list[str]) -> N
                              "--output")
 
 
-class _Job:
-    """One extraction: batches of prompts through the engine, rows into the writer."""
+def _check_job_file(found: dict[str, Any], mine: dict[str, Any], output: Path) -> None:
+    for field, value in mine.items():
+        if found.get(field) != value:
+            raise SystemExit(f"vllm-lens extract: {output} holds a dataset made with "
+                             f"{field.replace('_', '-')}={found.get(field)!r}, not {value!r}; "
+                             "write to another --output")
 
-    def __init__(self, args: Any, llm: Any, points: list[str], sp: Any, resume: bool) -> None:
-        self.args, self.llm, self.points, self.sp, self.resume = args, llm, points, sp, resume
-        self.writer: Any = None
+
+def _write_job_file(path: Path, settings: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(settings))
+    os.replace(tmp, path)
+
+
+def _check_unlocked(output: Path) -> None:
+    """Refuse a dataset another job is writing (its writer holds the lock)."""
+    import fcntl
+
+    lock = output / ".lock"
+    if not lock.exists():
+        return
+    with open(lock) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise SystemExit(f"vllm-lens extract: another job is writing {output}") from None
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class _Job:
+    """One extraction: batches of prompts through the engine, whose workers write the rows
+    (the front end holds only receipts)."""
+
+    def __init__(self, args: Any, llm: Any, sp: Any, output: Path) -> None:
+        self.args, self.llm, self.sp, self.output = args, llm, sp, output
         self.tokenizer = llm.get_tokenizer()
+        self.receipts: dict[str, dict[str, Any]] = {}
 
     def run(self, todo: list[Any], bad: list[str]) -> None:
         from tqdm import tqdm
+
+        from vllm_lens.errors import LensExecutionError
+        from vllm_lens.sink_control import flush_sinks
 
         n_tokens, started = 0, time.monotonic()
         with tqdm(total=len(todo), unit="ex", desc="extract", file=sys.stderr) as bar:
@@ -155,13 +223,35 @@ class _Job:
                     if out.lens_error is not None:
                         self._fail(bad, example, out.lens_error)
                         continue
-                    self._write(example, out)
+                    self.receipts[example.key] = out.capture_receipt
                     n_tokens += len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
-                written = sum(f.stat().st_size
-                              for f in self.args.output.glob("shard-*.safetensors"))
+                written = sum(f.stat().st_size for f in self.output.glob("shard-*.safetensors"))
                 bar.set_postfix(tok_s=f"{n_tokens / (time.monotonic() - started):.0f}",
                                 written=f"{written / 2**20:.1f}MiB")
                 bar.update(len(batch))
+        try:
+            flush_sinks(self.llm)
+        except LensExecutionError as exc:
+            print(f"vllm-lens extract: {exc}", file=sys.stderr)
+        self._check_written(bad)
+
+    def _check_written(self, bad: list[str]) -> None:
+        """Every example the workers accepted must be in the index now (a shard write that
+        failed after its examples were accepted dropped them)."""
+        from vllm_lens.shard_writer import INDEX, read_index
+
+        there = {e["key"] for e in read_index(self.output / INDEX)[0]}
+        for key in self.receipts:
+            if key not in there:
+                bad.append(f"key {key!r}: accepted, but its shard could not be written (see "
+                           "the error above); re-run to write it")
+                print(f"vllm-lens extract: {bad[-1]}", file=sys.stderr)
+
+    def _params(self, key: str) -> Any:
+        sp = self.sp.clone()
+        sp.extra_args = {**sp.extra_args, "capture_sink": {
+            "sink": _SINK, "dataset": self.output.name, "key": key}}
+        return sp
 
     def _generate(self, batch: list[Any], bad: list[str]) -> list[tuple[Any, Any]]:
         """(example, output) for the batch; an example the engine refuses (too long, a chat
@@ -173,13 +263,15 @@ class _Job:
             except Exception as exc:  # noqa: BLE001 - the row is bad, not the job
                 self._fail(bad, example, exc)
         try:
-            outs = self.llm.generate([i for _, i in inputs], self.sp, use_tqdm=False)
+            outs = self.llm.generate([i for _, i in inputs],
+                                     [self._params(e.key) for e, _ in inputs], use_tqdm=False)
             return [(e, out) for (e, _), out in zip(inputs, outs)]
         except ValueError:  # some input the engine rejects: find it, run the others
             done = []
             for example, engine_input in inputs:
                 try:
-                    (out,) = self.llm.generate([engine_input], self.sp, use_tqdm=False)
+                    (out,) = self.llm.generate([engine_input], self._params(example.key),
+                                               use_tqdm=False)
                     done.append((example, out))
                 except ValueError as exc:
                     self._fail(bad, example, exc)
@@ -189,50 +281,6 @@ class _Job:
     def _fail(bad: list[str], example: Any, exc: Any) -> None:
         bad.append(f"key {example.key!r}: {exc}")
         print(f"vllm-lens extract: {bad[-1]}", file=sys.stderr)
-
-    def _write(self, example: Any, out: Any) -> None:
-        from vllm_lens.shard_writer import ShardWriter
-
-        acts = out.activations
-        reduced = self.args.reduce is not None
-        rows = {p: acts[p][:, None] if reduced else acts[p] for p in self.points}
-        if self.writer is None:
-            self.writer = ShardWriter(self.args.output, self._manifest(rows),
-                                      rows_per_shard=self.args.rows_per_shard,
-                                      resume=self.resume)
-        self.writer.add(example.key, rows, acts[f"{self.points[0]}_positions"].tolist(),
-                        list(out.prompt_token_ids),
-                        list(out.outputs[0].token_ids) if self.args.max_tokens else [],
-                        reduced=reduced)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-    def _manifest(self, rows: dict[str, Any]) -> dict[str, Any]:
-        import importlib.metadata
-
-        import vllm
-
-        try:
-            lens_version = importlib.metadata.version("vllm-lens")
-        except importlib.metadata.PackageNotFoundError:
-            lens_version = "source"
-        args, first = self.args, rows[self.points[0]]
-        layers = (list(range(first.shape[0])) if args.layers.strip() == "all"
-                  else sorted({int(x) for x in args.layers.split(",") if x.strip()}))
-        return {
-            "model": args.model,
-            "vllm_version": vllm.__version__,
-            "vllm_lens_version": lens_version,
-            "points": self.points,
-            "layers": layers,
-            "dtype": str(first.dtype).removeprefix("torch."),
-            "row_shapes": {p: list(rows[p].shape[2:]) for p in self.points},
-            "positions": args.positions,
-            "reduce": args.reduce,
-            "max_tokens": args.max_tokens,
-        }
 
 
 def _engine_input(example: Any, tokenizer: Any) -> Any:

@@ -35,7 +35,9 @@ from vllm_lens.spec import (
     CAPTURE_KEY,
     HOOKS_KEY,
     QK_KEY,
+    SINK_KEY,
     STEER_KEY,
+    STREAM_KEY,
     TRANSPORT_KEY,
 )
 
@@ -73,6 +75,8 @@ class LensResult:
     prompt_token_ids: list[int] | None = None
     hook_results: dict[str, Any] | None = None
     """``{"0": saved of the first hook, ...}`` for requests with ``hooks=``."""
+    capture_receipt: dict[str, Any] | None = None
+    """Where the rows went, for a request with ``capture_sink=`` (``vllm_lens.sinks``)."""
     delta: str = ""
     choices: list[LensResult] = field(default_factory=list, repr=False)
 
@@ -107,7 +111,7 @@ class _Protocol:
             lens[CAPTURE_KEY] = capture
         elif capture_layers is not None:
             lens[CAPTURE_KEY] = capture_layers
-        for key in (ACTIVATIONS_KEY, QK_KEY):  # lens keys passed by name
+        for key in (ACTIVATIONS_KEY, QK_KEY, SINK_KEY, STREAM_KEY):  # lens keys by name
             if openai_kwargs.get(key) is not None:
                 lens[key] = openai_kwargs.pop(key)
         if steering_vectors is not None:
@@ -211,8 +215,9 @@ class LensClient:
                  hooks: Any = None, stream: bool = False, transport: str = "json",
                  **openai_kwargs: Any) -> Any:
         """``/v1/completions``. Returns a ``LensResult`` or, with ``stream=True``, an iterator
-        of partial ones. ``output_activations=`` and ``output_qk=`` are sent as those lens
-        keys; other ``openai_kwargs`` go into the request body (``n``, ``seed``, ...)."""
+        of partial ones. ``output_activations=``, ``output_qk=``, ``capture_sink=`` and
+        ``stream_activations=`` are sent as those lens keys; other ``openai_kwargs`` go into
+        the request body (``n``, ``seed``, ...)."""
         return self._run("/v1/completions", "prompt", prompt, stream, dict(
             max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
             capture=capture, steering_vectors=steering_vectors, hooks=hooks,
@@ -461,6 +466,7 @@ def _choice_result(choice: dict[str, Any], data: dict[str, Any]) -> LensResult:
         raw=data,
         prompt_token_ids=choice.get("prompt_token_ids") or data.get("prompt_token_ids"),
         hook_results=decode_json_tensors(choice.get("hook_results")),
+        capture_receipt=choice.get("capture_receipt"),
     )
 
 

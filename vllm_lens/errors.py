@@ -6,7 +6,9 @@ Split by who is to blame, like vLLM's own ``vllm/exceptions.py``::
     ├── LensRequestError(ValueError)   the caller sent a bad lens request (HTTP 400)
     │   ├── UnsupportedModelError      the model's layers could not be mapped
     │   ├── UnsupportedConfigError     the engine runs a configuration vllm-lens refuses
-    │   └── RemoteCodeRefusedError     a pickled hook without the operator's opt-in (HTTP 403)
+    │   ├── RemoteCodeRefusedError     a pickled hook without the operator's opt-in (HTTP 403)
+    │   └── SinkRefusedError           a capture sink the operator has not opened to HTTP
+    │                                  clients (HTTP 403)
     ├── LensExecutionError             the worker failed while handling this request (HTTP
     │                                  500); the engine and every other request carry on
     └── WireError(ValueError)          bytes that do not decode as a vllm-lens payload
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 __all__ = [
     "LensError", "LensExecutionError", "LensRequestError", "RemoteCodeRefusedError",
-    "UnsupportedConfigError", "UnsupportedModelError", "WireError",
+    "SinkRefusedError", "UnsupportedConfigError", "UnsupportedModelError", "WireError",
 ]
 
 
@@ -79,6 +81,10 @@ class LensExecutionError(LensError):
 
 class RemoteCodeRefusedError(LensRequestError):
     """A request carried pickled code (a ``Hook``) and the operator has not allowed that."""
+
+
+class SinkRefusedError(LensRequestError):
+    """An HTTP request named a capture sink that the operator has not opened to clients."""
 
 
 class WireError(LensError, ValueError):

@@ -69,6 +69,14 @@ class Selector:
         return window.start, max(window.start, window.stop)
 
     @property
+    def needs_end(self) -> bool:
+        """Whether which positions it selects depends on where the request ends (a negative
+        index into ``generated`` / ``all``): known only once it finished."""
+        if self.base == "prompt":
+            return False
+        return any(bound is not None and bound < 0 for bound in (self.start, self.stop))
+
+    @property
     def keep_last(self) -> int | None:
         """For a window at the end of ``generated`` / ``all`` (a negative start): how many of
         the last positions it can span. While the request runs the worker keeps only the rows

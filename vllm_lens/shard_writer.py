@@ -206,12 +206,13 @@ class ShardWriter:
 
     def add(self, key: str, rows: Mapping[str, torch.Tensor], positions: Sequence[int],
             prompt_token_ids: Sequence[int] = (), token_ids: Sequence[int] = (), *,
-            reduced: bool = False) -> None:
+            reduced: bool = False) -> tuple[int, int]:
         """Queue one example: ``rows[point]`` is ``[n_layers, n_rows, *row_shape]`` (the
         manifest's layers, in order; the same ``n_rows`` for every point), ``positions`` the
         token positions of its rows (one per row; if ``reduced``, the positions reduced into
         its one row), ``token_ids`` the generated tokens. Written when the shard fills up (or
-        at ``close``)."""
+        at ``close``). Returns the shard and the row offset it will have there; a flush that
+        fails raises, and the example stays queued with the others."""
         if not isinstance(key, str) or not key:
             raise ValueError(f"example keys are non-empty strings, got {key!r}")
         if key in self.written or key in self._pending_keys:
@@ -233,6 +234,7 @@ class ShardWriter:
                 raise ValueError(f"example {key!r}: {point} has shape {tuple(t.shape)}, "
                                  f"expected {expected}")
             checked[point] = t.detach().to("cpu", self.dtype)
+        placed = (self._next_shard, self._pending_rows)
         entry = {"key": key, "rows": n_rows, "positions": [int(p) for p in positions],
                  "prompt_token_ids": [int(t) for t in prompt_token_ids],
                  "token_ids": [int(t) for t in token_ids]}
@@ -243,6 +245,21 @@ class ShardWriter:
         if (self._pending_rows >= self.rows_per_shard
                 or self._pending_bytes >= self.max_shard_bytes):
             self.flush()
+        return placed
+
+    @property
+    def pending_keys(self) -> list[str]:
+        """Keys queued for the next shard, in order."""
+        return [entry["key"] for entry, _ in self._pending]
+
+    def abandon(self) -> list[str]:
+        """Drop the queued examples without writing them and let go of the directory (after
+        a failed flush); returns their keys. The dataset stays what its index lists."""
+        dropped = self.pending_keys
+        self._pending, self._pending_keys = [], set()
+        self._pending_rows = self._pending_bytes = 0
+        self._release()
+        return dropped
 
     def flush(self) -> None:
         """Write the queued examples as one shard, then their index lines. On failure (a

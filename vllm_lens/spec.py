@@ -31,12 +31,16 @@ from vllm_lens.errors import (
 from vllm_lens import points as tap_points
 from vllm_lens.positions import NAMED as POSITION_SELECTORS
 from vllm_lens.positions import parse_selector
+from vllm_lens.sinks.config import SinkSpec
+from vllm_lens.sinks.config import configured as configured_sinks
 
 __all__ = [
     "ACTIVATIONS_KEY",
     "CAPTURE_KEY",
     "QK_KEY",
     "LENS_KEYS",
+    "SINK_KEY",
+    "STREAM_KEY",
     "STEER_KEY",
     "SteerSpec",
     "TRANSPORT_KEY",
@@ -67,7 +71,13 @@ TRANSPORT_KEY = "activations_transport"
 TRANSPORTS = ("json", "binary")
 #: Every key vllm-lens reads from ``extra_args``; near-misses of these are reported as typos.
 HOOKS_KEY = "apply_hooks"
-LENS_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, TRANSPORT_KEY)
+#: Write the captured rows to an operator's sink (``vllm_lens.sinks``) instead of returning
+#: them: ``{"sink", "dataset", "key"}``.
+SINK_KEY = "capture_sink"
+#: Return the rows computed so far with every streamed output (``AsyncLLM``, SSE).
+STREAM_KEY = "stream_activations"
+LENS_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, TRANSPORT_KEY,
+             SINK_KEY, STREAM_KEY)
 #: The reserved ``extra_args`` entry that carries the validated spec to the workers.
 PAYLOAD_KEY = "vllm_lens"
 PAYLOAD_VERSION = 1
@@ -257,6 +267,10 @@ class LensRequest:
     points: tuple[CaptureSpec, ...] = ()
     """Captures at tap points (``output_activations``) and Q/K (``output_qk``), one per
     signal."""
+    sink: SinkSpec | None = None
+    """Where the workers write the captured rows instead of returning them."""
+    stream: bool = False
+    """Rows travel with every streamed output, not only the last."""
 
     @property
     def captures(self) -> tuple[CaptureSpec, ...]:
@@ -306,6 +320,10 @@ class LensRequest:
             payload["capture"] = self.capture.to_payload()
         if self.points:
             payload["points"] = [c.to_payload() for c in self.points]
+        if self.sink is not None:
+            payload["sink"] = self.sink.to_payload()
+        if self.stream:
+            payload["stream"] = True
         return payload
 
     @classmethod
@@ -320,8 +338,11 @@ class LensRequest:
         steer = tuple(SteerSpec.from_payload(d) for d in payload.get("steer", ()))
         hooks = tuple(HookSpec.from_payload(d) for d in payload.get("hooks", ()))
         fault = payload.get("fault")
+        sink = payload.get("sink")
         return cls(key=str(payload["key"]), capture=capture, steer=steer, hooks=hooks,
-                   fault=None if fault is None else str(fault), points=points)
+                   fault=None if fault is None else str(fault), points=points,
+                   sink=None if sink is None else SinkSpec.from_payload(sink),
+                   stream=bool(payload.get("stream", False)))
 
 
 def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
@@ -364,6 +385,8 @@ def parse_extra_args(
         raw_points = None
     raw_steer = rest.pop(STEER_KEY, None)
     raw_hooks = rest.pop(HOOKS_KEY, None)
+    raw_sink = rest.pop(SINK_KEY, None)
+    raw_stream = rest.pop(STREAM_KEY, None)
     fault = _parse_fault(rest.pop(faults.FAULT_KEY, None), request_id)
     if raw_capture is False:
         raw_capture = None
@@ -373,6 +396,11 @@ def parse_extra_args(
                                  (QK_KEY, raw_qk), (STEER_KEY, raw_steer), (HOOKS_KEY, raw_hooks))
              if v is not None]
     if not asked:
+        for key, value in ((SINK_KEY, raw_sink), (STREAM_KEY, raw_stream)):
+            if value is not None and value is not False:
+                raise LensRequestError(key, "asks for captured rows, but the request captures "
+                                       f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY} or "
+                                       f"{QK_KEY})", request_id=request_id)
         return rest, None
     facts = facts()
     check_engine(facts, asked[0][0], hooks=raw_hooks is not None, request_id=request_id)
@@ -382,8 +410,11 @@ def parse_extra_args(
         points = (*points, *_parse_qk(raw_qk, facts, request_id))
     steer = () if raw_steer is None else _parse_steering(raw_steer, facts, request_id)
     hooks = () if raw_hooks is None else parse_hooks(raw_hooks, facts, request_id)
+    captures = points if capture is None else (capture, *points)
+    sink = None if raw_sink is None else _parse_sink(raw_sink, captures, facts, request_id)
+    stream = _parse_stream(raw_stream, captures, sink, request_id)
     return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
-                             fault=fault, points=points)
+                             fault=fault, points=points, sink=sink, stream=stream)
 
 
 def reuse_parsed(
@@ -392,7 +423,8 @@ def reuse_parsed(
     """``parse_extra_args(extra_args)`` without parsing again, when its lens values are those
     ``lens`` was parsed from (``parsed_from``): the same spec under a fresh key. ``None`` if
     they differ."""
-    own = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, faults.FAULT_KEY)
+    own = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, SINK_KEY, STREAM_KEY,
+           faults.FAULT_KEY)
     extra_args = extra_args or {}
     if any(extra_args.get(k) != parsed_from.get(k) for k in own) or PAYLOAD_KEY in extra_args:
         return None
@@ -435,6 +467,80 @@ def check_engine(facts: ModelFacts, field: str, *, hooks: bool,
 
 #: Model classes whose lens features the suite runs under pipeline parallelism.
 PIPELINE_PROVEN = frozenset({"LlamaForCausalLM"})
+
+
+def _parse_sink(raw: Any, captures: tuple[CaptureSpec, ...], facts: ModelFacts,
+                request_id: str | None) -> SinkSpec:
+    """``capture_sink``: a configured sink, a valid dataset name and key; the captures it
+    writes must form one example (the same layers, positions and reduction for every point),
+    and one worker must hold all of their rows."""
+    if not captures:
+        raise LensRequestError(SINK_KEY, f"asks for captured rows, but the request captures "
+                               f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY} or {QK_KEY})",
+                               request_id=request_id)
+    try:
+        sinks = configured_sinks()
+    except ValueError as exc:
+        raise LensRequestError(SINK_KEY, f"the operator's sink configuration is invalid: {exc}",
+                               request_id=request_id) from None
+    try:
+        sink = SinkSpec.parse(raw, sinks)
+    except ValueError as exc:
+        sub, problem = exc.args
+        raise LensRequestError(f"{SINK_KEY}.{sub}" if sub else SINK_KEY, problem,
+                               request_id=request_id) from None
+    first = captures[0]
+    for other in captures[1:]:
+        for name in ("layers", "positions", "reduce"):
+            if getattr(other, name) != getattr(first, name):
+                raise LensRequestError(
+                    SINK_KEY, f"writes one example per request, so every captured point needs "
+                    f"the same {name}: {first.signal} has {getattr(first, name)!r}, "
+                    f"{other.signal} {getattr(other, name)!r}", request_id=request_id)
+    if facts.pp_size > 1:
+        raise UnsupportedConfigError(
+            SINK_KEY, f"is refused under pipeline parallelism (pipeline_parallel_size="
+            f"{facts.pp_size}): each stage holds its own layers' rows and no stage writes the "
+            "others'; return the rows instead, or use one stage", request_id=request_id)
+    sharded = [c.signal for c in captures if c.signal in tap_points.SHARDED]
+    if sharded and facts.tp_size > 1:
+        raise UnsupportedConfigError(
+            SINK_KEY, f"is refused for {', '.join(sharded)} under tensor parallelism "
+            f"(tensor_parallel_size={facts.tp_size}): their rows are split across the ranks "
+            "and no rank writes the others'; return them instead", request_id=request_id)
+    return sink
+
+
+def _parse_stream(raw: Any, captures: tuple[CaptureSpec, ...], sink: SinkSpec | None,
+                  request_id: str | None) -> bool:
+    """``stream_activations``: ``true`` streams each capture's rows as they are computed,
+    which needs their final positions to be known then (no reduction, no window counted
+    from the end of the generation)."""
+    if raw is None or raw is False:
+        return False
+    if raw is not True:
+        raise LensRequestError(STREAM_KEY, f"must be true or false, got {raw!r}",
+                               request_id=request_id)
+    if not captures:
+        raise LensRequestError(STREAM_KEY, f"asks for captured rows, but the request captures "
+                               f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY} or {QK_KEY})",
+                               request_id=request_id)
+    if sink is not None:
+        raise LensRequestError(STREAM_KEY, f"cannot be combined with {SINK_KEY} (the rows go "
+                               "to the sink, not to the caller)", request_id=request_id)
+    for c in captures:
+        if c.reduce is not None:
+            raise LensRequestError(STREAM_KEY, f"streams rows as they are computed, but "
+                                   f"{c.signal} is reduced ({c.reduce!r}) over positions only "
+                                   "known at the end; drop reduce", request_id=request_id)
+        if isinstance(c.positions, str):
+            selector = parse_selector(c.positions)
+            if selector is not None and selector.needs_end:
+                raise LensRequestError(
+                    STREAM_KEY, f"streams rows as they are computed, but {c.signal}'s "
+                    f"positions {c.positions!r} are counted from the end of the generation, "
+                    "known only when it stops", request_id=request_id)
+    return True
 
 
 def _parse_fault(raw: Any, request_id: str | None) -> str | None:

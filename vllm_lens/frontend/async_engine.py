@@ -71,18 +71,21 @@ def _wrap_generate(original):
         # DELTA outputs carry only new tokens; the trim length needs the running total.
         delta = engine_params.output_kind == RequestOutputKind.DELTA
         generated: dict[int, int] = {}
+        generated_ids: list[int] = []  # kept for a request writing to a sink (n == 1)
         completed = False
         try:
             async for out in stream:
                 for c in out.outputs:
                     earlier = generated.get(c.index, 0) if delta else 0
                     generated[c.index] = earlier + len(c.token_ids)
+                    if lens.sink is not None:
+                        generated_ids[len(generated_ids) if delta else 0:] = c.token_ids
                 if out.finished:
                     session.forget([request_id])
                 if out.finished and lens.needs_fetch:
                     args_ = session.fetch_args(
-                        lens, len(out.prompt_token_ids or ()), generated, engine_params.n
-                    )
+                        lens, len(out.prompt_token_ids or ()), generated, engine_params.n,
+                        (out.prompt_token_ids or (), generated_ids))
                     results = await _fetch(self, session.fetch_rpc_args([args_]))
                     try:
                         by_index = session.attach(out, lens, results, engine_params.n)

@@ -23,6 +23,7 @@ from vllm_lens.hooks import HookError
 from vllm_lens.points import RESIDUAL_SIGNAL, SHARDED, SITES, shard_dim
 from vllm_lens.spec import (
     PAYLOAD_KEY,
+    SINK_KEY,
     CaptureSpec,
     LensRequest,
     ModelFacts,
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 #: What vllm-lens attaches to ``RequestOutput`` and ``CompletionOutput``.
-OUTPUT_FIELDS = ("activations", "hook_results", "hook_error", "lens_error")
+OUTPUT_FIELDS = ("activations", "hook_results", "hook_error", "lens_error", "capture_receipt")
 
 
 def install_output_fields() -> None:
@@ -271,6 +272,10 @@ class LensSession:
             rest, lens = parse_extra_args(params.extra_args, self._facts, request_id=request_id)
         if lens is None:
             return params, None
+        if lens.sink is not None and params.n != 1:
+            raise LensRequestError(SINK_KEY, f"writes one example per request; n={params.n} "
+                                   "samples would need one key each (send n requests)",
+                                   request_id=request_id)
         check_admission(lens, self._facts(), prompt_length(prompt), params.max_tokens,
                         params.n, request_id)
         engine_params = params.clone()
@@ -291,15 +296,22 @@ class LensSession:
         return (requests, handoff.host_id() if envs.shm_handoff() else None)
 
     def fetch_args(
-        self, lens: LensRequest, n_prompt: int, generated: Mapping[int, int], n: int
-    ) -> tuple[str, dict[str, int]]:
+        self, lens: LensRequest, n_prompt: int, generated: Mapping[int, int], n: int,
+        tokens: tuple[Sequence[int], Sequence[int]] | None = None,
+    ) -> tuple[Any, ...]:
         """Fetch arguments for one finished request (see ``LensWorkerExtension.lens_fetch``).
 
         ``generated`` maps completion index -> tokens generated; a request sampled once runs
-        under one engine id, ``n > 1`` children under ids prefixed ``"{index}_"``.
+        under one engine id, ``n > 1`` children under ids prefixed ``"{index}_"``. ``tokens``
+        (prompt and generated token ids) travel along for a request writing to a sink.
         """
         if n == 1:
-            return lens.key, {"": n_prompt + generated.get(0, 0) - 1}
+            valid = {"": n_prompt + generated.get(0, 0) - 1}
+            if lens.sink is not None:
+                prompt_ids, generated_ids = tokens or ((), ())
+                return lens.key, valid, {"prompt_token_ids": [int(t) for t in prompt_ids],
+                                         "token_ids": [int(t) for t in generated_ids]}
+            return lens.key, valid
         return lens.key, {f"{i}_": n_prompt + generated.get(i, 0) - 1 for i in range(n)}
 
     def attach(
@@ -324,6 +336,7 @@ class LensSession:
         errors: dict[str, str] = {}
         seen: dict[str, set[str]] = {}
         held: set[str] = set()
+        receipts: dict[str, dict[str, Any]] = {}
         trusted = any(h.pickled is not None for h in lens.hooks)
         for result in rank_results:
             for req_id, parts in (result or {}).get(lens.key, {}).items():
@@ -332,6 +345,8 @@ class LensSession:
                 seen.setdefault(req_id, set()).update(parts.get("seen") or ())
                 if parts.get("held"):
                     held.add(req_id)
+                if parts.get("receipt") is not None:
+                    receipts[req_id] = parts["receipt"]
                 for signal, sent in (parts.get("captures") or {}).items():
                     captures.setdefault(req_id, {}).setdefault(signal, []).append(
                         handoff.receive(sent))
@@ -347,6 +362,12 @@ class LensSession:
                     error = ("vllm-lens lost this request's lens state: no worker held it at "
                              "fetch time (its steering, hooks or rows cannot be vouched for; "
                              "dropped after VLLM_LENS_FINISHED_TTL_S?)")
+                elif lens.sink is not None:
+                    if not any(k.startswith(prefix) for k in receipts):
+                        error = ("vllm-lens wrote nothing to the sink: no position was "
+                                 "selected" if any(seen.values()) else
+                                 "vllm-lens lost this request's captured rows before they "
+                                 "reached the sink: no worker held them at fetch time")
                 else:
                     mine = next((v for k, v in captures.items() if k.startswith(prefix)), {})
                     signals_seen = set().union(
@@ -358,13 +379,18 @@ class LensSession:
                         for c in lens.captures)), None)
             if error is not None:
                 found["lens_error"] = LensExecutionError(error, request_id=output.request_id)
-                if lens.captures:
+                if lens.sink is not None:
+                    found["capture_receipt"] = None
+                elif lens.captures:
                     found["activations"] = None
                 if lens.hooks:
                     found["hook_results"], found["hook_error"] = None, None
                 by_index[index] = found
                 continue
-            if lens.captures:
+            if lens.sink is not None:
+                found["capture_receipt"] = next(
+                    v for k, v in receipts.items() if k.startswith(prefix))
+            elif lens.captures:
                 mine = next((v for k, v in captures.items() if k.startswith(prefix)), {})
                 found["activations"] = self._activations(lens, mine)
             if lens.hooks:

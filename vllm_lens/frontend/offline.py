@@ -115,6 +115,7 @@ def _wrap_step(original):
                 len(o.prompt_token_ids or ()),
                 {c.index: len(c.token_ids) for c in o.outputs},
                 len(o.outputs),
+                (o.prompt_token_ids or (), o.outputs[0].token_ids if o.outputs else ()),
             )
             for o, lens in captured
         ]

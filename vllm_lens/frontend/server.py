@@ -47,15 +47,22 @@ from vllm_lens.activations import (
     hook_results_to_json,
     valid_handle,
 )
-from vllm_lens.errors import LensExecutionError, LensRequestError, RemoteCodeRefusedError
+from vllm_lens.errors import (
+    LensExecutionError,
+    LensRequestError,
+    RemoteCodeRefusedError,
+    SinkRefusedError,
+)
 from vllm_lens.frontend.async_engine import model_facts
 from vllm_lens.frontend.blob_store import BlobStore
 from vllm_lens.frontend.rpc import all_workers
 from vllm_lens.frontend.response_scope import ResponseScope
 from vllm_lens.hooks import HookError
+from vllm_lens.sinks.config import configured as configured_sinks
 from vllm_lens.spec import (
     HOOKS_KEY,
     LENS_KEYS,
+    SINK_KEY,
     STEER_KEY,
     TRANSPORT_KEY,
     LensRequest,
@@ -230,12 +237,16 @@ async def _validate(
         _, lens = parse_extra_args(xargs, lambda: facts)
     if lens is None:
         return None
+    if lens.sink is not None and not configured_sinks()[lens.sink.sink].clients:
+        raise SinkRefusedError(
+            f"{SINK_KEY}.sink", f"sink {lens.sink.sink!r} is not open to HTTP clients (its "
+            'operator sets "clients": true in its VLLM_LENS_SINKS entry to allow that)')
     encode = _encode_binary if xargs.get(TRANSPORT_KEY) == "binary" else activations_to_json
     return encode, lens
 
 
 def _request_error(exc: LensRequestError) -> ErrorResponse:
-    if isinstance(exc, RemoteCodeRefusedError):
+    if isinstance(exc, (RemoteCodeRefusedError, SinkRefusedError)):
         return create_error_response(str(exc), err_type="PermissionDeniedError",
                                      status_code=HTTPStatus.FORBIDDEN, param=exc.field)
     return create_error_response(str(exc), param=exc.field)
@@ -253,6 +264,8 @@ def _encode_results(results: Mapping[str, Any],
         fields["activations"] = encode(results["activations"])
     if results.get("hook_results") is not None:
         fields["hook_results"] = hook_results_to_json(results["hook_results"])
+    if results.get("capture_receipt") is not None:
+        fields["capture_receipt"] = results["capture_receipt"]
     return fields
 
 

@@ -18,6 +18,7 @@ from vllm_lens.worker.capture import assemble
 from vllm_lens.worker.hooks import encode_results
 from vllm_lens.worker.requests import describe
 from vllm_lens.worker.runner import unsupported_reason
+from vllm_lens.worker import sink_writes
 from vllm_lens.worker.runtime import LensRuntime
 from vllm_lens.worker.taps import set_tap_handler, tap_info
 
@@ -59,7 +60,7 @@ class LensWorkerExtension:
                     "max_model_len": 0, "tp_rank": 0, "pp_rank": 0, "speculative": False}
 
     def lens_fetch(
-        self, requests: list[tuple[str, dict[str, int]]], front_end_host: str | None = None
+        self, requests: list[tuple[Any, ...]], front_end_host: str | None = None
     ) -> dict[str, dict[str, dict[str, Any]]]:
         """Pop what this rank holds for finished requests.
 
@@ -67,6 +68,8 @@ class LensWorkerExtension:
             requests: ``(lens key, {request id prefix: valid positions})`` per finished request;
                 positions at or past the valid count come from surplus steps and are dropped.
                 The prefix is ``""`` for ``n == 1`` and ``"{index}_"`` for sampled children.
+                A request writing to a capture sink has a third item, ``{"prompt_token_ids",
+                "token_ids"}``, stored with its rows.
             front_end_host: the caller's ``handoff.host_id()``; on the same host large payloads
                 are handed over through shared memory instead of the RPC result. ``None``
                 (another host, or hand-off turned off) sends everything inline.
@@ -79,7 +82,9 @@ class LensWorkerExtension:
             ``hooks.encode_results`` (TP rank 0 of each stage only: the other TP ranks ran the
             same hooks on the same rows); ``error`` says why this rank failed the request;
             ``held`` is set by every rank that still held the request's record, ``seen`` (the
-            signals) by those of them that capture some of its layers.
+            signals) by those of them that capture some of its layers. A request writing to a
+            capture sink gets ``receipt`` (the sink's) from the rank that wrote its rows, in
+            place of ``captures``.
             A failure while fetching one request fails that request only.
         """
         if _runtime is None:
@@ -90,17 +95,18 @@ class LensWorkerExtension:
         except Exception as exc:  # fail the requests this rank holds, nobody else's
             problem = {"error": f"vllm-lens failed at fetch: {describe(exc)}"}
             failed: dict[str, dict[str, dict[str, Any]]] = {}
-            for key, _ in requests:
+            for key, *_ in requests:
                 _runtime.store.pop(key)
                 held = _runtime.pop_records(key)
                 if held:
                     failed[key] = {req_id: problem for req_id in held}
             return failed
         out: dict[str, dict[str, dict[str, Any]]] = {}
-        for key, valid_lens in requests:
+        for key, valid_lens, *tokens in requests:
             found: dict[str, dict[str, Any]] = {}
             try:
-                _fetch_one(_runtime, key, valid_lens, front_end_host, found)
+                _fetch_one(_runtime, key, valid_lens, front_end_host, found,
+                           tokens[0] if tokens else None)
             except Exception as exc:
                 handoff.discard_fetched({key: found})
                 stage, cause = (("handoff", exc.__cause__) if isinstance(exc, _HandoffFailed)
@@ -110,6 +116,11 @@ class LensWorkerExtension:
             if found:
                 out[key] = found
         return out
+
+    def lens_flush_sinks(self) -> list[str]:
+        """Make every example written to a capture sink so far durable; returns what failed
+        (TP rank 0 writes; the other ranks answer with nothing)."""
+        return sink_writes.flush_all()
 
     def lens_release(self, keys: list[str]) -> None:
         """Drop the buffers of requests that will never be fetched (aborted, failed)."""
@@ -179,7 +190,8 @@ class _HandoffFailed(Exception):
 
 
 def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
-               front_end_host: str | None, out: dict[str, dict[str, Any]]) -> None:
+               front_end_host: str | None, out: dict[str, dict[str, Any]],
+               tokens: dict[str, list[int]] | None = None) -> None:
     """Fill ``out`` (request id -> parts) with what this rank holds for lens key ``key``."""
     records = runtime.pop_records(key)
     entries = runtime.store.pop(key)
@@ -205,6 +217,9 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
         if valid is None:
             continue
         record = records.get(req_id)
+        if record is not None and record.lens.sink is not None:
+            _write_to_sink(runtime, record, by_signal, valid, tokens or {}, out)
+            continue
         for signal, entry in by_signal.items():
             capture = assemble(entry, valid)
             capture["tp_rank"] = runtime.tp_rank
@@ -216,6 +231,20 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
             except Exception as exc:
                 raise _HandoffFailed() from exc
             out.setdefault(req_id, {}).setdefault("captures", {})[signal] = sent
+
+
+def _write_to_sink(runtime: LensRuntime, record: Any, by_signal: dict[str, Any], valid: int,
+                   tokens: dict[str, list[int]], out: dict[str, dict[str, Any]]) -> None:
+    """Write one finished request's rows to its capture sink; its ``receipt`` (or ``error``)
+    goes back to the front end instead of the rows."""
+    try:
+        captures = {signal: assemble(entry, valid) for signal, entry in by_signal.items()}
+        receipt = sink_writes.write(record.lens, captures, str(runtime.runner.model_config.model),
+                                    tokens.get("prompt_token_ids", ()), tokens.get("token_ids", ()))
+    except Exception as exc:  # noqa: BLE001 - this request fails alone
+        out[record.req_id] = {"error": f"vllm-lens failed at sink: {describe(exc)}"}
+        return
+    out.setdefault(record.req_id, {})["receipt"] = receipt
 
 
 def _qk_meta(info: Any) -> list[list[Any]]:

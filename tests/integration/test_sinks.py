@@ -1,0 +1,157 @@
+"""Capture sinks over HTTP: the workers write a request's rows to the operator's dataset and
+the response carries a receipt; sinks not opened to clients, unknown sinks and bad names are
+refused; a shard the OS refuses to write fails its request alone and the dataset stays valid.
+
+Once the server has started, its processes get a file-size limit (``RLIMIT_FSIZE``, 1 MiB): a
+shard larger than that fails to write with "File too large", as a full disk would with "No
+space left".
+"""
+
+import json
+import resource
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.integration.server import running_server
+from vllm_lens import datasets
+from vllm_lens.client import LensClient
+
+FILE_LIMIT = 1 << 20
+
+
+def _descendants(pid):
+    found = [pid]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found.extend(_descendants(int(child)))
+    return found
+
+
+def _limit_file_size(pid):
+    """Limit the size of files the server's processes (the engine's included) write."""
+    for each in _descendants(pid):
+        resource.prlimit(each, resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
+
+
+@pytest.fixture(scope="module")
+def sink_server(tiny_path, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sinks")
+    sinks = {
+        "open": {"root": str(root / "open"), "clients": True, "rows_per_shard": 4,
+                 "flush_s": 0.2},
+        "closed": {"root": str(root / "closed")},
+        "small": {"root": str(root / "small"), "clients": True, "rows_per_shard": 100000,
+                  "max_shard_bytes": 1 << 20, "flush_s": 0},
+    }
+    with running_server(tiny_path, "--enforce-eager",
+                        env={"VLLM_LENS_SINKS": json.dumps(sinks)}) as server:
+        _limit_file_size(server.pid)
+        yield server, root
+
+
+def _post(server, **xargs):
+    body = {"model": _model(server), "prompt": "The capital of France is", "max_tokens": 3,
+            "temperature": 0, "return_token_ids": True,
+            "vllm_xargs": {k: v if isinstance(v, str) else json.dumps(v)
+                           for k, v in xargs.items()}}
+    return httpx.post(server.base_url + "/v1/completions", json=body, timeout=300)
+
+
+def _model(server):
+    return httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
+
+
+def _wait_for_keys(path, keys, timeout_s=30):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (path / "index.jsonl").exists() and set(keys) <= set(datasets.open(path).keys()):
+            return datasets.open(path)
+        time.sleep(0.1)
+    raise AssertionError(f"{keys} did not reach {path}'s index")
+
+
+def test_the_workers_write_the_rows_and_the_response_carries_a_receipt(sink_server):
+    server, root = sink_server
+    capture = {"resid_post": {"layers": [1, 3]}, "attn_out": {"layers": [1, 3]}}
+    with LensClient(server.base_url) as client:
+        returned = client.generate("The capital of France is", max_tokens=4,
+                                   output_activations=capture)
+        receipts = [client.generate(prompt, max_tokens=4, output_activations=capture,
+                                    capture_sink={"sink": "open", "dataset": "run-1",
+                                                  "key": key})
+                    for key, prompt in (("fr", "The capital of France is"),
+                                        ("tale", "Once upon a time"))]
+    assert receipts[0].activations is None and receipts[0].text == returned.text
+    n_rows = len(returned.prompt_token_ids) + 3  # the last generated token never ran
+    assert receipts[0].capture_receipt == {
+        "sink": "open", "dataset": "run-1", "key": "fr", "shard": 0, "offset": 0,
+        "rows": n_rows, "shapes": {"resid_post": [2, n_rows, 128], "attn_out": [2, n_rows, 128]},
+        "durable": True}  # rows_per_shard 4: the first example fills its shard
+    ds = _wait_for_keys(root / "open" / "run-1", ["fr", "tale"])  # the timer flushed "tale"
+    example = ds.get("fr")
+    for point in ("resid_post", "attn_out"):
+        assert torch.equal(example[point], returned.activations[point])
+    assert example["positions"].tolist() == returned.activations["positions"].tolist()
+    assert example["prompt_token_ids"] == returned.prompt_token_ids
+    assert ds.manifest["points"] == ["resid_post", "attn_out"] and ds.manifest["layers"] == [1, 3]
+    entry = next(e for e in ds.entries if e["key"] == "fr")
+    assert entry["token_ids"] == receipts[0].token_ids
+    again = _post(server, output_activations=capture,
+                  capture_sink={"sink": "open", "dataset": "run-1", "key": "fr"})
+    assert again.status_code == 500 and "already in the dataset" in again.text
+    other = _post(server, output_residual_stream=[1],
+                  capture_sink={"sink": "open", "dataset": "run-1", "key": "new"})
+    assert other.status_code == 500 and "holds examples with layers=[1, 3]" in other.text
+
+
+@pytest.mark.parametrize("sink, status, problem", [
+    ({"sink": "closed", "dataset": "d", "key": "k"}, 403, "not open to HTTP clients"),
+    ({"sink": "nope", "dataset": "d", "key": "k"}, 400, "unknown sink 'nope'"),
+    ({"sink": "open", "dataset": "../../etc", "key": "k"}, 400, "not a valid name"),
+    ({"sink": "open", "dataset": "d", "key": "k", "root": "/"}, 400, "unknown field"),
+])
+def test_sinks_a_client_may_not_use_are_refused(sink_server, sink, status, problem):
+    server, root = sink_server
+    response = _post(server, output_residual_stream=[1], capture_sink=sink)
+    assert response.status_code == status and problem in response.text, response.text
+    assert not (root / "closed").exists()
+    n2 = httpx.post(server.base_url + "/v1/completions", timeout=300, json={
+        "model": _model(server), "prompt": "Hi", "max_tokens": 2, "n": 2,
+        "vllm_xargs": {"output_residual_stream": "[1]", "capture_sink": json.dumps(
+            {"sink": "open", "dataset": "d", "key": "k"})}})
+    assert n2.status_code == 400 and "one example per request" in n2.text
+
+
+def test_a_shard_the_os_refuses_fails_its_request_alone(sink_server):
+    server, root = sink_server
+    long_prompt = " ".join(["word"] * 300)  # ~300 rows × 4 layers × 128 × 4 B ≈ 600 KiB
+    capture = {"layers": True}
+
+    def write(key):
+        return httpx.post(server.base_url + "/v1/completions", timeout=300, json={
+            "model": _model(server), "prompt": long_prompt, "max_tokens": 1, "temperature": 0,
+            "vllm_xargs": {"output_residual_stream": json.dumps(capture),
+                           "capture_sink": json.dumps({"sink": "small", "dataset": "d",
+                                                       "key": key})}})
+
+    first = write("a")
+    assert first.status_code == 200 and first.json()["choices"][0]["capture_receipt"]["key"] == "a"
+    second = write("b")  # its shard (~1.2 MiB) passes the file-size limit
+    assert second.status_code == 500, second.text
+    assert "File too large" in second.text and "['a', 'b']" in second.text
+    # Everyone else is still served, rows included.
+    with LensClient(server.base_url) as client:
+        plain = client.generate("Hello", max_tokens=2, capture_layers=[1])
+    assert plain.activations["residual_stream"].shape[0] == 1
+    path = root / "small" / "d"
+    assert not (path / "index.jsonl").exists() or datasets.open(path).keys() == []
+    assert not list(path.glob("shard-*")) and not list(path.glob(".*tmp*"))
+    short = httpx.post(server.base_url + "/v1/completions", timeout=300, json={
+        "model": _model(server), "prompt": "A short one", "max_tokens": 1,
+        "vllm_xargs": {"output_residual_stream": "[1]", "capture_sink": json.dumps(
+            {"sink": "small", "dataset": "d2", "key": "k"})}})
+    assert short.status_code == 200  # the sink itself carries on

@@ -1,0 +1,179 @@
+"""Capture sinks without an engine: the operator's configuration, what a request may name,
+and the safetensors sink's behaviour when a shard cannot be written."""
+
+import json
+
+import pytest
+import torch
+
+from vllm_lens import datasets
+from vllm_lens.errors import LensRequestError, UnsupportedConfigError
+from vllm_lens.sinks import Example, load_kind
+from vllm_lens.sinks.config import SinkSpec, check_name, parse_config
+from vllm_lens.sinks.shards import ShardSink
+from vllm_lens.spec import ModelFacts, parse_extra_args
+
+FACTS = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=8,
+                   max_model_len=64, mapped=True, sites=("pre", "attn", "mid", "act", "post"),
+                   d_mlp=16, n_heads=2, n_kv_heads=2, head_dim=4)
+
+
+@pytest.mark.parametrize("name", ["acts", "run-1", "a.b_c", "A" * 128])
+def test_valid_names(name):
+    assert check_name(name, "dataset") == name
+
+
+@pytest.mark.parametrize("name", ["", ".hidden", "..", "a/b", "../x", "a..b", "a b", "é",
+                                  "A" * 129, 3, None, "-x" + "\x00"])
+def test_names_that_could_leave_the_root_are_refused(name):
+    with pytest.raises(ValueError, match="not a valid name"):
+        check_name(name, "dataset")
+
+
+def test_the_operator_config(tmp_path):
+    sinks = parse_config(json.dumps({"acts": {"root": str(tmp_path), "clients": True,
+                                              "rows_per_shard": 8}}))
+    assert sinks["acts"].kind == "safetensors" and sinks["acts"].clients
+    assert sinks["acts"].options == {"rows_per_shard": 8}
+    path = tmp_path / "sinks.json"
+    path.write_text(json.dumps({"b": {"root": str(tmp_path)}}))
+    assert not parse_config(str(path))["b"].clients
+    for bad, problem in [("[1]", "JSON object"), ("{", "not valid JSON"),
+                         ('{"a/b": {"root": "/x"}}', "not a valid name"),
+                         ('{"a": {"root": "relative"}}', "absolute directory"),
+                         ('{"a": {"root": "/x", "clients": "yes"}}', "true or false"),
+                         (str(tmp_path / "missing.json"), "cannot read")]:
+        with pytest.raises(ValueError, match=problem):
+            parse_config(bad)
+
+
+def test_a_request_names_a_configured_sink_a_dataset_and_a_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_LENS_SINKS", json.dumps({"acts": {"root": str(tmp_path)}}))
+    good = {"sink": "acts", "dataset": "d1", "key": "ex-1"}
+    capture = {"output_residual_stream": [1, 2]}
+    _, lens = parse_extra_args({**capture, "capture_sink": good}, lambda: FACTS)
+    assert lens.sink == SinkSpec("acts", "d1", "ex-1")
+    assert type(lens).from_payload(lens.to_payload()).sink == lens.sink
+    for raw, field, problem in [
+        ({**good, "sink": "other"}, "capture_sink.sink", "unknown sink 'other'; this "
+         "engine's sinks: acts"),
+        ({**good, "dataset": "../etc"}, "capture_sink.dataset", "not a valid name"),
+        ({**good, "key": ""}, "capture_sink.key", "non-empty string"),
+        ({**good, "path": "/tmp"}, "capture_sink.path", "unknown field"),
+        ({"sink": "acts", "dataset": "d"}, "capture_sink.key", "missing"),
+        ("[", "capture_sink", "not valid JSON"),
+    ]:
+        with pytest.raises(LensRequestError) as err:
+            parse_extra_args({**capture, "capture_sink": raw}, lambda: FACTS)
+        assert err.value.field == field and problem in err.value.problem
+    with pytest.raises(LensRequestError, match="captures nothing"):
+        parse_extra_args({"capture_sink": good}, lambda: FACTS)
+    with pytest.raises(LensRequestError, match="the same layers"):
+        parse_extra_args({"output_activations": {"resid_post": [1], "attn_out": [2]},
+                          "capture_sink": good}, lambda: FACTS)
+    with pytest.raises(UnsupportedConfigError, match="pipeline parallelism"):
+        parse_extra_args({**capture, "capture_sink": good},
+                         lambda: ModelFacts(**{**FACTS.__dict__, "pp_size": 2}))
+    with pytest.raises(UnsupportedConfigError, match="attn_z under tensor parallelism"):
+        parse_extra_args({"output_activations": {"attn_z": [1]}, "capture_sink": good},
+                         lambda: ModelFacts(**{**FACTS.__dict__, "tp_size": 2}))
+    monkeypatch.delenv("VLLM_LENS_SINKS")
+    with pytest.raises(LensRequestError, match="VLLM_LENS_SINKS is not set"):
+        parse_extra_args({**capture, "capture_sink": good}, lambda: FACTS)
+
+
+def test_streaming_needs_positions_known_as_rows_are_made():
+    _, lens = parse_extra_args({"output_residual_stream": [1], "stream_activations": True},
+                               lambda: FACTS)
+    assert lens.stream and type(lens).from_payload(lens.to_payload()).stream
+    for capture, problem in [({"layers": [1], "reduce": "mean"}, "reduced"),
+                             ({"layers": [1], "positions": "generated[-3:]"}, "from the end"),
+                             ({"layers": [1], "positions": "all[:-1]"}, "from the end")]:
+        with pytest.raises(LensRequestError, match=problem):
+            parse_extra_args({"output_residual_stream": capture, "stream_activations": True},
+                             lambda: FACTS)
+    with pytest.raises(LensRequestError, match="true or false"):
+        parse_extra_args({"output_residual_stream": [1], "stream_activations": "yes"},
+                         lambda: FACTS)
+    _, lens = parse_extra_args({"output_residual_stream": {"layers": [1], "positions":
+                                                           "prompt[-2:]"},
+                                "stream_activations": True}, lambda: FACTS)
+    assert lens.stream  # a window at the prompt's end is known before generation starts
+
+
+def _example(key, n_rows, settings, fill=1.0):
+    rows = {"resid_post": torch.full((2, n_rows, 8), fill)}
+    return Example(key=key, rows=rows, positions=list(range(n_rows)), reduced=False,
+                   prompt_token_ids=list(range(n_rows)), token_ids=[], settings=settings)
+
+
+SETTINGS = {"model": "m", "points": ["resid_post"], "layers": [1, 2], "dtype": "float32",
+            "row_shapes": {"resid_post": [8]}, "positions": "all", "reduce": None}
+
+
+def test_the_shard_sink_writes_a_dataset_and_receipts(tmp_path):
+    config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 5,
+                                               "flush_s": 0}}))["acts"]
+    sink = load_kind("safetensors")(config)
+    first = sink.write("d", _example("a", 3, SETTINGS))
+    assert first == {"sink": "acts", "dataset": "d", "key": "a", "shard": 0, "offset": 0,
+                     "rows": 3, "shapes": {"resid_post": [2, 3, 8]}, "durable": False}
+    second = sink.write("d", _example("b", 3, SETTINGS, 2.0))  # fills the shard
+    assert (second["shard"], second["offset"], second["durable"]) == (0, 3, True)
+    third = sink.write("d", _example("c", 1, SETTINGS, 3.0))
+    assert (third["shard"], third["offset"], third["durable"]) == (1, 0, False)
+    with pytest.raises(ValueError, match="already in the dataset"):
+        sink.write("d", _example("a", 1, SETTINGS))
+    with pytest.raises(ValueError, match="holds examples with positions='all'"):
+        sink.write("d", _example("x", 1, {**SETTINGS, "positions": "prompt"}))
+    assert sink.flush() == []
+    ds = datasets.open(tmp_path / "d")
+    assert ds.keys() == ["a", "b", "c"]
+    assert torch.equal(ds.get("b")["resid_post"], torch.full((2, 3, 8), 2.0))
+    sink.close()
+
+
+def test_a_shard_that_cannot_be_written_fails_its_request_and_names_the_dropped_keys(
+        tmp_path, monkeypatch):
+    import safetensors.torch
+
+    config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 4,
+                                               "flush_s": 0}}))["acts"]
+    sink = ShardSink(config)
+    sink.write("d", _example("a", 4, SETTINGS))  # shard 0, on disk
+    sink.write("d", _example("b", 2, SETTINGS))  # queued
+    real = safetensors.torch.save_file
+
+    def full_disk(tensors, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(RuntimeError, match=r"No space left.*keys \['b', 'c'\]"):
+        sink.write("d", _example("c", 2, SETTINGS))
+    assert datasets.open(tmp_path / "d").keys() == ["a"]  # what was written stays valid
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    receipt = sink.write("d", _example("c", 2, SETTINGS))  # the dataset is reopened afresh
+    assert receipt["shard"] == 1 and not receipt["durable"]
+    sink.close()
+    assert datasets.open(tmp_path / "d").keys() == ["a", "c"]
+
+
+def test_a_timer_flushes_queued_examples(tmp_path):
+    import time
+
+    config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "flush_s": 0.2}}))
+    sink = ShardSink(config["acts"])
+    sink.write("d", _example("a", 2, SETTINGS))
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "d" / "index.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert datasets.open(tmp_path / "d").keys() == ["a"]
+    sink.close()
+
+
+def test_unknown_options_and_kinds(tmp_path):
+    config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "shards": 3}}))["acts"]
+    with pytest.raises(ValueError, match="unknown option 'shards'"):
+        ShardSink(config)
+    with pytest.raises(KeyError, match="no sink kind 'ftp'"):
+        load_kind("ftp")

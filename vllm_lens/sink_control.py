@@ -1,0 +1,40 @@
+"""Asking an engine's workers to flush their capture sinks (runs in: front end).
+
+Sinks queue examples and write them a shard at a time (``vllm_lens.sinks.shards``); a job
+that wants everything on disk before it exits (``vllm-lens extract`` does) calls
+``flush_sinks(llm)`` (offline ``LLM`` or ``LLMEngine``) or ``await flush_sinks_async(engine)``
+(``AsyncLLM``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from vllm_lens.errors import LensExecutionError
+
+__all__ = ["flush_sinks", "flush_sinks_async"]
+
+
+def _raise_problems(answers: Iterable[Any]) -> None:
+    problems = [p for answer in answers for p in (answer or ())]
+    if problems:
+        raise LensExecutionError("vllm-lens: flushing the capture sinks failed: "
+                                 + "; ".join(problems))
+
+
+def flush_sinks(llm: Any) -> None:
+    """Write every example queued in the engine's capture sinks.
+
+    Raises:
+        LensExecutionError: a shard could not be written (its message names the dataset and
+            the keys that were dropped).
+    """
+    _raise_problems(llm.collective_rpc("lens_flush_sinks"))
+
+
+async def flush_sinks_async(engine: Any) -> None:
+    """``flush_sinks`` for an ``AsyncLLM`` (every data-parallel engine's workers)."""
+    from vllm_lens.frontend.rpc import all_workers
+
+    _raise_problems(await all_workers(engine, "lens_flush_sinks"))

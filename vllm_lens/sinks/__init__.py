@@ -1,0 +1,82 @@
+"""Capture sinks: where a request's rows go when it asks to write them instead of returning
+them (runs in: worker; ``sinks.config`` also in the front end).
+
+A sink kind is a factory published in the entry-point group ``vllm_lens.sinks``, called with
+the operator's ``SinkConfig`` and returning a ``Sink``. vllm-lens ships ``safetensors``
+(``sinks.shards``: the dataset format of ``vllm_lens.shard_writer``); any installed package
+can add one for its storage::
+
+    [project.entry-points."vllm_lens.sinks"]
+    my_store = "my_package.sinks:make_sink"
+
+The worker that holds a finished request's rows (TP rank 0 of a single pipeline stage) calls
+``Sink.write`` with one ``Example`` and hands the returned receipt (small, JSON-able) back to
+the front end, which attaches it to the response in place of the rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, Protocol
+
+import torch
+
+from vllm_lens.sinks.config import SinkConfig, SinkSpec, configured
+
+__all__ = ["ENTRY_POINT_GROUP", "Example", "Sink", "SinkConfig", "SinkSpec", "configured",
+           "load_kind"]
+
+ENTRY_POINT_GROUP = "vllm_lens.sinks"
+
+
+@dataclass
+class Example:
+    """One request's rows, as a sink receives them."""
+
+    key: str
+    rows: Mapping[str, torch.Tensor]
+    """Point -> ``[n_layers, n_rows, *row]`` (a reduced capture has ``n_rows == 1``), on
+    the host, in the model's dtype."""
+    positions: Sequence[int]
+    """Token position of each row (a reduced capture: the positions reduced into its row)."""
+    reduced: bool
+    prompt_token_ids: Sequence[int]
+    token_ids: Sequence[int]
+    """The generated tokens (the last one has no rows: it was never run through the model)."""
+    settings: Mapping[str, Any]
+    """What a dataset of such examples holds, for its manifest: ``model``, ``points``,
+    ``layers``, ``dtype``, ``row_shapes``, ``positions`` (the selector), ``reduce``; examples
+    with other settings do not belong in the same dataset."""
+
+
+class Sink(Protocol):
+    def write(self, dataset: str, example: Example) -> dict[str, Any]:
+        """Store ``example`` in ``dataset`` (created on first use); returns the receipt.
+
+        Raises to fail the request alone (its message reaches the caller)."""
+
+    def flush(self) -> list[str]:
+        """Make everything written so far durable; returns what failed (messages)."""
+
+    def close(self) -> None:
+        """Flush and let go of every dataset."""
+
+
+@functools.cache
+def _kinds() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def load_kind(kind: str) -> Callable[[SinkConfig], Sink]:
+    """The factory of sink kind ``kind``; ``KeyError`` lists the installed kinds."""
+    found = _kinds().get(kind)
+    if found is None:
+        if kind == "safetensors":  # running from a source tree without entry points
+            from vllm_lens.sinks.shards import ShardSink
+
+            return ShardSink
+        raise KeyError(f"no sink kind {kind!r}; installed: {', '.join(sorted(_kinds()))}")
+    return found.load()

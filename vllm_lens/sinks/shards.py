@@ -1,0 +1,157 @@
+"""The ``safetensors`` capture sink: each dataset is a ``vllm_lens.shard_writer`` directory
+under the sink's root (runs in: worker).
+
+Examples are queued per dataset and written a shard at a time (``rows_per_shard`` rows or
+``max_shard_bytes``, options of the sink's entry in ``VLLM_LENS_SINKS``), and at the latest
+``flush_s`` seconds (default 10) after the oldest queued one arrived, or when the front end
+asks (``vllm_lens.flush_sinks``). An example is in the dataset once its key is in
+``index.jsonl``; the receipt says whether that was so when the request finished
+(``durable``). A shard that cannot be written (a full disk) fails the request whose write
+triggered it with the keys it took down with it; the examples queued with it are dropped
+(they are not in the index: a resumed job writes them again), the shards already written
+stay valid, and the next write to the dataset starts afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_lens.shard_writer import ShardWriter
+from vllm_lens.sinks import Example
+from vllm_lens.sinks.config import SinkConfig
+
+__all__ = ["ShardSink"]
+
+logger = logging.getLogger(__name__)
+
+_OPTIONS = ("rows_per_shard", "max_shard_bytes", "flush_s")
+#: Manifest fields that may differ between the runs that wrote one dataset.
+_VERSIONS = ("vllm_version", "vllm_lens_version")
+
+
+class ShardSink:
+    """A sink writing safetensors shard datasets under ``config.root``."""
+
+    def __init__(self, config: SinkConfig) -> None:
+        unknown = sorted(set(config.options) - set(_OPTIONS))
+        if unknown:
+            raise ValueError(f"sink {config.name!r}: unknown option {unknown[0]!r}; the "
+                             f"safetensors sink takes {', '.join(_OPTIONS)}")
+        self.config = config
+        self.root = Path(config.root)
+        self.rows_per_shard = int(config.options.get("rows_per_shard", 65536))
+        self.max_shard_bytes = int(config.options.get("max_shard_bytes", 1 << 30))
+        self.flush_s = float(config.options.get("flush_s", 10.0))
+        self._writers: dict[str, ShardWriter] = {}
+        self._oldest: dict[str, float] = {}
+        """Dataset -> when its oldest queued example arrived."""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._timer: threading.Thread | None = None
+
+    def write(self, dataset: str, example: Example) -> dict[str, Any]:
+        with self._lock:
+            writer = self._writer(dataset, example.settings)
+            try:
+                shard, offset = writer.add(example.key, example.rows, example.positions,
+                                           example.prompt_token_ids, example.token_ids,
+                                           reduced=example.reduced)
+            except ValueError:  # a bad example (duplicate key ...): nothing was queued
+                raise
+            except Exception as exc:  # the shard it filled could not be written
+                raise RuntimeError(self._abandon(dataset, exc)) from None
+            if writer.pending_keys:
+                self._oldest.setdefault(dataset, time.monotonic())
+            else:
+                self._oldest.pop(dataset, None)
+            self._start_timer()
+        first = next(iter(example.rows.values()))
+        return {
+            "sink": self.config.name, "dataset": dataset, "key": example.key,
+            "shard": shard, "offset": offset, "rows": int(first.shape[1]),
+            "shapes": {point: list(t.shape) for point, t in example.rows.items()},
+            "durable": example.key in writer.written,
+        }
+
+    def _writer(self, dataset: str, settings: Any) -> ShardWriter:
+        writer = self._writers.get(dataset)
+        if writer is not None:
+            for field in sorted(set(writer.manifest) | set(settings)):
+                if field in _VERSIONS or field == "format":
+                    continue
+                if writer.manifest.get(field) != _plain(settings.get(field)):
+                    raise ValueError(
+                        f"dataset {dataset!r} of sink {self.config.name!r} holds examples with "
+                        f"{field}={writer.manifest.get(field)!r}, not "
+                        f"{_plain(settings.get(field))!r}; write these to another dataset")
+            return writer
+        try:
+            writer = ShardWriter(self.root / dataset, settings,
+                                 rows_per_shard=self.rows_per_shard,
+                                 max_shard_bytes=self.max_shard_bytes, resume=True)
+        except ValueError as exc:  # another manifest
+            raise ValueError(f"dataset {dataset!r} of sink {self.config.name!r}: {exc}; write "
+                             "these to another dataset") from None
+        self._writers[dataset] = writer
+        return writer
+
+    def _abandon(self, dataset: str, exc: BaseException) -> str:
+        """Drop ``dataset``'s writer after a failed shard write; returns the message."""
+        writer = self._writers.pop(dataset)
+        self._oldest.pop(dataset, None)
+        dropped = writer.abandon()
+        message = (f"sink {self.config.name!r} could not write a shard of dataset {dataset!r} "
+                   f"({type(exc).__name__}: {exc}); the {len(dropped)} example(s) queued for "
+                   f"it were dropped (keys {dropped[:10]}{' ...' if len(dropped) > 10 else ''}"
+                   "); the dataset holds what its index lists, and a resumed job writes them "
+                   "again")
+        logger.error("vllm-lens: %s", message)
+        return message
+
+    def flush(self) -> list[str]:
+        problems = []
+        with self._lock:
+            for dataset in list(self._writers):
+                try:
+                    self._writers[dataset].flush()
+                    self._oldest.pop(dataset, None)
+                except Exception as exc:  # noqa: BLE001 - reported, the others still flush
+                    problems.append(self._abandon(dataset, exc))
+        return problems
+
+    def close(self) -> None:
+        self._stop.set()
+        self.flush()
+        with self._lock:
+            for writer in self._writers.values():
+                writer.close()
+            self._writers.clear()
+
+    def _start_timer(self) -> None:
+        if self._timer is None and self.flush_s > 0:
+            self._timer = threading.Thread(target=self._flush_when_due, daemon=True,
+                                           name=f"vllm-lens-sink-{self.config.name}")
+            self._timer.start()
+
+    def _flush_when_due(self) -> None:
+        while not self._stop.wait(min(1.0, self.flush_s)):
+            now = time.monotonic()
+            with self._lock:
+                due = [d for d, t in self._oldest.items() if now - t >= self.flush_s]
+                for dataset in due:
+                    try:
+                        self._writers[dataset].flush()
+                        self._oldest.pop(dataset, None)
+                    except Exception as exc:  # noqa: BLE001 - logged; the thread carries on
+                        self._abandon(dataset, exc)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as it reads back from the manifest's JSON."""
+    import json
+
+    return json.loads(json.dumps(value))

@@ -62,7 +62,9 @@ class LensResult:
     """One choice of a response; ``choices`` holds every choice of the same response.
 
     While streaming, ``text`` and ``token_ids`` are what arrived so far and ``delta`` the newest
-    piece; ``activations`` is set on the last result of each choice.
+    piece; ``activations`` is set on the last result of each choice, or, with
+    ``stream_activations=True``, on every result that brought rows: the rows computed since
+    the previous one (laid end to end along positions, they are the whole capture).
     """
 
     index: int
@@ -183,7 +185,7 @@ class _StreamState:
             if delta is None:
                 delta = (choice.get("delta") or {}).get("content") or ""
             result = replace(
-                previous, text=previous.text + delta, delta=delta, raw=chunk,
+                previous, text=previous.text + delta, delta=delta, raw=chunk, activations=None,
                 token_ids=previous.token_ids + list(choice.get("token_ids") or ()),
                 finish_reason=choice.get("finish_reason") or previous.finish_reason,
                 prompt_token_ids=chunk.get("prompt_token_ids") or previous.prompt_token_ids,

@@ -397,7 +397,7 @@ def parse_extra_args(
              if v is not None]
     if not asked:
         for key, value in ((SINK_KEY, raw_sink), (STREAM_KEY, raw_stream)):
-            if value is not None and value is not False:
+            if value is not None and value is not False and value != "false":
                 raise LensRequestError(key, "asks for captured rows, but the request captures "
                                        f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY} or "
                                        f"{QK_KEY})", request_id=request_id)
@@ -516,9 +516,9 @@ def _parse_stream(raw: Any, captures: tuple[CaptureSpec, ...], sink: SinkSpec | 
     """``stream_activations``: ``true`` streams each capture's rows as they are computed,
     which needs their final positions to be known then (no reduction, no window counted
     from the end of the generation)."""
-    if raw is None or raw is False:
+    if raw is None or raw is False or raw == "false":  # HTTP's vllm_xargs: "true"/"false"
         return False
-    if raw is not True:
+    if raw is not True and raw != "true":
         raise LensRequestError(STREAM_KEY, f"must be true or false, got {raw!r}",
                                request_id=request_id)
     if not captures:

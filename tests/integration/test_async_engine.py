@@ -192,3 +192,85 @@ def test_idle_engine_holds_nothing_after_200_mixed_requests_with_aborts(async_en
             assert result == "aborted"
         else:
             assert result == ("LensExecutionError" if i in faulty else "ok"), i
+
+
+def _rows_by_output(outs, name):
+    return [o.activations[name] for o in outs], [o.activations[f"{name}_positions"]
+                                                  if f"{name}_positions" in o.activations
+                                                  else o.activations["positions"] for o in outs]
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_streamed_rows_arrive_with_each_output_and_add_up_to_the_final_capture(async_engine,
+                                                                              kind):
+    """Every output of a ``stream_activations`` request carries the rows computed since the
+    previous one (the prompt's with the first); laid end to end, for every signal, they are
+    the capture of the same request without streaming. Three stream at once, beside a plain
+    capture."""
+    engine, run = async_engine
+    capture = {"output_residual_stream": [0, 3],
+               "output_activations": {"attn_out": [1], "mlp_post": [2]}}
+
+    def sp(stream, positions="all", max_tokens=6):
+        extra = {**capture, "output_residual_stream": {"layers": [0, 3],
+                                                       "positions": positions}}
+        if stream:
+            extra["stream_activations"] = True
+        return SamplingParams(max_tokens=max_tokens, temperature=0, output_kind=kind,
+                              extra_args=extra)
+
+    async def both():
+        streamed = [engine.generate(p, sp(True), f"rows-{kind.name}-{i}")
+                    for i, p in enumerate(PROMPTS)]
+
+        async def collect(gen):
+            return [out async for out in gen]
+
+        return await asyncio.gather(*map(collect, streamed),
+                                    _final(engine, PROMPTS[0], sp(False), f"whole-{kind.name}"))
+
+    *streams, whole_first = run(both())
+    for i, outs in enumerate(streams):
+        whole = whole_first if i == 0 else run(_final(engine, PROMPTS[i], sp(False),
+                                                      f"whole-{kind.name}-{i}"))
+        n_prompt = len(outs[-1].prompt_token_ids)
+        assert len(outs) == 6 and all(o.lens_error is None for o in outs)
+        rows, positions = _rows_by_output(outs, "residual_stream")
+        assert positions[0].tolist() == list(range(n_prompt))
+        assert [p.tolist() for p in positions[1:]] == [[n_prompt + k] for k in range(5)]
+        for name in ("residual_stream", "attn_out", "mlp_post"):
+            rows, positions = _rows_by_output(outs, name)
+            torch.testing.assert_close(torch.cat(rows, dim=1), whole.activations[name],
+                                       rtol=1e-5, atol=1e-6)
+            assert torch.cat(positions).tolist() == whole.activations[
+                f"{name}_positions" if name != "residual_stream" else "positions"].tolist()
+
+
+def test_streamed_generated_rows_and_bad_streams(async_engine):
+    engine, run = async_engine
+    sp = SamplingParams(max_tokens=4, temperature=0, output_kind=RequestOutputKind.DELTA,
+                        extra_args={"output_residual_stream": {"layers": [1],
+                                                               "positions": "generated"},
+                                    "stream_activations": True})
+
+    async def stream():
+        return [out async for out in engine.generate(PROMPTS[1], sp, "gen-rows")]
+
+    outs = run(stream())
+    n_prompt = len(outs[0].prompt_token_ids)
+    sizes = [o.activations["residual_stream"].shape[1] for o in outs]
+    assert sizes == [0, 1, 1, 1]  # the prompt's rows are not selected
+    assert torch.cat([o.activations["positions"] for o in outs]).tolist() == [
+        n_prompt, n_prompt + 1, n_prompt + 2]
+    for extra, problem in [({"stream_activations": True,
+                             "output_residual_stream": {"layers": [1], "reduce": "mean"}},
+                            "reduced"),
+                           ({"stream_activations": True}, "captures nothing")]:
+        bad = SamplingParams(max_tokens=2, extra_args=extra)
+        with pytest.raises(ValueError, match=problem):
+            run(_final(engine, PROMPTS[0], bad, f"bad-{problem}"))
+    with pytest.raises(ValueError, match="n=2 is not supported"):
+        run(_final(engine, PROMPTS[0], SamplingParams(
+            max_tokens=2, n=2, extra_args={"output_residual_stream": [1],
+                                           "stream_activations": True}), "bad-n"))
+    assert run(engine.collective_rpc("lens_stats"))[0] == IDLE

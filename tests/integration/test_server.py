@@ -391,3 +391,41 @@ def test_points_through_the_openai_sdk(smol_server):
     with pytest.raises(openai.BadRequestError, match="unknown tap point"):
         sdk.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body={
             "vllm_xargs": {"output_activations": '{"attn": true}'}})
+
+
+@pytest.mark.parametrize("transport", ["json", "binary"])
+def test_streamed_rows_arrive_with_the_chunks_and_add_up_to_the_capture(smol_server, client,
+                                                                        transport):
+    """With ``stream_activations``, every SSE chunk of a choice carries the rows computed
+    since its previous chunk and the last chunk the rest: laid end to end, they equal the
+    same request's capture without streaming (completions with the sync client, chat with
+    the async one)."""
+    import asyncio
+
+    capture = {"layers": [3, 11]}
+    whole = client.generate(PROMPT, max_tokens=6, capture=capture)
+    parts = list(client.generate(PROMPT, max_tokens=6, capture=capture, stream=True,
+                                 stream_activations=True, transport=transport))
+    with_rows = [p for p in parts if p.activations is not None]
+    assert len(with_rows) >= 5  # the prompt's rows with the first token, then a row a token
+    rows = torch.cat([p.activations["residual_stream"] for p in with_rows], dim=1)
+    positions = torch.cat([p.activations["positions"] for p in with_rows])
+    assert positions.tolist() == whole.activations["positions"].tolist()
+    assert max_relative_error(rows, whole.activations["residual_stream"]) <= TOL
+    assert with_rows[0].activations["positions"].tolist() == list(
+        range(len(whole.prompt_token_ids)))
+    assert "".join(p.delta for p in parts) == whole.text
+
+    async def chat():
+        async with AsyncLensClient(smol_server.base_url) as ac:
+            full = await ac.chat(MESSAGES, max_tokens=5, capture=capture)
+            streamed = [r async for r in await ac.chat(
+                MESSAGES, max_tokens=5, capture=capture, stream=True, stream_activations=True)]
+            return full, streamed
+
+    full, streamed = asyncio.run(chat())
+    got = [p.activations for p in streamed if p.activations is not None]
+    assert len(got) >= 4
+    assert max_relative_error(torch.cat([a["residual_stream"] for a in got], dim=1),
+                              full.activations["residual_stream"]) <= TOL
+    assert httpx.get(smol_server.base_url + "/v1/lens/stats").json()["store"]["entries"] == 0

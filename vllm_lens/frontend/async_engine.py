@@ -1,7 +1,10 @@
 """Lens support for ``AsyncLLM.generate`` (runs in: front end; the OpenAI server uses it too).
 
 The wrapper validates lens keys before the request enters the engine and, when the final
-output arrives, awaits the workers' buffers and attaches ``activations`` to it. A request that
+output arrives, awaits the workers' buffers and attaches ``activations`` to it. A request with
+``stream_activations`` gets, on every output, the rows computed since the previous one
+(``lens_fetch_partial``; the final output carries the rest), so that the outputs' rows laid
+end to end are the whole capture. A request that
 ends any other way (client gone, cancelled, failed) has its buffers released.
 """
 
@@ -80,13 +83,22 @@ def _wrap_generate(original):
                     generated[c.index] = earlier + len(c.token_ids)
                     if lens.sink is not None:
                         generated_ids[len(generated_ids) if delta else 0:] = c.token_ids
+                if lens.stream and not out.finished:
+                    upto = len(out.prompt_token_ids or ()) + generated.get(0, 0) - 1
+                    results = await _fetch(self, "lens_fetch_partial",
+                                           session.fetch_rpc_args([(lens.key, {"": upto})]))
+                    try:
+                        acts = session.attach_partial(out, lens, results)
+                    finally:
+                        discard_unread(results)
+                    response_scope.report_partial(request_id, acts)
                 if out.finished:
                     session.forget([request_id])
                 if out.finished and lens.needs_fetch:
                     args_ = session.fetch_args(
                         lens, len(out.prompt_token_ids or ()), generated, engine_params.n,
                         (out.prompt_token_ids or (), generated_ids))
-                    results = await _fetch(self, session.fetch_rpc_args([args_]))
+                    results = await _fetch(self, "lens_fetch", session.fetch_rpc_args([args_]))
                     try:
                         by_index = session.attach(out, lens, results, engine_params.n)
                     finally:
@@ -112,11 +124,11 @@ def _wrap_generate(original):
     return generate
 
 
-async def _fetch(engine: AsyncLLM, args: tuple[Any, ...]) -> list[Any]:
-    """``lens_fetch`` that cleans up after itself when the caller is cancelled meanwhile (a
-    client disconnecting): the workers have popped the rows already, so the call is let
-    finish and any handoff files it produced are deleted."""
-    task = asyncio.ensure_future(all_workers(engine, "lens_fetch", args))
+async def _fetch(engine: AsyncLLM, method: str, args: tuple[Any, ...]) -> list[Any]:
+    """``lens_fetch`` (or ``lens_fetch_partial``) that cleans up after itself when the caller
+    is cancelled meanwhile (a client disconnecting): the workers have popped the rows
+    already, so the call is let finish and any handoff files it produced are deleted."""
+    task = asyncio.ensure_future(all_workers(engine, method, args))
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:

@@ -24,6 +24,7 @@ from vllm_lens.points import RESIDUAL_SIGNAL, SHARDED, SITES, shard_dim
 from vllm_lens.spec import (
     PAYLOAD_KEY,
     SINK_KEY,
+    STREAM_KEY,
     CaptureSpec,
     LensRequest,
     ModelFacts,
@@ -35,7 +36,7 @@ from vllm_lens.worker.hooks import decode_results
 
 __all__ = [
     "OUTPUT_FIELDS", "LensSession", "facts_from_describe", "install_output_fields",
-    "merge_hook_results", "merge_rank_payloads",
+    "join_rows", "merge_hook_results", "merge_rank_payloads",
 ]
 
 #: What vllm-lens attaches to ``RequestOutput`` and ``CompletionOutput``.
@@ -157,6 +158,18 @@ def merge_rank_payloads(
     return tensor, ordered[0][0]["positions"]
 
 
+def join_rows(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Lay the ``activations`` of consecutive streamed outputs end to end: tensors of rows
+    along positions (``[n_layers, n_rows, ...]``: dim 1; position lists: dim 0); other
+    values (``qk_meta`` ...) from the first."""
+    joined = dict(parts[0])
+    for name, first in parts[0].items():
+        if isinstance(first, torch.Tensor) and len(parts) > 1:
+            dim = 0 if first.dim() == 1 else 1
+            joined[name] = torch.cat([part[name] for part in parts], dim=dim)
+    return joined
+
+
 def discard_unread(rank_results: Sequence[Mapping[str, Any]] | None) -> None:
     """Delete the handoff files of ``lens_fetch`` results that will not be (or were not all)
     received: a cancelled request, or an attach that failed part-way. Received ones are gone
@@ -272,6 +285,10 @@ class LensSession:
             rest, lens = parse_extra_args(params.extra_args, self._facts, request_id=request_id)
         if lens is None:
             return params, None
+        if lens.stream and params.n != 1:
+            raise LensRequestError(STREAM_KEY, f"streams the rows of one sample; n={params.n} "
+                                   "is not supported with it (send n requests)",
+                                   request_id=request_id)
         if lens.sink is not None and params.n != 1:
             raise LensRequestError(SINK_KEY, f"writes one example per request; n={params.n} "
                                    "samples would need one key each (send n requests)",
@@ -404,6 +421,28 @@ class LensSession:
             for name, value in by_index[0].items():
                 setattr(output, name, value)
         return by_index
+
+    def attach_partial(self, output: RequestOutput, lens: LensRequest,
+                       rank_results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Attach the rows of a streamed request (n == 1) that ``lens_fetch_partial``
+        returned as ``activations`` of ``output`` and its completion: the rows computed since
+        the previous output, every captured signal present (with no rows if none are new).
+
+        Raises:
+            LensExecutionError: a worker failed the request.
+        """
+        parts: dict[str, list[tuple[dict[str, Any], torch.Tensor]]] = {}
+        for result in rank_results:
+            for _, found in (result or {}).get(lens.key, {}).items():
+                if found.get("error") is not None:
+                    raise LensExecutionError(found["error"], request_id=output.request_id)
+                for signal, sent in (found.get("captures") or {}).items():
+                    parts.setdefault(signal, []).append(handoff.receive(sent))
+        acts = self._activations(lens, parts)
+        output.activations = acts
+        for completion in output.outputs:
+            completion.activations = acts
+        return acts
 
     @staticmethod
     def fail_output(output: RequestOutput, lens: LensRequest, exc: BaseException) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
 
-__all__ = ["ResponseScope", "current", "report"]
+__all__ = ["ResponseScope", "current", "report", "report_partial"]
 
 #: What ``LensSession.attach`` found for one completion: ``activations``, ``hook_results``.
 Results = Mapping[str, Any]
@@ -41,6 +41,14 @@ def report(request_id: str, by_index: Mapping[int, Results]) -> None:
         scope.found[request_id] = dict(by_index)
 
 
+def report_partial(request_id: str, acts: Results) -> None:
+    """Record rows of a streamed request (``stream_activations``, n == 1) in the current
+    scope, if any; the server sends them with the next chunk of its choice."""
+    scope = _current.get()
+    if scope is not None:
+        scope.partial.setdefault(request_id, []).append(acts)
+
+
 class ResponseScope:
     """The lens results reported while one HTTP request was being served."""
 
@@ -52,6 +60,8 @@ class ResponseScope:
         """The ``vllm_xargs`` the server validated, and ``parsed``, the ``LensRequest`` made of
         them: the engine wrapper reuses it instead of parsing the same values again."""
         self.parsed = parsed
+        self.partial: dict[str, list[Results]] = {}
+        """Engine request id -> streamed rows not sent yet, oldest first."""
         self.refused: Exception | None = None
         """A ``LensRequestError`` the engine wrapper raised for one of this response's
         requests (admission needs the tokenized prompt, which only the engine sees)."""
@@ -65,6 +75,14 @@ class ResponseScope:
         finally:
             with contextlib.suppress(ValueError):  # reset from another context (a stream)
                 _current.reset(token)
+
+    def take_partial(self, response_id: str, choice: int) -> list[Results]:
+        """Remove and return the streamed rows not sent yet of ``choice`` (``n == 1``, so
+        choice ``i`` is prompt ``i``)."""
+        for request_id in list(self.partial):
+            if _prompt_index(response_id, request_id) == choice:
+                return self.partial.pop(request_id)
+        return []
 
     def by_choice(self, response_id: str, n: int) -> dict[int, Results]:
         """Map the response's choice indices to their results (``n`` choices per prompt)."""

@@ -8,6 +8,9 @@ Nothing to configure: when the plugin loads in a process that builds the API ser
 - with ``stream: true``, activations arrive in one extra chunk per choice, sent after the
   choice's last token and before ``data: [DONE]`` (a chunk with empty text / delta, no
   finish reason, and ``activations``);
+- with ``stream: true`` and ``stream_activations``, every chunk of a choice also carries the
+  rows computed since its previous chunk (``activations``), and the extra chunk the rest:
+  laid end to end they are the whole capture;
 - with ``"activations_transport": "binary"`` a choice carries a handle instead of the tensors
   (see ``vllm_lens.activations``); the bytes are served by ``GET /v1/lens/activations/{handle}``
   and freed by ``DELETE`` on the same path or when they expire;
@@ -54,6 +57,7 @@ from vllm_lens.errors import (
     SinkRefusedError,
 )
 from vllm_lens.frontend.async_engine import model_facts
+from vllm_lens.frontend.collate import join_rows
 from vllm_lens.frontend.blob_store import BlobStore
 from vllm_lens.frontend.rpc import all_workers
 from vllm_lens.frontend.response_scope import ResponseScope
@@ -152,14 +156,14 @@ def _wrap_endpoint(endpoint: _Endpoint):
                 return result
             n = request.n or 1
             if hasattr(result, "choices"):
-                found = scope.by_choice(result.id, n)
+                found = _with_partials(scope, result.id, n)
                 for choice in result.choices:
                     if (results := found.get(choice.index)) is not None:
                         for name, value in (await asyncio.to_thread(
                                 _encode_results, results, encode)).items():
                             setattr(choice, name, value)
                 return result
-            return _with_activation_chunks(result, scope, n, endpoint, encode)
+            return _with_activation_chunks(result, scope, n, endpoint, encode, lens.stream)
 
         return serve
 
@@ -274,24 +278,54 @@ def _encode_binary(acts: Mapping[str, Any]) -> dict[str, Any]:
     return binary_descriptor(acts, store().put(blob), len(blob))
 
 
+def _with_partials(scope: ResponseScope, response_id: str, n: int) -> dict[int, Any]:
+    """Each choice's final results, with the streamed rows not sent yet (if any) in front of
+    the final output's rows."""
+    found = scope.by_choice(response_id, n)
+    for index, results in found.items():
+        early = scope.take_partial(response_id, index)
+        if early and results.get("activations") is not None:
+            found[index] = {**results, "activations": join_rows(
+                [*early, results["activations"]])}
+    return found
+
+
 async def _with_activation_chunks(
     stream: _Started, scope: ResponseScope, n: int, endpoint: _Endpoint,
-    encode: Callable[[Any], dict[str, Any]],
+    encode: Callable[[Any], dict[str, Any]], stream_rows: bool = False,
 ) -> AsyncGenerator[str, None]:
-    """Pass the stream through, adding one activations chunk per choice before ``[DONE]``."""
+    """Pass the stream through, adding one activations chunk per choice before ``[DONE]``;
+    with ``stream_rows`` (``stream_activations``), each chunk of a choice also carries the
+    rows computed since its previous chunk."""
     header: dict[str, Any] | None = None
     with scope.active():  # the engine requests report their results into this scope
         async with contextlib.aclosing(stream):  # a client gone mid-stream closes vLLM's
             async for item in stream:
                 if header is None and item.startswith("data: {"):
                     header = _chunk_header(item)
+                if stream_rows and header is not None and item.startswith("data: {"):
+                    item = await _with_rows(item, scope, header["id"], encode)
                 if item == _DONE and header is not None:
-                    for index, results in sorted(scope.by_choice(header["id"], n).items()):
+                    for index, results in sorted(_with_partials(scope, header["id"],
+                                                                n).items()):
                         choice = {"index": index, **endpoint.empty_choice,
                                   "finish_reason": None,
                                   **await asyncio.to_thread(_encode_results, results, encode)}
                         yield f"data: {json.dumps({**header, 'choices': [choice]})}\n\n"
                 yield item
+
+
+async def _with_rows(item: str, scope: ResponseScope, response_id: str,
+                     encode: Callable[[Any], dict[str, Any]]) -> str:
+    """``item`` (one ``data:`` chunk) with the streamed rows of its choices not sent yet."""
+    chunk = json.loads(item.removeprefix("data: "))
+    added = False
+    for choice in chunk.get("choices") or ():
+        early = scope.take_partial(response_id, choice.get("index", 0))
+        if early:
+            choice["activations"] = await asyncio.to_thread(encode, join_rows(early))
+            added = True
+    return f"data: {json.dumps(chunk)}\n\n" if added else item
 
 
 def _chunk_header(item: str) -> dict[str, Any] | None:

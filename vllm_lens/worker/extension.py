@@ -117,6 +117,53 @@ class LensWorkerExtension:
                 out[key] = found
         return out
 
+    def lens_fetch_partial(
+        self, requests: list[tuple[str, dict[str, int]]], front_end_host: str | None = None
+    ) -> dict[str, dict[str, dict[str, Any]]]:
+        """The rows of running streamed requests (``stream_activations``) computed so far.
+
+        Args:
+            requests: ``(lens key, {request id prefix: positions})``: rows at positions below
+                that are taken (each position once; later ones stay for the next call).
+
+        Returns:
+            ``{lens key: {engine request id: {"captures": {signal: handoff}}}}`` as
+            ``lens_fetch`` (``error`` for a request this rank failed); a request with no new
+            rows is left out.
+        """
+        if _runtime is None:
+            return {}
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        try:
+            _runtime.settle(wait=True)
+        except Exception as exc:  # noqa: BLE001 - the final fetch reports the failure
+            logger.warning("vllm-lens: settling rows for a streamed fetch failed: %r", exc)
+            return out
+        for key, below in requests:
+            found: dict[str, dict[str, Any]] = {}
+            try:
+                record_errors = {req_id: record.error
+                                 for req_id, record in _runtime.requests.of_key(key).items()
+                                 if record.error is not None}
+                for req_id, error in record_errors.items():
+                    found[req_id] = {"error": error}
+                for req_id, by_signal in _runtime.store.take(key, below).items():
+                    if req_id in found:
+                        continue
+                    for signal, entry in by_signal.items():
+                        upto = next(n for p, n in below.items() if req_id.startswith(p))
+                        capture = assemble(entry, upto)
+                        capture["tp_rank"] = _runtime.tp_rank
+                        tensor = capture.pop("tensor")
+                        sent = handoff.send(capture, tensor, front_end_host)
+                        found.setdefault(req_id, {}).setdefault("captures", {})[signal] = sent
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                handoff.discard_fetched({key: found})
+                found = {"": {"error": f"vllm-lens failed at stream: {describe(exc)}"}}
+            if found:
+                out[key] = found
+        return out
+
     def lens_flush_sinks(self) -> list[str]:
         """Make every example written to a capture sink so far durable; returns what failed
         (TP rank 0 writes; the other ranks answer with nothing)."""
@@ -221,6 +268,8 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
             _write_to_sink(runtime, record, by_signal, valid, tokens or {}, out)
             continue
         for signal, entry in by_signal.items():
+            if not entry.chunks:
+                continue  # every row was streamed already (``lens_fetch_partial``)
             capture = assemble(entry, valid)
             capture["tp_rank"] = runtime.tp_rank
             tensor = capture.pop("tensor")

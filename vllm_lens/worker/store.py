@@ -21,7 +21,7 @@ went away) are dropped, and those requests fail too.
 from __future__ import annotations
 
 import time
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +52,9 @@ class Entry:
     """One ``[n_layers, rows, *row]`` CPU tensor per step, aligned with ``positions``."""
     nbytes: int = 0
     finished_at: float | None = None
+    taken: int = 0
+    """Positions below this were streamed already (``CaptureStore.take``): later copies of
+    them (a preempted request recomputed) are dropped."""
 
 
 class CaptureStore:
@@ -140,12 +143,17 @@ class CaptureStore:
             # Copy out (unless the request owns the whole tensor): pinned memory is scarce,
             # and a view would keep the other requests' rows alive.
             rows = staging if whole else staging[:, owner.lo : owner.hi].clone()
-            entry.positions.append(owner.positions)
+            positions = owner.positions
+            if entry.taken and positions.size and int(positions.min()) < entry.taken:
+                fresh = positions >= entry.taken  # streamed already: each position once
+                rows, positions = rows[:, torch.from_numpy(fresh)], positions[fresh]
+                size = rows.numel() * rows.element_size()
+            entry.positions.append(positions)
             entry.chunks.append(rows)
             entry.nbytes += size
             self._nbytes += size
-            if owner.positions.size:
-                entry.top = max(entry.top, int(owner.positions.max()))
+            if positions.size:
+                entry.top = max(entry.top, int(positions.max()))
             if entry.window is not None and entry.window.keep_last is not None:
                 self._trim(entry, entry.top + 1 - entry.window.keep_last - ROLLING_SLACK)
         return over
@@ -181,6 +189,43 @@ class CaptureStore:
             found.setdefault(ident[1], {})[ident[2]] = entry
         self._closed.pop(key, None)  # re-inserted at the end: the dict stays in time order
         self._closed[key] = time.monotonic()
+        return found
+
+    def take(self, key: str, below: Mapping[str, int]) -> dict[str, dict[str, Entry]]:
+        """Remove and return the rows of lens key ``key`` at positions below ``below[prefix]``
+        (the request ids starting with ``prefix``), as entries of their own (request id ->
+        signal -> entry); the entries stay open for later rows (a streamed request).
+
+        Rows of positions taken once are never returned again (a preempted request computes
+        them anew): each position streams once."""
+        found: dict[str, dict[str, Entry]] = {}
+        for ident, entry in self._entries.items():
+            if ident[0] != key:
+                continue
+            upto = next((n for p, n in below.items() if ident[1].startswith(p)), None)
+            if upto is None or upto <= entry.taken:
+                continue
+            taken = Entry(entry.req_id, entry.layers, entry.reduce, entry.window,
+                          entry.n_prompt, entry.signal, floor=entry.floor)
+            kept_positions, kept_chunks = [], []
+            for positions, chunk in zip(entry.positions, entry.chunks):
+                fresh = positions >= entry.taken
+                now = fresh & (positions < upto)
+                later = fresh & (positions >= upto)
+                if now.any():
+                    taken.positions.append(positions[now])
+                    taken.chunks.append(chunk if now.all() else chunk[:, torch.from_numpy(now)])
+                if later.any():
+                    kept_positions.append(positions[later])
+                    kept_chunks.append(chunk if later.all()
+                                       else chunk[:, torch.from_numpy(later)].clone())
+            entry.taken = upto
+            before = entry.nbytes
+            entry.positions, entry.chunks = kept_positions, kept_chunks
+            entry.nbytes = sum(c.numel() * c.element_size() for c in kept_chunks)
+            self._nbytes -= before - entry.nbytes
+            if taken.chunks:
+                found.setdefault(ident[1], {})[ident[2]] = taken
         return found
 
     def discard(self, key: str, req_id: str) -> None:

@@ -236,6 +236,10 @@ class LensClient:
             capture=capture, steering_vectors=steering_vectors, hooks=hooks,
             transport=transport, openai_kwargs=openai_kwargs))
 
+    def served_model(self) -> str:
+        """The model requests go to: the one given, else the server's first."""
+        return self._drive(self._protocol.model_steps())
+
     def fetch_activations(self, payload: Any) -> dict[str, torch.Tensor] | None:
         """Decode one choice's ``activations`` from any response (e.g. one the ``openai`` SDK
         returned): JSON tensors are decoded; a binary handle is fetched, then deleted."""
@@ -338,6 +342,10 @@ class AsyncLensClient:
             max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
             capture=capture, steering_vectors=steering_vectors, hooks=hooks,
             transport=transport, openai_kwargs=openai_kwargs))
+
+    async def served_model(self) -> str:
+        """See :meth:`LensClient.served_model`."""
+        return await self._drive(self._protocol.model_steps())
 
     async def fetch_activations(self, payload: Any) -> dict[str, torch.Tensor] | None:
         """See :meth:`LensClient.fetch_activations`."""

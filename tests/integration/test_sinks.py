@@ -155,3 +155,40 @@ def test_a_shard_the_os_refuses_fails_its_request_alone(sink_server):
         "vllm_xargs": {"output_residual_stream": "[1]", "capture_sink": json.dumps(
             {"sink": "small", "dataset": "d2", "key": "k"})}})
     assert short.status_code == 200  # the sink itself carries on
+
+
+def test_extract_against_a_server_equals_transformers(sink_server, tmp_path, tiny_ref):
+    """``vllm-lens extract --server``: the prompts run on the server, the rows come back over
+    HTTP and are written locally; bad rows listed; a re-run resumes."""
+    import subprocess
+    import sys
+
+    from tests.integration.reference import max_relative_error
+
+    server, _ = sink_server
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "The capital of France is", "key": "fr"},
+        {"messages": [{"role": "user", "content": "Name three colours."}], "key": "chat"},
+        {"prompt": ""}]) + "\n")
+    output = tmp_path / "remote"
+
+    def extract():
+        return subprocess.run(
+            [sys.executable, "-m", "vllm_lens.cli", "extract", "--server", server.base_url,
+             "--input", str(source), "--output", str(output), "--layers", "1,3",
+             "--points", "resid_post,mlp_out"], capture_output=True, text=True, timeout=600)
+
+    done = extract()
+    assert done.returncode == 1 and "line 3: needs a non-empty prompt" in done.stderr, \
+        done.stderr[-3000:]
+    ds = datasets.open(output)
+    assert ds.keys() == ["fr", "chat"] and ds.manifest["model"] == _model(server)
+    for ex in ds:
+        expected = tiny_ref.points(ex["prompt_token_ids"])
+        assert ex["positions"].tolist() == list(range(len(ex["prompt_token_ids"])))
+        for i, layer in enumerate((1, 3)):
+            for point in ("resid_post", "mlp_out"):
+                assert max_relative_error(ex[point][i], expected[(point, layer)]) <= 1e-4
+    again = extract()
+    assert "2 of 2 examples already written" in again.stderr, again.stderr[-3000:]

@@ -128,6 +128,9 @@ def extract(args: Any) -> int:
     todo = _not_written(examples, output)
     output.mkdir(parents=True, exist_ok=True)
     _write_job_file(output / _JOB, job_settings)
+    if not todo:
+        print("vllm-lens extract: nothing to extract", file=sys.stderr)
+        return 1 if bad else 0
     # The engine's workers write the rows themselves, through a sink of this job's own.
     os.environ["VLLM_LENS_SINKS"] = json.dumps({
         **_operator_sinks(), _SINK: {"kind": "safetensors", "root": str(output.parent),
@@ -136,8 +139,10 @@ def extract(args: Any) -> int:
     sp = SamplingParams(temperature=0, max_tokens=max(args.max_tokens, 1),
                         extra_args=extra_args)
     llm = LLM(**{k: v for k, v in vars(args).items() if k not in _OWN})
-    job = _Job(args, llm, sp, output)
-    job.run(todo, bad)
+    try:
+        _Job(args, llm, sp, output).run(todo, bad)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
     if bad:
         print(f"vllm-lens extract: {len(bad)} bad input row(s) or failed example(s); the "
               "others were written", file=sys.stderr)

@@ -47,3 +47,21 @@ def test_attention_tracker_example_scores_held_out_prompts_in_the_engine(tmp_pat
     spread = re.search(r"median held-out AUROC ([\d.]+)", proc.stdout)
     assert spread and float(spread.group(1)) > 0.6, proc.stdout[-2000:]  # measured 0.76
     assert out.stat().st_size > 10_000
+
+
+def test_probe_monitor_scores_streamed_tokens_like_the_in_engine_probe(tmp_path):
+    """The probe fitted on an extracted dataset separates held-out reviews, the streamed rows
+    score every generated token but the last, and the in-engine ``linear_probe`` hook gives
+    the same scores."""
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "probe_monitor.py"), "--max-tokens", "16",
+         "--workdir", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["held_out_accuracy"] >= 0.8, result  # measured 1.00 (README)
+    assert 4 <= result["tokens_scored"] <= 15, result
+    assert result["max_difference"] <= 1e-3, result
+    assert "\x1b[48;5;" in proc.stdout  # the coloured line
+    assert (tmp_path / "sentiment-acts" / "index.jsonl").exists()

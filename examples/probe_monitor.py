@@ -149,21 +149,17 @@ def main() -> None:
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
         model=model, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=512 << 20,
         enforce_eager=True))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+
+    async def both(engine):
+        streamed = await monitor(engine, tokenizer, weight, bias, args.layer, args.max_tokens)
+        hooked = await in_engine(engine, tokenizer, weight, bias, args.layer, args.max_tokens)
+        return streamed, hooked
+
     try:
-        tokenizer = engine.tokenizer if hasattr(engine, "tokenizer") else None
-        if tokenizer is None or not hasattr(tokenizer, "apply_chat_template"):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(model)
-
-        async def both():
-            streamed = await monitor(engine, tokenizer, weight, bias, args.layer,
-                                     args.max_tokens)
-            hooked = await in_engine(engine, tokenizer, weight, bias, args.layer,
-                                     args.max_tokens)
-            return streamed, hooked
-
-        (positions, scores), hooked = asyncio.run(both())
+        (positions, scores), hooked = asyncio.run(both(engine))
     finally:
         engine.shutdown()
         del engine

@@ -20,7 +20,8 @@ With ``--server URL`` the prompts run on a lens-enabled vLLM server instead (eng
 are ignored): the rows come back over HTTP and are written here, a batch in flight at a time.
 
 ``--max-tokens N`` generates N tokens, of which the first N-1 have rows (the last is sampled
-but never run through the model); their ids are in the index (``token_ids``).
+but never run through the model); their ids are in the index (``token_ids``; with 0, the one
+token sampled to end the request).
 """
 
 from __future__ import annotations
@@ -89,7 +90,6 @@ def extract(args: Any) -> int:
 
     from vllm_lens.points import resolve
     from vllm_lens.prompt_files import read_examples
-    from vllm_lens.shard_writer import MANIFEST
     from vllm_lens.sinks.config import check_name
 
     if args.max_tokens < 0 or args.batch_size < 1:
@@ -118,7 +118,34 @@ def extract(args: Any) -> int:
     for message in bad:
         print(f"vllm-lens extract: {args.input}: {message}", file=sys.stderr)
     if args.server is not None:
-        return _remote(args, examples, bad, output, points)
+        from vllm_lens.remote_extract import extract_remote
+
+        return extract_remote(args, examples, bad, output, points)
+    todo = prepare_output(args, examples, output, points)
+    if not todo:
+        print("vllm-lens extract: nothing to extract", file=sys.stderr)
+        return finish(bad)
+    # The engine's workers write the rows themselves, through a sink of this job's own.
+    os.environ["VLLM_LENS_SINKS"] = json.dumps({
+        **_operator_sinks(), _SINK: {"kind": "safetensors", "root": str(output.parent),
+                                     "rows_per_shard": args.rows_per_shard, "flush_s": 0}})
+    extra_args = {"output_activations": capture_spec(args, points)}
+    sp = SamplingParams(temperature=0, max_tokens=max(args.max_tokens, 1),
+                        extra_args=extra_args)
+    llm = LLM(**{k: v for k, v in vars(args).items() if k not in _OWN})
+    try:
+        _Job(args, llm, sp, output).run(todo, bad)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return finish(bad)
+
+
+def prepare_output(args: Any, examples: list[Any], output: Path,
+                   points: list[str]) -> list[Any]:
+    """Refuse an output made with other settings or being written by another job; record
+    this job's settings; returns the examples not written yet."""
+    from vllm_lens.shard_writer import MANIFEST
+
     job_settings = {"model": args.model, "max_tokens": args.max_tokens}
     if (output / MANIFEST).exists():
         _check_same_job(json.loads((output / MANIFEST).read_text()), args, points)
@@ -128,21 +155,11 @@ def extract(args: Any) -> int:
     todo = _not_written(examples, output)
     output.mkdir(parents=True, exist_ok=True)
     _write_job_file(output / _JOB, job_settings)
-    if not todo:
-        print("vllm-lens extract: nothing to extract", file=sys.stderr)
-        return 1 if bad else 0
-    # The engine's workers write the rows themselves, through a sink of this job's own.
-    os.environ["VLLM_LENS_SINKS"] = json.dumps({
-        **_operator_sinks(), _SINK: {"kind": "safetensors", "root": str(output.parent),
-                                     "rows_per_shard": args.rows_per_shard, "flush_s": 0}})
-    extra_args = {"output_activations": _capture(args, points)}
-    sp = SamplingParams(temperature=0, max_tokens=max(args.max_tokens, 1),
-                        extra_args=extra_args)
-    llm = LLM(**{k: v for k, v in vars(args).items() if k not in _OWN})
-    try:
-        _Job(args, llm, sp, output).run(todo, bad)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    return todo
+
+
+def finish(bad: list[str]) -> int:
+    """The exit status: 1 if any input row or example failed (they were listed)."""
     if bad:
         print(f"vllm-lens extract: {len(bad)} bad input row(s) or failed example(s); the "
               "others were written", file=sys.stderr)
@@ -150,51 +167,20 @@ def extract(args: Any) -> int:
     return 0
 
 
-def _capture(args: Any, points: list[str]) -> dict[str, Any]:
+def fail(bad: list[str], example: Any, exc: Any) -> None:
+    """List one failed example (on stderr, and in ``bad``)."""
+    bad.append(f"key {example.key!r}: {exc}")
+    print(f"vllm-lens extract: {bad[-1]}", file=sys.stderr)
+
+
+def capture_spec(args: Any, points: list[str]) -> dict[str, Any]:
+    """``output_activations`` for the job's points, layers, positions and reduction."""
     layers: Any = True if args.layers.strip() == "all" else [
         int(x) for x in args.layers.split(",") if x.strip()]
     capture = {"layers": layers, "positions": args.positions}
     if args.reduce:
         capture["reduce"] = args.reduce
     return {point: capture for point in points}
-
-
-def _remote(args: Any, examples: list[Any], bad: list[str], output: Path,
-            points: list[str]) -> int:
-    """``extract --server``: the prompts run on a lens-enabled server, a batch in flight at a
-    time; their rows come back (binary transport) and are written here a shard at a time."""
-    import asyncio
-
-    from vllm_lens.shard_writer import MANIFEST
-
-    from vllm_lens.client import AsyncLensClient
-
-    async def model_name() -> str:
-        async with AsyncLensClient(args.server, model=args.model,
-                                   api_key=os.environ.get(args.api_key_env)) as client:
-            return await client.served_model()
-
-    model = asyncio.run(model_name()) if args.model is None else args.model
-    args.model = model
-    job_settings = {"model": model, "max_tokens": args.max_tokens}
-    if (output / MANIFEST).exists():
-        _check_same_job(json.loads((output / MANIFEST).read_text()), args, points)
-    if (output / _JOB).exists():
-        _check_job_file(json.loads((output / _JOB).read_text()), job_settings, output)
-    _check_unlocked(output)
-    todo = _not_written(examples, output)
-    output.mkdir(parents=True, exist_ok=True)
-    _write_job_file(output / _JOB, job_settings)
-    job = _RemoteJob(args, output, points, model)
-    try:
-        asyncio.run(job.run(todo, bad))
-    finally:
-        job.close()
-    if bad:
-        print(f"vllm-lens extract: {len(bad)} bad input row(s) or failed example(s); the "
-              "others were written", file=sys.stderr)
-        return 1
-    return 0
 
 
 def _not_written(examples: list[Any], output: Path) -> list[Any]:
@@ -207,89 +193,6 @@ def _not_written(examples: list[Any], output: Path) -> list[Any]:
     print(f"vllm-lens extract: resuming, {len(examples) - len(todo)} of {len(examples)} "
           "examples already written", file=sys.stderr)
     return todo
-
-
-class _RemoteJob:
-    """``extract --server``: requests to the server, rows into a local ``ShardWriter``."""
-
-    def __init__(self, args: Any, output: Path, points: list[str], model: str) -> None:
-        self.args, self.output, self.points, self.model = args, output, points, model
-        self.writer: Any = None
-        self.fingerprint = "unknown"
-
-    async def run(self, todo: list[Any], bad: list[str]) -> None:
-        import asyncio
-
-        from tqdm import tqdm
-
-        from vllm_lens.client import AsyncLensClient
-
-        capture = _capture(self.args, self.points)
-        n_tokens, started = 0, time.monotonic()
-        async with AsyncLensClient(self.args.server, model=self.model,
-                                   api_key=os.environ.get(self.args.api_key_env)) as client:
-            with tqdm(total=len(todo), unit="ex", desc="extract", file=sys.stderr) as bar:
-                for lo in range(0, len(todo), self.args.batch_size):
-                    batch = todo[lo:lo + self.args.batch_size]
-                    results = await asyncio.gather(
-                        *(self._one(client, e, capture) for e in batch), return_exceptions=True)
-                    for example, result in zip(batch, results):
-                        if isinstance(result, BaseException):
-                            _Job._fail(bad, example, result)
-                            continue
-                        self._write(example, result)
-                        n_tokens += len(result.prompt_token_ids or ()) + len(result.token_ids)
-                    written = sum(f.stat().st_size
-                                  for f in self.output.glob("shard-*.safetensors"))
-                    bar.set_postfix(tok_s=f"{n_tokens / (time.monotonic() - started):.0f}",
-                                    written=f"{written / 2**20:.1f}MiB")
-                    bar.update(len(batch))
-
-    async def _one(self, client: Any, example: Any, capture: dict[str, Any]) -> Any:
-        options = dict(max_tokens=max(self.args.max_tokens, 1), temperature=0.0,
-                       transport="binary", output_activations=capture)
-        if example.prompt is not None:
-            return await client.generate(example.prompt, **options)
-        return await client.chat(example.messages, **options)
-
-    def _write(self, example: Any, result: Any) -> None:
-        from vllm_lens.shard_writer import ShardWriter
-
-        acts = result.activations
-        reduced = self.args.reduce is not None
-        rows = {p: acts[p][:, None] if reduced else acts[p] for p in self.points}
-        if self.writer is None:
-            self.fingerprint = result.raw.get("system_fingerprint") or "unknown"
-            self.writer = ShardWriter(self.output, self._manifest(rows),
-                                      rows_per_shard=self.args.rows_per_shard, resume=True)
-        self.writer.add(example.key, rows, acts[f"{self.points[0]}_positions"].tolist(),
-                        result.prompt_token_ids or [],
-                        result.token_ids if self.args.max_tokens else [], reduced=reduced)
-
-    def _manifest(self, rows: dict[str, Any]) -> dict[str, Any]:
-        first = rows[self.points[0]]
-        layers = (list(range(first.shape[0])) if self.args.layers.strip() == "all"
-                  else sorted({int(x) for x in self.args.layers.split(",") if x.strip()}))
-        return {
-            "model": self.model, "vllm_version": self.fingerprint,
-            "vllm_lens_version": _lens_version(), "points": self.points, "layers": layers,
-            "dtype": str(first.dtype).removeprefix("torch."),
-            "row_shapes": {p: list(rows[p].shape[2:]) for p in self.points},
-            "positions": self.args.positions, "reduce": self.args.reduce,
-        }
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
-def _lens_version() -> str:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version("vllm-lens")
-    except importlib.metadata.PackageNotFoundError:
-        return "source"
 
 
 #: The sink ``extract`` adds to the engine's (named so that no operator's name can clash).
@@ -433,8 +336,7 @@ class _Job:
 
     @staticmethod
     def _fail(bad: list[str], example: Any, exc: Any) -> None:
-        bad.append(f"key {example.key!r}: {exc}")
-        print(f"vllm-lens extract: {bad[-1]}", file=sys.stderr)
+        fail(bad, example, exc)
 
 
 def _engine_input(example: Any, tokenizer: Any) -> Any:

@@ -32,6 +32,8 @@
 - ``VLLM_LENS_LOGIT_LENS_MAX_ROWS``: most rows (positions × layers × samples) one request may
   run the ``logit_lens_topk`` named hook on (default 65536; declared by the hook's factory,
   read by ``vllm_lens.admission``).
+- ``VLLM_LENS_SINKS``: the capture sinks requests may write to (JSON, or a JSON file's path);
+  parsed and validated by ``vllm_lens.sinks.config``.
 - ``VLLM_LENS_HOOK_RESULTS_MAX``: results of persistent hooks kept per worker, in requests
   (default 10000); past it the oldest requests' results are dropped.
 """

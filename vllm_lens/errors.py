@@ -6,7 +6,7 @@ Split by who is to blame, like vLLM's own ``vllm/exceptions.py``::
     ├── LensRequestError(ValueError)   the caller sent a bad lens request (HTTP 400)
     │   ├── UnsupportedModelError      the model's layers could not be mapped
     │   ├── UnsupportedConfigError     the engine runs a configuration vllm-lens refuses
-    │   ├── RemoteCodeRefusedError     a pickled hook without the operator's opt-in (HTTP 403)
+    │   ├── RemoteCodeRefusedError     a pickled hook without the operator's opt-in (403)
     │   └── SinkRefusedError           a capture sink the operator has not opened to HTTP
     │                                  clients (HTTP 403)
     ├── LensExecutionError             the worker failed while handling this request (HTTP

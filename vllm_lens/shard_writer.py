@@ -1,6 +1,6 @@
 """Writing activation datasets to disk: safetensors shards of bounded size, an index and a
-manifest, each written atomically (runs in: the process that writes a dataset — today
-``vllm-lens extract``, or any script).
+manifest, each written atomically (runs in: the process that writes a dataset — the worker
+holding a capture sink's rows, ``vllm-lens extract --server``, or any script).
 
 A dataset is a directory::
 
@@ -33,15 +33,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "INDEX", "MANIFEST", "ShardWriter", "read_index", "shard_name",
-           "tensor_name"]
+__all__ = ["FORMAT", "INDEX", "MANIFEST", "VERSION_FIELDS", "ShardWriter", "jsonable",
+           "read_index", "shard_name", "tensor_name"]
 
 FORMAT = "vllm-lens-activations/1"
 MANIFEST = "manifest.json"
 INDEX = "index.jsonl"
 _SHARD = re.compile(r"^shard-(\d{5,})\.safetensors$")
 #: Manifest fields that may differ between the runs that wrote one dataset.
-_VERSIONS = ("vllm_version", "vllm_lens_version")
+VERSION_FIELDS = ("vllm_version", "vllm_lens_version")
 
 
 def shard_name(number: int) -> str:
@@ -121,7 +121,7 @@ class ShardWriter:
             raise ValueError("rows_per_shard and max_shard_bytes must be >= 1")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.manifest = _jsonable({"format": FORMAT, **manifest})
+        self.manifest = jsonable({"format": FORMAT, **manifest})
         self.points: tuple[str, ...] = tuple(self.manifest["points"])
         self.layers: tuple[int, ...] = tuple(int(x) for x in self.manifest["layers"])
         self.dtype = getattr(torch, str(self.manifest["dtype"]))
@@ -167,7 +167,7 @@ class ShardWriter:
         if manifest_path.exists():
             existing = json.loads(manifest_path.read_text())
             for field in sorted(set(existing) | set(self.manifest)):
-                if field not in _VERSIONS and existing.get(field) != self.manifest.get(field):
+                if field not in VERSION_FIELDS and existing.get(field) != self.manifest.get(field):
                     raise ValueError(f"{self.root}: the dataset's manifest has {field}="
                                      f"{existing.get(field)!r}, not {self.manifest.get(field)!r}")
         else:
@@ -319,5 +319,6 @@ class ShardWriter:
             self._release()
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """``value`` as it reads back from JSON."""
     return json.loads(json.dumps(value))

@@ -25,14 +25,17 @@ from vllm_lens import envs, faults, wire
 from vllm_lens.errors import (
     LensRequestError,
     RemoteCodeRefusedError,
+    SinkRefusedError,
     UnsupportedConfigError,
     UnsupportedModelError,
 )
 from vllm_lens import points as tap_points
 from vllm_lens.positions import NAMED as POSITION_SELECTORS
 from vllm_lens.positions import parse_selector
+from vllm_lens.sinks import check_sink
 from vllm_lens.sinks.config import SinkSpec
 from vllm_lens.sinks.config import configured as configured_sinks
+from vllm_lens.sinks.config import serves_http as sinks_serve_http
 
 __all__ = [
     "ACTIVATIONS_KEY",
@@ -397,7 +400,7 @@ def parse_extra_args(
              if v is not None]
     if not asked:
         for key, value in ((SINK_KEY, raw_sink), (STREAM_KEY, raw_stream)):
-            if value is not None and value is not False and value != "false":
+            if value is not None and value not in (False, "false", "0"):
                 raise LensRequestError(key, "asks for captured rows, but the request captures "
                                        f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY} or "
                                        f"{QK_KEY})", request_id=request_id)
@@ -412,7 +415,7 @@ def parse_extra_args(
     hooks = () if raw_hooks is None else parse_hooks(raw_hooks, facts, request_id)
     captures = points if capture is None else (capture, *points)
     sink = None if raw_sink is None else _parse_sink(raw_sink, captures, facts, request_id)
-    stream = _parse_stream(raw_stream, captures, sink, request_id)
+    stream = _parse_stream(raw_stream, captures, sink, facts, request_id)
     return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
                              fault=fault, points=points, sink=sink, stream=stream)
 
@@ -489,6 +492,17 @@ def _parse_sink(raw: Any, captures: tuple[CaptureSpec, ...], facts: ModelFacts,
         sub, problem = exc.args
         raise LensRequestError(f"{SINK_KEY}.{sub}" if sub else SINK_KEY, problem,
                                request_id=request_id) from None
+    config = sinks[sink.sink]
+    if sinks_serve_http() and not config.clients:
+        raise SinkRefusedError(
+            f"{SINK_KEY}.sink", f"sink {sink.sink!r} is not open to HTTP clients (its operator "
+            'sets "clients": true in its VLLM_LENS_SINKS entry to allow that)',
+            request_id=request_id)
+    try:
+        check_sink(config)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise LensRequestError(f"{SINK_KEY}.sink", f"sink {sink.sink!r} is misconfigured by "
+                               f"the operator: {exc}", request_id=request_id) from None
     first = captures[0]
     for other in captures[1:]:
         for name in ("layers", "positions", "reduce"):
@@ -512,13 +526,14 @@ def _parse_sink(raw: Any, captures: tuple[CaptureSpec, ...], facts: ModelFacts,
 
 
 def _parse_stream(raw: Any, captures: tuple[CaptureSpec, ...], sink: SinkSpec | None,
-                  request_id: str | None) -> bool:
+                  facts: ModelFacts, request_id: str | None) -> bool:
     """``stream_activations``: ``true`` streams each capture's rows as they are computed,
     which needs their final positions to be known then (no reduction, no window counted
     from the end of the generation)."""
-    if raw is None or raw is False or raw == "false":  # HTTP's vllm_xargs: "true"/"false"
+    # vllm_xargs carries JSON true as 1 (its values are str | int | float), or "true".
+    if raw is None or (not isinstance(raw, float) and raw in (False, "false", "0")):
         return False
-    if raw is not True and raw != "true":
+    if isinstance(raw, float) or raw not in (True, "true", "1"):
         raise LensRequestError(STREAM_KEY, f"must be true or false, got {raw!r}",
                                request_id=request_id)
     if not captures:
@@ -528,6 +543,11 @@ def _parse_stream(raw: Any, captures: tuple[CaptureSpec, ...], sink: SinkSpec | 
     if sink is not None:
         raise LensRequestError(STREAM_KEY, f"cannot be combined with {SINK_KEY} (the rows go "
                                "to the sink, not to the caller)", request_id=request_id)
+    if facts.tp_size > 1 or facts.pp_size > 1:
+        raise UnsupportedConfigError(
+            STREAM_KEY, f"is not yet proven under tensor or pipeline parallelism "
+            f"(tensor_parallel_size={facts.tp_size}, pipeline_parallel_size={facts.pp_size}); "
+            "the rows come with the final output without it", request_id=request_id)
     for c in captures:
         if c.reduce is not None:
             raise LensRequestError(STREAM_KEY, f"streams rows as they are computed, but "

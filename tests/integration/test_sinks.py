@@ -124,6 +124,24 @@ def test_sinks_a_client_may_not_use_are_refused(sink_server, sink, status, probl
         "vllm_xargs": {"output_residual_stream": "[1]", "capture_sink": json.dumps(
             {"sink": "open", "dataset": "d", "key": "k"})}})
     assert n2.status_code == 400 and "one example per request" in n2.text
+    batch = httpx.post(server.base_url + "/v1/completions", timeout=300, json={
+        "model": _model(server), "prompt": ["Hi", "Hello"], "max_tokens": 2,
+        "vllm_xargs": {"output_residual_stream": "[1]", "capture_sink": json.dumps(
+            {"sink": "open", "dataset": "batch", "key": "k"})}})
+    assert batch.status_code == 400 and "several prompts" in batch.text
+    assert not (root / "open" / "batch").exists()
+
+
+def test_a_closed_sink_is_refused_on_routes_vllm_lens_does_not_wrap(sink_server):
+    """The Responses API hands ``vllm_xargs`` to the engine without the completions and chat
+    wrappers: a sink not open to clients is still refused (by the engine wrapper)."""
+    server, root = sink_server
+    response = httpx.post(server.base_url + "/v1/responses", timeout=300, json={
+        "model": _model(server), "input": "Hi", "max_output_tokens": 2,
+        "vllm_xargs": {"output_residual_stream": "[1]", "capture_sink": json.dumps(
+            {"sink": "closed", "dataset": "d", "key": "k"})}})
+    assert "not open to HTTP clients" in response.text, response.text
+    assert not (root / "closed").exists()
 
 
 def test_a_shard_the_os_refuses_fails_its_request_alone(sink_server):

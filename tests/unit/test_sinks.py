@@ -116,12 +116,13 @@ def test_the_shard_sink_writes_a_dataset_and_receipts(tmp_path):
                                                "flush_s": 0}}))["acts"]
     sink = load_kind("safetensors")(config)
     first = sink.write("d", _example("a", 3, SETTINGS))
-    assert first == {"sink": "acts", "dataset": "d", "key": "a", "shard": 0, "offset": 0,
+    # Queued: where it lands is known once its shard is written.
+    assert first == {"sink": "acts", "dataset": "d", "key": "a", "shard": None, "offset": None,
                      "rows": 3, "shapes": {"resid_post": [2, 3, 8]}, "durable": False}
     second = sink.write("d", _example("b", 3, SETTINGS, 2.0))  # fills the shard
     assert (second["shard"], second["offset"], second["durable"]) == (0, 3, True)
     third = sink.write("d", _example("c", 1, SETTINGS, 3.0))
-    assert (third["shard"], third["offset"], third["durable"]) == (1, 0, False)
+    assert (third["shard"], third["offset"], third["durable"]) == (None, None, False)
     with pytest.raises(ValueError, match="already in the dataset"):
         sink.write("d", _example("a", 1, SETTINGS))
     with pytest.raises(ValueError, match="holds examples with positions='all'"):
@@ -153,7 +154,7 @@ def test_a_shard_that_cannot_be_written_fails_its_request_and_names_the_dropped_
     assert datasets.open(tmp_path / "d").keys() == ["a"]  # what was written stays valid
     monkeypatch.setattr(safetensors.torch, "save_file", real)
     receipt = sink.write("d", _example("c", 2, SETTINGS))  # the dataset is reopened afresh
-    assert receipt["shard"] == 1 and not receipt["durable"]
+    assert not receipt["durable"] and receipt["shard"] is None
     sink.close()
     assert datasets.open(tmp_path / "d").keys() == ["a", "c"]
 
@@ -177,3 +178,82 @@ def test_unknown_options_and_kinds(tmp_path):
         ShardSink(config)
     with pytest.raises(KeyError, match="no sink kind 'ftp'"):
         load_kind("ftp")
+
+
+def test_a_failed_timer_write_is_reported_by_the_next_flush(tmp_path, monkeypatch):
+    import time
+
+    import safetensors.torch
+
+    config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "flush_s": 0.1}}))
+    sink = ShardSink(config["acts"])
+    monkeypatch.setattr(safetensors.torch, "save_file",
+                        lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    sink.write("d", _example("a", 2, SETTINGS))
+    deadline = time.monotonic() + 10
+    while not sink._failures and time.monotonic() < deadline:
+        time.sleep(0.05)
+    problems = sink.flush()
+    assert len(problems) == 1 and "No space left" in problems[0] and "['a']" in problems[0]
+    assert sink.flush() == []  # reported once
+    sink.close()
+
+
+def test_open_datasets_are_bounded(tmp_path):
+    config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "flush_s": 0,
+                                               "max_open_datasets": 2}}))["acts"]
+    sink = ShardSink(config)
+    for name in ("d1", "d2", "d3"):
+        sink.write(name, _example("k", 1, SETTINGS))
+    assert list(sink._writers) == ["d2", "d3"]  # d1 was flushed and closed to open d3
+    assert datasets.open(tmp_path / "d1").keys() == ["k"]
+    sink.close()
+    for bad in ({"max_open_datasets": 0}, {"rows_per_shard": "x"}, {"flush_s": True}):
+        config = parse_config(json.dumps({"acts": {"root": str(tmp_path), **bad}}))["acts"]
+        with pytest.raises(ValueError, match="must be a number"):
+            ShardSink(config)
+
+
+def test_a_trailing_newline_is_not_a_name():
+    with pytest.raises(ValueError, match="not a valid name"):
+        check_name("acts\n", "dataset")
+
+
+def test_a_sink_not_open_to_clients_is_refused_on_any_route_of_a_server(tmp_path,
+                                                                          monkeypatch):
+    from vllm_lens.errors import SinkRefusedError
+    from vllm_lens.sinks import config as sink_config
+
+    monkeypatch.setenv("VLLM_LENS_SINKS", json.dumps({
+        "closed": {"root": str(tmp_path)}, "open": {"root": str(tmp_path), "clients": True},
+        "odd": {"root": str(tmp_path), "kind": "ftp"}}))
+    capture = {"output_residual_stream": [1]}
+
+    def ask(sink):
+        return parse_extra_args({**capture, "capture_sink": {"sink": sink, "dataset": "d",
+                                                             "key": "k"}}, lambda: FACTS)
+
+    assert ask("closed")[1].sink.sink == "closed"  # offline: the operator is the caller
+    with pytest.raises(LensRequestError, match="misconfigured by the operator.*no sink kind"):
+        ask("odd")
+    monkeypatch.setattr(sink_config, "_serves_http", True)
+    with pytest.raises(SinkRefusedError, match="not open to HTTP clients"):
+        ask("closed")
+    assert ask("open")[1].sink.sink == "open"
+
+
+@pytest.mark.parametrize("value, streams", [(True, True), ("true", True), (1, True),
+                                            ("1", True), (False, False), (0, False),
+                                            ("false", False)])
+def test_stream_flag_values_as_http_carries_them(value, streams):
+    _, lens = parse_extra_args({"output_residual_stream": [1], "stream_activations": value},
+                               lambda: FACTS)
+    assert lens.stream is streams
+
+
+def test_streaming_is_refused_where_it_is_not_proven():
+    for facts in (ModelFacts(**{**FACTS.__dict__, "tp_size": 2}),
+                  ModelFacts(**{**FACTS.__dict__, "pp_size": 2})):
+        with pytest.raises(UnsupportedConfigError, match="not yet proven"):
+            parse_extra_args({"output_residual_stream": [1], "stream_activations": True},
+                             lambda f=facts: f)

@@ -205,3 +205,25 @@ def test_assemble_with_no_valid_rows_is_empty():
     (entry,) = _entries(store, "a")
     out = assemble(entry, valid_len=3)
     assert out["tensor"].shape == (2, 0, 4) and out["positions"].numel() == 0
+
+
+def test_streamed_rows_are_taken_once_and_the_rest_stays_for_the_final_fetch():
+    """``take`` removes the rows below a position (each position once, also when a preempted
+    request computes it again); the final fetch assembles what is left, and the parts laid
+    end to end are the rows a fetch without streaming returns."""
+    store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
+    h1, h2, h3 = torch.randn(3, 4), torch.randn(1, 4), torch.randn(2, 4)
+    _run_steps(store, [([_slice("a", 0, 3, 0, 3, (0, 1))], h1, None, [0, 1]),  # prompt 0..2
+                       ([_slice("a", 0, 1, 3, 3, (0, 1))], h2, None, [0, 1])])  # position 3
+    first = store.take({"a": {"": 3}})["a"]["req-a"]["residual_stream"]
+    part1 = assemble(first, 3)
+    assert part1["positions"].tolist() == [0, 1, 2] and torch.equal(part1["tensor"][0], h1)
+    assert store.take({"a": {"": 3}}) == {}  # nothing new below 3
+    # Preempted and recomputed from position 2: position 2 was streamed, so only 3.. count.
+    _run_steps(store, [([_slice("a", 0, 2, 2, 2, (0, 1))], h3, None, [0, 1])])
+    assert store.nbytes == 2 * 2 * 4 * 4  # position 3 twice (2 layers of 4 floats), not 2
+    (entry,) = _entries(store, "a")
+    rest = assemble(entry, 4)
+    assert rest["positions"].tolist() == [3]
+    assert torch.equal(rest["tensor"][1], h3[1:2])  # the recomputed copy of position 3
+    assert store.nbytes == 0

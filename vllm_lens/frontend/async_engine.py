@@ -3,9 +3,9 @@
 The wrapper validates lens keys before the request enters the engine and, when the final
 output arrives, awaits the workers' buffers and attaches ``activations`` to it. A request with
 ``stream_activations`` gets, on every output, the rows computed since the previous one
-(``lens_fetch_partial``; the final output carries the rest), so that the outputs' rows laid
-end to end are the whole capture. A request that
-ends any other way (client gone, cancelled, failed) has its buffers released.
+(``lens_fetch_partial``, one RPC per step for all of them: ``partial_fetch``; the final
+output carries the rest), so that the outputs' rows laid end to end are the whole capture.
+A request that ends any other way (client gone, cancelled, failed) has its buffers released.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from vllm_lens._patching import wrap_attribute
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend import response_scope
 from vllm_lens.frontend.collate import LensSession, discard_unread, facts_from_describe
+from vllm_lens.frontend.partial_fetch import PartialFetcher
 from vllm_lens.frontend.rpc import all_workers
 from vllm_lens.spec import ModelFacts
 
@@ -85,8 +86,7 @@ def _wrap_generate(original):
                         generated_ids[len(generated_ids) if delta else 0:] = c.token_ids
                 if lens.stream and not out.finished:
                     upto = len(out.prompt_token_ids or ()) + generated.get(0, 0) - 1
-                    results = await _fetch(self, "lens_fetch_partial",
-                                           session.fetch_rpc_args([(lens.key, {"": upto})]))
+                    results = await _partial_fetcher(self).fetch(lens.key, {"": upto})
                     try:
                         acts = session.attach_partial(out, lens, results)
                     finally:
@@ -98,7 +98,7 @@ def _wrap_generate(original):
                     args_ = session.fetch_args(
                         lens, len(out.prompt_token_ids or ()), generated, engine_params.n,
                         (out.prompt_token_ids or (), generated_ids))
-                    results = await _fetch(self, "lens_fetch", session.fetch_rpc_args([args_]))
+                    results = await _fetch(self, session.fetch_rpc_args([args_]))
                     try:
                         by_index = session.attach(out, lens, results, engine_params.n)
                     finally:
@@ -124,11 +124,25 @@ def _wrap_generate(original):
     return generate
 
 
-async def _fetch(engine: AsyncLLM, method: str, args: tuple[Any, ...]) -> list[Any]:
-    """``lens_fetch`` (or ``lens_fetch_partial``) that cleans up after itself when the caller
-    is cancelled meanwhile (a client disconnecting): the workers have popped the rows
-    already, so the call is let finish and any handoff files it produced are deleted."""
-    task = asyncio.ensure_future(all_workers(engine, method, args))
+def _partial_fetcher(engine: AsyncLLM) -> PartialFetcher:
+    """The engine's coalescer of streamed requests' fetches (one RPC per step)."""
+    fetcher = engine.__dict__.get("_vllm_lens_partial_fetcher")
+    if fetcher is None:
+        session = LensSession.of(engine)
+
+        async def rpc(requests: list[tuple[str, dict[str, int]]]) -> list[Any]:
+            return await all_workers(engine, "lens_fetch_partial",
+                                     session.fetch_rpc_args(requests))
+
+        fetcher = engine._vllm_lens_partial_fetcher = PartialFetcher(rpc)
+    return fetcher
+
+
+async def _fetch(engine: AsyncLLM, args: tuple[Any, ...]) -> list[Any]:
+    """``lens_fetch`` that cleans up after itself when the caller is cancelled meanwhile (a
+    client disconnecting): the workers have popped the rows already, so the call is let
+    finish and any handoff files it produced are deleted."""
+    task = asyncio.ensure_future(all_workers(engine, "lens_fetch", args))
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:

@@ -289,6 +289,12 @@ class LensSession:
             raise LensRequestError(STREAM_KEY, f"streams the rows of one sample; n={params.n} "
                                    "is not supported with it (send n requests)",
                                    request_id=request_id)
+        if lens.sink is not None and any(other.sink == lens.sink
+                                         for other in self.in_flight.values()):
+            raise LensRequestError(
+                f"{SINK_KEY}.key", f"{lens.sink.key!r} of dataset {lens.sink.dataset!r} is "
+                "already being written by a running request (several prompts with one "
+                "capture_sink? give each its own key)", request_id=request_id)
         if lens.sink is not None and params.n != 1:
             raise LensRequestError(SINK_KEY, f"writes one example per request; n={params.n} "
                                    "samples would need one key each (send n requests)",

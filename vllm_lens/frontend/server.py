@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
@@ -62,7 +63,7 @@ from vllm_lens.frontend.blob_store import BlobStore
 from vllm_lens.frontend.rpc import all_workers
 from vllm_lens.frontend.response_scope import ResponseScope
 from vllm_lens.hooks import HookError
-from vllm_lens.sinks.config import configured as configured_sinks
+from vllm_lens.sinks.config import mark_http_process
 from vllm_lens.spec import (
     HOOKS_KEY,
     LENS_KEYS,
@@ -111,6 +112,7 @@ def install() -> None:
 
 def _wrap_register_api_routers(original):
     def register_api_routers(args: Any, app: Any, *rest: Any, **kwargs: Any) -> None:
+        mark_http_process()  # sinks not open to clients are refused on every route
         original(args, app, *rest, **kwargs)
         app.include_router(_router)
 
@@ -130,6 +132,10 @@ def _wrap_endpoint(endpoint: _Endpoint):
             if validated is None:
                 return await original(self, request, raw_request)
             encode, lens = validated
+            if lens.sink is not None and _several_prompts(request):
+                return _request_error(LensRequestError(
+                    f"{SINK_KEY}.key", "names one example, but this request has several "
+                    "prompts; send one request per prompt, each with its own key"))
             scope = ResponseScope(parsed_from=xargs, parsed=lens)
             with scope.active():
                 try:
@@ -168,6 +174,13 @@ def _wrap_endpoint(endpoint: _Endpoint):
         return serve
 
     return make
+
+
+def _several_prompts(request: Any) -> bool:
+    """A completions request with a batch of prompts (texts or token lists)."""
+    prompt = getattr(request, "prompt", None)
+    return (isinstance(prompt, list) and len(prompt) > 1
+            and not all(isinstance(t, int) for t in prompt))
 
 
 class _Started:
@@ -241,10 +254,6 @@ async def _validate(
         _, lens = parse_extra_args(xargs, lambda: facts)
     if lens is None:
         return None
-    if lens.sink is not None and not configured_sinks()[lens.sink.sink].clients:
-        raise SinkRefusedError(
-            f"{SINK_KEY}.sink", f"sink {lens.sink.sink!r} is not open to HTTP clients (its "
-            'operator sets "clients": true in its VLLM_LENS_SINKS entry to allow that)')
     encode = _encode_binary if xargs.get(TRANSPORT_KEY) == "binary" else activations_to_json
     return encode, lens
 
@@ -303,7 +312,8 @@ async def _with_activation_chunks(
             async for item in stream:
                 if header is None and item.startswith("data: {"):
                     header = _chunk_header(item)
-                if stream_rows and header is not None and item.startswith("data: {"):
+                if (stream_rows and scope.partial and header is not None
+                        and item.startswith("data: {")):
                     item = await _with_rows(item, scope, header["id"], encode)
                 if item == _DONE and header is not None:
                     for index, results in sorted(_with_partials(scope, header["id"],
@@ -315,6 +325,10 @@ async def _with_activation_chunks(
                 yield item
 
 
+#: Streamed rows up to this size are encoded on the event loop (a thread hop costs more).
+_ENCODE_INLINE_BYTES = 256 << 10
+
+
 async def _with_rows(item: str, scope: ResponseScope, response_id: str,
                      encode: Callable[[Any], dict[str, Any]]) -> str:
     """``item`` (one ``data:`` chunk) with the streamed rows of its choices not sent yet."""
@@ -323,7 +337,12 @@ async def _with_rows(item: str, scope: ResponseScope, response_id: str,
     for choice in chunk.get("choices") or ():
         early = scope.take_partial(response_id, choice.get("index", 0))
         if early:
-            choice["activations"] = await asyncio.to_thread(encode, join_rows(early))
+            rows = join_rows(early)
+            if sum(t.numel() * t.element_size() for t in rows.values()
+                   if isinstance(t, torch.Tensor)) <= _ENCODE_INLINE_BYTES:
+                choice["activations"] = encode(rows)  # a token's rows: no thread hop
+            else:
+                choice["activations"] = await asyncio.to_thread(encode, rows)
             added = True
     return f"data: {json.dumps(chunk)}\n\n" if added else item
 

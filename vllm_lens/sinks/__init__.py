@@ -26,8 +26,8 @@ import torch
 
 from vllm_lens.sinks.config import SinkConfig, SinkSpec, configured
 
-__all__ = ["ENTRY_POINT_GROUP", "Example", "Sink", "SinkConfig", "SinkSpec", "configured",
-           "load_kind"]
+__all__ = ["ENTRY_POINT_GROUP", "Example", "Sink", "SinkConfig", "SinkSpec", "check_sink",
+           "configured", "load_kind"]
 
 ENTRY_POINT_GROUP = "vllm_lens.sinks"
 
@@ -80,3 +80,22 @@ def load_kind(kind: str) -> Callable[[SinkConfig], Sink]:
             return ShardSink
         raise KeyError(f"no sink kind {kind!r}; installed: {', '.join(sorted(_kinds()))}")
     return found.load()
+
+
+_checked: set[str] = set()
+
+
+def check_sink(config: SinkConfig) -> None:
+    """Check that ``config``'s kind is installed and accepts its options (by building the sink
+    once, in the front end, before a request is sent to it; a sink does nothing until its
+    first write). Raises ``KeyError`` / ``ValueError`` / ``TypeError`` naming the problem."""
+    import json
+
+    ident = json.dumps([config.name, config.kind, config.root, dict(config.options)],
+                       sort_keys=True, default=str)
+    if ident not in _checked:
+        sink = load_kind(config.kind)(config)
+        close = getattr(sink, "close", None)
+        if close is not None:
+            close()
+        _checked.add(ident)

@@ -26,17 +26,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["KEY_MAX_CHARS", "SinkConfig", "SinkSpec", "check_name", "configured",
-           "parse_config"]
+           "mark_http_process", "parse_config", "serves_http"]
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: Longest example key (keys live in the index, never in a path).
 KEY_MAX_CHARS = 1024
 _FIELDS = ("sink", "dataset", "key")
 
 
+_serves_http = False
+
+
+def mark_http_process() -> None:
+    """This process serves HTTP clients (vLLM's OpenAI server built its routes): from now on
+    every request naming a sink that is not open to clients is refused, whichever route it
+    came by."""
+    global _serves_http
+    _serves_http = True
+
+
+def serves_http() -> bool:
+    return _serves_http
+
+
 def check_name(value: Any, what: str) -> str:
     """``value`` if it is a valid sink or dataset name; ``ValueError`` saying why not."""
-    if not isinstance(value, str) or not _NAME.match(value) or ".." in value:
+    if not isinstance(value, str) or not _NAME.fullmatch(value) or ".." in value:
         raise ValueError(f"{what} {value!r} is not a valid name: use 1 to 128 letters, "
                          "digits, '.', '_' or '-', not starting with '.' and without '..'")
     return value

@@ -3,13 +3,17 @@ under the sink's root (runs in: worker).
 
 Examples are queued per dataset and written a shard at a time (``rows_per_shard`` rows or
 ``max_shard_bytes``, options of the sink's entry in ``VLLM_LENS_SINKS``), and at the latest
-``flush_s`` seconds (default 10) after the oldest queued one arrived, or when the front end
-asks (``vllm_lens.flush_sinks``). An example is in the dataset once its key is in
-``index.jsonl``; the receipt says whether that was so when the request finished
-(``durable``). A shard that cannot be written (a full disk) fails the request whose write
-triggered it with the keys it took down with it; the examples queued with it are dropped
-(they are not in the index: a resumed job writes them again), the shards already written
-stay valid, and the next write to the dataset starts afresh.
+``flush_s`` seconds (default 10) after the oldest queued one arrived, when the front end
+asks (``vllm_lens.flush_sinks``), and when the worker exits. At most ``max_open_datasets``
+(default 16) datasets are open at once (the least recently written is flushed and closed to
+open another), which bounds the rows queued in memory. An example is in the dataset once its
+key is in ``index.jsonl``; the receipt says whether that was so when the request finished
+(``durable``; only then does it name the shard and offset). A shard that cannot be written
+(a full disk) fails the request whose write triggered it, with the keys it took down with it
+(a failure of the timer's write is reported by the next ``flush``); the examples queued with
+it are dropped (they are not in the index: a resumed job writes them again), the shards
+already written stay valid, and the next write to the dataset starts afresh. Writes run on
+the worker between engine steps: a shard's write delays the engine's next step.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_lens.shard_writer import ShardWriter
+from vllm_lens.shard_writer import VERSION_FIELDS, ShardWriter, jsonable
 from vllm_lens.sinks import Example
 from vllm_lens.sinks.config import SinkConfig
 
@@ -28,9 +32,7 @@ __all__ = ["ShardSink"]
 
 logger = logging.getLogger(__name__)
 
-_OPTIONS = ("rows_per_shard", "max_shard_bytes", "flush_s")
-#: Manifest fields that may differ between the runs that wrote one dataset.
-_VERSIONS = ("vllm_version", "vllm_lens_version")
+_OPTIONS = ("rows_per_shard", "max_shard_bytes", "flush_s", "max_open_datasets")
 
 
 class ShardSink:
@@ -43,10 +45,15 @@ class ShardSink:
                              f"safetensors sink takes {', '.join(_OPTIONS)}")
         self.config = config
         self.root = Path(config.root)
-        self.rows_per_shard = int(config.options.get("rows_per_shard", 65536))
-        self.max_shard_bytes = int(config.options.get("max_shard_bytes", 1 << 30))
-        self.flush_s = float(config.options.get("flush_s", 10.0))
+        self.rows_per_shard = _option(config, "rows_per_shard", int, 65536, 1)
+        self.max_shard_bytes = _option(config, "max_shard_bytes", int, 1 << 30, 1)
+        self.flush_s = _option(config, "flush_s", float, 10.0, 0)
+        self.max_open_datasets = _option(config, "max_open_datasets", int, 16, 1)
         self._writers: dict[str, ShardWriter] = {}
+        """Open datasets, least recently written first (at most ``max_open_datasets``: the
+        queued rows in memory are bounded by that many shards)."""
+        self._failures: list[str] = []
+        """Shard writes that failed outside a request (the timer): reported by ``flush``."""
         self._oldest: dict[str, float] = {}
         """Dataset -> when its oldest queued example arrived."""
         self._lock = threading.Lock()
@@ -56,6 +63,7 @@ class ShardSink:
     def write(self, dataset: str, example: Example) -> dict[str, Any]:
         with self._lock:
             writer = self._writer(dataset, example.settings)
+            self._writers[dataset] = self._writers.pop(dataset)  # most recently written
             try:
                 shard, offset = writer.add(example.key, example.rows, example.positions,
                                            example.prompt_token_ids, example.token_ids,
@@ -69,33 +77,46 @@ class ShardSink:
             else:
                 self._oldest.pop(dataset, None)
             self._start_timer()
+            durable = example.key in writer.written
         first = next(iter(example.rows.values()))
+        # Where a queued example will land is known only once its shard is written.
         return {
             "sink": self.config.name, "dataset": dataset, "key": example.key,
-            "shard": shard, "offset": offset, "rows": int(first.shape[1]),
+            "shard": shard if durable else None, "offset": offset if durable else None,
+            "rows": int(first.shape[1]),
             "shapes": {point: list(t.shape) for point, t in example.rows.items()},
-            "durable": example.key in writer.written,
+            "durable": durable,
         }
 
     def _writer(self, dataset: str, settings: Any) -> ShardWriter:
         writer = self._writers.get(dataset)
         if writer is not None:
             for field in sorted(set(writer.manifest) | set(settings)):
-                if field in _VERSIONS or field == "format":
+                if field in VERSION_FIELDS or field == "format":
                     continue
-                if writer.manifest.get(field) != _plain(settings.get(field)):
+                if writer.manifest.get(field) != jsonable(settings.get(field)):
                     raise ValueError(
                         f"dataset {dataset!r} of sink {self.config.name!r} holds examples with "
                         f"{field}={writer.manifest.get(field)!r}, not "
-                        f"{_plain(settings.get(field))!r}; write these to another dataset")
+                        f"{jsonable(settings.get(field))!r}; write these to another dataset")
             return writer
+        while len(self._writers) >= self.max_open_datasets:
+            oldest = next(iter(self._writers))
+            try:
+                self._writers[oldest].flush()
+            except Exception as exc:  # noqa: BLE001 - reported at the next flush
+                self._failures.append(self._abandon(oldest, exc))
+                continue
+            self._writers.pop(oldest).close()
+            self._oldest.pop(oldest, None)
+        path = self.root / dataset
         try:
-            writer = ShardWriter(self.root / dataset, settings,
-                                 rows_per_shard=self.rows_per_shard,
+            writer = ShardWriter(path, settings, rows_per_shard=self.rows_per_shard,
                                  max_shard_bytes=self.max_shard_bytes, resume=True)
-        except ValueError as exc:  # another manifest
-            raise ValueError(f"dataset {dataset!r} of sink {self.config.name!r}: {exc}; write "
-                             "these to another dataset") from None
+        except (ValueError, RuntimeError) as exc:  # another manifest, another writer
+            problem = str(exc).replace(f"{path}: ", "").replace(str(path), dataset)
+            raise ValueError(f"dataset {dataset!r} of sink {self.config.name!r}: {problem}; "
+                             "write these to another dataset") from None
         self._writers[dataset] = writer
         return writer
 
@@ -113,8 +134,8 @@ class ShardSink:
         return message
 
     def flush(self) -> list[str]:
-        problems = []
         with self._lock:
+            problems, self._failures = self._failures, []
             for dataset in list(self._writers):
                 try:
                     self._writers[dataset].flush()
@@ -146,12 +167,13 @@ class ShardSink:
                     try:
                         self._writers[dataset].flush()
                         self._oldest.pop(dataset, None)
-                    except Exception as exc:  # noqa: BLE001 - logged; the thread carries on
-                        self._abandon(dataset, exc)
+                    except Exception as exc:  # noqa: BLE001 - reported at the next flush
+                        self._failures.append(self._abandon(dataset, exc))
 
 
-def _plain(value: Any) -> Any:
-    """``value`` as it reads back from the manifest's JSON."""
-    import json
-
-    return json.loads(json.dumps(value))
+def _option(config: SinkConfig, name: str, kind: type, default: Any, least: float) -> Any:
+    value = config.options.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < least:
+        raise ValueError(f"sink {config.name!r}: option {name!r} must be a number >= {least}, "
+                         f"got {value!r}")
+    return kind(value)

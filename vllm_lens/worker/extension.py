@@ -139,19 +139,25 @@ class LensWorkerExtension:
         except Exception as exc:  # noqa: BLE001 - the final fetch reports the failure
             logger.warning("vllm-lens: settling rows for a streamed fetch failed: %r", exc)
             return out
-        for key, below in requests:
-            found: dict[str, dict[str, Any]] = {}
+        errors: dict[str, dict[str, str]] = {}
+        for req_id, record in _runtime.requests.records.items():
+            if record.error is not None:
+                errors.setdefault(record.lens.key, {})[req_id] = record.error
+        below_by_key = dict(requests)
+        try:
+            taken = _runtime.store.take(below_by_key)
+        except Exception as exc:  # noqa: BLE001 - these requests fail, not the engine
+            problem = {"error": f"vllm-lens failed at stream: {describe(exc)}"}
+            return {key: {"": problem} for key in below_by_key}
+        for key, below in below_by_key.items():
+            found: dict[str, dict[str, Any]] = {
+                req_id: {"error": error} for req_id, error in errors.get(key, {}).items()}
             try:
-                record_errors = {req_id: record.error
-                                 for req_id, record in _runtime.requests.of_key(key).items()
-                                 if record.error is not None}
-                for req_id, error in record_errors.items():
-                    found[req_id] = {"error": error}
-                for req_id, by_signal in _runtime.store.take(key, below).items():
+                for req_id, by_signal in taken.get(key, {}).items():
                     if req_id in found:
                         continue
+                    upto = next(n for p, n in below.items() if req_id.startswith(p))
                     for signal, entry in by_signal.items():
-                        upto = next(n for p, n in below.items() if req_id.startswith(p))
                         capture = assemble(entry, upto)
                         capture["tp_rank"] = _runtime.tp_rank
                         tensor = capture.pop("tensor")

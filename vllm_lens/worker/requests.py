@@ -119,10 +119,6 @@ class RequestTable:
                 break
             del self._closed[key]
 
-    def of_key(self, key: str) -> dict[str, RequestRecord]:
-        """The records of lens key ``key`` (request id -> record), left in place."""
-        return {r: rec for r, rec in self.records.items() if rec.lens.key == key}
-
     def pop(self, key: str) -> dict[str, RequestRecord]:
         """Remove every record of lens key ``key`` (request id -> record); later steps of its
         requests are ignored."""

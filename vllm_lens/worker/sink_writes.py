@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import importlib.metadata
 import logging
+import multiprocessing.util
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -37,6 +38,9 @@ def _sink(name: str) -> Sink:
                                  "(VLLM_LENS_SINKS of the engine's processes)")
             found = _open[name] = load_kind(config.kind)(config)
             if len(_open) == 1:
+                # vLLM's worker processes end through multiprocessing, which runs its own
+                # finalizers but not atexit's; an in-process worker ends with the interpreter.
+                multiprocessing.util.Finalize(None, close_all, exitpriority=100)
                 atexit.register(close_all)
         return found
 
@@ -66,7 +70,7 @@ def write(lens: LensRequest, captures: Mapping[str, Mapping[str, Any]], model: s
         rows[spec.signal] = tensor[:, None] if reduced else tensor
     positions = captures[first.signal]["positions"]
     lead = rows[first.signal]
-    if lead.shape[1] == 0:
+    if lead.shape[1] == 0 or positions.numel() == 0:  # (a reduction over none: NaN rows)
         raise ValueError("no position was selected: nothing was written (a sink example "
                          "needs rows)")
     import vllm

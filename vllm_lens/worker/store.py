@@ -191,18 +191,21 @@ class CaptureStore:
         self._closed[key] = time.monotonic()
         return found
 
-    def take(self, key: str, below: Mapping[str, int]) -> dict[str, dict[str, Entry]]:
-        """Remove and return the rows of lens key ``key`` at positions below ``below[prefix]``
-        (the request ids starting with ``prefix``), as entries of their own (request id ->
-        signal -> entry); the entries stay open for later rows (a streamed request).
+    def take(self, below: Mapping[str, Mapping[str, int]]
+             ) -> dict[str, dict[str, dict[str, Entry]]]:
+        """Remove and return, for each lens key of ``below``, its rows at positions below
+        ``below[key][prefix]`` (the request ids starting with ``prefix``), as entries of their
+        own (lens key -> request id -> signal -> entry); the entries stay open for later rows
+        (a streamed request).
 
         Rows of positions taken once are never returned again (a preempted request computes
         them anew): each position streams once."""
-        found: dict[str, dict[str, Entry]] = {}
+        found: dict[str, dict[str, dict[str, Entry]]] = {}
         for ident, entry in self._entries.items():
-            if ident[0] != key:
+            prefixes = below.get(ident[0])
+            if prefixes is None:
                 continue
-            upto = next((n for p, n in below.items() if ident[1].startswith(p)), None)
+            upto = next((n for p, n in prefixes.items() if ident[1].startswith(p)), None)
             if upto is None or upto <= entry.taken:
                 continue
             taken = Entry(entry.req_id, entry.layers, entry.reduce, entry.window,
@@ -225,7 +228,7 @@ class CaptureStore:
             entry.nbytes = sum(c.numel() * c.element_size() for c in kept_chunks)
             self._nbytes -= before - entry.nbytes
             if taken.chunks:
-                found.setdefault(ident[1], {})[ident[2]] = taken
+                found.setdefault(ident[0], {}).setdefault(ident[1], {})[ident[2]] = taken
         return found
 
     def discard(self, key: str, req_id: str) -> None:

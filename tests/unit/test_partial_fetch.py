@@ -1,0 +1,67 @@
+"""The coalescer of streamed requests' fetches: requests that ask in the same turn of the
+event loop share one RPC, each gets only its own rows, and a failure reaches all of them."""
+
+import asyncio
+
+import pytest
+
+from vllm_lens.frontend.partial_fetch import PartialFetcher
+
+
+def test_requests_asking_together_share_one_rpc_and_get_their_own_rows():
+    calls = []
+
+    async def rpc(requests):
+        calls.append(requests)
+        return [{key: {"": {"rank": rank, "key": key}} for key, _ in requests}
+                for rank in range(2)]
+
+    async def main():
+        fetcher = PartialFetcher(rpc)
+        first = await asyncio.gather(*(fetcher.fetch(k, {"": i}) for i, k in enumerate("abc")))
+        later = await fetcher.fetch("d", {"": 9})
+        return first, later
+
+    first, later = asyncio.run(main())
+    assert calls == [[("a", {"": 0}), ("b", {"": 1}), ("c", {"": 2})], [("d", {"": 9})]]
+    assert first[1] == [{"b": {"": {"rank": 0, "key": "b"}}}, {"b": {"": {"rank": 1, "key": "b"}}}]
+    assert later == [{"d": {"": {"rank": 0, "key": "d"}}}, {"d": {"": {"rank": 1, "key": "d"}}}]
+
+
+def test_a_failed_rpc_fails_every_waiting_request():
+    async def rpc(requests):
+        raise RuntimeError("engine gone")
+
+    async def main():
+        fetcher = PartialFetcher(rpc)
+        return await asyncio.gather(fetcher.fetch("a", {"": 1}), fetcher.fetch("b", {"": 1}),
+                                    return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert [str(r) for r in results] == ["engine gone", "engine gone"]
+
+
+def test_a_cancelled_request_does_not_stop_the_others(monkeypatch):
+    discarded = []
+    monkeypatch.setattr("vllm_lens.handoff.discard_fetched", discarded.append)
+    release = None
+
+    async def rpc(requests):
+        await release.wait()
+        return [{key: {"": {}} for key, _ in requests}]
+
+    async def main():
+        nonlocal release
+        release = asyncio.Event()
+        fetcher = PartialFetcher(rpc)
+        a = asyncio.ensure_future(fetcher.fetch("a", {"": 1}))
+        b = asyncio.ensure_future(fetcher.fetch("b", {"": 1}))
+        await asyncio.sleep(0.01)
+        a.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await a
+        return await b
+
+    assert asyncio.run(main()) == [{"b": {"": {}}}]
+    assert discarded == [{"a": {"": {}}}]  # the cancelled request's rows are deleted

@@ -76,7 +76,11 @@ def serve_engine(cfg: dict) -> None:
     from vllm_lens.demo_models import smollm2_dir
 
     root = Path(cfg["root"])
-    spent: dict[str, float] = {} if cfg["disabled"] else _time_plugin_code()
+    from plugin_timer import time_plugin_code  # benchmarks/, this script's directory
+    from vllm_lens.worker.extension import LensWorkerExtension
+
+    spent: dict[str, float] = {} if cfg["disabled"] else time_plugin_code(
+        ((LensWorkerExtension, "lens_flush_sinks"),))
     if not cfg["disabled"]:
         os.environ["VLLM_LENS_SINKS"] = json.dumps(
             {"bench": {"root": str(root), "flush_s": 0, "max_shard_bytes": 64 << 20}})
@@ -121,35 +125,6 @@ def serve_engine(cfg: dict) -> None:
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         print("RESULT " + json.dumps({"tps": tokens / elapsed, "memory_mb": memory,
                                       "share": sum(spent.values()) / elapsed}), flush=True)
-
-
-def _time_plugin_code() -> dict[str, float]:
-    """Time vllm-lens' own code in this process (the tap handler, the fetch that assembles and
-    writes rows, validation and collation): the plugin's share of a job, measured in the same
-    run and far less noisy on a shared machine than a ratio of two runs."""
-    from vllm_lens.frontend.collate import LensSession
-    from vllm_lens.worker.extension import LensWorkerExtension
-    from vllm_lens.worker.runtime import LensRuntime
-
-    spent: dict[str, float] = {}
-
-    def timed(cls: type, name: str) -> None:
-        original = getattr(cls, name)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
-
-        setattr(cls, name, wrapper)
-
-    for cls, name in ((LensRuntime, "on_tap"), (LensWorkerExtension, "lens_fetch"),
-                      (LensWorkerExtension, "lens_flush_sinks"), (LensSession, "prepare"),
-                      (LensSession, "attach")):
-        timed(cls, name)
-    return spent
 
 
 def _write_returned(outs: list[Any], path: Path) -> None:
@@ -215,35 +190,54 @@ def _write_rows(writer: Any, lo: int, per_layer: list[Any], mask: Any, ids: Any,
         writer.add(str(lo + b), {"resid_post": rows}, positions, ids[b, :n].tolist())
 
 
-def transformers_hooks(prompts: list[str], root: Path, batch: int, last_only: bool) -> float:
+def _timed_job(root: Path, tokenizer: Any, prompts: list[str], batch: int, last_only: bool,
+               hidden: int, rows_of: Any) -> float:
+    """Run ``rows_of(ids, mask)`` (per layer ``[batch, seq, hidden]``) over the prompts, a
+    padded batch at a time, writing the rows; returns prompt tokens per second."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_lens.demo_models import smollm2_dir
     from vllm_lens.shard_writer import ShardWriter
 
-    path = str(smollm2_dir())
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.padding_side = "right"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    grabbed: list[Any] = []
-    handles = [layer.register_forward_hook(
-        lambda _m, _i, out: grabbed.append(out[0] if isinstance(out, tuple) else out))
-        for layer in model.model.layers]
     manifest = {"points": ["resid_post"], "layers": list(range(N_LAYERS)), "dtype": "float32",
-                "row_shapes": {"resid_post": [model.config.hidden_size]}}
+                "row_shapes": {"resid_post": [hidden]}}
     tokens = 0
     start = time.perf_counter()
     with torch.inference_mode(), ShardWriter(root, manifest) as writer:
         for lo, ids, mask in _batches(tokenizer, prompts, batch):
-            grabbed.clear()
-            model(input_ids=ids, attention_mask=mask)
-            _write_rows(writer, lo, grabbed, mask, ids, last_only)
+            _write_rows(writer, lo, rows_of(ids, mask), mask, ids, last_only)
             tokens += int(mask.sum())
-    elapsed = time.perf_counter() - start
-    for h in handles:
-        h.remove()
-    return tokens / elapsed
+    return tokens / (time.perf_counter() - start)
+
+
+def _hf(path: str) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "right"
+    return tokenizer, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def transformers_hooks(prompts: list[str], root: Path, batch: int, last_only: bool) -> float:
+    from vllm_lens.demo_models import smollm2_dir
+
+    tokenizer, model = _hf(str(smollm2_dir()))
+    grabbed: list[Any] = []
+    handles = [layer.register_forward_hook(
+        lambda _m, _i, out: grabbed.append(out[0] if isinstance(out, tuple) else out))
+        for layer in model.model.layers]
+
+    def rows_of(ids: Any, mask: Any) -> list[Any]:
+        grabbed.clear()
+        model(input_ids=ids, attention_mask=mask)
+        return list(grabbed)
+
+    try:
+        return _timed_job(root, tokenizer, prompts, batch, last_only,
+                          model.config.hidden_size, rows_of)
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def nnsight_job(prompts: list[str], root: Path, batch: int, last_only: bool) -> float:
@@ -251,38 +245,29 @@ def nnsight_job(prompts: list[str], root: Path, batch: int, last_only: bool) -> 
     from nnsight import LanguageModel
 
     from vllm_lens.demo_models import smollm2_dir
-    from vllm_lens.shard_writer import ShardWriter
 
     model = LanguageModel(str(smollm2_dir()), dtype=torch.float32, dispatch=True)
     model.tokenizer.padding_side = "right"
-    manifest = {"points": ["resid_post"], "layers": list(range(N_LAYERS)), "dtype": "float32",
-                "row_shapes": {"resid_post": [model.config.hidden_size]}}
-    tokens = 0
-    start = time.perf_counter()
-    with torch.inference_mode(), ShardWriter(root, manifest) as writer:
-        for lo, ids, mask in _batches(model.tokenizer, prompts, batch):
-            saved: list[Any] = []  # filled inside the trace (nnsight runs its body apart)
-            with model.trace({"input_ids": ids, "attention_mask": mask}):
-                for layer in model.model.layers:
-                    saved.append(layer.output.save())  # transformers 5: a tensor
-            _write_rows(writer, lo, [getattr(s, "value", s) for s in saved], mask, ids,
-                        last_only)
-            tokens += int(mask.sum())
-    return tokens / (time.perf_counter() - start)
+
+    def rows_of(ids: Any, mask: Any) -> list[Any]:
+        saved: list[Any] = []  # filled inside the trace (nnsight runs its body apart)
+        with model.trace({"input_ids": ids, "attention_mask": mask}):
+            for layer in model.model.layers:
+                saved.append(layer.output.save())  # transformers 5: a tensor
+        return [getattr(s, "value", s) for s in saved]
+
+    return _timed_job(root, model.tokenizer, prompts, batch, last_only,
+                      model.config.hidden_size, rows_of)
 
 
 def transformer_lens_job(prompts: list[str], root: Path, batch: int, last_only: bool) -> float:
     import torch
     import transformer_lens  # noqa: F401 - ImportError: reported as not installed
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_lens.demo_models import smollm2_dir
-    from vllm_lens.shard_writer import ShardWriter
 
     path = str(smollm2_dir())
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.padding_side = "right"
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer, hf = _hf(path)
     try:  # TransformerLens 4 wraps the transformers model ("bridge")
         from transformer_lens.model_bridge import TransformerBridge
 
@@ -295,16 +280,13 @@ def transformer_lens_job(prompts: list[str], root: Path, batch: int, last_only: 
             "HuggingFaceTB/SmolLM2-135M-Instruct", hf_model=hf, tokenizer=tokenizer,
             dtype=torch.float32, device="cpu")
     names = [f"blocks.{i}.hook_resid_post" for i in range(N_LAYERS)]
-    manifest = {"points": ["resid_post"], "layers": list(range(N_LAYERS)), "dtype": "float32",
-                "row_shapes": {"resid_post": [hf.config.hidden_size]}}
-    tokens = 0
-    start = time.perf_counter()
-    with torch.inference_mode(), ShardWriter(root, manifest) as writer:
-        for lo, ids, mask in _batches(tokenizer, prompts, batch):
-            _, cache = model.run_with_cache(ids, attention_mask=mask, names_filter=names)
-            _write_rows(writer, lo, [cache[n] for n in names], mask, ids, last_only)
-            tokens += int(mask.sum())
-    return tokens / (time.perf_counter() - start)
+
+    def rows_of(ids: Any, mask: Any) -> list[Any]:
+        _, cache = model.run_with_cache(ids, attention_mask=mask, names_filter=names)
+        return [cache[n] for n in names]
+
+    return _timed_job(root, tokenizer, prompts, batch, last_only, hf.config.hidden_size,
+                      rows_of)
 
 
 OTHERS = {"transformers + hooks": transformers_hooks, "nnsight": nnsight_job,

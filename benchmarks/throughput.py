@@ -90,7 +90,9 @@ def serve_engine(cfg: dict) -> None:
 
     from vllm_lens.demo_models import smollm2_dir
 
-    spent: dict[str, float] = {} if cfg["disabled"] else _time_plugin_code()
+    from plugin_timer import time_plugin_code  # benchmarks/, this script's directory
+
+    spent: dict[str, float] = {} if cfg["disabled"] else time_plugin_code()
     llm = LLM(str(smollm2_dir()), dtype="float32", max_model_len=1024, seed=0,
               kv_cache_memory_bytes=1 << 30, enforce_eager=cfg["eager"])
     # Warm-up; on the plugin engine with a lens request, so that every case, plain requests
@@ -112,33 +114,6 @@ def serve_engine(cfg: dict) -> None:
         elapsed = time.perf_counter() - start
         tps = sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
         print(f"RESULT {tps} {sum(spent.values()) / elapsed}", flush=True)
-
-
-def _time_plugin_code() -> dict[str, float]:
-    """Wrap vllm-lens' entry points (worker and front end) with timers; returns the totals,
-    by function, which the caller may reset."""
-    from vllm_lens.frontend.collate import LensSession
-    from vllm_lens.worker.extension import LensWorkerExtension
-    from vllm_lens.worker.runtime import LensRuntime
-
-    spent: dict[str, float] = {}
-
-    def timed(cls: type, name: str) -> None:
-        original = getattr(cls, name)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
-
-        setattr(cls, name, wrapper)
-
-    for cls, name in ((LensRuntime, "on_tap"), (LensWorkerExtension, "lens_fetch"),
-                      (LensSession, "prepare"), (LensSession, "attach")):
-        timed(cls, name)
-    return spent
 
 
 class _Engine:

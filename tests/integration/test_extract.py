@@ -2,6 +2,7 @@
 transformers; bad rows listed (exit status 1, the good rows written); a re-run resumes."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -14,12 +15,12 @@ ENGINE = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
           "--kv-cache-memory-bytes", str(256 << 20)]
 
 
-def run_extract(model, source, output, *extra, points="resid_post,hook_attn_out"):
+def run_extract(model, source, output, *extra, points="resid_post,hook_attn_out", env=None):
     return subprocess.run(
         [sys.executable, "-m", "vllm_lens.cli", "extract", "--model", model, "--input",
          str(source), "--output", str(output), "--layers", "1,3", "--points", points,
          *extra, *ENGINE],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
 def test_extract_writes_a_dataset_equal_to_transformers_and_resumes(tmp_path, tiny_path,
@@ -91,3 +92,20 @@ def tiny_ref_tokenizer(path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def test_extract_under_tensor_parallelism_equals_transformers(tmp_path, tiny_path, tiny_ref):
+    """With -tp 2 the sink is written by TP rank 0, which holds the whole residual stream
+    (and ``attn_out``, what attention adds after its all-reduce). The points split across the
+    ranks are refused for sinks (``tests/unit/test_sinks.py``)."""
+    source = tmp_path / "prompts.jsonl"
+    source.write_text(json.dumps({"prompt": "The capital of France is", "key": "fr"}) + "\n")
+    output = tmp_path / "acts"
+    tp2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (CPU build)
+    done = run_extract(tiny_path, source, output, "--tensor-parallel-size", "2", env=tp2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ex = datasets.open(output).get("fr")
+    expected = tiny_ref.points(ex["prompt_token_ids"])
+    for i, layer in enumerate((1, 3)):
+        for point in ("resid_post", "attn_out"):
+            assert max_relative_error(ex[point][i], expected[(point, layer)]) <= 1e-4

@@ -36,12 +36,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from harness import ChildEngine, time_plugin_code  # benchmarks/, this script's directory
 
 N_LAYERS = 30
 ENGINE = dict(dtype="float32", max_model_len=512, seed=0, kv_cache_memory_bytes=1 << 30,
@@ -76,7 +77,6 @@ def serve_engine(cfg: dict) -> None:
     from vllm_lens.demo_models import smollm2_dir
 
     root = Path(cfg["root"])
-    from plugin_timer import time_plugin_code  # benchmarks/, this script's directory
     from vllm_lens.worker.extension import LensWorkerExtension
 
     spent: dict[str, float] = {} if cfg["disabled"] else time_plugin_code(
@@ -140,34 +140,12 @@ def _write_returned(outs: list[Any], path: Path) -> None:
                        o.activations["positions"].tolist(), o.prompt_token_ids)
 
 
-class _Engine:
+class _Engine(ChildEngine):
     def __init__(self, cfg: dict, disabled: bool) -> None:
-        # In-process engines (the worker in the child's own process): vLLM's engine-core busy
-        # loop would otherwise compete with the model for the cores.
-        env = {**os.environ, "VLLM_LENS_DISABLE": "1" if disabled else "0",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", json.dumps({**cfg, "disabled": disabled})],
-            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._expect("READY")
+        super().__init__(__file__, cfg, disabled)
 
     def run(self, job: str, run: int) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{job} {run}\n")
-        self.proc.stdin.flush()
-        return json.loads(self._expect("RESULT "))
-
-    def _expect(self, prefix: str) -> str:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
-        sys.exit(f"benchmark engine exited with {self.proc.wait()} (see its stderr above)")
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
+        return json.loads(self.ask(f"{job} {run}"))
 
 
 # -- the other tools (this process) -----------------------------------------------------------

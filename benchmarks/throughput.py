@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+from harness import ChildEngine, time_plugin_code  # benchmarks/, this script's directory
 
 HIDDEN, N_LAYERS = 576, 30
 
@@ -90,8 +90,6 @@ def serve_engine(cfg: dict) -> None:
 
     from vllm_lens.demo_models import smollm2_dir
 
-    from plugin_timer import time_plugin_code  # benchmarks/, this script's directory
-
     spent: dict[str, float] = {} if cfg["disabled"] else time_plugin_code()
     llm = LLM(str(smollm2_dir()), dtype="float32", max_model_len=1024, seed=0,
               kv_cache_memory_bytes=1 << 30, enforce_eager=cfg["eager"])
@@ -116,36 +114,16 @@ def serve_engine(cfg: dict) -> None:
         print(f"RESULT {tps} {sum(spent.values()) / elapsed}", flush=True)
 
 
-class _Engine:
+class _Engine(ChildEngine):
     """A child process serving one engine (see ``serve_engine``)."""
 
     def __init__(self, cfg: dict, disabled: bool) -> None:
-        env = {**os.environ, "VLLM_LENS_DISABLE": "1" if disabled else "0",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", json.dumps({**cfg, "disabled": disabled})],
-            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._expect("READY")
+        super().__init__(__file__, cfg, disabled)
 
     def run(self, case: str) -> tuple[float, float]:
         """(tokens/s, share of the time spent in vllm-lens) of one run of ``case``."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(case + "\n")
-        self.proc.stdin.flush()
-        tps, share = self._expect("RESULT ").split()
+        tps, share = self.ask(case).split()
         return float(tps), float(share)
-
-    def _expect(self, prefix: str) -> str:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
-        sys.exit(f"benchmark engine exited with {self.proc.wait()} (see its stderr above)")
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
 
 
 def measure_mode(cfg: dict, cases: list[str], rounds: int) -> dict[str, dict[str, float]]:

@@ -6,7 +6,7 @@ compressing nearly incompressible float activations costs more CPU than it saves
 of hundreds of MB that dominated the cost of a fetch. So there are two routes:
 
 - **Inline** (small captures, or a front end on another host, e.g. Ray): ``wire.dumps`` bytes
-  (msgpack + zstd) in the RPC result.
+  (msgpack, tensors uncompressed) in the RPC result.
 - **Shared memory** (the front end shares the worker's host and ``/dev/shm``, vLLM's usual
   multiprocess setup): the worker writes the raw tensor to a private file there (mode 0600,
   random name) laid out as ``magic | header length | header | raw tensor bytes``, and returns
@@ -90,7 +90,7 @@ def send(header: dict[str, Any], tensor: torch.Tensor, receiver_host: str | None
         except OSError as exc:
             logger.warning("vllm-lens: cannot hand %d bytes over through %s (%s); sending them "
                            "inline instead", nbytes, _directory(), exc)
-    return wire.dumps({"header": header, "tensor": tensor})
+    return wire.dumps({"header": header, "tensor": tensor}, compress=False)
 
 
 def receive(handoff: Handoff) -> tuple[dict[str, Any], torch.Tensor]:

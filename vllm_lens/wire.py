@@ -6,7 +6,9 @@ tensor a self-describing map whose raw bytes are zstandard-compressed::
     {"__tensor__": True, "dtype": "bfloat16", "shape": [2, 3], "compression": "zstd",
      "data": <zstd frame of the raw little-endian bytes>}
 
-Anything with msgpack + zstandard (numpy included) can read it back. Compressing each tensor's
+Anything with msgpack + zstandard (numpy included) can read it back. Records between two
+vllm-lens processes of one deployment may leave the bytes uncompressed (``"compression": None``,
+``dumps(..., compress=False)``): compressing near-random floats costs more CPU than it saves. Compressing each tensor's
 bytes, rather than the whole message, keeps the large buffers out of msgpack's copies; the raw
 bytes of every dtype, bfloat16 included, are taken through a ``uint8`` view, so no dtype is
 special-cased. In JSON (``tensor_to_json``) the same record carries ``data`` in base64.
@@ -18,6 +20,7 @@ import base64
 import binascii
 import contextlib
 import contextvars
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -60,8 +63,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def pack_tensor(tensor: torch.Tensor) -> dict[str, Any]:
-    """Describe ``tensor`` as a msgpack-ready map (copies it to the CPU if needed)."""
+def pack_tensor(tensor: torch.Tensor, compress: bool = True) -> dict[str, Any]:
+    """Describe ``tensor`` as a msgpack-ready map (copies it to the CPU if needed);
+    ``compress=False`` keeps the raw bytes (``"compression": None``)."""
     name = dtype_name(tensor.dtype)
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     raw = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b""
@@ -69,9 +73,21 @@ def pack_tensor(tensor: torch.Tensor) -> dict[str, Any]:
         _TENSOR_TAG: True,
         "dtype": name,
         "shape": list(tensor.shape),
-        "compression": "zstd",
-        "data": zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(raw),
+        "compression": "zstd" if compress else None,
+        "data": _contexts.compressor.compress(raw) if compress else bytes(raw),
     }
+
+
+class _Contexts(threading.local):
+    """One zstd compressor and decompressor per thread (creating them costs about as much as
+    compressing a token's rows; one context must not serve two threads at once)."""
+
+    def __init__(self) -> None:
+        self.compressor = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+        self.decompressor = zstandard.ZstdDecompressor()
+
+
+_contexts = _Contexts()
 
 
 class _Budget:
@@ -167,7 +183,7 @@ def _decompress(data: bytes, expected: int) -> bytearray:
     view = memoryview(out)
     filled = 0
     try:
-        with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+        with _contexts.decompressor.stream_reader(data) as reader:
             while filled < len(out):
                 n = reader.readinto(view[filled:])
                 if not n:
@@ -187,13 +203,21 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"vllm-lens wire cannot encode {type(obj).__name__}")
 
 
+def _default_raw(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return pack_tensor(obj, compress=False)
+    raise TypeError(f"vllm-lens wire cannot encode {type(obj).__name__}")
+
+
 def _object_hook(obj: dict[Any, Any]) -> Any:
     return unpack_tensor(obj) if obj.get(_TENSOR_TAG) is True else obj
 
 
-def dumps(obj: Any) -> bytes:
-    """Encode nested dicts/lists/scalars/tensors as msgpack with zstd-compressed tensors."""
-    return msgpack.packb(obj, default=_default, use_bin_type=True)
+def dumps(obj: Any, compress: bool = True) -> bytes:
+    """Encode nested dicts/lists/scalars/tensors as msgpack with zstd-compressed tensors
+    (raw tensor bytes with ``compress=False``)."""
+    return msgpack.packb(obj, default=_default if compress else _default_raw,
+                         use_bin_type=True)
 
 
 def loads(blob: bytes) -> Any:

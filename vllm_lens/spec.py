@@ -17,7 +17,7 @@ import numbers
 import math
 import json
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,7 @@ __all__ = [
     "check_engine",
     "has_lens_keys",
     "parse_extra_args",
+    "parse_steering",
     "reuse_parsed",
 ]
 
@@ -68,6 +69,8 @@ ACTIVATIONS_KEY = "output_activations"
 #: Post-RoPE Q and K of chosen layers (vllm-lens 1.3.0's key): ``true`` or a list of layers.
 QK_KEY = "output_qk"
 STEER_KEY = "apply_steering_vectors"
+#: An ``apply_steering_vectors`` item selecting a named preset the operator registered.
+PRESET_PREFIX = "preset:"
 #: How the OpenAI server returns activations (``"json"`` inline, ``"binary"`` by handle).
 #: Offline engines return tensors and only validate it.
 TRANSPORT_KEY = "activations_transport"
@@ -206,12 +209,17 @@ class SteerSpec:
     """Absolute positions of 3D rows; ``None`` for 2D vectors, which apply at every position."""
     point: str = "resid_post"
     """The tap point the vectors are added at (``points.STEERABLE``)."""
+    mode: str = "add"
+    """``add`` or ``replace`` (the stream at those rows becomes the vector)."""
+    phase: str = "all"
+    """``all``, ``prefill`` (prompt positions) or ``decode`` (generated positions)."""
 
     def to_payload(self) -> dict[str, Any]:
         return {
             "layers": list(self.layers), "vectors": self.vectors, "scale": self.scale,
             "norm_match": self.norm_match, "point": self.point,
             "positions": None if self.positions is None else list(self.positions),
+            "mode": self.mode, "phase": self.phase,
         }
 
     @classmethod
@@ -221,8 +229,15 @@ class SteerSpec:
             layers=tuple(int(x) for x in d["layers"]), vectors=bytes(d["vectors"]),
             scale=float(d["scale"]), norm_match=bool(d["norm_match"]),
             positions=None if positions is None else tuple(int(p) for p in positions),
-            point=str(d.get("point", "resid_post")),
+            point=str(d.get("point", "resid_post")), mode=str(d.get("mode", "add")),
+            phase=str(d.get("phase", "all")),
         )
+
+    def digest_into(self, digest: Any) -> None:
+        """Feed everything that decides what this vector does into ``digest``."""
+        digest.update(repr((self.layers, self.scale, self.norm_match, self.positions,
+                            self.point, self.mode, self.phase)).encode())
+        digest.update(self.vectors)
 
 
 @dataclass(frozen=True)
@@ -292,22 +307,28 @@ class LensRequest:
 
     @property
     def cache_salt(self) -> str | None:
-        """Prefix-cache salt: requests share KV blocks only with identically steered ones.
+        """Prefix-cache salt of every block: requests share KV blocks only with identically
+        steered ones.
 
-        Any steering changes the KV of every later position of the steered layers' successors,
-        so every steered request is salted (also when it steers generated positions only:
-        their blocks could otherwise be reused by a prompt that repeats them).
+        Steering that may touch a prompt position changes the KV of that position and every
+        later one, so such a request is salted from its first block. Steering of generated
+        positions only (``phase="decode"``) leaves the prompt's KV as an unsteered request's:
+        it gets ``decode_salt`` instead.
         """
         if self.hooks:
             # A hook may change the stream in ways no digest can name: never share blocks.
             return f"vllm-lens:hooks:{self.key}"
-        if not self.steer:
-            return None
-        digest = hashlib.sha256()
-        for s in self.steer:
-            digest.update(repr((s.layers, s.scale, s.norm_match, s.positions, s.point)).encode())
-            digest.update(s.vectors)
-        return "vllm-lens:" + digest.hexdigest()[:32]
+        return _steering_digest([s for s in self.steer if s.phase != "decode"])
+
+    @property
+    def decode_salt(self) -> str | None:
+        """Salt of the blocks that hold generated tokens (``frontend.prefix_cache``), for
+        decode-only steering: its prompt blocks are shared with unsteered requests, but its
+        generated tokens' blocks (steered KV) are reused only by identically steered requests,
+        never by a later prompt that repeats the text, e.g. the next turn of a chat."""
+        if self.cache_salt is not None:
+            return None  # every block is salted already
+        return _steering_digest([s for s in self.steer if s.phase == "decode"])
 
     def to_payload(self) -> dict[str, Any]:
         payload: dict[str, Any] = {"v": PAYLOAD_VERSION, "key": self.key}
@@ -315,6 +336,8 @@ class LensRequest:
             payload["steer"] = [s.to_payload() for s in self.steer]
         if self.cache_salt is not None:
             payload["salt"] = self.cache_salt
+        if self.decode_salt is not None:
+            payload["decode_salt"] = self.decode_salt
         if self.hooks:
             payload["hooks"] = [h.to_payload() for h in self.hooks]
         if self.fault is not None:
@@ -358,11 +381,13 @@ def parse_extra_args(
     facts: Callable[[], ModelFacts],
     *,
     request_id: str | None = None,
+    presets: Mapping[str, tuple[SteerSpec, ...]] | None = None,
 ) -> tuple[dict[str, Any], LensRequest | None]:
     """Split ``extra_args`` into (the caller's other keys, the validated lens request).
 
     ``facts`` is called only when a lens key is present, so plain requests never ask the
     workers anything. Returns the non-lens keys untouched and ``None`` when no lens key is set.
+    ``presets``: the engine's named steering presets, which ``"preset:<name>"`` selects.
 
     Raises:
         LensRequestError: a lens key is malformed, misspelt, or unusable on this model.
@@ -411,7 +436,7 @@ def parse_extra_args(
     points = () if raw_points is None else _parse_points(raw_points, facts, request_id)
     if raw_qk is not None:
         points = (*points, *_parse_qk(raw_qk, facts, request_id))
-    steer = () if raw_steer is None else _parse_steering(raw_steer, facts, request_id)
+    steer = () if raw_steer is None else _parse_steering(raw_steer, facts, request_id, presets)
     hooks = () if raw_hooks is None else parse_hooks(raw_hooks, facts, request_id)
     captures = points if capture is None else (capture, *points)
     sink = None if raw_sink is None else _parse_sink(raw_sink, captures, facts, request_id)
@@ -760,10 +785,20 @@ def _parse_reduce(raw: Any, field: str, request_id: str | None) -> str | None:
     return raw
 
 
-def _parse_steering(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[SteerSpec, ...]:
+def _steering_digest(specs: Sequence[SteerSpec]) -> str | None:
+    if not specs:
+        return None
+    digest = hashlib.sha256()
+    for spec in specs:
+        spec.digest_into(digest)
+    return "vllm-lens:" + digest.hexdigest()[:32]
+
+
+def _parse_steering(raw: Any, facts: ModelFacts, request_id: str | None,
+                    presets: Mapping[str, tuple[SteerSpec, ...]] | None = None,
+                    field: str = STEER_KEY) -> tuple[SteerSpec, ...]:
     from vllm_lens.steering import SteeringVector
 
-    field = STEER_KEY
     if isinstance(raw, str):
         text = raw.strip()
         if text.startswith("["):  # json.dumps([sv.model_dump(mode="json"), ...])
@@ -787,8 +822,57 @@ def _parse_steering(raw: Any, facts: ModelFacts, request_id: str | None) -> tupl
                               functools.partial(_check_steering_shape, facts))
     with limit:
         for i, item in enumerate(raw):
-            specs.append(_parse_one_vector(item, facts, f"{field}[{i}]", request_id))
+            if isinstance(item, str) and item.startswith(PRESET_PREFIX):
+                specs.extend(_preset(item, presets, f"{field}[{i}]", request_id))
+            else:
+                specs.append(_parse_one_vector(item, facts, f"{field}[{i}]", request_id))
+    _check_replacements_apart(specs, field, request_id)
     return tuple(specs)
+
+
+def parse_steering(raw: Any, facts: ModelFacts, field: str) -> tuple[SteerSpec, ...]:
+    """Validate steering vectors against the model outside a request (a preset being
+    registered): the forms ``apply_steering_vectors`` takes, errors naming ``field``."""
+    return _parse_steering(raw, facts, None, None, field)
+
+
+def _preset(item: str, presets: Mapping[str, tuple[SteerSpec, ...]] | None, where: str,
+            request_id: str | None) -> tuple[SteerSpec, ...]:
+    name = item.removeprefix(PRESET_PREFIX)
+    found = (presets or {}).get(name)
+    if found is None:
+        known = ", ".join(sorted(presets or ())) or "none are registered"
+        raise LensRequestError(where, f"unknown steering preset {name!r} ({known})",
+                               request_id=request_id)
+    return found
+
+
+def _check_replacements_apart(specs: Sequence[SteerSpec], field: str,
+                              request_id: str | None) -> None:
+    """Two ``replace`` vectors may not write the same (layer, point, position): which one
+    wins would be an accident of order."""
+    replacing = [(i, spec) for i, spec in enumerate(specs) if spec.mode == "replace"]
+    for n, (i, spec) in enumerate(replacing):
+        for j, other in replacing[:n]:
+            layer = _shared_replacement(spec, other)
+            if layer is not None:
+                raise LensRequestError(
+                    f"{field}[{i}]", f"replaces the same {spec.point} rows of layer {layer} as "
+                    f"{field}[{j}]; give each (layer, position) one replacement",
+                    request_id=request_id)
+
+
+def _shared_replacement(a: SteerSpec, b: SteerSpec) -> int | None:
+    """A layer where ``a`` and ``b`` may write the same rows, if any."""
+    shared = set(a.layers) & set(b.layers)
+    if a.point != b.point or not shared:
+        return None
+    if "all" not in (a.phase, b.phase) and a.phase != b.phase:
+        return None
+    if (a.positions is not None and b.positions is not None
+            and not set(a.positions) & set(b.positions)):
+        return None
+    return min(shared)
 
 
 def _check_steering_shape(facts: ModelFacts, shape: list[int]) -> None:
@@ -840,15 +924,21 @@ def _check_against_model(sv: Any, facts: ModelFacts, where: str,
             f"{where}.activations",
             f"hidden size is {hidden} but the model's is {facts.hidden_size}",
             request_id=request_id)
-    _sorted_indices(sv.layer_indices, f"{where}.layer_indices", _layer_rule(facts), request_id)
     positions = sv.positions
     if positions is not None:
         _sorted_indices(positions, f"{where}.position_indices", _position_rule(facts), request_id)
-    point = _parse_write_point(sv.hook_point, facts, f"{where}.hook_point", request_id)
+    if sv.layer_indices == [-1]:  # the token embeddings: the stream entering layer 0
+        layers = (0,)
+        point = _parse_write_point("resid_pre", facts, f"{where}.hook_point", request_id)
+    else:
+        _sorted_indices(sv.layer_indices, f"{where}.layer_indices", _layer_rule(facts),
+                        request_id)
+        layers = tuple(sv.layer_indices)
+        point = _parse_write_point(sv.hook_point, facts, f"{where}.hook_point", request_id)
     return SteerSpec(
-        layers=tuple(sv.layer_indices), vectors=wire.dumps(sv.activations), scale=sv.scale,
+        layers=layers, vectors=wire.dumps(sv.activations), scale=sv.scale,
         norm_match=sv.norm_match, positions=None if positions is None else tuple(positions),
-        point=point,
+        point=point, mode=sv.mode, phase=sv.phase,
     )
 
 

@@ -1,5 +1,5 @@
-"""``SteeringVector``: what a user adds to the residual stream (runs in: the caller's process
-and the front end).
+"""``SteeringVector``: what a user adds to (or writes into) the residual stream (runs in: the
+caller's process and the front end).
 
 A steering vector is a pydantic model so that it validates itself on construction and
 round-trips through JSON (``model_dump(mode="json")`` / ``model_validate``) and through the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -21,19 +21,27 @@ from pydantic import BaseModel, ConfigDict, field_serializer, field_validator, m
 from vllm_lens import wire
 from vllm_lens.errors import WireError
 
-__all__ = ["STEERING_DTYPES", "SteeringVector"]
+__all__ = ["EMBED_POINT", "STEERING_DTYPES", "SteeringVector"]
 
 #: Floating dtypes a steering tensor may have; it is cast to the model dtype on the worker.
 STEERING_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: ``hook_point`` of the token embeddings (the stream entering layer 0), with
+#: ``layer_indices=[-1]``.
+EMBED_POINT = "embed"
 
 
 class SteeringVector(BaseModel):
-    """Vectors added to the residual stream after the listed decoder layers.
+    """Vectors added to the residual stream after the listed decoder layers (or, with
+    ``mode="replace"``, written over it).
 
     Example::
 
         sv = SteeringVector(activations=direction[None], layer_indices=[10], scale=4.0)
         SamplingParams(max_tokens=20, extra_args={"apply_steering_vectors": [sv]})
+
+        # activation patching: position 5 after layer 3 becomes a clean run's row
+        SteeringVector(activations=clean[3, 5][None, None], layer_indices=[3],
+                       position_indices=[5], mode="replace")
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
@@ -42,7 +50,8 @@ class SteeringVector(BaseModel):
     """``(n_layers, hidden)``: added at every position; or ``(n_layers, n_positions, hidden)``:
     row ``j`` added at absolute position ``position_indices[j]``."""
     layer_indices: list[int]
-    """Decoder layer after which each ``activations[i]`` is added."""
+    """Decoder layer after which each ``activations[i]`` is added; ``[-1]`` addresses the token
+    embeddings (the stream entering layer 0, also ``hook_point="embed"``)."""
     scale: float = 1.0
     norm_match: bool = False
     """Add ``scale * ||h|| * v / ||v||`` instead of ``scale * v`` (``h``: the residual stream at
@@ -51,8 +60,16 @@ class SteeringVector(BaseModel):
     """Absolute token positions for 3D activations (default ``0 .. n_positions - 1``)."""
     hook_point: str = "resid_post"
     """The tap point the vectors are added at: ``resid_pre``, ``attn_out``, ``resid_mid``,
-    ``mlp_out`` or ``resid_post`` (``vllm_lens.points``); ``norm_match`` measures the signal
-    at that point."""
+    ``mlp_out`` or ``resid_post`` (``vllm_lens.points``), or ``embed`` (with
+    ``layer_indices=[-1]``); ``norm_match`` measures the signal at that point."""
+    mode: Literal["add", "replace"] = "add"
+    """``add``: the stream gets ``scale * v`` added; ``replace``: the stream at those layers,
+    point and positions *becomes* ``v`` (activation patching; ``scale`` 1, no
+    ``norm_match``). Replacements at a site run before additions there."""
+    phase: Literal["all", "prefill", "decode"] = "all"
+    """Which positions are steered: all of them, the prompt's (``prefill``), or the generated
+    ones (``decode``, which keeps the prompt's prefix-cache blocks shared with unsteered
+    requests)."""
 
     @field_validator("activations", mode="before")
     @classmethod
@@ -104,6 +121,17 @@ class SteeringVector(BaseModel):
                 f"{len(self.layer_indices)}")
         if not self.layer_indices:
             raise ValueError("layer_indices is empty")
+        if (-1 in self.layer_indices or self.hook_point == EMBED_POINT) and (
+                self.layer_indices != [-1] or self.hook_point not in ("resid_post", EMBED_POINT)):
+            raise ValueError(
+                "the token embeddings are addressed alone: layer_indices=[-1] with "
+                f"hook_point 'embed' or 'resid_post' (got layer_indices {self.layer_indices}, "
+                f"hook_point {self.hook_point!r}); put other layers in another SteeringVector")
+        if self.mode == "replace" and (self.norm_match or self.scale != 1.0):
+            raise ValueError(
+                "mode='replace' writes the vector itself: scale must be 1.0 and norm_match "
+                f"False (got scale={self.scale}, norm_match={self.norm_match}); scale the "
+                "vector before sending it")
         if len(set(self.layer_indices)) != len(self.layer_indices):
             raise ValueError(
                 f"layer_indices {self.layer_indices} has duplicates; sum the rows for a layer "

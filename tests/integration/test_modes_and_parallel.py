@@ -24,6 +24,12 @@ STEER = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args=
         SteeringVector(activations=torch.linspace(-3, 3, 128).repeat(2, 1), layer_indices=[0, 3]),
         SteeringVector(activations=torch.ones(1, 2, 128) * 2, layer_indices=[2],
                        position_indices=[3, 12], norm_match=True, scale=0.5),
+        # an embedding written over position 2, a generated-only push, a patched resid_mid
+        SteeringVector(activations=torch.linspace(4, -4, 128)[None, None], layer_indices=[-1],
+                       position_indices=[2], mode="replace"),
+        SteeringVector(activations=torch.ones(1, 128) * 1.5, layer_indices=[1], phase="decode"),
+        SteeringVector(activations=torch.linspace(-2, 2, 128)[None, None], layer_indices=[3],
+                       hook_point="resid_mid", position_indices=[5], mode="replace"),
     ],
     "output_residual_stream": [3],
 })

@@ -180,6 +180,15 @@ BAD_STEERING = [
     ([{"activations": torch.ones(1, 128, dtype=torch.int64), "layer_indices": [0]}],
      "apply_steering_vectors[0]"),
     ("definitely-not-a-wire-string", "apply_steering_vectors[0]"),
+    ([{"activations": torch.ones(1, 128), "layer_indices": [0], "mode": "replace",
+       "scale": 2.0}], "apply_steering_vectors[0]"),
+    ([{"activations": torch.ones(2, 128), "layer_indices": [-1, 2]}],
+     "apply_steering_vectors[0]"),
+    ([{"activations": torch.ones(1, 128), "layer_indices": [1], "mode": "replace"},
+      {"activations": torch.ones(1, 1, 128), "layer_indices": [1], "mode": "replace",
+       "position_indices": [2]}], "apply_steering_vectors[1]"),
+    ([{"activations": torch.ones(1, 1, 64), "layer_indices": [1], "mode": "replace",
+       "position_indices": [2]}], "apply_steering_vectors[0].activations"),
 ]
 
 

@@ -1,5 +1,6 @@
 """SteeringVector validation and serialization, steering specs, and the worker's steering math."""
 
+import dataclasses
 import json
 
 import pytest
@@ -152,3 +153,95 @@ def test_positions_beyond_the_slice_are_skipped():
 def test_duplicate_layer_indices_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"layer_indices \[3, 3\] has duplicates; sum the rows"):
         SteeringVector(activations=torch.ones(2, 8), layer_indices=[3, 3])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (dict(mode="replace", scale=2.0), "scale must be 1.0"),
+        (dict(mode="replace", norm_match=True), "norm_match False"),
+        (dict(mode="swap"), "mode"),
+        (dict(phase="prompt"), "phase"),
+        (dict(activations=torch.randn(2, H), layer_indices=[-1, 3]), "addressed alone"),
+        (dict(layer_indices=[-1], hook_point="attn_out"), "addressed alone"),
+        (dict(hook_point="embed"), "addressed alone"),
+    ],
+)
+def test_invalid_modes_phases_and_embeddings_are_rejected(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        sv(**kwargs)
+
+
+def test_embeddings_are_the_stream_entering_layer_0():
+    for form in (dict(layer_indices=[-1]), dict(layer_indices=[-1], hook_point="embed")):
+        (spec,) = parse([sv(mode="replace", **form)]).steer
+        assert (spec.layers, spec.point, spec.mode) == ((0,), "resid_pre", "replace")
+
+
+def test_overlapping_replacements_are_refused():
+    one = sv(activations=torch.randn(1, 2, H), position_indices=[3, 5], mode="replace")
+    with pytest.raises(LensRequestError, match="same resid_post rows of layer 2") as info:
+        parse([one, sv(mode="replace")])
+    assert info.value.field == "apply_steering_vectors[1]"
+    # apart: other positions, another phase, another point, or an addition
+    parse([one, sv(activations=torch.randn(1, 1, H), position_indices=[4], mode="replace")])
+    parse([sv(mode="replace", phase="prefill"), sv(mode="replace", phase="decode")])
+    parse([one, sv(mode="replace", hook_point="resid_pre"), sv()])
+
+
+def test_decode_only_steering_salts_generated_blocks_only():
+    v = sv(phase="decode")
+    lens = parse([v])
+    assert lens.cache_salt is None and lens.decode_salt is not None
+    assert lens.to_payload()["decode_salt"] == lens.decode_salt
+    assert "salt" not in lens.to_payload()
+    assert parse([sv(activations=v.activations, phase="decode", scale=3.0)]).decode_salt \
+        != lens.decode_salt
+    both = parse([v, sv(phase="prefill")])
+    assert both.cache_salt is not None and both.decode_salt is None  # every block salted
+    assert parse([sv(activations=v.activations)]).cache_salt != parse(
+        [sv(activations=v.activations, mode="replace")]).cache_salt
+    assert LensRequest.from_payload(lens.to_payload()) == lens
+
+
+def test_replacement_sets_the_full_stream_before_additions():
+    patch = torch.randn(1, 1, H)
+    push = torch.randn(1, H)
+    lens = parse([sv(activations=push), sv(activations=patch, position_indices=[5],
+                                          mode="replace")])
+    cpu = torch.device("cpu")
+    groups = build_steer_groups(
+        [(_slice(lens, 0, 4, 3), [prepare(s, cpu, torch.float32) for s in lens.steer])], cpu,
+        split=False)
+    hidden, residual = torch.randn(4, H), torch.randn(4, H)
+    out = hidden.clone()
+    apply_steering(groups[(2, "post")], out, residual)
+    expected = hidden + residual + push[0]
+    expected[2] = patch[0, 0] + push[0]  # position 5 is row 2
+    torch.testing.assert_close(out + residual, expected)
+    # a point without the residual (attn_out) is written as it is
+    inner = dataclasses.replace(FACTS, sites=("pre", "mid", "post"))
+    lens = parse_extra_args({"apply_steering_vectors": [sv(
+        activations=patch, position_indices=[5], mode="replace", hook_point="attn_out")]},
+        lambda: inner)[1]
+    groups = build_steer_groups(
+        [(_slice(lens, 0, 4, 3), [prepare(s, cpu, torch.float32) for s in lens.steer])], cpu,
+        split=False)
+    out = hidden.clone()
+    apply_steering(groups[(2, "mid")], out, residual)
+    torch.testing.assert_close(out[2], patch[0, 0])
+    torch.testing.assert_close(out[[0, 1, 3]], hidden[[0, 1, 3]])
+
+
+@pytest.mark.parametrize(("phase", "rows"), [("prefill", [0, 1]), ("decode", [2, 3]),
+                                             ("all", [0, 1, 2, 3])])
+def test_phases_split_the_slice_at_the_prompt_end(phase, rows):
+    lens = parse([sv(activations=torch.ones(1, H), phase=phase)])
+    cpu = torch.device("cpu")
+    # rows 0..3 hold positions 2..5; the prompt has 4 tokens (positions 0..3)
+    groups = build_steer_groups(
+        [(_slice(lens, 0, 4, 2, n_prompt=4), [prepare(s, cpu, torch.float32)
+                                              for s in lens.steer])], cpu, split=False)
+    hidden = torch.zeros(4, H)
+    apply_steering(groups[(2, "post")], hidden, None)
+    assert hidden[:, 0].nonzero().flatten().tolist() == rows

@@ -10,8 +10,7 @@ latter)::
 ``collect_hook_results`` is non-destructive and returns ``{request id: {"0": saved of the first
 hook, ...}}`` (a ``HookError`` in place of the dict for a request whose hook raised); workers
 keep the results of the last ``VLLM_LENS_HOOK_RESULTS_MAX`` requests. Each operation is written
-once as a generator of ``(rpc method, args)`` steps; ``LLM`` drives it with its blocking
-``collective_rpc`` and ``AsyncLLM`` with its awaitable one.
+once as a generator of ``(rpc method, args)`` steps (``frontend.engine_methods``).
 
 Persistent hooks see the tokens each step computes: prompt tokens served from the prefix
 cache are not run again, so start the engine with ``enable_prefix_caching=False`` when the
@@ -21,12 +20,13 @@ hooks must see every prompt token or change the stream.
 from __future__ import annotations
 
 import re
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from vllm_lens import wire
 from vllm_lens.frontend.collate import LensSession, facts_from_describe, merge_hook_results
-from vllm_lens.frontend.rpc import all_workers
+from vllm_lens.frontend.engine_methods import Steps as _Steps
+from vllm_lens.frontend.engine_methods import install_methods
 from vllm_lens.errors import LensRequestError
 from vllm_lens.points import QK_HOOK_POINT
 from vllm_lens.spec import check_engine, parse_hooks
@@ -34,8 +34,6 @@ from vllm_lens.worker.hooks import decode_results
 
 __all__ = ["METHODS", "install"]
 
-#: One step: (worker RPC name, args); the RPC's per-rank results are sent back in.
-_Steps = Generator[tuple[str, tuple[Any, ...]], list[Any], Any]
 # vLLM appends "-<8 random characters>" to each request id it is given (input_processor).
 _INTERNAL_SUFFIX = re.compile(r"-[0-9A-Za-z]{8}$")
 
@@ -99,43 +97,5 @@ METHODS = {
 }
 
 
-def _sync_method(name: str, steps_fn: Any) -> Any:
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        engine = self.llm_engine
-        steps = steps_fn(LensSession.of(engine), *args, **kwargs)
-        try:
-            rpc, rpc_args = next(steps)
-            while True:
-                rpc, rpc_args = steps.send(engine.collective_rpc(rpc, args=rpc_args))
-        except StopIteration as stop:
-            return stop.value
-
-    method.__name__ = name
-    method.__doc__ = f"vllm-lens persistent hooks: {name} (see vllm_lens.frontend.persistent_hooks)."
-    return method
-
-
-def _async_method(name: str, steps_fn: Any) -> Any:
-    async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        steps = steps_fn(LensSession.of(self), *args, **kwargs)
-        try:
-            rpc, rpc_args = next(steps)
-            while True:
-                rpc, rpc_args = steps.send(await all_workers(self, rpc, tuple(rpc_args)))
-        except StopIteration as stop:
-            return stop.value
-
-    method.__name__ = name
-    method.__doc__ = f"vllm-lens persistent hooks: {name} (see vllm_lens.frontend.persistent_hooks)."
-    return method
-
-
 def install() -> None:
-    from vllm import LLM
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    for name, steps_fn in METHODS.items():
-        if not hasattr(LLM, name):
-            setattr(LLM, name, _sync_method(name, steps_fn))
-        if not hasattr(AsyncLLM, name):
-            setattr(AsyncLLM, name, _async_method(name, steps_fn))
+    install_methods(METHODS, "vllm_lens.frontend.persistent_hooks")

@@ -31,7 +31,14 @@ from vllm_lens.worker.hooks import HookCall, HookState, ParameterSource, run_hoo
 from vllm_lens.worker.plan import RequestSlice, StepPlan
 from vllm_lens.worker.requests import RequestRecord, RequestTable, describe
 from vllm_lens.worker.runner import RunnerView
-from vllm_lens.worker.steer import PreparedSteer, SteerGroup, apply_steering, build_steer_groups, prepare
+from vllm_lens.worker.steer import (
+    PreparedSteer,
+    SteerGroup,
+    apply_steering,
+    build_steer_groups,
+    phase_boundary,
+    prepare,
+)
 from vllm_lens.worker.store import CaptureStore
 
 logger = logging.getLogger(__name__)
@@ -285,11 +292,13 @@ class LensRuntime:
         """This step's per-layer steering, rebuilt only when the steered rows moved.
 
         In steady decoding every step puts the same requests at the same rows, and vectors
-        without positions apply to every row, so the previous step's groups still hold.
+        without positions apply to every row (of their phase), so the previous step's groups
+        still hold.
         """
         layout = tuple(
             (s.req_id, s.start, s.end,
-             s.pos0 if any(p.positions_sorted is not None for p in prepared) else None)
+             s.pos0 if any(p.positions_sorted is not None for p in prepared) else None,
+             phase_boundary(s) if any(p.spec.phase != "all" for p in prepared) else None)
             for s, prepared in steered)
         if layout != self._steer_layout:
             self._steer_layout = ()  # a failed build leaves nothing stale behind

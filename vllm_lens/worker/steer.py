@@ -4,7 +4,10 @@ under PP each stage steers the layers it owns).
 Each rank holds the full residual stream after the all-reduce, so every rank adds the same
 vectors and the ranks stay in agreement. Steering adds to ``hidden``: for fused-residual layers
 the stream is ``hidden + residual`` and the next layer sums them, so adding to either is the
-same; ``norm_match`` measures the full ``hidden + residual``.
+same; ``norm_match`` measures the full ``hidden + residual``. A replacement (``mode="replace"``)
+of a full-stream point sets ``hidden = v - residual`` there, so that the sum the next layer
+forms is ``v`` (exact up to the rounding of that subtraction and the later addition); the tap
+op may mutate ``hidden`` only.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from vllm_lens.points import POINTS, site_of
 from vllm_lens.spec import SteerSpec
 from vllm_lens.worker.plan import RequestSlice, device_index
 
-__all__ = ["PreparedSteer", "SteerGroup", "apply_steering", "build_steer_groups", "prepare"]
+__all__ = ["PreparedSteer", "SteerGroup", "apply_steering", "build_steer_groups", "phase_boundary",
+           "prepare"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,9 @@ class SteerGroup:
         default_factory=list)
     """(rows, unit vectors per row, scale, whether the norm is of ``hidden + residual``) for
     norm-matched vectors."""
+    replaced: list[tuple[torch.Tensor, torch.Tensor, bool]] = field(default_factory=list)
+    """(rows, values, whether the point is ``hidden + residual``) for ``replace`` vectors,
+    written before any addition."""
     req_ids: list[str] = field(default_factory=list)
     """The requests steered here (they fail together if this layer's steering raises)."""
 
@@ -84,7 +91,10 @@ def build_steer_groups(
                 if not owners or owners[-1] != s.req_id:
                     owners.append(s.req_id)
                 vecs = _vectors_for(p, i, vector_rows, offsets.size)
-                if p.spec.norm_match:
+                if p.spec.mode == "replace":
+                    groups[where].replaced.append(
+                        (device_index(rows, device), vecs, point.with_residual))
+                elif p.spec.norm_match:
                     groups[where].norm_matched.append(
                         (device_index(rows, device), vecs, p.spec.scale, point.with_residual))
                 else:
@@ -98,16 +108,26 @@ def build_steer_groups(
     return groups
 
 
+def phase_boundary(s: RequestSlice) -> int:
+    """Offset of the slice's first generated position (``0``: all generated; the slice's
+    length: all in the prompt)."""
+    return min(max(s.n_prompt - s.pos0, 0), s.end - s.start)
+
+
 def _rows_for(p: PreparedSteer, s: RequestSlice) -> tuple[np.ndarray, np.ndarray | None]:
     """Offsets within the slice to steer, and (3D) which vector row each one gets."""
     n = s.end - s.start
+    lo, hi = {"all": (0, n), "prefill": (0, phase_boundary(s)),
+              "decode": (phase_boundary(s), n)}[p.spec.phase]
     if p.positions_sorted is None:
-        return np.arange(n), None
-    positions = np.arange(s.pos0, s.pos0 + n)
+        return np.arange(lo, hi), None
+    positions = np.arange(s.pos0 + lo, s.pos0 + hi)
+    if positions.size == 0:
+        return positions, None
     idx = np.searchsorted(p.positions_sorted, positions)
     idx_clipped = np.minimum(idx, p.positions_sorted.size - 1)
     hit = p.positions_sorted[idx_clipped] == positions
-    return np.flatnonzero(hit), p.position_rows[idx_clipped[hit]]
+    return np.flatnonzero(hit) + lo, p.position_rows[idx_clipped[hit]]
 
 
 def _vectors_for(p: PreparedSteer, i: int, vector_rows: np.ndarray | None, n: int) -> torch.Tensor:
@@ -118,7 +138,12 @@ def _vectors_for(p: PreparedSteer, i: int, vector_rows: np.ndarray | None, n: in
 
 
 def apply_steering(group: SteerGroup, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
-    """Add this layer's steering to ``hidden`` in place (norms taken before any addition)."""
+    """Write this layer's replacements into ``hidden``, then add its steering, in place (norms
+    taken after the replacements, before any addition)."""
+    for rows, values, with_residual in group.replaced:
+        if with_residual and residual is not None:
+            values = values - residual.index_select(0, rows)
+        hidden.index_copy_(0, rows, values)
     norm_deltas = []
     if group.norm_matched:
         full = hidden if residual is None else None

@@ -34,6 +34,7 @@ from vllm_lens.spec import (
     ACTIVATIONS_KEY,
     CAPTURE_KEY,
     HOOKS_KEY,
+    PRESET_PREFIX,
     QK_KEY,
     SINK_KEY,
     STEER_KEY,
@@ -142,9 +143,14 @@ class _Protocol:
         return results[0]
 
     def hooks_steps(self, method: str, path: str, body: Any = None) -> _Steps:
-        """Call one ``/v1/hooks/*`` route; returns its decoded ``result``."""
+        """Call one ``/v1/hooks/*`` or ``/v1/steering/*`` route; returns its decoded
+        ``result``."""
         response = yield self.request(method, path, body)
         return decode_json_tensors(_json_or_raise(response).get("result"))
+
+    def presets_steps(self) -> _Steps:
+        response = yield self.request("GET", "/v1/steering")
+        return _json_or_raise(response)["data"]
 
     def activations_steps(self, payload: Any) -> _Steps:
         """Decode a choice's ``activations``, fetching (then deleting) binary ones."""
@@ -271,6 +277,20 @@ class LensClient:
     def clear_prefetched(self) -> None:
         self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_prefetched"))
 
+    def steering_presets(self) -> list[dict[str, Any]]:
+        """The server's named steering presets (select one with ``"preset:<name>"`` in
+        ``steering_vectors``)."""
+        return self._drive(self._protocol.presets_steps())
+
+    def register_steering(self, name: str, vectors: Any, model: str | None = None) -> Any:
+        """Register a preset (needs the operator's ``VLLM_LENS_ALLOW_STEERING_ROUTES=1``)."""
+        return self._drive(self._protocol.hooks_steps(
+            "POST", "/v1/steering/register", _preset_body(name, vectors, model)))
+
+    def unregister_steering(self, name: str) -> Any:
+        return self._drive(self._protocol.hooks_steps("POST", "/v1/steering/unregister",
+                                                      {"name": name}))
+
     def close(self) -> None:
         self._http.close()
 
@@ -373,6 +393,17 @@ class AsyncLensClient:
     async def clear_prefetched(self) -> None:
         await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_prefetched"))
 
+    async def steering_presets(self) -> list[dict[str, Any]]:
+        return await self._drive(self._protocol.presets_steps())
+
+    async def register_steering(self, name: str, vectors: Any, model: str | None = None) -> Any:
+        return await self._drive(self._protocol.hooks_steps(
+            "POST", "/v1/steering/register", _preset_body(name, vectors, model)))
+
+    async def unregister_steering(self, name: str) -> Any:
+        return await self._drive(self._protocol.hooks_steps("POST", "/v1/steering/unregister",
+                                                            {"name": name}))
+
     async def aclose(self) -> None:
         await self._http.aclose()
 
@@ -451,17 +482,29 @@ def _flat(value: Any) -> bool:
 
 
 def _steering_json(vectors: Any) -> str:
+    return json.dumps(_steering_items(vectors))
+
+
+def _preset_body(name: str, vectors: Any, model: str | None) -> dict[str, Any]:
+    return {"name": name, "vectors": _steering_items(vectors), "model": model}
+
+
+def _steering_items(vectors: Any) -> list[Any]:
+    """Steering vectors as JSON values (``"preset:<name>"`` kept as it is)."""
     from vllm_lens.steering import SteeringVector
 
     items = vectors if isinstance(vectors, (list, tuple)) else [vectors]
     dumped = []
     for item in items:
+        if isinstance(item, str) and item.startswith(PRESET_PREFIX):
+            dumped.append(item)
+            continue
         if isinstance(item, str):
             item = SteeringVector.from_wire(item)
         if isinstance(item, SteeringVector):
             item = item.model_dump(mode="json")
         dumped.append(item)
-    return json.dumps(dumped)
+    return dumped
 
 
 def _choice_result(choice: dict[str, Any], data: dict[str, Any]) -> LensResult:

@@ -34,6 +34,10 @@
   read by ``vllm_lens.admission``).
 - ``VLLM_LENS_SINKS``: the capture sinks requests may write to (JSON, or a JSON file's path);
   parsed and validated by ``vllm_lens.sinks.config``.
+- ``VLLM_LENS_STEERING_PRESETS``: path of a JSON file of named steering presets the OpenAI
+  server registers before it serves (``frontend.presets``).
+- ``VLLM_LENS_ALLOW_STEERING_ROUTES``: ``1`` enables ``/v1/steering/register`` and
+  ``/v1/steering/unregister`` (a preset steers every client that selects it: off by default).
 - ``VLLM_LENS_HOOK_RESULTS_MAX``: results of persistent hooks kept per worker, in requests
   (default 10000); past it the oldest requests' results are dropped.
 """
@@ -43,9 +47,10 @@ from __future__ import annotations
 import os
 
 __all__ = [
-    "allow_persistent_hooks", "allow_pickled_hooks", "disabled", "finished_ttl_s",
+    "allow_persistent_hooks", "allow_pickled_hooks", "allow_steering_routes", "disabled", "finished_ttl_s",
     "hook_results_max", "http_store_max_bytes", "http_store_ttl_s", "max_capture_bytes",
-    "max_decoded_bytes", "max_request_bytes", "shm_handoff", "test_faults", "worker_max_bytes",
+    "max_decoded_bytes", "max_request_bytes", "shm_handoff", "steering_presets_path",
+    "test_faults", "worker_max_bytes",
 ]
 
 
@@ -63,6 +68,14 @@ def allow_pickled_hooks() -> bool:
 
 def allow_persistent_hooks() -> bool:
     return _flag("VLLM_LENS_ALLOW_PERSISTENT_HOOKS")
+
+
+def allow_steering_routes() -> bool:
+    return _flag("VLLM_LENS_ALLOW_STEERING_ROUTES")
+
+
+def steering_presets_path() -> str | None:
+    return os.environ.get("VLLM_LENS_STEERING_PRESETS") or None
 
 
 def hook_results_max() -> int:

@@ -6,10 +6,13 @@ each worker — possibly several times per process).
 - front end: engine config gets the worker extension (``frontend.engine_args``); ``LLMEngine``
   and ``AsyncLLM`` validate lens requests and collate activations (``frontend.offline``,
   ``frontend.async_engine``); steered and hooked requests get a prefix-cache salt
-  (``frontend.prefix_cache``); ``LLM`` and ``AsyncLLM`` get the persistent-hook methods
-  (``frontend.persistent_hooks``); in a process that builds vLLM's OpenAI server, the server's
-  completions and chat endpoints return activations and ``/v1/lens/*`` routes are added
-  (``frontend.server``);
+  (``frontend.prefix_cache``); ``LLM`` and ``AsyncLLM`` get the persistent-hook and
+  steering-preset methods (``frontend.persistent_hooks``, ``frontend.presets``); in a process
+  that builds vLLM's OpenAI server, the server's completions and chat endpoints return
+  activations, and the ``/v1/lens/*``, ``/v1/hooks/*`` and ``/v1/steering*`` routes are added
+  (``frontend.server``, ``frontend.steering_routes``);
+- engine core: blocks of generated tokens under decode-only steering get their own hash
+  (``frontend.prefix_cache``);
 - worker: every model vLLM constructs gets taps on its decoder layers (``worker.taps``), by
   wrapping the class vLLM's model loader resolves for the architecture.
 
@@ -36,6 +39,7 @@ def register() -> None:
         offline,
         persistent_hooks,
         prefix_cache,
+        presets,
     )
     from vllm_lens.worker import taps
 
@@ -45,6 +49,7 @@ def register() -> None:
     async_engine.install()
     prefix_cache.install()
     persistent_hooks.install()
+    presets.install()
     taps.install_model_hook()
     # The API server imports its app builder before it creates the engine (which loads the
     # plugins); other processes never pay for importing the server stack.

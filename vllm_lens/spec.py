@@ -49,6 +49,7 @@ __all__ = [
     "TRANSPORT_KEY",
     "TRANSPORTS",
     "PAYLOAD_KEY",
+    "PRESET_PREFIX",
     "POSITION_SELECTORS",
     "REDUCTIONS",
     "CaptureSpec",

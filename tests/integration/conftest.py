@@ -1,9 +1,13 @@
 """Engines shared across integration tests (one per configuration per session)."""
 
+import json
+
 import pytest
+import torch
 
 from tests.integration.engines import running_llm
 from tests.integration.reference import HFReference
+from vllm_lens import SteeringVector
 
 
 @pytest.fixture(scope="session")
@@ -35,15 +39,28 @@ def tiny_ref(tiny_path):
 
 
 #: The test server keeps binary handles briefly (the load test waits for their expiry), caps
-#: lens values at 1 MiB (the oversize test sends more) and enables persistent hooks.
+#: lens values at 1 MiB (the oversize test sends more) and enables persistent hooks and the
+#: steering-preset routes.
 SERVER_ENV = {"VLLM_LENS_HTTP_STORE_TTL_S": "20", "VLLM_LENS_MAX_REQUEST_BYTES": str(1 << 20),
-              "VLLM_LENS_ALLOW_PERSISTENT_HOOKS": "1"}
+              "VLLM_LENS_ALLOW_PERSISTENT_HOOKS": "1", "VLLM_LENS_ALLOW_STEERING_ROUTES": "1"}
+
+
+def server_preset() -> SteeringVector:
+    """The steering preset the test server registers from its presets file (``calm``)."""
+    g = torch.Generator().manual_seed(77)
+    return SteeringVector(activations=torch.randn(1, 576, generator=g) * 3, layer_indices=[10],
+                          phase="decode")
 
 
 @pytest.fixture(scope="session")
-def smol_server(smollm2_path):
-    """SmolLM2 behind vLLM's OpenAI server (compiled mode, like ``smol_llm``)."""
+def smol_server(smollm2_path, tmp_path_factory):
+    """SmolLM2 behind vLLM's OpenAI server (compiled mode, like ``smol_llm``), with the
+    steering preset ``calm`` registered from a file at start-up."""
     from tests.integration.server import running_server
 
-    with running_server(smollm2_path, env=SERVER_ENV) as server:
+    presets = tmp_path_factory.mktemp("presets") / "presets.json"
+    presets.write_text(json.dumps({"calm": {
+        "model": "SmolLM2-135M-Instruct", "vectors": [server_preset().model_dump(mode="json")]}}))
+    env = {**SERVER_ENV, "VLLM_LENS_STEERING_PRESETS": str(presets)}
+    with running_server(smollm2_path, env=env) as server:
         yield server

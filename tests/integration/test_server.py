@@ -345,6 +345,11 @@ def test_pickled_hooks_work_when_the_operator_opts_in(tiny_path):
         with pytest.raises(LensHTTPError) as info:  # this server did not enable /v1/hooks
             c.collect_hook_results()
         assert info.value.status == 403 and "VLLM_LENS_ALLOW_PERSISTENT_HOOKS" in info.value.message
+        with pytest.raises(LensHTTPError) as info:  # nor the steering-preset routes
+            c.register_steering("any", [SteeringVector(activations=torch.ones(1, 128),
+                                                       layer_indices=[1])])
+        assert info.value.status == 403 and "VLLM_LENS_ALLOW_STEERING_ROUTES" in info.value.message
+        assert c.steering_presets() == []  # listing needs no opt-in; no presets file here
 
         def broken(ctx, hidden):
             raise RuntimeError("broken on purpose")

@@ -28,6 +28,7 @@ from vllm_lens.spec import (
     CaptureSpec,
     LensRequest,
     ModelFacts,
+    SteerSpec,
     has_lens_keys,
     parse_extra_args,
     reuse_parsed,
@@ -240,6 +241,12 @@ class LensSession:
         self.persistent_trusted = False
         """Some registered persistent hook was pickled, i.e. registered by a trusted caller
         (their results may come back pickled)."""
+        self.presets: dict[str, tuple[SteerSpec, ...]] = {}
+        """Named steering presets (``frontend.presets``), validated against the model."""
+        self.preset_models: dict[str, str | None] = {}
+        """The model each preset was registered for, if it named one."""
+        self.model_names: tuple[str, ...] = ()
+        """The served model's path or name and served names (set by the engine methods)."""
 
     @staticmethod
     def of(engine: object) -> LensSession:
@@ -282,7 +289,8 @@ class LensSession:
         if reused is not None:
             rest, lens = reused
         else:
-            rest, lens = parse_extra_args(params.extra_args, self._facts, request_id=request_id)
+            rest, lens = parse_extra_args(params.extra_args, self._facts, request_id=request_id,
+                                          presets=self.presets)
         if lens is None:
             return params, None
         if lens.stream and params.n != 1:

@@ -19,10 +19,20 @@ __all__ = ["Steps", "install_methods"]
 Steps = Generator[tuple[str, tuple[Any, ...]], list[Any], Any]
 
 
+def _session(engine: Any) -> LensSession:
+    session = LensSession.of(engine)
+    if not session.model_names:
+        config = engine.model_config
+        served = config.served_model_name
+        session.model_names = (config.model, *([served] if isinstance(served, str)
+                                               else served or ()))
+    return session
+
+
 def _sync_method(name: str, steps_fn: Callable[..., Steps], doc: str) -> Any:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         engine = self.llm_engine
-        steps = steps_fn(LensSession.of(engine), *args, **kwargs)
+        steps = steps_fn(_session(engine), *args, **kwargs)
         try:
             rpc, rpc_args = next(steps)
             while True:
@@ -37,7 +47,7 @@ def _sync_method(name: str, steps_fn: Callable[..., Steps], doc: str) -> Any:
 
 def _async_method(name: str, steps_fn: Callable[..., Steps], doc: str) -> Any:
     async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        steps = steps_fn(LensSession.of(self), *args, **kwargs)
+        steps = steps_fn(_session(self), *args, **kwargs)
         try:
             rpc, rpc_args = next(steps)
             while True:

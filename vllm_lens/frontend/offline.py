@@ -56,7 +56,8 @@ def _wrap_render_and_add(original):
                 session.facts = facts_from_describe(engine.collective_rpc("lens_describe"))
             try:
                 if id(p) not in parsed:
-                    _, lens = parse_extra_args(p.extra_args, lambda: session.facts)
+                    _, lens = parse_extra_args(p.extra_args, lambda: session.facts,
+                                                presets=session.presets)
                     parsed[id(p)] = (dict(p.extra_args), lens)
                 lens = parsed[id(p)][1]
                 if lens is not None and index < len(prompts):

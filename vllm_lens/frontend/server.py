@@ -58,7 +58,8 @@ from vllm_lens.errors import (
     SinkRefusedError,
 )
 from vllm_lens.frontend.async_engine import model_facts
-from vllm_lens.frontend.collate import join_rows
+from vllm_lens.frontend import steering_routes
+from vllm_lens.frontend.collate import LensSession, join_rows
 from vllm_lens.frontend.blob_store import BlobStore
 from vllm_lens.frontend.rpc import all_workers
 from vllm_lens.frontend.response_scope import ResponseScope
@@ -102,12 +103,14 @@ _CHAT = _Endpoint(empty_choice={"delta": {}, "logprobs": None})
 
 def install() -> None:
     from vllm.entrypoints.launchers import app as app_module
+    from vllm.entrypoints.launchers.api_server import entry as entry_module
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
     wrap_attribute(OpenAIServingCompletion, "create_completion", _wrap_endpoint(_COMPLETIONS))
     wrap_attribute(OpenAIServingChat, "create_chat_completion", _wrap_endpoint(_CHAT))
     wrap_attribute(app_module, "register_api_routers", _wrap_register_api_routers)
+    wrap_attribute(entry_module, "init_app_state", _wrap_init_app_state)
 
 
 def _wrap_register_api_routers(original):
@@ -115,8 +118,17 @@ def _wrap_register_api_routers(original):
         mark_http_process()  # sinks not open to clients are refused on every route
         original(args, app, *rest, **kwargs)
         app.include_router(_router)
+        app.include_router(steering_routes.router)
 
     return register_api_routers
+
+
+def _wrap_init_app_state(original):
+    async def init_app_state(engine_client: Any, *args: Any, **kwargs: Any) -> None:
+        await original(engine_client, *args, **kwargs)
+        await steering_routes.register_preset_file(engine_client)  # before serving
+
+    return init_app_state
 
 
 def _wrap_endpoint(endpoint: _Endpoint):
@@ -245,13 +257,15 @@ async def _validate(
                 "(VLLM_LENS_MAX_REQUEST_BYTES)")
         total += size
     facts = await model_facts(engine) if has_lens_keys(xargs) else None
+    presets = dict(LensSession.of(engine).presets)
     if total > _PARSE_INLINE_BYTES or xargs.get(STEER_KEY) is not None:
         # Tensors are decompressed on a worker thread (never the event loop), a few requests
         # at a time (each up to VLLM_LENS_MAX_DECODED_BYTES).
         async with _parse_slots():
-            _, lens = await asyncio.to_thread(parse_extra_args, xargs, lambda: facts)
+            _, lens = await asyncio.to_thread(parse_extra_args, xargs, lambda: facts,
+                                              presets=presets)
     else:
-        _, lens = parse_extra_args(xargs, lambda: facts)
+        _, lens = parse_extra_args(xargs, lambda: facts, presets=presets)
     if lens is None:
         return None
     encode = _encode_binary if xargs.get(TRANSPORT_KEY) == "binary" else activations_to_json

@@ -1,0 +1,110 @@
+"""Named steering presets: vectors the operator registers once and clients select by name
+(runs in: front end).
+
+Adds to ``vllm.LLM`` and ``AsyncLLM`` (``frontend.engine_methods``)::
+
+    register_steering(name, vectors, model=None)   unregister_steering(name)
+    steering_presets() -> [{"name", "model", "vectors": [{"layers", "point", "mode", ...}]}]
+
+A request selects a preset with ``"preset:<name>"`` among its ``apply_steering_vectors``
+(offline, or over HTTP without any opt-in: the vectors are the operator's, the client only
+names them). Registration validates the vectors against the served model exactly as a
+request's are (hidden size, layers, points, positions), and refuses a preset whose ``model``
+names another model. The OpenAI server registers the presets of ``VLLM_LENS_STEERING_PRESETS``
+(a JSON file) before it serves, and fails to start on a bad one; ``GET /v1/steering`` lists
+them, and ``/v1/steering/register`` / ``/v1/steering/unregister`` answer only with the
+operator's opt-in (``VLLM_LENS_ALLOW_STEERING_ROUTES=1``), like ``/v1/hooks/*``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from vllm_lens import wire
+from vllm_lens.errors import LensRequestError
+from vllm_lens.frontend.collate import LensSession, facts_from_describe
+from vllm_lens.frontend.engine_methods import Steps, install_methods
+from vllm_lens.spec import SteerSpec, parse_steering
+
+__all__ = ["METHODS", "install", "read_preset_file"]
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _register(session: LensSession, name: Any, vectors: Any, model: str | None = None) -> Steps:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise LensRequestError("name", f"{name!r} is not a preset name (1 to 64 letters, digits, "
+                               "'.', '_' or '-', starting with a letter or digit)")
+    if model is not None and not _names_model(model, session.model_names):
+        raise LensRequestError("model", f"preset {name!r} is for {model!r}, but this engine "
+                               f"serves {session.model_names[0]!r}")
+    session.facts = facts_from_describe((yield "lens_describe", ()))
+    specs = parse_steering(vectors, session.facts, f"presets.{name}")
+    session.presets[name] = specs
+    session.preset_models[name] = model
+    return _describe(name, specs, model)
+
+
+def _unregister(session: LensSession, name: str) -> Steps:
+    if name not in session.presets:
+        raise LensRequestError("name", f"no steering preset {name!r} is registered")
+    del session.presets[name]
+    session.preset_models.pop(name, None)
+    return True
+    yield  # a generator that asks the workers nothing
+
+
+def _list(session: LensSession) -> Steps:
+    return [_describe(name, specs, session.preset_models.get(name))
+            for name, specs in sorted(session.presets.items())]
+    yield  # a generator that asks the workers nothing
+
+
+def _describe(name: str, specs: tuple[SteerSpec, ...], model: str | None) -> dict[str, Any]:
+    return {"name": name, "model": model, "vectors": [
+        {"layers": list(s.layers), "point": s.point, "mode": s.mode, "phase": s.phase,
+         "scale": s.scale, "norm_match": s.norm_match,
+         "positions": None if s.positions is None else list(s.positions),
+         "shape": list(wire.loads(s.vectors).shape)} for s in specs]}
+
+
+def _names_model(model: str, served: tuple[str, ...]) -> bool:
+    """``model`` names the served model: its path or name, a served name, or the last part of
+    the path."""
+    return any(model in (name, Path(name).name) for name in served)
+
+
+def read_preset_file(path: str) -> dict[str, tuple[Any, str | None]]:
+    """The presets of a JSON file: ``{name: [vector, ...]}`` or ``{name: {"vectors": [...],
+    "model": "..."}}``, each vector a ``SteeringVector`` as JSON (``model_dump(mode="json")``);
+    returns name -> (vectors, model)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"VLLM_LENS_STEERING_PRESETS: cannot read {path}: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"VLLM_LENS_STEERING_PRESETS: {path} must hold a JSON object of "
+                         "name -> vectors")
+    out: dict[str, tuple[Any, str | None]] = {}
+    for name, value in data.items():
+        if isinstance(value, Mapping):
+            out[name] = (value.get("vectors"), value.get("model"))
+        else:
+            out[name] = (value, None)
+    return out
+
+
+#: name -> generator function(session, *args); the public method names on LLM / AsyncLLM.
+METHODS = {
+    "register_steering": _register,
+    "unregister_steering": _unregister,
+    "steering_presets": _list,
+}
+
+
+def install() -> None:
+    install_methods(METHODS, "vllm_lens.frontend.presets")

@@ -1,0 +1,92 @@
+"""The OpenAI server's steering-preset routes and its start-up registration of
+``VLLM_LENS_STEERING_PRESETS`` (runs in: front end, the API server process).
+
+- ``GET /v1/steering``: the registered presets (names, layers, points, modes, shapes; never
+  the vectors), open to every client, since selecting a preset needs no opt-in.
+- ``POST /v1/steering/register`` ``{"name", "vectors": [SteeringVector JSON, ...], "model"?}``
+  and ``POST /v1/steering/unregister`` ``{"name"}``: 403 unless the operator set
+  ``VLLM_LENS_ALLOW_STEERING_ROUTES=1``, since a preset steers every client that selects it.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+from vllm_lens import envs
+from vllm_lens.errors import LensRequestError
+from vllm_lens.frontend.presets import read_preset_file
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["register_preset_file", "router"]
+
+router = APIRouter()
+
+
+async def register_preset_file(engine: Any) -> None:
+    """Register every preset of ``VLLM_LENS_STEERING_PRESETS`` on ``engine`` (an ``AsyncLLM``);
+    a preset that does not fit the model stops the server from starting, naming it."""
+    path = envs.steering_presets_path()
+    if path is None:
+        return
+    for name, (vectors, model) in read_preset_file(path).items():
+        try:
+            await engine.register_steering(name, vectors, model)
+        except LensRequestError as exc:
+            raise ValueError(f"VLLM_LENS_STEERING_PRESETS ({path}): {exc}") from None
+    logger.info("vllm-lens: registered steering presets from %s: %s", path,
+                ", ".join(p["name"] for p in await engine.steering_presets()))
+
+
+def _error(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+           param: str | None = None) -> JSONResponse:
+    err = create_error_response(message, status_code=status, param=param,
+                                err_type="PermissionDeniedError"
+                                if status == HTTPStatus.FORBIDDEN else "BadRequestError")
+    return JSONResponse(err.model_dump(), status_code=err.error.code)
+
+
+@router.get("/v1/steering")
+async def list_presets(raw_request: Request) -> JSONResponse:
+    presets = await raw_request.app.state.engine_client.steering_presets()
+    return JSONResponse({"object": "list", "data": presets})
+
+
+async def _changing(raw_request: Request, method: str, *args: Any) -> JSONResponse:
+    if not envs.allow_steering_routes():
+        return _error("a steering preset steers every client that selects it, so "
+                      "/v1/steering/register and /unregister are off; the operator may start "
+                      "the server with VLLM_LENS_ALLOW_STEERING_ROUTES=1, or register presets "
+                      "from a file with VLLM_LENS_STEERING_PRESETS", HTTPStatus.FORBIDDEN)
+    try:
+        result = await getattr(raw_request.app.state.engine_client, method)(*args)
+    except LensRequestError as exc:
+        return _error(str(exc), param=exc.field)
+    return JSONResponse({"ok": True, "result": result})
+
+
+async def _body(raw_request: Request) -> dict[str, Any]:
+    try:
+        body = await raw_request.json()
+    except ValueError:
+        body = None
+    return body if isinstance(body, dict) else {}
+
+
+@router.post("/v1/steering/register")
+async def register_preset(raw_request: Request) -> JSONResponse:
+    body = await _body(raw_request)
+    return await _changing(raw_request, "register_steering", body.get("name"),
+                           body.get("vectors"), body.get("model"))
+
+
+@router.post("/v1/steering/unregister")
+async def unregister_preset(raw_request: Request) -> JSONResponse:
+    body = await _body(raw_request)
+    return await _changing(raw_request, "unregister_steering", body.get("name"))

@@ -23,8 +23,10 @@ model for the two cores).
 Cases: plain requests, captures (1 layer; all layers; all layers at the last prompt token
 only; ``attn_out`` at one layer; Q/K of one layer; every tap point at every layer at the last
 prompt token), steering (1 layer with one shared vector or a distinct vector per request; every
-layer), each with ``--prompts`` greedy requests of ``--tokens`` generated tokens; and plain
-requests one at a time (batch 1), where the plugin's fixed per-step cost weighs most.
+layer; 256 requests each with its own vector at every layer; a replacement at one position;
+a conditional vector gated by a probe read 5 layers earlier), each with ``--prompts`` greedy
+requests of ``--tokens`` generated tokens; and plain requests one at a time (batch 1), where
+the plugin's fixed per-step cost weighs most.
 Results go to stdout as a Markdown table (paste into benchmarks/RESULTS.md).
 """
 
@@ -53,6 +55,27 @@ def _vector(seed: int, layers: list[int]):
                           layer_indices=layers, scale=0.5)
 
 
+def _replacement(seed: int, layer: int, position: int):
+    import torch
+
+    from vllm_lens import SteeringVector
+
+    g = torch.Generator().manual_seed(seed)
+    return SteeringVector(activations=torch.randn(1, 1, HIDDEN, generator=g) * 10,
+                          layer_indices=[layer], position_indices=[position], mode="replace")
+
+
+def _gated(seed: int, layer: int, read_at: int):
+    import torch
+
+    from vllm_lens import SteeringVector
+
+    g = torch.Generator().manual_seed(seed)
+    return SteeringVector(activations=torch.randn(1, HIDDEN, generator=g), layer_indices=[layer],
+                          scale=0.5, condition={"probe": torch.randn(HIDDEN, generator=g),
+                                                "layer": read_at})
+
+
 #: name -> (batch size: None = --prompts, extra_args for request i; None = a plain request)
 CASES: dict[str, tuple[int | None, Callable[[int], Any]]] = {
     "plain requests": (None, lambda i: None),
@@ -73,6 +96,12 @@ CASES: dict[str, tuple[int | None, Callable[[int], Any]]] = {
         "apply_steering_vectors": [_vector(i, [15])]}),
     "steer all 30 layers": (None, lambda i: {
         "apply_steering_vectors": [_vector(0, list(range(N_LAYERS)))]}),
+    "256 requests, distinct vector at all layers": (256, lambda i: {
+        "apply_steering_vectors": [_vector(i, list(range(N_LAYERS)))]}),
+    "replace at 1 position (layer 15)": (None, lambda i: {
+        "apply_steering_vectors": [_replacement(i, 15, 5)]}),
+    "conditional steering at 1 layer": (None, lambda i: {
+        "apply_steering_vectors": [_gated(i, 15, 10)]}),
 }
 
 
@@ -105,7 +134,7 @@ def serve_engine(cfg: dict) -> None:
         sps = [SamplingParams(max_tokens=cfg["tokens"], temperature=0, ignore_eos=True,
                               extra_args=None if cfg["disabled"] else extra_for(i))
                for i in range(n)]
-        prompts = _prompts(cfg["prompts"])[:n]
+        prompts = _prompts(max(n, cfg["prompts"]))[:n]
         spent.clear()
         start = time.perf_counter()
         outs = llm.generate(prompts, sps, use_tqdm=False)

@@ -1,16 +1,19 @@
-"""Causal tracing (Meng et al., 2022) with hooks: where does SmolLM2 recall a fact?
+"""Causal tracing (Meng et al., 2022) as one patching sweep: where does SmolLM2 recall a fact?
 
     python examples/causal_tracing.py [--prompt TEXT] [--subject TEXT] [--out causal_tracing.png]
 
 1. Clean run: capture the residual stream after every layer at every prompt position.
-2. Corrupted run: a pre-hook adds Gaussian noise to the subject's token embeddings (the input
-   of layer 0), so the model loses the fact.
-3. For every (layer, position): the corrupted run again, plus a hook after that layer putting
-   back the clean residual stream at that one position. A hook on the last layer records the
-   probability of the clean answer at the last position.
+2. Corrupted run: Gaussian noise added to the subject's token embeddings (a steering vector at
+   ``layer_indices=[-1]``, the input of layer 0), so the model loses the fact.
+3. ``llm.patching_sweep``: for every (layer, position), the corrupted run with the clean
+   residual stream written back at that one place (``mode="replace"``), the probability of
+   the clean answer read at the last position.
 
-All 1 + layers x positions runs go to the engine as one batch of independent requests, each
-with its own hooks. Writes a heatmap (layers x prompt tokens; colour = restored probability).
+No hook and no code travels: the sweep is data (the clean rows, the grid, the metric), so a
+shared server accepts the same sweep (``POST /v1/lens/patching_sweep``). All 2 + layers x
+positions runs go to the engine as one batch. Writes a heatmap (layers x prompt tokens;
+colour = restored probability). ``benchmarks/patching_sweep.py`` times it against the same
+sweep written with hooks.
 """
 
 from __future__ import annotations
@@ -20,45 +23,13 @@ import argparse
 import torch
 
 
-def answer_prob(target: int, last: int):
-    """Hook on the last layer: probability of ``target`` at position ``last``."""
-
-    def hook(ctx, hidden):
-        rows = (ctx.positions == last).nonzero().flatten()
-        if rows.numel():
-            x = hidden[rows[0]].float()
-            eps = ctx.model.config.rms_norm_eps
-            x = x * torch.rsqrt(x.pow(2).mean() + eps) * ctx.get_parameter("model.norm.weight")
-            logits = ctx.get_parameter("lm_head.weight").float() @ x
-            ctx.saved["p"] = float(torch.softmax(logits, -1)[target])
-
-    return hook
-
-
-def add_noise(noise: torch.Tensor):
-    """Pre-hook on layer 0: add ``noise`` ([n_prompt, hidden]) at prompt positions."""
-
-    def hook(ctx, hidden):
-        keep = ctx.positions < noise.shape[0]
-        out = hidden.clone()
-        out[keep] += noise[ctx.positions[keep]].to(hidden)
-        return out
-
-    return hook
-
-
-def restore(clean: torch.Tensor, position: int):
-    """Post-hook: put back the clean stream ([n_prompt, hidden]) at ``position``."""
-
-    def hook(ctx, hidden):
-        rows = (ctx.positions == position).nonzero().flatten()
-        if not rows.numel():
-            return None
-        out = hidden.clone()
-        out[rows] = clean[position].to(hidden)
-        return out
-
-    return hook
+def subject_noise(tok, prompt: str, subject: str, scale: float, hidden: int, std: float):
+    """The subject's token positions and noise of ``scale`` x ``std`` for each of them."""
+    start = prompt.index(subject)
+    spans = tok(prompt, return_offsets_mapping=True)["offset_mapping"]
+    positions = [i for i, (a, b) in enumerate(spans) if a < start + len(subject) and b > start]
+    g = torch.Generator().manual_seed(0)
+    return positions, scale * std * torch.randn(len(positions), hidden, generator=g)
 
 
 def main() -> None:
@@ -80,7 +51,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
     from vllm import LLM, SamplingParams
 
-    from vllm_lens import Hook
+    from vllm_lens import SteeringVector
     from vllm_lens.demo_models import smollm2_dir
 
     llm = LLM(str(smollm2_dir()), dtype="float32", max_model_len=512, enforce_eager=True,
@@ -88,39 +59,21 @@ def main() -> None:
     tok = llm.get_tokenizer()
     ids = tok(args.prompt)["input_ids"]
     n, n_layers = len(ids), llm.llm_engine.model_config.hf_config.num_hidden_layers
-    last_layer, prompt = n_layers - 1, {"prompt_token_ids": ids}
 
-    clean = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, extra_args={
-        "output_residual_stream": {"layers": True, "positions": "prompt"}}))[0]
+    clean = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        max_tokens=1, temperature=0, extra_args={
+            "output_residual_stream": {"layers": True, "positions": "prompt"}}))[0]
     target = clean.outputs[0].token_ids[0]
     streams = clean.activations["residual_stream"]  # [layers, n, hidden]
 
-    start = args.prompt.index(args.subject)
-    spans = tok(args.prompt, return_offsets_mapping=True)["offset_mapping"]
-    subject = [i for i, (a, b) in enumerate(spans) if a < start + len(args.subject) and b > start]
     embed_std = float(streams[0].std())  # scale of the stream entering the model
-    g = torch.Generator().manual_seed(0)
-    noise = torch.zeros(n, streams.shape[-1])
-    noise[subject] = args.noise * embed_std * torch.randn(len(subject), streams.shape[-1],
-                                                          generator=g)
-
-    def request(extra_hooks):
-        hooks = [Hook(add_noise(noise), [0], pre=True), *extra_hooks,
-                 Hook(answer_prob(target, n - 1), [last_layer])]
-        return SamplingParams(max_tokens=1, temperature=0, extra_args={"apply_hooks": hooks})
-
-    grid = [(layer, p) for layer in range(n_layers) for p in range(n)]
-    params = [request([])] + [request([Hook(restore(streams[layer], p), [layer])])
-                              for layer, p in grid]
-    outs = llm.generate([prompt] * len(params), params)
-    def answer(out) -> float:  # the answer hook is each request's last hook
-        return out.hook_results[str(len(out.hook_results) - 1)]["p"]
-
-    corrupted = answer(outs[0])
-    restored = torch.zeros(n_layers, n)
-    for (layer, p), out in zip(grid, outs[1:]):
-        restored[layer, p] = answer(out)
-    clean_p = float(restored[last_layer, n - 1])  # restoring the last layer's output = clean
+    subject, noise = subject_noise(tok, args.prompt, args.subject, args.noise,
+                                   streams.shape[-1], embed_std)
+    corrupt = SteeringVector(activations=noise[None], layer_indices=[-1],
+                             position_indices=subject)
+    sweep = llm.patching_sweep(ids, streams, list(range(n_layers)), list(range(n)),
+                               {"prob": target}, corrupt=[corrupt])
+    restored, corrupted, clean_p = sweep["grid"], sweep["corrupted"], sweep["uncorrupted"]
 
     labels = [tok.decode([t]).replace(" ", "␣") + ("*" if i in subject else "")
               for i, t in enumerate(ids)]

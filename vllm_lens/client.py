@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import torch
 
+from vllm_lens import wire
 from vllm_lens.activations import (
     FETCH_PATH,
     decode_activation_bytes,
@@ -80,6 +81,8 @@ class LensResult:
     """``{"0": saved of the first hook, ...}`` for requests with ``hooks=``."""
     capture_receipt: dict[str, Any] | None = None
     """Where the rows went, for a request with ``capture_sink=`` (``vllm_lens.sinks``)."""
+    steering_gates: dict[str, Any] | None = None
+    """``{"<vector index>": {"positions", "gates"}}`` for conditional steering vectors."""
     delta: str = ""
     choices: list[LensResult] = field(default_factory=list, repr=False)
 
@@ -148,6 +151,11 @@ class _Protocol:
         response = yield self.request(method, path, body)
         return decode_json_tensors(_json_or_raise(response).get("result"))
 
+    def sweep_steps(self, body: dict[str, Any]) -> _Steps:
+        response = yield self.request("POST", "/v1/lens/patching_sweep", body)
+        result = _json_or_raise(response)
+        return {**result, "grid": torch.tensor(result["grid"], dtype=torch.float64)}
+
     def presets_steps(self) -> _Steps:
         response = yield self.request("GET", "/v1/steering")
         return _json_or_raise(response)["data"]
@@ -197,6 +205,8 @@ class _StreamState:
                 prompt_token_ids=chunk.get("prompt_token_ids") or previous.prompt_token_ids,
                 hook_results=decode_json_tensors(choice.get("hook_results"))
                 or previous.hook_results,
+                steering_gates=decode_json_tensors(choice.get("steering_gates"))
+                or previous.steering_gates,
             )
             self.by_index[index] = result
             out.append((result, choice.get("activations")))
@@ -276,6 +286,14 @@ class LensClient:
 
     def clear_prefetched(self) -> None:
         self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_prefetched"))
+
+    def patching_sweep(self, prompt: str | list[int], clean: Any, layers: Sequence[int],
+                       positions: Sequence[int], metric: Mapping[str, Any], corrupt: Any = None,
+                       point: str = "resid_post") -> dict[str, Any]:
+        """An activation-patching sweep on the server (``frontend.patching``): the metric
+        per (layer, position) cell as ``grid`` [len(layers), len(positions)]."""
+        return self._drive(self._protocol.sweep_steps(
+            _sweep_body(prompt, clean, layers, positions, metric, corrupt, point)))
 
     def steering_presets(self) -> list[dict[str, Any]]:
         """The server's named steering presets (select one with ``"preset:<name>"`` in
@@ -393,6 +411,12 @@ class AsyncLensClient:
     async def clear_prefetched(self) -> None:
         await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_prefetched"))
 
+    async def patching_sweep(self, prompt: str | list[int], clean: Any, layers: Sequence[int],
+                             positions: Sequence[int], metric: Mapping[str, Any],
+                             corrupt: Any = None, point: str = "resid_post") -> dict[str, Any]:
+        return await self._drive(self._protocol.sweep_steps(
+            _sweep_body(prompt, clean, layers, positions, metric, corrupt, point)))
+
     async def steering_presets(self) -> list[dict[str, Any]]:
         return await self._drive(self._protocol.presets_steps())
 
@@ -485,6 +509,13 @@ def _steering_json(vectors: Any) -> str:
     return json.dumps(_steering_items(vectors))
 
 
+def _sweep_body(prompt: Any, clean: Any, layers: Sequence[int], positions: Sequence[int],
+                metric: Mapping[str, Any], corrupt: Any, point: str) -> dict[str, Any]:
+    return {"prompt": prompt, "clean": wire.tensor_to_json(torch.as_tensor(clean)),
+            "layers": list(layers), "positions": list(positions), "metric": dict(metric),
+            "corrupt": None if corrupt is None else _steering_items(corrupt), "point": point}
+
+
 def _preset_body(name: str, vectors: Any, model: str | None) -> dict[str, Any]:
     return {"name": name, "vectors": _steering_items(vectors), "model": model}
 
@@ -520,6 +551,7 @@ def _choice_result(choice: dict[str, Any], data: dict[str, Any]) -> LensResult:
         prompt_token_ids=choice.get("prompt_token_ids") or data.get("prompt_token_ids"),
         hook_results=decode_json_tensors(choice.get("hook_results")),
         capture_receipt=choice.get("capture_receipt"),
+        steering_gates=decode_json_tensors(choice.get("steering_gates")),
     )
 
 

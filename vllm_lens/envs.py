@@ -38,6 +38,8 @@
   server registers before it serves (``frontend.presets``).
 - ``VLLM_LENS_ALLOW_STEERING_ROUTES``: ``1`` enables ``/v1/steering/register`` and
   ``/v1/steering/unregister`` (a preset steers every client that selects it: off by default).
+- ``VLLM_LENS_MAX_SWEEP_CELLS``: most (layer, position) cells one ``patching_sweep`` may ask
+  for (default 4096), each one engine request.
 - ``VLLM_LENS_HOOK_RESULTS_MAX``: results of persistent hooks kept per worker, in requests
   (default 10000); past it the oldest requests' results are dropped.
 """
@@ -47,10 +49,10 @@ from __future__ import annotations
 import os
 
 __all__ = [
-    "allow_persistent_hooks", "allow_pickled_hooks", "allow_steering_routes", "disabled", "finished_ttl_s",
-    "hook_results_max", "http_store_max_bytes", "http_store_ttl_s", "max_capture_bytes",
-    "max_decoded_bytes", "max_request_bytes", "shm_handoff", "steering_presets_path",
-    "test_faults", "worker_max_bytes",
+    "allow_persistent_hooks", "allow_pickled_hooks", "allow_steering_routes", "disabled",
+    "finished_ttl_s", "hook_results_max", "http_store_max_bytes", "http_store_ttl_s",
+    "max_capture_bytes", "max_decoded_bytes", "max_request_bytes", "max_sweep_cells",
+    "shm_handoff", "steering_presets_path", "test_faults", "worker_max_bytes",
 ]
 
 
@@ -72,6 +74,10 @@ def allow_persistent_hooks() -> bool:
 
 def allow_steering_routes() -> bool:
     return _flag("VLLM_LENS_ALLOW_STEERING_ROUTES")
+
+
+def max_sweep_cells() -> int:
+    return int(os.environ.get("VLLM_LENS_MAX_SWEEP_CELLS", "4096"))
 
 
 def steering_presets_path() -> str | None:

@@ -7,10 +7,11 @@ each worker — possibly several times per process).
   and ``AsyncLLM`` validate lens requests and collate activations (``frontend.offline``,
   ``frontend.async_engine``); steered and hooked requests get a prefix-cache salt
   (``frontend.prefix_cache``); ``LLM`` and ``AsyncLLM`` get the persistent-hook and
-  steering-preset methods (``frontend.persistent_hooks``, ``frontend.presets``); in a process
-  that builds vLLM's OpenAI server, the server's completions and chat endpoints return
-  activations, and the ``/v1/lens/*``, ``/v1/hooks/*`` and ``/v1/steering*`` routes are added
-  (``frontend.server``, ``frontend.steering_routes``);
+  steering-preset methods and ``patching_sweep`` (``frontend.persistent_hooks``,
+  ``frontend.presets``, ``frontend.patching``); in a process that builds vLLM's OpenAI server,
+  the server's completions and chat endpoints return activations, and the ``/v1/lens/*``,
+  ``/v1/hooks/*`` and ``/v1/steering*`` routes are added (``frontend.server``,
+  ``frontend.steering_routes``, ``frontend.patching``);
 - engine core: blocks of generated tokens under decode-only steering get their own hash
   (``frontend.prefix_cache``);
 - worker: every model vLLM constructs gets taps on its decoder layers (``worker.taps``), by
@@ -37,6 +38,7 @@ def register() -> None:
         collate,
         engine_args,
         offline,
+        patching,
         persistent_hooks,
         prefix_cache,
         presets,
@@ -50,6 +52,7 @@ def register() -> None:
     prefix_cache.install()
     persistent_hooks.install()
     presets.install()
+    patching.install()
     taps.install_model_hook()
     # The API server imports its app builder before it creates the engine (which loads the
     # plugins); other processes never pay for importing the server stack.

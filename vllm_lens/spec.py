@@ -197,6 +197,28 @@ class CaptureSpec:
 
 
 @dataclass(frozen=True)
+class GateSpec:
+    """A steering vector's condition: its scale is multiplied per token by
+    ``sigmoid(sharpness * (h · probe - threshold))``, ``h`` read at (``layer``, ``point``)."""
+
+    layer: int
+    point: str
+    threshold: float
+    sharpness: float
+    probe: bytes
+    """``wire.dumps`` of the ``(hidden,)`` probe."""
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"layer": self.layer, "point": self.point, "threshold": self.threshold,
+                "sharpness": self.sharpness, "probe": self.probe}
+
+    @classmethod
+    def from_payload(cls, d: Mapping[str, Any]) -> GateSpec:
+        return cls(layer=int(d["layer"]), point=str(d["point"]), threshold=float(d["threshold"]),
+                   sharpness=float(d["sharpness"]), probe=bytes(d["probe"]))
+
+
+@dataclass(frozen=True)
 class SteerSpec:
     """One validated steering vector, in the form that travels to the workers."""
 
@@ -214,6 +236,8 @@ class SteerSpec:
     """``add`` or ``replace`` (the stream at those rows becomes the vector)."""
     phase: str = "all"
     """``all``, ``prefill`` (prompt positions) or ``decode`` (generated positions)."""
+    condition: GateSpec | None = None
+    """Per-token gate of the addition, computed in the same forward pass."""
 
     def to_payload(self) -> dict[str, Any]:
         return {
@@ -221,6 +245,7 @@ class SteerSpec:
             "norm_match": self.norm_match, "point": self.point,
             "positions": None if self.positions is None else list(self.positions),
             "mode": self.mode, "phase": self.phase,
+            "condition": None if self.condition is None else self.condition.to_payload(),
         }
 
     @classmethod
@@ -232,6 +257,8 @@ class SteerSpec:
             positions=None if positions is None else tuple(int(p) for p in positions),
             point=str(d.get("point", "resid_post")), mode=str(d.get("mode", "add")),
             phase=str(d.get("phase", "all")),
+            condition=None if d.get("condition") is None else GateSpec.from_payload(
+                d["condition"]),
         )
 
     def digest_into(self, digest: Any) -> None:
@@ -239,6 +266,8 @@ class SteerSpec:
         digest.update(repr((self.layers, self.scale, self.norm_match, self.positions,
                             self.point, self.mode, self.phase)).encode())
         digest.update(self.vectors)
+        if self.condition is not None:
+            digest.update(repr(dataclasses.astuple(self.condition)).encode())
 
 
 @dataclass(frozen=True)
@@ -319,6 +348,9 @@ class LensRequest:
         if self.hooks:
             # A hook may change the stream in ways no digest can name: never share blocks.
             return f"vllm-lens:hooks:{self.key}"
+        if any(s.condition is not None and s.phase != "decode" for s in self.steer):
+            # Gate values are reported for every steered position: compute them all.
+            return f"vllm-lens:gated:{self.key}"
         return _steering_digest([s for s in self.steer if s.phase != "decode"])
 
     @property
@@ -936,11 +968,44 @@ def _check_against_model(sv: Any, facts: ModelFacts, where: str,
                         request_id)
         layers = tuple(sv.layer_indices)
         point = _parse_write_point(sv.hook_point, facts, f"{where}.hook_point", request_id)
+    condition = None
+    if sv.condition is not None:
+        condition = _parse_condition(sv.condition, layers, point, facts, f"{where}.condition",
+                                     request_id)
     return SteerSpec(
         layers=layers, vectors=wire.dumps(sv.activations), scale=sv.scale,
         norm_match=sv.norm_match, positions=None if positions is None else tuple(positions),
-        point=point, mode=sv.mode, phase=sv.phase,
+        point=point, mode=sv.mode, phase=sv.phase, condition=condition,
     )
+
+
+def _parse_condition(cond: Any, layers: tuple[int, ...], point: str, facts: ModelFacts,
+                     where: str, request_id: str | None) -> GateSpec:
+    """A steering condition, checked against the model and against the layers it gates: it
+    must be read before the earliest steered (layer, site) in the same forward pass."""
+    if facts.pp_size > 1:
+        raise UnsupportedConfigError(
+            where, f"conditional steering under pipeline parallelism (pipeline_parallel_size="
+            f"{facts.pp_size}) is not yet proven (the gate may be read on another stage than "
+            "the one it steers); use pipeline_parallel_size=1", request_id=request_id)
+    width = cond.probe.shape[-1]
+    if width != facts.hidden_size:
+        raise LensRequestError(f"{where}.probe", f"hidden size is {width} but the model's is "
+                               f"{facts.hidden_size}", request_id=request_id)
+    (layer,) = _sorted_indices([cond.layer], f"{where}.layer", _layer_rule(facts), request_id)
+    read = _parse_write_point(cond.point, facts, f"{where}.point", request_id)
+
+    def order(at_layer: int, at_point: str) -> tuple[int, int]:
+        return at_layer, tap_points.SITES.index(tap_points.site_of(at_point, split=facts.split))
+
+    first = min(order(steered, point) for steered in layers)
+    if order(layer, read) > first:
+        raise LensRequestError(
+            f"{where}.layer", f"the condition is read at layer {layer} {read}, after the "
+            f"steering it gates (layer {first[0]} {point}); read it at or before the steered "
+            "layer, in the same forward pass", request_id=request_id)
+    return GateSpec(layer=layer, point=read, threshold=float(cond.threshold),
+                    sharpness=float(cond.sharpness), probe=wire.dumps(cond.probe))
 
 
 def _parse_write_point(raw: Any, facts: ModelFacts, where: str, request_id: str | None,

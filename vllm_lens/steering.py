@@ -21,13 +21,66 @@ from pydantic import BaseModel, ConfigDict, field_serializer, field_validator, m
 from vllm_lens import wire
 from vllm_lens.errors import WireError
 
-__all__ = ["EMBED_POINT", "STEERING_DTYPES", "SteeringVector"]
+__all__ = ["EMBED_POINT", "STEERING_DTYPES", "SteeringCondition", "SteeringVector"]
 
 #: Floating dtypes a steering tensor may have; it is cast to the model dtype on the worker.
 STEERING_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: ``hook_point`` of the token embeddings (the stream entering layer 0), with
 #: ``layer_indices=[-1]``.
 EMBED_POINT = "embed"
+
+
+def _as_tensor(value: Any, what: str) -> Any:
+    """A tensor from a tensor, numpy array or JSON tensor record; float64 becomes float32."""
+    if isinstance(value, dict):
+        value = wire.tensor_from_json(value)
+    elif isinstance(value, np.ndarray):
+        value = torch.from_numpy(np.ascontiguousarray(value))
+    elif isinstance(value, (list, tuple)):
+        value = torch.tensor(value, dtype=torch.float32)
+    elif not isinstance(value, torch.Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor, numpy array or list of floats, got "
+                         f"{type(value).__name__}")
+    if value.dtype == torch.float64:
+        value = value.to(torch.float32)
+    return value
+
+
+class SteeringCondition(BaseModel):
+    """Steering gated by the model's own activations: at each token the vector's scale is
+    ``scale * sigmoid(sharpness * (h · probe - threshold))``, with ``h`` the stream at
+    (``layer``, ``point``) earlier in the same forward pass (before any steering there)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
+
+    probe: torch.Tensor
+    """``(hidden,)``: the direction read."""
+    layer: int
+    """At or before every steered layer (and at the same layer, a point the layer reaches
+    no later than the steered one)."""
+    point: str = "resid_post"
+    threshold: float = 0.0
+    sharpness: float = 1.0
+
+    @field_validator("probe", mode="before")
+    @classmethod
+    def _probe_tensor(cls, value: Any) -> Any:
+        return _as_tensor(value, "condition.probe")
+
+    @field_serializer("probe", when_used="json")
+    def _probe_to_json(self, value: torch.Tensor) -> dict[str, Any]:
+        return wire.tensor_to_json(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> SteeringCondition:
+        if self.probe.dim() != 1 or self.probe.dtype not in STEERING_DTYPES:
+            raise ValueError(f"condition.probe must be a 1D float tensor (hidden,), got shape "
+                             f"{tuple(self.probe.shape)} and dtype {self.probe.dtype}")
+        if not torch.isfinite(self.probe).all():
+            raise ValueError("condition.probe contains NaN or inf")
+        if not (math.isfinite(self.threshold) and math.isfinite(self.sharpness)):
+            raise ValueError("condition.threshold and condition.sharpness must be finite")
+        return self
 
 
 class SteeringVector(BaseModel):
@@ -70,6 +123,9 @@ class SteeringVector(BaseModel):
     """Which positions are steered: all of them, the prompt's (``prefill``), or the generated
     ones (``decode``, which keeps the prompt's prefix-cache blocks shared with unsteered
     requests)."""
+    condition: SteeringCondition | None = None
+    """Gate the addition per token by the model's own activations (``SteeringCondition``);
+    the gate values come back as ``steering_gates``."""
 
     @field_validator("activations", mode="before")
     @classmethod
@@ -127,6 +183,9 @@ class SteeringVector(BaseModel):
                 "the token embeddings are addressed alone: layer_indices=[-1] with "
                 f"hook_point 'embed' or 'resid_post' (got layer_indices {self.layer_indices}, "
                 f"hook_point {self.hook_point!r}); put other layers in another SteeringVector")
+        if self.condition is not None and (self.mode == "replace" or self.norm_match):
+            raise ValueError("a condition gates a plain addition: mode='replace' and "
+                             "norm_match=True take none")
         if self.mode == "replace" and (self.norm_match or self.scale != 1.0):
             raise ValueError(
                 "mode='replace' writes the vector itself: scale must be 1.0 and norm_match "

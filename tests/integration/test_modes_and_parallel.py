@@ -35,6 +35,14 @@ STEER = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args=
 })
 
 
+#: Conditional steering (refused under PP): the gate read at layer 1, steering layer 3.
+GATED = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args={
+    "apply_steering_vectors": [SteeringVector(
+        activations=torch.linspace(3, -3, 128)[None], layer_indices=[3], scale=4.0,
+        condition={"probe": torch.linspace(-1, 1, 128), "layer": 1, "threshold": 0.0,
+                   "sharpness": 2.0})]})
+
+
 #: Every tap point and Q/K at every layer: under TP the heads and MLP columns come from both
 #: ranks, under PP the layers from both stages.
 SIGNALS = ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "mlp_post", "attn_z",
@@ -126,7 +134,9 @@ def reference(tiny_llm):
                                                           ignore_eos=True))
     assert all(a.outputs[0].token_ids != b.outputs[0].token_ids
                for a, b in zip(steered, unsteered))  # the steering matters
-    return captured, steered, points
+    gated = tiny_llm.generate(PROMPTS, GATED)
+    assert all(0 < float(out.steering_gates[0]["gates"].mean()) < 1 for out in gated)
+    return captured, steered, points, gated
 
 
 def test_compiled_mode_matches_eager(tiny_path, reference):
@@ -143,12 +153,18 @@ def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch):
     with env(**TWO_WORKERS), running_llm(tiny_path, tensor_parallel_size=2,
                                          enforce_eager=True) as llm:
         outs = _run(llm)
+        gated = llm.generate(PROMPTS, GATED)
         describe = llm.collective_rpc("lens_describe")
         hooked = llm.generate(PROMPTS, HOOKED)
         vocab = llm.llm_engine.model_config.get_vocab_size()
         _assert_inline_handoff_equals_shared_memory(llm, monkeypatch)
     assert [d["tp_rank"] for d in describe] == [0, 1]
     _assert_hook_results(hooked, vocab)  # the parameter is gathered from both ranks
+    for out, ref in zip(gated, reference[3]):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        got, expected = out.steering_gates[0], ref.steering_gates[0]
+        assert got["positions"].tolist() == expected["positions"].tolist()
+        torch.testing.assert_close(got["gates"], expected["gates"], rtol=1e-4, atol=1e-5)
     for got, expected in zip(outs[:2], reference[:2]):
         _assert_same_as_reference(got, expected, tol=1e-4)
     _assert_points_same(outs[2], reference[2], tol=1e-4)

@@ -189,6 +189,9 @@ BAD_STEERING = [
        "position_indices": [2]}], "apply_steering_vectors[1]"),
     ([{"activations": torch.ones(1, 1, 64), "layer_indices": [1], "mode": "replace",
        "position_indices": [2]}], "apply_steering_vectors[0].activations"),
+    ([{"activations": torch.ones(1, 128), "layer_indices": [1],
+       "condition": {"probe": torch.ones(128), "layer": 2}}],
+     "apply_steering_vectors[0].condition.layer"),
 ]
 
 

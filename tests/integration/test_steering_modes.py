@@ -151,3 +151,47 @@ def test_decode_only_steering_shares_prompt_blocks_but_not_generated_ones(tiny_l
     tiny_llm.reset_prefix_cache()
     run(prompt_ids, None, 1)
     assert run(prompt_ids, prefill, 2).num_cached_tokens == 0
+
+
+@pytest.mark.parametrize(("read", "phase"), [(("resid_post", 5), "all"),
+                                             (("resid_mid", 10), "decode")])
+def test_conditional_steering_matches_transformers_and_returns_its_gates(
+        smol_llm, smol_ref, read, phase):
+    """scale * sigmoid(s * (h · probe - t)) per token, ``h`` read earlier in the same pass;
+    the same two hooks in transformers give the same tokens and the same gates."""
+    ids = _prompt_ids(smol_llm, SMOL_PROMPT)
+    n = len(ids)
+    point, layer = read
+    probe = _direction(576, 15, 1.0)
+    projections = smol_ref.points(ids)[(point, layer)] @ probe
+    threshold = float(projections.median())  # fires on about half the prompt
+    sharpness = 4.0 / float(projections.std())
+    vector, scale = _direction(576, 16, 1.0), 60.0
+    sv = SteeringVector(activations=vector[None], layer_indices=[10], scale=scale, phase=phase,
+                        condition={"probe": probe, "layer": layer, "point": point,
+                                   "threshold": threshold, "sharpness": sharpness})
+    out = _tokens(smol_llm, SMOL_PROMPT, [sv])
+
+    gates: dict[int, float] = {}
+
+    def gate(value):
+        g = torch.sigmoid(sharpness * (value @ probe - threshold))
+        gates.update({p: float(g[p]) for p in range(value.shape[0])})
+        return value
+
+    def steer(value):
+        g = torch.tensor([gates[p] for p in range(value.shape[0])])[:, None]
+        keep = torch.tensor([phase == "all" or p >= n for p in range(value.shape[0])])[:, None]
+        return value + keep * scale * g * vector
+
+    edits = {(point, layer): gate, ("resid_post", 10): steer}
+    if (point, layer) == ("resid_mid", 10):  # both at layer 10: chain them in one edit
+        edits = {("resid_mid", 10): gate, ("resid_post", 10): steer}
+    expected = smol_ref.point_greedy(ids, 12, edits)
+    assert list(out.outputs[0].token_ids) == expected
+    got = out.steering_gates[0]
+    first = 0 if phase == "all" else n
+    assert got["positions"].tolist() == list(range(first, n + 11))
+    reference = torch.tensor([gates[p] for p in range(first, n + 11)])
+    torch.testing.assert_close(got["gates"], reference, rtol=1e-3, atol=1e-4)
+    assert got["gates"].min() < 0.2 and got["gates"].max() > 0.8  # it fired, and not always

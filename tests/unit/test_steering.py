@@ -245,3 +245,67 @@ def test_phases_split_the_slice_at_the_prompt_end(phase, rows):
     hidden = torch.zeros(4, H)
     apply_steering(groups[(2, "post")], hidden, None)
     assert hidden[:, 0].nonzero().flatten().tolist() == rows
+
+
+def cond(**kw):
+    return {"probe": torch.ones(H), "layer": 1, **kw}
+
+
+@pytest.mark.parametrize(("value", "field", "words"), [
+    ([sv(condition=cond(layer=3))], "apply_steering_vectors[0].condition.layer",
+     "after the steering it gates"),
+    ([sv(condition=cond(layer=2, point="resid_post"), hook_point="resid_pre")],
+     "apply_steering_vectors[0].condition.layer", "after the steering it gates"),
+    ([sv(condition=cond(probe=torch.ones(H + 1)))], "apply_steering_vectors[0].condition.probe",
+     "hidden size"),
+    ([sv(condition=cond(layer=9))], "apply_steering_vectors[0].condition.layer[0]",
+     "out of range"),
+    ([sv(condition=cond(point="nowhere"))], "apply_steering_vectors[0].condition.point",
+     "unknown tap point"),
+])
+def test_bad_conditions_name_the_field(value, field, words):
+    with pytest.raises(LensRequestError, match=words) as info:
+        parse(value)
+    assert info.value.field == field
+
+
+def test_conditions_refused_where_not_proven_or_meaningless():
+    with pytest.raises(ValueError, match="plain addition"):
+        sv(condition=cond(), mode="replace")
+    with pytest.raises(ValueError, match="plain addition"):
+        sv(condition=cond(), norm_match=True)
+    with pytest.raises(ValueError, match="extra"):
+        sv(condition=cond(treshold=1.0))  # a misspelt field is an error, not a default
+    staged = dataclasses.replace(FACTS, pp_size=2)
+    with pytest.raises(LensRequestError, match="pipeline") as info:
+        parse_extra_args({"apply_steering_vectors": [sv(condition=cond())]}, lambda: staged)
+    assert info.value.field == "apply_steering_vectors[0].condition"
+
+
+def test_gated_requests_touching_the_prompt_are_never_shared():
+    a, b = parse([sv(condition=cond())]), parse([sv(condition=cond())])
+    assert a.cache_salt != b.cache_salt  # every steered position computes its gate
+    d = parse([sv(condition=cond(), phase="decode")])
+    assert d.cache_salt is None and d.decode_salt is not None
+    assert LensRequest.from_payload(a.to_payload()) == a
+
+
+def test_gate_scales_each_row_and_is_read_before_steering_at_its_site():
+    probe = torch.zeros(H)
+    probe[0] = 1.0
+    vector = torch.ones(1, H)
+    lens = parse([sv(activations=vector, scale=2.0,
+                     condition=cond(probe=probe, layer=2, threshold=1.0, sharpness=3.0))])
+    cpu = torch.device("cpu")
+    groups = build_steer_groups(
+        [(_slice(lens, 0, 3, 0), [prepare(s, cpu, torch.float32) for s in lens.steer])], cpu,
+        split=False)
+    group = groups[(2, "post")]
+    hidden, residual = torch.zeros(3, H), torch.zeros(3, H)
+    hidden[:, 0] = torch.tensor([-2.0, 1.0, 4.0])
+    residual[:, 0] = 0.5  # the condition reads hidden + residual at resid_post
+    before = hidden.clone()
+    apply_steering(group, hidden, residual)
+    g = torch.sigmoid(3.0 * (before[:, 0] + 0.5 - 1.0))
+    torch.testing.assert_close(group.conditions[0].values, g)
+    torch.testing.assert_close(hidden, before + 2.0 * g[:, None] * vector)

@@ -16,7 +16,7 @@ import torch
 from vllm import SamplingParams
 from vllm.outputs import RequestOutput
 
-from vllm_lens import envs, handoff
+from vllm_lens import envs, handoff, wire
 from vllm_lens.admission import check_admission
 from vllm_lens.errors import LensExecutionError, LensRequestError
 from vllm_lens.hooks import HookError
@@ -41,7 +41,8 @@ __all__ = [
 ]
 
 #: What vllm-lens attaches to ``RequestOutput`` and ``CompletionOutput``.
-OUTPUT_FIELDS = ("activations", "hook_results", "hook_error", "lens_error", "capture_receipt")
+OUTPUT_FIELDS = ("activations", "hook_results", "hook_error", "lens_error", "capture_receipt",
+                 "steering_gates")
 
 
 def install_output_fields() -> None:
@@ -368,6 +369,7 @@ class LensSession:
         seen: dict[str, set[str]] = {}
         held: set[str] = set()
         receipts: dict[str, dict[str, Any]] = {}
+        gates: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
         trusted = any(h.pickled is not None for h in lens.hooks)
         for result in rank_results:
             for req_id, parts in (result or {}).get(lens.key, {}).items():
@@ -383,6 +385,9 @@ class LensSession:
                         handoff.receive(sent))
                 if parts.get("hooks") is not None:
                     hooks.setdefault(req_id, []).append(decode_results(parts["hooks"], trusted))
+                if parts.get("gates") is not None:
+                    gates[req_id] = {int(i): g for i, g in wire.loads(parts["gates"]).items()}
+        gated = any(s.condition is not None for s in lens.steer)
         by_index: dict[int, dict[str, Any]] = {}
         for index in range(n):
             prefix = "" if n == 1 else f"{index}_"
@@ -416,6 +421,8 @@ class LensSession:
                     found["activations"] = None
                 if lens.hooks:
                     found["hook_results"], found["hook_error"] = None, None
+                if gated:
+                    found["steering_gates"] = None
                 by_index[index] = found
                 continue
             if lens.sink is not None:
@@ -427,6 +434,9 @@ class LensSession:
             if lens.hooks:
                 stages = next((v for k, v in hooks.items() if k.startswith(prefix)), [])
                 found["hook_results"], found["hook_error"] = merge_hook_results(stages)
+            if gated:
+                found["steering_gates"] = next(
+                    (v for k, v in gates.items() if k.startswith(prefix)), {})
             by_index[index] = found
         for completion in output.outputs:
             for name, value in by_index[completion.index].items():
@@ -468,6 +478,8 @@ class LensSession:
             fields["activations"] = None
         if lens.hooks:
             fields["hook_results"] = fields["hook_error"] = None
+        if any(s.condition is not None for s in lens.steer):
+            fields["steering_gates"] = None
         for target in (output, *output.outputs):
             for name, value in fields.items():
                 setattr(target, name, value)

@@ -58,7 +58,7 @@ from vllm_lens.errors import (
     SinkRefusedError,
 )
 from vllm_lens.frontend.async_engine import model_facts
-from vllm_lens.frontend import steering_routes
+from vllm_lens.frontend import patching, steering_routes
 from vllm_lens.frontend.collate import LensSession, join_rows
 from vllm_lens.frontend.blob_store import BlobStore
 from vllm_lens.frontend.rpc import all_workers
@@ -119,6 +119,7 @@ def _wrap_register_api_routers(original):
         original(args, app, *rest, **kwargs)
         app.include_router(_router)
         app.include_router(steering_routes.router)
+        app.include_router(patching.router)
 
     return register_api_routers
 
@@ -293,6 +294,8 @@ def _encode_results(results: Mapping[str, Any],
         fields["hook_results"] = hook_results_to_json(results["hook_results"])
     if results.get("capture_receipt") is not None:
         fields["capture_receipt"] = results["capture_receipt"]
+    if results.get("steering_gates") is not None:
+        fields["steering_gates"] = hook_results_to_json(results["steering_gates"])
     return fields
 
 

@@ -20,6 +20,7 @@ from vllm_lens.worker.requests import describe
 from vllm_lens.worker.runner import unsupported_reason
 from vllm_lens.worker import sink_writes
 from vllm_lens.worker.runtime import LensRuntime
+from vllm_lens.worker.steer import pack_gates
 from vllm_lens.worker.taps import set_tap_handler, tap_info
 
 __all__ = ["LensWorkerExtension"]
@@ -256,6 +257,8 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
         out[req_id] = {"held": True}  # the request's lens work ran here (steering, hooks)
         if runtime.tp_rank == 0 and record.hooks is not None:
             out[req_id]["hooks"] = encode_results(record.hooks)
+        if runtime.tp_rank == 0 and record.gates:
+            out[req_id]["gates"] = pack_gates(record.gates)
         # The signals whose rows this rank kept (if any position was selected): a front end
         # that hears from no such rank knows rows were lost, not merely unselected.
         seen = [c.signal for c in record.lens.captures

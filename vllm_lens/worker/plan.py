@@ -162,6 +162,10 @@ class StepPlan:
     def empty(self) -> bool:
         return not self.slices and not self.hook_calls
 
+    @functools.cached_property
+    def slice_by_req(self) -> dict[str, RequestSlice]:
+        return {s.req_id: s for s in self.slices}
+
     @classmethod
     def build(
         cls, slices: list[RequestSlice], device: torch.device, capture_layers: frozenset[int],

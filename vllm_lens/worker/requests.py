@@ -47,6 +47,9 @@ class RequestRecord:
     steer: list[Any] | None = None
     """``steer.PreparedSteer`` per vector, on the model's device; freed when it finishes."""
     hooks: HookState | None = None
+    gates: dict[int, list[tuple[Any, Any]]] = field(default_factory=dict)
+    """Gated steering vector index -> (positions on the host, gate values on the device) per
+    step, reported at fetch (``steering_gates``)."""
     error: str | None = None
     """The first failure of the lens path for this request (its message)."""
     finished_at: float | None = None

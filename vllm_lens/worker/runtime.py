@@ -105,13 +105,28 @@ class LensRuntime:
         where = (layer, site)
         steering = plan.steer.get(where)
         if steering is not None:
-            self._guarded("steer", steering.req_ids, apply_steering, steering, hidden, residual)
+            self._guarded("steer", steering.req_ids, self._steer, plan, steering, hidden,
+                          residual)
         if where in plan.hook_layers:
             self._guarded("hooks", (c.req_id for c in plan.hook_calls), self._run_hooks,
                           plan, layer, site, hidden, residual)
         for group, index in plan.capture.get(where, ()):
             if not group.failed:
                 self._guarded_capture(plan, group, index, hidden, residual)
+
+    def _steer(self, plan: StepPlan, group: SteerGroup, hidden: torch.Tensor,
+               residual: torch.Tensor | None) -> None:
+        """Steer at one site; the gates read here are kept for their requests (TP rank 0
+        reports them: every rank computes the same)."""
+        apply_steering(group, hidden, residual)
+        if self.tp_rank != 0:
+            return
+        for gate in group.conditions:
+            record = self.requests.records.get(gate.req_id)
+            s = plan.slice_by_req.get(gate.req_id)
+            if record is not None and s is not None:
+                record.gates.setdefault(gate.index, []).append((gate.offsets + s.pos0,
+                                                                gate.values))
 
     def _guarded(self, stage: str, req_ids: Iterable[str], fn, *args) -> None:
         """``fn(*args)``; if it raises, ``req_ids`` (evaluated only then) fail at ``stage``."""

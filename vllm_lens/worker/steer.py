@@ -22,8 +22,10 @@ from vllm_lens.points import POINTS, site_of
 from vllm_lens.spec import SteerSpec
 from vllm_lens.worker.plan import RequestSlice, device_index
 
-__all__ = ["PreparedSteer", "SteerGroup", "apply_steering", "build_steer_groups", "phase_boundary",
-           "prepare"]
+__all__ = [
+    "GateSlot", "PreparedSteer", "SteerGroup", "apply_steering", "build_steer_groups",
+    "pack_gates", "phase_boundary", "prepare",
+]
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class PreparedSteer:
     for plain vectors, unit length for norm-matched ones (scaled per token at apply time)."""
     positions_sorted: np.ndarray | None
     position_rows: np.ndarray | None  # row of ``vectors[:, j]`` for each sorted position
+    probe: torch.Tensor | None = None
+    """The condition's probe (float32, on the device), for a gated vector."""
 
 
 def prepare(spec: SteerSpec, device: torch.device, dtype: torch.dtype) -> PreparedSteer:
@@ -45,11 +49,40 @@ def prepare(spec: SteerSpec, device: torch.device, dtype: torch.dtype) -> Prepar
     else:
         vectors = vectors * spec.scale
     vectors = vectors.to(dtype)
+    probe = None
+    if spec.condition is not None:
+        probe = wire.loads(spec.condition.probe).to(device=device, dtype=torch.float32)
     if spec.positions is None:
-        return PreparedSteer(spec, vectors, None, None)
+        return PreparedSteer(spec, vectors, None, None, probe)
     positions = np.asarray(spec.positions, dtype=np.int64)
     order = np.argsort(positions, kind="stable")
-    return PreparedSteer(spec, vectors, positions[order], order)
+    return PreparedSteer(spec, vectors, positions[order], order, probe)
+
+
+@dataclass
+class GateSlot:
+    """One gated vector's per-token gate in one step: computed at the condition's site, used
+    at the steered layers' sites later in the same forward pass."""
+
+    req_id: str
+    index: int
+    """The vector's index in the request's steering list."""
+    offsets: np.ndarray
+    """Rows of the request's slice the vector steers (host), for the gates' positions."""
+    rows: torch.Tensor
+    probe: torch.Tensor
+    threshold: float
+    sharpness: float
+    with_residual: bool
+    """The condition's point is ``hidden + residual``."""
+    values: torch.Tensor | None = None
+    """``sigmoid(sharpness * (h · probe - threshold))`` per row (float32), once computed."""
+
+    def compute(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        h = hidden.index_select(0, self.rows).float()
+        if self.with_residual and residual is not None:
+            h = h + residual.index_select(0, self.rows).float()
+        self.values = torch.sigmoid(self.sharpness * (h @ self.probe - self.threshold))
 
 
 @dataclass
@@ -63,6 +96,10 @@ class SteerGroup:
         default_factory=list)
     """(rows, unit vectors per row, scale, whether the norm is of ``hidden + residual``) for
     norm-matched vectors."""
+    conditions: list[GateSlot] = field(default_factory=list)
+    """Gates read at this site (before any steering here)."""
+    gated: list[tuple[torch.Tensor, torch.Tensor, GateSlot]] = field(default_factory=list)
+    """(rows, additions, gate) of gated vectors: ``additions * gate.values`` is added."""
     replaced: list[tuple[torch.Tensor, torch.Tensor, bool]] = field(default_factory=list)
     """(rows, values, whether the point is ``hidden + residual``) for ``replace`` vectors,
     written before any addition."""
@@ -79,19 +116,26 @@ def build_steer_groups(
     plain: dict[tuple[int, str], tuple[list[np.ndarray], list[torch.Tensor]]] = {}
     groups: dict[tuple[int, str], SteerGroup] = {}
     for s, prepared in slices:
-        for p in prepared:
+        for index, p in enumerate(prepared):
             offsets, vector_rows = _rows_for(p, s)
             if offsets.size == 0:
                 continue
             rows = offsets + s.start
             point = POINTS[p.spec.point]
+            gate = None
+            if p.spec.condition is not None:
+                cond = p.spec.condition
+                gate = GateSlot(s.req_id, index, offsets, device_index(rows, device), p.probe,
+                                cond.threshold, cond.sharpness, POINTS[cond.point].with_residual)
+                _owned(groups, (cond.layer, site_of(cond.point, split=split)),
+                       s.req_id).conditions.append(gate)
             for i, layer in enumerate(p.spec.layers):
                 where = (layer, site_of(point.name, split=split))
-                owners = groups.setdefault(where, SteerGroup()).req_ids
-                if not owners or owners[-1] != s.req_id:
-                    owners.append(s.req_id)
+                _owned(groups, where, s.req_id)
                 vecs = _vectors_for(p, i, vector_rows, offsets.size)
-                if p.spec.mode == "replace":
+                if gate is not None:
+                    groups[where].gated.append((gate.rows, vecs, gate))
+                elif p.spec.mode == "replace":
                     groups[where].replaced.append(
                         (device_index(rows, device), vecs, point.with_residual))
                 elif p.spec.norm_match:
@@ -106,6 +150,15 @@ def build_steer_groups(
         group.rows = device_index(np.concatenate(row_lists), device)
         group.delta = torch.cat(deltas)
     return groups
+
+
+def _owned(groups: dict[tuple[int, str], SteerGroup], where: tuple[int, str],
+           req_id: str) -> SteerGroup:
+    """The group at ``where``, with ``req_id`` among its owners."""
+    group = groups.setdefault(where, SteerGroup())
+    if not group.req_ids or group.req_ids[-1] != req_id:
+        group.req_ids.append(req_id)
+    return group
 
 
 def phase_boundary(s: RequestSlice) -> int:
@@ -138,8 +191,10 @@ def _vectors_for(p: PreparedSteer, i: int, vector_rows: np.ndarray | None, n: in
 
 
 def apply_steering(group: SteerGroup, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
-    """Write this layer's replacements into ``hidden``, then add its steering, in place (norms
-    taken after the replacements, before any addition)."""
+    """Read this site's gates, write its replacements into ``hidden``, then add its steering,
+    in place (norms taken after the replacements, before any addition)."""
+    for gate in group.conditions:
+        gate.compute(hidden, residual)
     for rows, values, with_residual in group.replaced:
         if with_residual and residual is not None:
             values = values - residual.index_select(0, rows)
@@ -157,3 +212,19 @@ def apply_steering(group: SteerGroup, hidden: torch.Tensor, residual: torch.Tens
         hidden.index_add_(0, group.rows, group.delta)
     for rows, delta in norm_deltas:
         hidden.index_add_(0, rows, delta)
+    for rows, additions, gate in group.gated:
+        hidden.index_add_(0, rows, (additions.float() * gate.values[:, None]).to(hidden.dtype))
+
+
+def pack_gates(gates: dict[int, list[tuple[np.ndarray, torch.Tensor]]]) -> bytes:
+    """``wire`` bytes of ``{vector index: {"positions", "gates"}}``, one gate per position in
+    position order (a position computed again after a preemption keeps its last value)."""
+    packed = {}
+    for index, steps in gates.items():
+        positions = np.concatenate([p for p, _ in steps])
+        values = torch.cat([v.float() for _, v in steps]).to("cpu")
+        last = {int(pos): i for i, pos in enumerate(positions)}
+        order = sorted(last)
+        packed[str(index)] = {"positions": torch.tensor(order, dtype=torch.int64),
+                              "gates": values[[last[pos] for pos in order]]}
+    return wire.dumps(packed, compress=False)

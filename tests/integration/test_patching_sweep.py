@@ -1,0 +1,114 @@
+"""Activation-patching sweeps (``patching_sweep``): every cell equals transformers with hooks
+that add the same corruption and write the same clean row; bad sweeps fail alone."""
+
+import math
+
+import pytest
+import torch
+
+from tests.integration.test_steering import TINY_PROMPT, _direction, _prompt_ids
+from vllm_lens import LensRequestError, SteeringVector
+
+LAYERS = [0, 3]  # the tiny model's first and last layers
+
+
+def _setup(llm, ref):
+    ids = _prompt_ids(llm, TINY_PROMPT)[:12]
+    clean_run = ref.points(ids)
+    positions = [1, 2, len(ids) - 1]
+    clean = torch.stack([torch.stack([clean_run[("resid_post", layer)][p] for p in positions])
+                         for layer in LAYERS])
+    noise = torch.stack([_direction(128, 70 + p, 6.0) for p in (1, 2)])
+    corrupt = [SteeringVector(activations=noise[None], layer_indices=[-1],
+                              position_indices=[1, 2])]
+    return ids, positions, clean, noise, corrupt
+
+
+def _reference_metric(ref, ids, noise, patch, a, b):
+    def corrupt(value):
+        value = value.clone()
+        value[1:3] += noise
+        return value
+
+    edits = {("resid_pre", 0): corrupt}
+    if patch is not None:
+        layer, position, row = patch
+
+        def write(value):
+            value = value.clone()
+            value[position] = row
+            return value
+        edits[("resid_post", layer)] = write
+    with torch.no_grad(), ref.point_hooks(edits):
+        logits = ref.model(torch.tensor([ids])).logits[0, -1]
+    logprobs = torch.log_softmax(logits.float(), -1)
+    return float(logprobs[a] - logprobs[b])
+
+
+def test_sweep_cells_equal_transformers_with_hooks(tiny_llm, tiny_ref):
+    assert len(tiny_ref.layers) == LAYERS[-1] + 1
+    ids, positions, clean, noise, corrupt = _setup(tiny_llm, tiny_ref)
+    a, b = 17, 42
+    out = tiny_llm.patching_sweep(ids, clean, LAYERS, positions, {"logit_diff": [a, b]},
+                                  corrupt=corrupt)
+    assert out["grid"].shape == (len(LAYERS), len(positions))
+    assert out["layers"] == LAYERS and out["positions"] == positions
+    expected = torch.tensor([[_reference_metric(tiny_ref, ids, noise, (layer, p, clean[i, j]),
+                                                a, b) for j, p in enumerate(positions)]
+                             for i, layer in enumerate(LAYERS)], dtype=torch.float64)
+    torch.testing.assert_close(out["grid"], expected, rtol=1e-3, atol=1e-3)
+    assert math.isclose(out["corrupted"], _reference_metric(tiny_ref, ids, noise, None, a, b),
+                        rel_tol=1e-3, abs_tol=1e-3)
+    # The clean stream restored at the last position after the last layer: the clean run.
+    assert math.isclose(float(out["grid"][1, 2]), out["uncorrupted"], rel_tol=1e-4,
+                        abs_tol=1e-4)
+    assert abs(out["corrupted"] - out["uncorrupted"]) > 1e-2  # the corruption matters
+    # The same sweep by text, with a probability metric.
+    by_text = tiny_llm.patching_sweep(TINY_PROMPT, torch.zeros(1, 1, 128), [1], [0],
+                                      {"prob": a})
+    assert 0 < float(by_text["grid"][0, 0]) < 1
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    (dict(layers=[0, 9]), "layers[1]"),
+    (dict(positions=[1, 400]), "positions[1]"),
+    (dict(clean=torch.zeros(2, 2, 128)), "clean"),
+    (dict(metric={"logit_diff": [1]}), "metric.logit_diff"),
+    (dict(metric={"entropy": 1}), "metric"),
+    (dict(corrupt=[SteeringVector(activations=torch.ones(1, 64), layer_indices=[0])]),
+     "corrupt[0].activations"),
+])
+def test_bad_sweeps_name_the_field(tiny_llm, kwargs, field):
+    args = dict(prompt=_prompt_ids(tiny_llm, TINY_PROMPT)[:12], clean=torch.zeros(2, 3, 128),
+                layers=[0, 2], positions=[1, 2, 3], metric={"logit_diff": [1, 2]})
+    args.update(kwargs)
+    with pytest.raises(LensRequestError) as info:
+        tiny_llm.patching_sweep(**args)
+    assert info.value.field == field
+
+
+def test_sweep_over_http_equals_offline(smol_server, smol_llm):
+    from vllm_lens.client import LensClient, LensHTTPError
+
+    prompt = "The Eiffel Tower is located in the city of"
+    ids = _prompt_ids(smol_llm, prompt)
+    clean = torch.randn(2, 2, 576, generator=torch.Generator().manual_seed(3)) * 5
+    corrupt = [SteeringVector(activations=_direction(576, 80, 30.0)[None, None],
+                              layer_indices=[-1], position_indices=[2])]
+    args = (ids, clean, [4, 20], [2, len(ids) - 1], {"logit_diff": [12366, 5210]})
+    offline = smol_llm.patching_sweep(*args, corrupt=corrupt)
+    with LensClient(smol_server.base_url) as client:
+        online = client.patching_sweep(*args, corrupt=corrupt)
+        torch.testing.assert_close(online["grid"], offline["grid"], rtol=1e-4, atol=1e-4)
+        assert math.isclose(online["corrupted"], offline["corrupted"], abs_tol=1e-4)
+        with pytest.raises(LensHTTPError) as info:
+            client.patching_sweep(ids, clean, [4, 20], [2, 999], {"prob": 5})
+        assert info.value.status == 400 and info.value.param == "positions[1]"
+        assert client.generate("Hello", max_tokens=2).text is not None  # serving on
+
+
+def test_sweeps_past_the_cell_limit_are_refused_before_running(tiny_llm, monkeypatch):
+    monkeypatch.setenv("VLLM_LENS_MAX_SWEEP_CELLS", "5")
+    with pytest.raises(LensRequestError, match="6 cells, above this engine's limit of 5"):
+        tiny_llm.patching_sweep([1, 2, 3, 4], torch.zeros(2, 3, 128), [0, 1], [0, 1, 2],
+                                {"prob": 1})

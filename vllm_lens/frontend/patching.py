@@ -1,0 +1,242 @@
+"""Activation-patching sweeps: a grid of (layer, position) restorations run as one batch of
+engine requests, with the metric per cell (runs in: front end).
+
+Adds ``patching_sweep(prompt, clean, layers, positions, metric, corrupt=None,
+point="resid_post")`` to ``vllm.LLM`` and ``AsyncLLM``, and ``POST /v1/lens/patching_sweep``
+to the OpenAI server (its JSON body has the same names; tensors as JSON tensor records).
+
+Cell ``(i, j)`` is the prompt run with the ``corrupt`` steering vectors (e.g. noise added to
+the subject's embeddings: ``layer_indices=[-1]``) plus one ``mode="replace"`` vector writing
+``clean[i, j]`` over ``point`` of layer ``layers[i]`` at position ``positions[j]``. Every
+variant is an ordinary lens request of one forward pass over the prompt and one greedy token,
+and the metric is read from vLLM's logprobs of the metric's tokens at the last prompt position
+(``logprob_token_ids``; raw logprobs, so a difference of two is their logit difference):
+``{"logit_diff": [a, b]}``, ``{"logprob": a}`` or ``{"prob": a}``. Nothing the caller sends
+runs as code, so a shared server accepts it like any steering request; the number of cells is
+bounded by ``VLLM_LENS_MAX_SWEEP_CELLS`` (default 4096).
+
+Returns ``{"grid": [len(layers), len(positions)] float64 tensor, "corrupted": metric of the
+corrupted run alone, "uncorrupted": metric of the prompt without ``corrupt``, "layers",
+"positions"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from vllm import SamplingParams
+
+from vllm_lens import envs, wire
+from vllm_lens.errors import LensRequestError, UnsupportedConfigError
+from vllm_lens.frontend.collate import LensSession, facts_from_describe
+from vllm_lens.spec import ModelFacts, STEER_KEY, parse_steering
+
+__all__ = ["install", "router"]
+
+router = APIRouter()
+_METRICS = {"logit_diff": 2, "logprob": 1, "prob": 1}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    prompt_ids: list[int]
+    layers: list[int]
+    positions: list[int]
+    metric: tuple[str, list[int]]
+    params: list[SamplingParams]
+    """Uncorrupted, corrupted, then the cells in row-major (layer, position) order."""
+
+    def result(self, outputs: Sequence[Any]) -> dict[str, Any]:
+        values = [self._metric(out) for out in outputs]
+        grid = torch.tensor(values[2:], dtype=torch.float64).reshape(len(self.layers),
+                                                                      len(self.positions))
+        return {"grid": grid, "uncorrupted": values[0], "corrupted": values[1],
+                "layers": self.layers, "positions": self.positions}
+
+    def _metric(self, output: Any) -> float:
+        if getattr(output, "lens_error", None) is not None:
+            raise output.lens_error
+        logprobs = output.outputs[0].logprobs[0]
+        kind, tokens = self.metric
+        lp = [logprobs[t].logprob for t in tokens]
+        if kind == "logit_diff":
+            return lp[0] - lp[1]
+        return lp[0] if kind == "logprob" else math.exp(lp[0])
+
+
+def _plan(facts: ModelFacts, tokenizer: Any, logprobs_mode: str, prompt: Any, clean: Any,
+          layers: Any, positions: Any, metric: Any, corrupt: Any, point: str) -> _Plan:
+    """Validate a sweep against the model and build its variants' sampling parameters."""
+    from vllm_lens.steering import SteeringVector
+
+    if logprobs_mode != "raw_logprobs":
+        raise UnsupportedConfigError(
+            "metric", f"the sweep reads raw logprobs, but this engine returns {logprobs_mode}; "
+            "start it with the default logprobs_mode='raw_logprobs'")
+    if isinstance(prompt, str):
+        ids = list(tokenizer.encode(prompt))
+    elif isinstance(prompt, (list, tuple)) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise LensRequestError("prompt", "expected a string or a non-empty list of token ids")
+    layers = _ints(layers, "layers", facts.n_layers, "layer")
+    positions = _ints(positions, "positions", len(ids), "prompt position")
+    cells = len(layers) * len(positions)
+    limit = envs.max_sweep_cells()
+    if cells > limit:
+        raise LensRequestError("layers", f"{len(layers)} layers x {len(positions)} positions "
+                               f"is {cells} cells, above this engine's limit of {limit} "
+                               "(VLLM_LENS_MAX_SWEEP_CELLS)")
+    kind, tokens = _metric(metric)
+    clean = _clean(clean, (len(layers), len(positions), facts.hidden_size))
+    corrupt = [] if corrupt is None else (list(corrupt) if isinstance(corrupt, (list, tuple))
+                                          else [corrupt])
+    if corrupt:
+        parse_steering(corrupt, facts, "corrupt")  # errors name the caller's field
+
+    def params(vectors: list[Any]) -> SamplingParams:
+        return SamplingParams(max_tokens=1, temperature=0,
+                              logprob_token_ids=list(tokens),
+                              extra_args={STEER_KEY: vectors} if vectors else None)
+
+    variants = [params([]), params(corrupt)]
+    for i, layer in enumerate(layers):
+        for j, position in enumerate(positions):
+            patch = SteeringVector(activations=clean[i, j][None, None], layer_indices=[layer],
+                                   position_indices=[position], mode="replace",
+                                   hook_point=point)
+            variants.append(params([*corrupt, patch]))
+    return _Plan(ids, layers, positions, (kind, tokens), variants)
+
+
+def _ints(raw: Any, field: str, upper: int, what: str) -> list[int]:
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise LensRequestError(field, f"expected a non-empty list of {what}s")
+    out = []
+    for i, value in enumerate(raw):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < upper:
+            raise LensRequestError(f"{field}[{i}]", f"{value!r} is not a {what} in 0..{upper - 1}")
+        out.append(int(value))
+    if len(set(out)) != len(out):
+        raise LensRequestError(field, f"has duplicates: {out}")
+    return out
+
+
+def _metric(raw: Any) -> tuple[str, list[int]]:
+    if not isinstance(raw, dict) or len(raw) != 1 or next(iter(raw)) not in _METRICS:
+        raise LensRequestError("metric", 'expected {"logit_diff": [a, b]}, {"logprob": a} or '
+                               '{"prob": a} (token ids)')
+    (kind, value), = raw.items()
+    tokens = value if isinstance(value, (list, tuple)) else [value]
+    if len(tokens) != _METRICS[kind] or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        raise LensRequestError(f"metric.{kind}", f"expected {_METRICS[kind]} token id(s), got "
+                               f"{value!r}")
+    return kind, list(tokens)
+
+
+def _clean(raw: Any, shape: tuple[int, int, int]) -> torch.Tensor:
+    limit = wire.decode_limit(envs.max_decoded_bytes(),
+                              "VLLM_LENS_MAX_DECODED_BYTES (the sweep's clean activations)")
+    try:
+        with limit:
+            tensor = wire.tensor_from_json(raw) if isinstance(raw, dict) else raw
+    except ValueError as exc:
+        raise LensRequestError("clean", str(exc)) from None
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        raise LensRequestError("clean", "expected a float tensor [len(layers), len(positions), "
+                               "hidden]")
+    if tuple(tensor.shape) != shape:
+        raise LensRequestError("clean", f"shape is {list(tensor.shape)}, expected {list(shape)} "
+                               "([len(layers), len(positions), hidden])")
+    if not torch.isfinite(tensor).all():
+        raise LensRequestError("clean", "contains NaN or inf")
+    return tensor.float()
+
+
+def _sync_sweep(self: Any, prompt: Any, clean: Any, layers: Any, positions: Any, metric: Any,
+                corrupt: Any = None, point: str = "resid_post") -> dict[str, Any]:
+    from vllm.inputs import TokensPrompt
+
+    engine = self.llm_engine
+    session = LensSession.of(engine)
+    if session.facts is None:
+        session.facts = facts_from_describe(engine.collective_rpc("lens_describe"))
+    plan = _plan(session.facts, self.get_tokenizer(), engine.model_config.logprobs_mode,
+                 prompt, clean, layers, positions, metric, corrupt, point)
+    prompts = [TokensPrompt(prompt_token_ids=plan.prompt_ids)] * len(plan.params)
+    return plan.result(self.generate(prompts, plan.params, use_tqdm=False))
+
+
+async def _async_sweep(self: Any, prompt: Any, clean: Any, layers: Any, positions: Any,
+                       metric: Any, corrupt: Any = None, point: str = "resid_post"
+                       ) -> dict[str, Any]:
+    import uuid
+
+    from vllm.inputs import TokensPrompt
+
+    from vllm_lens.frontend.async_engine import model_facts
+
+    facts = await model_facts(self)
+    plan = await asyncio.to_thread(_plan, facts, self.get_tokenizer(),
+                                   self.model_config.logprobs_mode, prompt, clean, layers,
+                                   positions, metric, corrupt, point)
+    sweep_id = uuid.uuid4().hex
+
+    async def one(k: int, params: SamplingParams) -> Any:
+        final = None
+        async for out in self.generate(TokensPrompt(prompt_token_ids=plan.prompt_ids), params,
+                                       f"sweep-{sweep_id}-{k}"):
+            final = out
+        return final
+
+    outputs = await asyncio.gather(*(one(k, p) for k, p in enumerate(plan.params)))
+    return plan.result(outputs)
+
+
+@router.post("/v1/lens/patching_sweep")
+async def patching_sweep(raw_request: Request) -> JSONResponse:
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    def error(message: str, param: str | None, status: HTTPStatus) -> JSONResponse:
+        err = create_error_response(message, param=param, status_code=status)
+        return JSONResponse(err.model_dump(), status_code=err.error.code)
+
+    body_bytes = await raw_request.body()
+    if len(body_bytes) > envs.max_request_bytes():
+        return error(f"the sweep is {len(body_bytes)} bytes, above this server's limit of "
+                     f"{envs.max_request_bytes()} (VLLM_LENS_MAX_REQUEST_BYTES)", None,
+                     HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+    try:
+        body = await raw_request.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        return error("expected a JSON object", None, HTTPStatus.BAD_REQUEST)
+    engine = raw_request.app.state.engine_client
+    try:
+        result = await engine.patching_sweep(
+            body.get("prompt"), body.get("clean"), body.get("layers"), body.get("positions"),
+            body.get("metric"), body.get("corrupt"), body.get("point", "resid_post"))
+    except LensRequestError as exc:
+        return error(str(exc), exc.field, HTTPStatus.BAD_REQUEST)
+    return JSONResponse({**result, "grid": result["grid"].tolist()})
+
+
+def install() -> None:
+    from vllm import LLM
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if not hasattr(LLM, "patching_sweep"):
+        LLM.patching_sweep = _sync_sweep
+    if not hasattr(AsyncLLM, "patching_sweep"):
+        AsyncLLM.patching_sweep = _async_sweep

@@ -335,7 +335,7 @@ class LensRequest:
         always, since even a steering-only request must learn whether its steering ran."""
         return True
 
-    @property
+    @functools.cached_property
     def cache_salt(self) -> str | None:
         """Prefix-cache salt of every block: requests share KV blocks only with identically
         steered ones.
@@ -343,7 +343,7 @@ class LensRequest:
         Steering that may touch a prompt position changes the KV of that position and every
         later one, so such a request is salted from its first block. Steering of generated
         positions only (``phase="decode"``) leaves the prompt's KV as an unsteered request's:
-        it gets ``decode_salt`` instead.
+        its prompt blocks stay shared (``decode_salt`` keeps its generated ones apart).
         """
         if self.hooks:
             # A hook may change the stream in ways no digest can name: never share blocks.
@@ -353,15 +353,14 @@ class LensRequest:
             return f"vllm-lens:gated:{self.key}"
         return _steering_digest([s for s in self.steer if s.phase != "decode"])
 
-    @property
+    @functools.cached_property
     def decode_salt(self) -> str | None:
-        """Salt of the blocks that hold generated tokens (``frontend.prefix_cache``), for
-        decode-only steering: its prompt blocks are shared with unsteered requests, but its
-        generated tokens' blocks (steered KV) are reused only by identically steered requests,
-        never by a later prompt that repeats the text, e.g. the next turn of a chat."""
-        if self.cache_salt is not None:
-            return None  # every block is salted already
-        return _steering_digest([s for s in self.steer if s.phase == "decode"])
+        """Salt of the blocks that reach past the prompt (``frontend.prefix_cache``), for
+        steering that treats prompt and generated positions apart (``phase`` ``prefill`` or
+        ``decode``): the KV of its generated tokens is not what a later request would compute
+        for the same tokens in its prompt (the next turn of a chat), so those blocks are
+        reused only by requests steered identically, phases included."""
+        return _steering_digest([s for s in self.steer if s.phase != "all"])
 
     def to_payload(self) -> dict[str, Any]:
         payload: dict[str, Any] = {"v": PAYLOAD_VERSION, "key": self.key}
@@ -469,7 +468,8 @@ def parse_extra_args(
     points = () if raw_points is None else _parse_points(raw_points, facts, request_id)
     if raw_qk is not None:
         points = (*points, *_parse_qk(raw_qk, facts, request_id))
-    steer = () if raw_steer is None else _parse_steering(raw_steer, facts, request_id, presets)
+    steer = () if raw_steer is None else _parse_steering(raw_steer, facts, request_id,
+                                                          presets or {})
     hooks = () if raw_hooks is None else parse_hooks(raw_hooks, facts, request_id)
     captures = points if capture is None else (capture, *points)
     sink = None if raw_sink is None else _parse_sink(raw_sink, captures, facts, request_id)
@@ -859,7 +859,7 @@ def _parse_steering(raw: Any, facts: ModelFacts, request_id: str | None,
                 specs.extend(_preset(item, presets, f"{field}[{i}]", request_id))
             else:
                 specs.append(_parse_one_vector(item, facts, f"{field}[{i}]", request_id))
-    _check_replacements_apart(specs, field, request_id)
+    _check_replacements_apart(specs, facts, field, request_id)
     return tuple(specs)
 
 
@@ -872,40 +872,46 @@ def parse_steering(raw: Any, facts: ModelFacts, field: str) -> tuple[SteerSpec, 
 def _preset(item: str, presets: Mapping[str, tuple[SteerSpec, ...]] | None, where: str,
             request_id: str | None) -> tuple[SteerSpec, ...]:
     name = item.removeprefix(PRESET_PREFIX)
-    found = (presets or {}).get(name)
+    if presets is None:
+        raise LensRequestError(where, f"{item!r}: a preset cannot be selected here (a preset "
+                               "holds vectors, not other presets)", request_id=request_id)
+    found = presets.get(name)
     if found is None:
-        known = ", ".join(sorted(presets or ())) or "none are registered"
+        known = ", ".join(sorted(presets)) or "none are registered"
         raise LensRequestError(where, f"unknown steering preset {name!r} ({known})",
                                request_id=request_id)
     return found
 
 
-def _check_replacements_apart(specs: Sequence[SteerSpec], field: str,
+def _check_replacements_apart(specs: Sequence[SteerSpec], facts: ModelFacts, field: str,
                               request_id: str | None) -> None:
-    """Two ``replace`` vectors may not write the same (layer, point, position): which one
-    wins would be an accident of order."""
-    replacing = [(i, spec) for i, spec in enumerate(specs) if spec.mode == "replace"]
-    for n, (i, spec) in enumerate(replacing):
-        for j, other in replacing[:n]:
-            layer = _shared_replacement(spec, other)
-            if layer is not None:
-                raise LensRequestError(
-                    f"{field}[{i}]", f"replaces the same {spec.point} rows of layer {layer} as "
-                    f"{field}[{j}]; give each (layer, position) one replacement",
-                    request_id=request_id)
-
-
-def _shared_replacement(a: SteerSpec, b: SteerSpec) -> int | None:
-    """A layer where ``a`` and ``b`` may write the same rows, if any."""
-    shared = set(a.layers) & set(b.layers)
-    if a.point != b.point or not shared:
-        return None
-    if "all" not in (a.phase, b.phase) and a.phase != b.phase:
-        return None
-    if (a.positions is not None and b.positions is not None
-            and not set(a.positions) & set(b.positions)):
-        return None
-    return min(shared)
+    """Two ``replace`` vectors may not write the same rows of one site of one layer (two
+    points read at one site, e.g. ``mlp_out`` and ``resid_post``, write the same tensor):
+    which one wins would be an accident of order. Linear in the positions named."""
+    # (layer, site) -> phase -> [index of a vector writing every position, {position: index}]
+    written: dict[tuple[int, str], dict[str, list[Any]]] = {}
+    for i, spec in enumerate(specs):
+        if spec.mode != "replace":
+            continue
+        site = tap_points.site_of(spec.point, split=facts.split)
+        phases = ("all", "prefill", "decode") if spec.phase == "all" else ("all", spec.phase)
+        for layer in spec.layers:
+            by_phase = written.setdefault((layer, site), {})
+            for phase in phases:
+                everywhere, at = by_phase.get(phase, (None, {}))
+                clash = everywhere if everywhere is not None else (
+                    next(iter(at.values()), None) if spec.positions is None else
+                    next((at[p] for p in spec.positions if p in at), None))
+                if clash is not None:
+                    raise LensRequestError(
+                        f"{field}[{i}]", f"replaces rows of layer {layer} at the {site} site "
+                        f"that {field}[{clash}] replaces too; give each (layer, position) one "
+                        "replacement", request_id=request_id)
+            mine = by_phase.setdefault(spec.phase, [None, {}])
+            if spec.positions is None:
+                mine[0] = i
+            else:
+                mine[1].update((p, i) for p in spec.positions)
 
 
 def _check_steering_shape(facts: ModelFacts, shape: list[int]) -> None:

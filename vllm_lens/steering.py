@@ -97,14 +97,16 @@ class SteeringVector(BaseModel):
                        position_indices=[5], mode="replace")
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
 
     activations: torch.Tensor
     """``(n_layers, hidden)``: added at every position; or ``(n_layers, n_positions, hidden)``:
     row ``j`` added at absolute position ``position_indices[j]``."""
     layer_indices: list[int]
     """Decoder layer after which each ``activations[i]`` is added; ``[-1]`` addresses the token
-    embeddings (the stream entering layer 0, also ``hook_point="embed"``)."""
+    embeddings: the stream entering layer 0 (also ``hook_point="embed"``), i.e. layer 0's
+    ``resid_pre``, which includes what the model adds before its first layer (position
+    embeddings in GPT-2-style models, Gemma's embedding scale)."""
     scale: float = 1.0
     norm_match: bool = False
     """Add ``scale * ||h|| * v / ||v||`` instead of ``scale * v`` (``h``: the residual stream at
@@ -122,7 +124,8 @@ class SteeringVector(BaseModel):
     phase: Literal["all", "prefill", "decode"] = "all"
     """Which positions are steered: all of them, the prompt's (``prefill``), or the generated
     ones (``decode``, which keeps the prompt's prefix-cache blocks shared with unsteered
-    requests)."""
+    requests). The first generated token is sampled from the last prompt position, so
+    ``decode`` steering changes tokens from the second one on."""
     condition: SteeringCondition | None = None
     """Gate the addition per token by the model's own activations (``SteeringCondition``);
     the gate values come back as ``steering_gates``."""

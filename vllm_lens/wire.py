@@ -74,7 +74,7 @@ def pack_tensor(tensor: torch.Tensor, compress: bool = True) -> dict[str, Any]:
         "dtype": name,
         "shape": list(tensor.shape),
         "compression": "zstd" if compress else None,
-        "data": _contexts.compressor.compress(raw) if compress else bytes(raw),
+        "data": _contexts.compressor.compress(raw) if compress else raw,
     }
 
 

@@ -112,3 +112,10 @@ def test_sweeps_past_the_cell_limit_are_refused_before_running(tiny_llm, monkeyp
     with pytest.raises(LensRequestError, match="6 cells, above this engine's limit of 5"):
         tiny_llm.patching_sweep([1, 2, 3, 4], torch.zeros(2, 3, 128), [0, 1], [0, 1, 2],
                                 {"prob": 1})
+    monkeypatch.setenv("VLLM_LENS_MAX_SWEEP_CELLS", "4096")
+    monkeypatch.setenv("VLLM_LENS_MAX_DECODED_BYTES", str(64 << 10))  # ~one corrupt x 100
+    big = SteeringVector(activations=torch.randn(1, 4, 128), layer_indices=[-1])
+    with pytest.raises(LensRequestError, match="VLLM_LENS_MAX_DECODED_BYTES") as info:
+        tiny_llm.patching_sweep([1, 2, 3, 4], torch.zeros(4, 4, 128) + 0.1, [0, 1, 2, 3],
+                                [0, 1, 2, 3], {"prob": 1}, corrupt=[big] * 10)
+    assert info.value.field == "corrupt"

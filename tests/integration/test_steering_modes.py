@@ -151,6 +151,12 @@ def test_decode_only_steering_shares_prompt_blocks_but_not_generated_ones(tiny_l
     tiny_llm.reset_prefix_cache()
     run(prompt_ids, None, 1)
     assert run(prompt_ids, prefill, 2).num_cached_tokens == 0
+    # Prefill-only steering: a later request steered the same way whose prompt repeats the
+    # output steers those tokens as prompt, so it reuses the prompt's blocks, never theirs.
+    tiny_llm.reset_prefix_cache()
+    first = run(prompt_ids, prefill, block + 8)
+    follow = prompt_ids + list(first.outputs[0].token_ids)[: block + 4]
+    assert run(follow, prefill, 2).num_cached_tokens == 2 * block
 
 
 @pytest.mark.parametrize(("read", "phase"), [(("resid_post", 5), "all"),

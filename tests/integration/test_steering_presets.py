@@ -101,7 +101,7 @@ def test_server_preset_routes_register_validate_and_unregister(smol_server):
         assert [p["name"] for p in client.steering_presets()] == ["calm"]
 
 
-def test_server_with_a_preset_for_another_model_does_not_start(tiny_path, tmp_path):
+def test_server_with_a_preset_that_does_not_fit_the_model_does_not_start(tiny_path, tmp_path):
     from tests.integration.server import running_server
 
     presets = tmp_path / "presets.json"

@@ -180,13 +180,37 @@ def test_embeddings_are_the_stream_entering_layer_0():
 
 def test_overlapping_replacements_are_refused():
     one = sv(activations=torch.randn(1, 2, H), position_indices=[3, 5], mode="replace")
-    with pytest.raises(LensRequestError, match="same resid_post rows of layer 2") as info:
+    with pytest.raises(LensRequestError, match="rows of layer 2 at the post site") as info:
         parse([one, sv(mode="replace")])
     assert info.value.field == "apply_steering_vectors[1]"
-    # apart: other positions, another phase, another point, or an addition
+    # apart: other positions, another phase, another site, or an addition
     parse([one, sv(activations=torch.randn(1, 1, H), position_indices=[4], mode="replace")])
     parse([sv(mode="replace", phase="prefill"), sv(mode="replace", phase="decode")])
     parse([one, sv(mode="replace", hook_point="resid_pre"), sv()])
+    # two points read at one site write one tensor: mlp_out and resid_post at "post"
+    with pytest.raises(LensRequestError, match="at the post site") as info:
+        parse([one, sv(activations=torch.randn(1, 1, H), position_indices=[5],
+                       mode="replace", hook_point="mlp_out")])
+    assert info.value.field == "apply_steering_vectors[1]"
+    # a decode-only replacement of every position clashes with one at a named position
+    with pytest.raises(LensRequestError, match="replaces too"):
+        parse([one, sv(mode="replace", phase="decode")])
+
+
+def test_many_replacements_are_checked_in_linear_time():
+    import time
+
+    many = [sv(activations=torch.zeros(1, 1, H), position_indices=[p], mode="replace")
+            for p in range(60)]
+    start = time.perf_counter()
+    parse(many)
+    assert time.perf_counter() - start < 5
+
+
+def test_misspelt_fields_are_errors_not_defaults():
+    with pytest.raises(ValueError, match="phse"):
+        SteeringVector.model_validate({"activations": torch.ones(1, H), "layer_indices": [1],
+                                       "phse": "decode"})
 
 
 def test_decode_only_steering_salts_generated_blocks_only():
@@ -197,8 +221,14 @@ def test_decode_only_steering_salts_generated_blocks_only():
     assert "salt" not in lens.to_payload()
     assert parse([sv(activations=v.activations, phase="decode", scale=3.0)]).decode_salt \
         != lens.decode_salt
+    # Prompt-touching steering salts every block; its phases salt the generated ones apart
+    # too, so a later prompt repeating this output never reuses them.
     both = parse([v, sv(phase="prefill")])
-    assert both.cache_salt is not None and both.decode_salt is None  # every block salted
+    assert both.cache_salt is not None and both.decode_salt is not None
+    mixed = parse([sv(activations=v.activations), v])
+    assert mixed.cache_salt == parse([sv(activations=v.activations)]).cache_salt
+    assert mixed.decode_salt == lens.decode_salt
+    assert parse([sv(activations=v.activations)]).decode_salt is None
     assert parse([sv(activations=v.activations)]).cache_salt != parse(
         [sv(activations=v.activations, mode="replace")]).cache_salt
     assert LensRequest.from_payload(lens.to_payload()) == lens

@@ -244,8 +244,8 @@ class LensSession:
         (their results may come back pickled)."""
         self.presets: dict[str, tuple[SteerSpec, ...]] = {}
         """Named steering presets (``frontend.presets``), validated against the model."""
-        self.preset_models: dict[str, str | None] = {}
-        """The model each preset was registered for, if it named one."""
+        self.preset_info: dict[str, dict[str, Any]] = {}
+        """What ``steering_presets`` lists for each preset (computed at registration)."""
         self.model_names: tuple[str, ...] = ()
         """The served model's path or name and served names (set by the engine methods)."""
 

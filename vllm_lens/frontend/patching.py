@@ -101,7 +101,14 @@ def _plan(facts: ModelFacts, tokenizer: Any, logprobs_mode: str, prompt: Any, cl
     corrupt = [] if corrupt is None else (list(corrupt) if isinstance(corrupt, (list, tuple))
                                           else [corrupt])
     if corrupt:
-        parse_steering(corrupt, facts, "corrupt")  # errors name the caller's field
+        specs = parse_steering(corrupt, facts, "corrupt")  # errors name the caller's field
+        # Every variant carries its own copy of the corruption to the engine.
+        total = cells * sum(len(spec.vectors) for spec in specs)
+        if total > envs.max_decoded_bytes():
+            raise LensRequestError(
+                "corrupt", f"{cells} variants each carrying these vectors come to {total:,} "
+                f"bytes, above VLLM_LENS_MAX_DECODED_BYTES ({envs.max_decoded_bytes():,}); "
+                "use fewer cells or smaller corrupting vectors")
 
     def params(vectors: list[Any]) -> SamplingParams:
         return SamplingParams(max_tokens=1, temperature=0,

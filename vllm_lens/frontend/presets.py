@@ -44,23 +44,22 @@ def _register(session: LensSession, name: Any, vectors: Any, model: str | None =
                                f"serves {session.model_names[0]!r}")
     session.facts = facts_from_describe((yield "lens_describe", ()))
     specs = parse_steering(vectors, session.facts, f"presets.{name}")
-    session.presets[name] = specs
-    session.preset_models[name] = model
-    return _describe(name, specs, model)
+    session.presets[name] = specs  # a name registered again is replaced
+    session.preset_info[name] = _describe(name, specs, model)
+    return session.preset_info[name]
 
 
-def _unregister(session: LensSession, name: str) -> Steps:
-    if name not in session.presets:
+def _unregister(session: LensSession, name: Any) -> Steps:
+    if not isinstance(name, str) or name not in session.presets:
         raise LensRequestError("name", f"no steering preset {name!r} is registered")
     del session.presets[name]
-    session.preset_models.pop(name, None)
+    session.preset_info.pop(name, None)
     return True
     yield  # a generator that asks the workers nothing
 
 
 def _list(session: LensSession) -> Steps:
-    return [_describe(name, specs, session.preset_models.get(name))
-            for name, specs in sorted(session.presets.items())]
+    return [session.preset_info[name] for name in sorted(session.presets)]
     yield  # a generator that asks the workers nothing
 
 

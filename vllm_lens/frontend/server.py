@@ -125,9 +125,11 @@ def _wrap_register_api_routers(original):
 
 
 def _wrap_init_app_state(original):
-    async def init_app_state(engine_client: Any, *args: Any, **kwargs: Any) -> None:
-        await original(engine_client, *args, **kwargs)
-        await steering_routes.register_preset_file(engine_client)  # before serving
+    async def init_app_state(engine_client: Any, state: Any, args: Any, *rest: Any,
+                             **kwargs: Any) -> None:
+        await original(engine_client, state, args, *rest, **kwargs)
+        await steering_routes.register_preset_file(  # before serving
+            engine_client, getattr(args, "api_server_count", None))
 
     return init_app_state
 

@@ -27,11 +27,16 @@ logger = logging.getLogger(__name__)
 __all__ = ["register_preset_file", "router"]
 
 router = APIRouter()
+#: Several API server processes (``--api-server-count``) each hold their own presets: a route
+#: call would change one of them, so only the file may register presets there.
+_processes = 1
 
 
-async def register_preset_file(engine: Any) -> None:
+async def register_preset_file(engine: Any, api_server_count: int | None = None) -> None:
     """Register every preset of ``VLLM_LENS_STEERING_PRESETS`` on ``engine`` (an ``AsyncLLM``);
     a preset that does not fit the model stops the server from starting, naming it."""
+    global _processes
+    _processes = api_server_count or 1
     path = envs.steering_presets_path()
     if path is None:
         return
@@ -64,6 +69,10 @@ async def _changing(raw_request: Request, method: str, *args: Any) -> JSONRespon
                       "/v1/steering/register and /unregister are off; the operator may start "
                       "the server with VLLM_LENS_ALLOW_STEERING_ROUTES=1, or register presets "
                       "from a file with VLLM_LENS_STEERING_PRESETS", HTTPStatus.FORBIDDEN)
+    if _processes > 1:
+        return _error(f"this server runs {_processes} API server processes, each with its own "
+                      "presets, and a route call reaches one of them; register presets with "
+                      "VLLM_LENS_STEERING_PRESETS instead", HTTPStatus.CONFLICT)
     try:
         result = await getattr(raw_request.app.state.engine_client, method)(*args)
     except LensRequestError as exc:

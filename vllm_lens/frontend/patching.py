@@ -37,6 +37,7 @@ from vllm import SamplingParams
 from vllm_lens import envs, wire
 from vllm_lens.errors import LensRequestError, UnsupportedConfigError
 from vllm_lens.frontend.collate import LensSession, facts_from_describe
+from vllm_lens.frontend.http_io import error, json_object
 from vllm_lens.spec import ModelFacts, STEER_KEY, parse_steering
 
 __all__ = ["install", "router"]
@@ -212,30 +213,21 @@ async def _async_sweep(self: Any, prompt: Any, clean: Any, layers: Any, position
 
 @router.post("/v1/lens/patching_sweep")
 async def patching_sweep(raw_request: Request) -> JSONResponse:
-    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-
-    def error(message: str, param: str | None, status: HTTPStatus) -> JSONResponse:
-        err = create_error_response(message, param=param, status_code=status)
-        return JSONResponse(err.model_dump(), status_code=err.error.code)
-
-    body_bytes = await raw_request.body()
-    if len(body_bytes) > envs.max_request_bytes():
-        return error(f"the sweep is {len(body_bytes)} bytes, above this server's limit of "
-                     f"{envs.max_request_bytes()} (VLLM_LENS_MAX_REQUEST_BYTES)", None,
+    size = len(await raw_request.body())
+    if size > envs.max_request_bytes():
+        return error(f"the sweep is {size} bytes, above this server's limit of "
+                     f"{envs.max_request_bytes()} (VLLM_LENS_MAX_REQUEST_BYTES)",
                      HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-    try:
-        body = await raw_request.json()
-    except ValueError:
-        body = None
-    if not isinstance(body, dict):
-        return error("expected a JSON object", None, HTTPStatus.BAD_REQUEST)
+    body = await json_object(raw_request)
+    if body is None:
+        return error("expected a JSON object")
     engine = raw_request.app.state.engine_client
     try:
         result = await engine.patching_sweep(
             body.get("prompt"), body.get("clean"), body.get("layers"), body.get("positions"),
             body.get("metric"), body.get("corrupt"), body.get("point", "resid_post"))
     except LensRequestError as exc:
-        return error(str(exc), exc.field, HTTPStatus.BAD_REQUEST)
+        return error(str(exc), param=exc.field)
     return JSONResponse({**result, "grid": result["grid"].tolist()})
 
 

@@ -60,6 +60,7 @@ from vllm_lens.errors import (
 from vllm_lens.frontend.async_engine import model_facts
 from vllm_lens.frontend import patching, steering_routes
 from vllm_lens.frontend.collate import LensSession, join_rows
+from vllm_lens.frontend.http_io import json_object
 from vllm_lens.frontend.blob_store import BlobStore
 from vllm_lens.frontend.rpc import all_workers
 from vllm_lens.frontend.response_scope import ResponseScope
@@ -457,18 +458,10 @@ async def _hooks_call(raw_request: Request, name: str, *args: Any) -> JSONRespon
     return JSONResponse({"ok": True, "result": hook_results_to_json(result)})
 
 
-async def _json_body(raw_request: Request) -> dict[str, Any]:
-    try:
-        body = await raw_request.json()
-    except ValueError:
-        body = None
-    return body if isinstance(body, dict) else {}
-
-
 @_router.post("/v1/hooks/register")
 async def register_hooks(raw_request: Request) -> JSONResponse:
     """Body: ``{"hooks": [named hook or {"pickle": ...}, ...], "prefetch_params": [...]}``."""
-    body = await _json_body(raw_request)
+    body = await json_object(raw_request) or {}
     return await _hooks_call(raw_request, "register_hooks", body.get("hooks"),
                              body.get("prefetch_params"))
 
@@ -480,7 +473,7 @@ async def collect_hook_results(raw_request: Request) -> JSONResponse:
 
 @_router.post("/v1/hooks/prefetch")
 async def prefetch_params(raw_request: Request) -> JSONResponse:
-    body = await _json_body(raw_request)
+    body = await json_object(raw_request) or {}
     names = body.get("names")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         return _json_error(create_error_response("names must be a list of parameter names",

@@ -16,10 +16,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-
 from vllm_lens import envs
 from vllm_lens.errors import LensRequestError
+from vllm_lens.frontend.http_io import error, json_object
 from vllm_lens.frontend.presets import read_preset_file
 
 logger = logging.getLogger(__name__)
@@ -49,14 +48,6 @@ async def register_preset_file(engine: Any, api_server_count: int | None = None)
                 ", ".join(p["name"] for p in await engine.steering_presets()))
 
 
-def _error(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
-           param: str | None = None) -> JSONResponse:
-    err = create_error_response(message, status_code=status, param=param,
-                                err_type="PermissionDeniedError"
-                                if status == HTTPStatus.FORBIDDEN else "BadRequestError")
-    return JSONResponse(err.model_dump(), status_code=err.error.code)
-
-
 @router.get("/v1/steering")
 async def list_presets(raw_request: Request) -> JSONResponse:
     presets = await raw_request.app.state.engine_client.steering_presets()
@@ -65,37 +56,29 @@ async def list_presets(raw_request: Request) -> JSONResponse:
 
 async def _changing(raw_request: Request, method: str, *args: Any) -> JSONResponse:
     if not envs.allow_steering_routes():
-        return _error("a steering preset steers every client that selects it, so "
+        return error("a steering preset steers every client that selects it, so "
                       "/v1/steering/register and /unregister are off; the operator may start "
                       "the server with VLLM_LENS_ALLOW_STEERING_ROUTES=1, or register presets "
                       "from a file with VLLM_LENS_STEERING_PRESETS", HTTPStatus.FORBIDDEN)
     if _processes > 1:
-        return _error(f"this server runs {_processes} API server processes, each with its own "
+        return error(f"this server runs {_processes} API server processes, each with its own "
                       "presets, and a route call reaches one of them; register presets with "
                       "VLLM_LENS_STEERING_PRESETS instead", HTTPStatus.CONFLICT)
     try:
         result = await getattr(raw_request.app.state.engine_client, method)(*args)
     except LensRequestError as exc:
-        return _error(str(exc), param=exc.field)
+        return error(str(exc), param=exc.field)
     return JSONResponse({"ok": True, "result": result})
-
-
-async def _body(raw_request: Request) -> dict[str, Any]:
-    try:
-        body = await raw_request.json()
-    except ValueError:
-        body = None
-    return body if isinstance(body, dict) else {}
 
 
 @router.post("/v1/steering/register")
 async def register_preset(raw_request: Request) -> JSONResponse:
-    body = await _body(raw_request)
+    body = await json_object(raw_request) or {}
     return await _changing(raw_request, "register_steering", body.get("name"),
                            body.get("vectors"), body.get("model"))
 
 
 @router.post("/v1/steering/unregister")
 async def unregister_preset(raw_request: Request) -> JSONResponse:
-    body = await _body(raw_request)
+    body = await json_object(raw_request) or {}
     return await _changing(raw_request, "unregister_steering", body.get("name"))

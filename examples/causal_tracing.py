@@ -66,7 +66,9 @@ def main() -> None:
     target = clean.outputs[0].token_ids[0]
     streams = clean.activations["residual_stream"]  # [layers, n, hidden]
 
-    embed_std = float(streams[0].std())  # scale of the stream entering the model
+    # The noise's unit: the spread of layer 0's output (a proxy for the embeddings' scale; it
+    # includes the attention sink at position 0).
+    embed_std = float(streams[0].std())
     subject, noise = subject_noise(tok, args.prompt, args.subject, args.noise,
                                    streams.shape[-1], embed_std)
     corrupt = SteeringVector(activations=noise[None], layer_indices=[-1],

@@ -915,7 +915,13 @@ def _check_replacements_apart(specs: Sequence[SteerSpec], facts: ModelFacts, fie
 
 
 def _check_steering_shape(facts: ModelFacts, shape: list[int]) -> None:
-    """A steering tensor's declared shape, vetted against the model before decompression."""
+    """A steering tensor's declared shape, vetted against the model before decompression: the
+    activations (2D or 3D) or a condition's probe (1D)."""
+    if len(shape) == 1:
+        if shape[0] != facts.hidden_size:
+            raise wire.WireError(f"a probe of {shape[0]} values, but the model's hidden size "
+                                 f"is {facts.hidden_size}")
+        return
     if len(shape) not in (2, 3):
         raise wire.WireError(f"activations must be 2D or 3D, got shape {shape}")
     if shape[-1] != facts.hidden_size:

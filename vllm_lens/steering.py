@@ -37,7 +37,10 @@ def _as_tensor(value: Any, what: str) -> Any:
     elif isinstance(value, np.ndarray):
         value = torch.from_numpy(np.ascontiguousarray(value))
     elif isinstance(value, (list, tuple)):
-        value = torch.tensor(value, dtype=torch.float32)
+        try:
+            value = torch.tensor(value, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"{what} must be a list of floats ({exc})") from None
     elif not isinstance(value, torch.Tensor):
         raise ValueError(f"{what} must be a torch.Tensor, numpy array or list of floats, got "
                          f"{type(value).__name__}")

@@ -75,6 +75,9 @@ def test_sweep_cells_equal_transformers_with_hooks(tiny_llm, tiny_ref):
     (dict(clean=torch.zeros(2, 2, 128)), "clean"),
     (dict(metric={"logit_diff": [1]}), "metric.logit_diff"),
     (dict(metric={"entropy": 1}), "metric"),
+    (dict(metric={"prob": 10 ** 9}), "metric.prob"),
+    (dict(point="embed"), "point"),
+    (dict(point="mlp_post"), "point[0].hook_point"),
     (dict(corrupt=[SteeringVector(activations=torch.ones(1, 64), layer_indices=[0])]),
      "corrupt[0].activations"),
 ])
@@ -119,3 +122,8 @@ def test_sweeps_past_the_cell_limit_are_refused_before_running(tiny_llm, monkeyp
         tiny_llm.patching_sweep([1, 2, 3, 4], torch.zeros(4, 4, 128) + 0.1, [0, 1, 2, 3],
                                 [0, 1, 2, 3], {"prob": 1}, corrupt=[big] * 10)
     assert info.value.field == "corrupt"
+    # Charged decoded: zeros compress to almost nothing, but each variant carries them whole.
+    zeros = SteeringVector(activations=torch.zeros(4, 8, 128), layer_indices=[0, 1, 2, 3])
+    with pytest.raises(LensRequestError, match="VLLM_LENS_MAX_DECODED_BYTES"):
+        tiny_llm.patching_sweep([1, 2, 3, 4], torch.zeros(4, 4, 128) + 0.1, [0, 1, 2, 3],
+                                [0, 1, 2, 3], {"prob": 1}, corrupt=[zeros])

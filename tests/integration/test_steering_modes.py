@@ -201,3 +201,37 @@ def test_conditional_steering_matches_transformers_and_returns_its_gates(
     reference = torch.tensor([gates[p] for p in range(first, n + 11)])
     torch.testing.assert_close(got["gates"], reference, rtol=1e-3, atol=1e-4)
     assert got["gates"].min() < 0.2 and got["gates"].max() > 0.8  # it fired, and not always
+
+
+def test_conditional_steering_over_http_equals_offline(smol_server, smol_llm):
+    """The client sends the vector as JSON; the gates come back on the choice."""
+    from vllm_lens.client import LensClient
+
+    sv = SteeringVector(activations=_direction(576, 17, 1.0)[None], layer_indices=[10],
+                        scale=60.0, condition={"probe": _direction(576, 18, 1.0), "layer": 5,
+                                               "threshold": 0.0, "sharpness": 0.5})
+    offline = _tokens(smol_llm, SMOL_PROMPT, [sv])
+    with LensClient(smol_server.base_url) as client:
+        online = client.generate(list(offline.prompt_token_ids), max_tokens=12,
+                                 ignore_eos=True, steering_vectors=[sv])
+    assert online.token_ids == list(offline.outputs[0].token_ids)
+    got, expected = online.steering_gates["0"], offline.steering_gates[0]
+    assert got["positions"].tolist() == expected["positions"].tolist()
+    torch.testing.assert_close(got["gates"], expected["gates"], rtol=1e-4, atol=1e-5)
+
+
+def test_gated_prompt_steering_with_several_samples_is_refused(tiny_llm):
+    from vllm_lens import LensRequestError
+
+    sv = SteeringVector(activations=torch.ones(1, 128), layer_indices=[2],
+                        condition={"probe": torch.ones(128), "layer": 1})
+    sp = SamplingParams(max_tokens=2, n=2, extra_args={"apply_steering_vectors": [sv]})
+    with pytest.raises(LensRequestError, match="n=2") as info:
+        tiny_llm.generate(["Hello"], sp)
+    assert info.value.field == "apply_steering_vectors"
+    decode_only = SteeringVector(activations=torch.ones(1, 128), layer_indices=[2],
+                                 phase="decode", condition={"probe": torch.ones(128), "layer": 1})
+    out = tiny_llm.generate(["Hello"], SamplingParams(
+        max_tokens=3, n=2, temperature=1.0, seed=1,
+        extra_args={"apply_steering_vectors": [decode_only]}))[0]
+    assert [len(c.steering_gates[0]["gates"]) for c in out.outputs] == [2, 2]

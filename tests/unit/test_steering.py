@@ -339,3 +339,20 @@ def test_gate_scales_each_row_and_is_read_before_steering_at_its_site():
     g = torch.sigmoid(3.0 * (before[:, 0] + 0.5 - 1.0))
     torch.testing.assert_close(group.conditions[0].values, g)
     torch.testing.assert_close(hidden, before + 2.0 * g[:, None] * vector)
+
+
+def test_conditional_vectors_parse_in_every_form():
+    v = sv(condition=cond(threshold=0.5))
+    forms = [[v], [v.model_dump(mode="json")], json.dumps([v.model_dump(mode="json")]),
+             v.to_wire()]
+    specs = [parse(form).steer[0] for form in forms]
+    assert all(spec == specs[0] for spec in specs)
+    assert specs[0].condition.threshold == 0.5
+    with pytest.raises(LensRequestError, match="hidden size") as info:
+        parse([sv(condition=cond(probe=torch.ones(H + 2))).model_dump(mode="json")])
+    assert info.value.field == "apply_steering_vectors[0].condition.probe"
+
+
+def test_malformed_probe_lists_are_value_errors():
+    with pytest.raises(ValueError, match="list of floats"):
+        sv(condition=cond(probe=[None]))

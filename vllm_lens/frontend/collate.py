@@ -24,6 +24,7 @@ from vllm_lens.points import RESIDUAL_SIGNAL, SHARDED, SITES, shard_dim
 from vllm_lens.spec import (
     PAYLOAD_KEY,
     SINK_KEY,
+    STEER_KEY,
     STREAM_KEY,
     CaptureSpec,
     LensRequest,
@@ -304,6 +305,12 @@ class LensSession:
                 f"{SINK_KEY}.key", f"{lens.sink.key!r} of dataset {lens.sink.dataset!r} is "
                 "already being written by a running request (several prompts with one "
                 "capture_sink? give each its own key)", request_id=request_id)
+        if params.n != 1 and any(s.condition is not None and s.phase != "decode"
+                                 for s in lens.steer):
+            raise LensRequestError(STEER_KEY, f"conditional steering reports a gate for every "
+                                   f"steered prompt position, which n={params.n} samples "
+                                   "compute once between them; send n requests, or use "
+                                   "phase='decode'", request_id=request_id)
         if lens.sink is not None and params.n != 1:
             raise LensRequestError(SINK_KEY, f"writes one example per request; n={params.n} "
                                    "samples would need one key each (send n requests)",

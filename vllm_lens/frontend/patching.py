@@ -13,7 +13,10 @@ and the metric is read from vLLM's logprobs of the metric's tokens at the last p
 (``logprob_token_ids``; raw logprobs, so a difference of two is their logit difference):
 ``{"logit_diff": [a, b]}``, ``{"logprob": a}`` or ``{"prob": a}``. Nothing the caller sends
 runs as code, so a shared server accepts it like any steering request; the number of cells is
-bounded by ``VLLM_LENS_MAX_SWEEP_CELLS`` (default 4096).
+bounded by ``VLLM_LENS_MAX_SWEEP_CELLS`` (default 4096), and the corruption's decoded size
+times the cells by ``VLLM_LENS_MAX_DECODED_BYTES`` (every variant carries its own copy). On
+``AsyncLLM`` a variant that fails, or a caller that is cancelled, cancels the other variants
+(vLLM aborts their requests).
 
 Returns ``{"grid": [len(layers), len(positions)] float64 tensor, "corrupted": metric of the
 corrupted run alone, "uncorrupted": metric of the prompt without ``corrupt``, "layers",
@@ -35,7 +38,7 @@ from fastapi.responses import JSONResponse
 from vllm import SamplingParams
 
 from vllm_lens import envs, wire
-from vllm_lens.errors import LensRequestError, UnsupportedConfigError
+from vllm_lens.errors import LensError, LensRequestError, UnsupportedConfigError
 from vllm_lens.frontend.collate import LensSession, facts_from_describe
 from vllm_lens.frontend.http_io import error, json_object
 from vllm_lens.spec import ModelFacts, STEER_KEY, parse_steering
@@ -73,15 +76,16 @@ class _Plan:
         return lp[0] if kind == "logprob" else math.exp(lp[0])
 
 
-def _plan(facts: ModelFacts, tokenizer: Any, logprobs_mode: str, prompt: Any, clean: Any,
-          layers: Any, positions: Any, metric: Any, corrupt: Any, point: str) -> _Plan:
+def _plan(facts: ModelFacts, tokenizer: Any, model_config: Any, prompt: Any, clean: Any,
+          layers: Any, positions: Any, metric: Any, corrupt: Any, point: Any) -> _Plan:
     """Validate a sweep against the model and build its variants' sampling parameters."""
     from vllm_lens.steering import SteeringVector
 
-    if logprobs_mode != "raw_logprobs":
+    if model_config.logprobs_mode != "raw_logprobs":
         raise UnsupportedConfigError(
-            "metric", f"the sweep reads raw logprobs, but this engine returns {logprobs_mode}; "
-            "start it with the default logprobs_mode='raw_logprobs'")
+            "metric", f"the sweep reads raw logprobs, but this engine returns "
+            f"{model_config.logprobs_mode}; start it with the default "
+            "logprobs_mode='raw_logprobs'")
     if isinstance(prompt, str):
         ids = list(tokenizer.encode(prompt))
     elif isinstance(prompt, (list, tuple)) and prompt and all(
@@ -97,19 +101,30 @@ def _plan(facts: ModelFacts, tokenizer: Any, logprobs_mode: str, prompt: Any, cl
         raise LensRequestError("layers", f"{len(layers)} layers x {len(positions)} positions "
                                f"is {cells} cells, above this engine's limit of {limit} "
                                "(VLLM_LENS_MAX_SWEEP_CELLS)")
-    kind, tokens = _metric(metric)
+    kind, tokens = _metric(metric, model_config.get_vocab_size())
     clean = _clean(clean, (len(layers), len(positions), facts.hidden_size))
+    if not isinstance(point, str):
+        raise LensRequestError("point", f"expected a tap point name, got {point!r}")
+    try:
+        writable = SteeringVector(activations=clean[:1, :1], layer_indices=layers[:1],
+                               position_indices=positions[:1], mode="replace", hook_point=point)
+    except ValueError as exc:
+        raise LensRequestError("point", str(exc)) from None
+    parse_steering([writable], facts, "point")  # a point replacements may write, here
     corrupt = [] if corrupt is None else (list(corrupt) if isinstance(corrupt, (list, tuple))
                                           else [corrupt])
     if corrupt:
         specs = parse_steering(corrupt, facts, "corrupt")  # errors name the caller's field
-        # Every variant carries its own copy of the corruption to the engine.
-        total = cells * sum(len(spec.vectors) for spec in specs)
+        # Every variant carries its own copy of the corruption to the engine: charge them all,
+        # decoded (compressed sizes would let a compressible corruption through).
+        total = cells * sum(_decoded_bytes(spec) for spec in specs)
         if total > envs.max_decoded_bytes():
             raise LensRequestError(
                 "corrupt", f"{cells} variants each carrying these vectors come to {total:,} "
                 f"bytes, above VLLM_LENS_MAX_DECODED_BYTES ({envs.max_decoded_bytes():,}); "
                 "use fewer cells or smaller corrupting vectors")
+        # Decoded once here, so that the variants do not decode the caller's forms again.
+        corrupt = [_live(item) for item in corrupt]
 
     def params(vectors: list[Any]) -> SamplingParams:
         return SamplingParams(max_tokens=1, temperature=0,
@@ -126,6 +141,22 @@ def _plan(facts: ModelFacts, tokenizer: Any, logprobs_mode: str, prompt: Any, cl
     return _Plan(ids, layers, positions, (kind, tokens), variants)
 
 
+def _decoded_bytes(spec: Any) -> int:
+    tensor = wire.loads(spec.vectors)
+    return tensor.numel() * tensor.element_size()
+
+
+def _live(item: Any) -> Any:
+    """A validated ``SteeringVector`` for one of the caller's forms of a vector."""
+    from vllm_lens.steering import SteeringVector
+
+    if isinstance(item, SteeringVector):
+        return item
+    if isinstance(item, str):
+        return SteeringVector.from_wire(item)
+    return SteeringVector.model_validate(dict(item))
+
+
 def _ints(raw: Any, field: str, upper: int, what: str) -> list[int]:
     if not isinstance(raw, (list, tuple)) or not raw:
         raise LensRequestError(field, f"expected a non-empty list of {what}s")
@@ -139,16 +170,17 @@ def _ints(raw: Any, field: str, upper: int, what: str) -> list[int]:
     return out
 
 
-def _metric(raw: Any) -> tuple[str, list[int]]:
+def _metric(raw: Any, vocab_size: int) -> tuple[str, list[int]]:
     if not isinstance(raw, dict) or len(raw) != 1 or next(iter(raw)) not in _METRICS:
         raise LensRequestError("metric", 'expected {"logit_diff": [a, b]}, {"logprob": a} or '
                                '{"prob": a} (token ids)')
     (kind, value), = raw.items()
     tokens = value if isinstance(value, (list, tuple)) else [value]
     if len(tokens) != _METRICS[kind] or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
-        raise LensRequestError(f"metric.{kind}", f"expected {_METRICS[kind]} token id(s), got "
-                               f"{value!r}")
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+            for t in tokens):
+        raise LensRequestError(f"metric.{kind}", f"expected {_METRICS[kind]} token id(s) in "
+                               f"0..{vocab_size - 1}, got {value!r}")
     return kind, list(tokens)
 
 
@@ -179,8 +211,8 @@ def _sync_sweep(self: Any, prompt: Any, clean: Any, layers: Any, positions: Any,
     session = LensSession.of(engine)
     if session.facts is None:
         session.facts = facts_from_describe(engine.collective_rpc("lens_describe"))
-    plan = _plan(session.facts, self.get_tokenizer(), engine.model_config.logprobs_mode,
-                 prompt, clean, layers, positions, metric, corrupt, point)
+    plan = _plan(session.facts, self.get_tokenizer(), engine.model_config, prompt, clean,
+                 layers, positions, metric, corrupt, point)
     prompts = [TokensPrompt(prompt_token_ids=plan.prompt_ids)] * len(plan.params)
     return plan.result(self.generate(prompts, plan.params, use_tqdm=False))
 
@@ -195,9 +227,8 @@ async def _async_sweep(self: Any, prompt: Any, clean: Any, layers: Any, position
     from vllm_lens.frontend.async_engine import model_facts
 
     facts = await model_facts(self)
-    plan = await asyncio.to_thread(_plan, facts, self.get_tokenizer(),
-                                   self.model_config.logprobs_mode, prompt, clean, layers,
-                                   positions, metric, corrupt, point)
+    plan = await asyncio.to_thread(_plan, facts, self.get_tokenizer(), self.model_config,
+                                   prompt, clean, layers, positions, metric, corrupt, point)
     sweep_id = uuid.uuid4().hex
 
     async def one(k: int, params: SamplingParams) -> Any:
@@ -207,8 +238,14 @@ async def _async_sweep(self: Any, prompt: Any, clean: Any, layers: Any, position
             final = out
         return final
 
-    outputs = await asyncio.gather(*(one(k, p) for k, p in enumerate(plan.params)))
-    return plan.result(outputs)
+    # One variant failing (or the caller being cancelled) cancels the others, which aborts
+    # their engine requests.
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(k, p)) for k, p in enumerate(plan.params)]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return plan.result([task.result() for task in tasks])
 
 
 @router.post("/v1/lens/patching_sweep")
@@ -228,7 +265,18 @@ async def patching_sweep(raw_request: Request) -> JSONResponse:
             body.get("metric"), body.get("corrupt"), body.get("point", "resid_post"))
     except LensRequestError as exc:
         return error(str(exc), param=exc.field)
-    return JSONResponse({**result, "grid": result["grid"].tolist()})
+    except ValueError as exc:  # vLLM's own validation of a variant
+        return error(str(exc))
+    except LensError as exc:
+        return error(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR)
+
+    def finite(x: float) -> float | None:  # JSON has no NaN or infinity
+        return x if math.isfinite(x) else None
+
+    return JSONResponse({**result, "grid": [[finite(x) for x in row]
+                                            for row in result["grid"].tolist()],
+                         "corrupted": finite(result["corrupted"]),
+                         "uncorrupted": finite(result["uncorrupted"])})
 
 
 def install() -> None:

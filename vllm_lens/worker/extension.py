@@ -258,7 +258,8 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
         if runtime.tp_rank == 0 and record.hooks is not None:
             out[req_id]["hooks"] = encode_results(record.hooks)
         if runtime.tp_rank == 0 and record.gates:
-            out[req_id]["gates"] = pack_gates(record.gates)
+            valid = next((n for p, n in valid_lens.items() if req_id.startswith(p)), None)
+            out[req_id]["gates"] = pack_gates(record.gates, valid)
         # The signals whose rows this rank kept (if any position was selected): a front end
         # that hears from no such rank knows rows were lost, not merely unselected.
         seen = [c.signal for c in record.lens.captures

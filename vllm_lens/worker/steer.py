@@ -216,14 +216,17 @@ def apply_steering(group: SteerGroup, hidden: torch.Tensor, residual: torch.Tens
         hidden.index_add_(0, rows, (additions.float() * gate.values[:, None]).to(hidden.dtype))
 
 
-def pack_gates(gates: dict[int, list[tuple[np.ndarray, torch.Tensor]]]) -> bytes:
+def pack_gates(gates: dict[int, list[tuple[np.ndarray, torch.Tensor]]],
+               valid: int | None = None) -> bytes:
     """``wire`` bytes of ``{vector index: {"positions", "gates"}}``, one gate per position in
-    position order (a position computed again after a preemption keeps its last value)."""
+    position order (a position computed again after a preemption keeps its last value), below
+    ``valid`` (positions of the returned tokens; a step run past the stop is left out)."""
     packed = {}
     for index, steps in gates.items():
         positions = np.concatenate([p for p, _ in steps])
         values = torch.cat([v.float() for _, v in steps]).to("cpu")
-        last = {int(pos): i for i, pos in enumerate(positions)}
+        last = {int(pos): i for i, pos in enumerate(positions)
+                if valid is None or pos < valid}
         order = sorted(last)
         packed[str(index)] = {"positions": torch.tensor(order, dtype=torch.int64),
                               "gates": values[[last[pos] for pos in order]]}

@@ -107,7 +107,8 @@ def _plan(facts: ModelFacts, tokenizer: Any, model_config: Any, prompt: Any, cle
         raise LensRequestError("point", f"expected a tap point name, got {point!r}")
     try:
         writable = SteeringVector(activations=clean[:1, :1], layer_indices=layers[:1],
-                               position_indices=positions[:1], mode="replace", hook_point=point)
+                                  position_indices=positions[:1], mode="replace",
+                                  hook_point=point)
     except ValueError as exc:
         raise LensRequestError("point", str(exc)) from None
     parse_steering([writable], facts, "point")  # a point replacements may write, here

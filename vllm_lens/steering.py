@@ -136,19 +136,14 @@ class SteeringVector(BaseModel):
     @field_validator("activations", mode="before")
     @classmethod
     def _tensor_from_input(cls, value: Any) -> Any:
-        """Accept a tensor, a numpy array or a JSON tensor record; float64 becomes float32."""
-        if isinstance(value, dict):
-            value = wire.tensor_from_json(value)
-        elif isinstance(value, np.ndarray):
-            value = torch.from_numpy(np.ascontiguousarray(value))
-        elif not isinstance(value, torch.Tensor):
+        """Accept a tensor, a numpy array or a JSON tensor record; float64 becomes float32
+        (documented)."""
+        if not isinstance(value, (dict, np.ndarray, torch.Tensor)):
             raise ValueError(
                 f"activations must be a torch.Tensor or numpy array of shape (n_layers, hidden) "
                 f"or (n_layers, n_positions, hidden), got {type(value).__name__}; e.g. "
                 "torch.tensor(values, dtype=torch.float32)")
-        if value.dtype == torch.float64:
-            value = value.to(torch.float32)  # documented: float64 is cast to float32
-        return value
+        return _as_tensor(value, "activations")
 
     @field_validator("layer_indices", "position_indices", mode="before")
     @classmethod

@@ -10,7 +10,11 @@ Split by who is to blame, like vLLM's own ``vllm/exceptions.py``::
     │   └── SinkRefusedError           a capture sink the operator has not opened to HTTP
     │                                  clients (HTTP 403)
     ├── LensExecutionError             the worker failed while handling this request (HTTP
-    │                                  500); the engine and every other request carry on
+    │   │                              500); the engine and every other request carry on
+    │   └── SinkConflictError          the sink refused the request's example: it conflicts
+    │                                  with what its dataset holds (HTTP 409)
+    ├── DatasetConflictError(ValueError)  an example that conflicts with its dataset (its key
+    │                                  is there already; the dataset has other settings)
     └── WireError(ValueError)          bytes that do not decode as a vllm-lens payload
 
 ``LensRequestError`` subclasses ``ValueError`` so that offline callers get the ``ValueError``
@@ -20,8 +24,9 @@ they expect and vLLM's OpenAI server turns it into a 400 response.
 from __future__ import annotations
 
 __all__ = [
-    "LensError", "LensExecutionError", "LensRequestError", "RemoteCodeRefusedError",
-    "SinkRefusedError", "UnsupportedConfigError", "UnsupportedModelError", "WireError",
+    "DatasetConflictError", "LensError", "LensExecutionError", "LensRequestError",
+    "RemoteCodeRefusedError", "SinkConflictError", "SinkRefusedError", "UnsupportedConfigError",
+    "UnsupportedModelError", "WireError",
 ]
 
 
@@ -77,6 +82,17 @@ class LensExecutionError(LensError):
         self.request_id = request_id
         where = f" (request {request_id})" if request_id else ""
         super().__init__(f"{message}{where}")
+
+
+class SinkConflictError(LensExecutionError):
+    """The capture sink refused the request's example because it conflicts with its dataset
+    (a key already written, examples with other settings, another writer): the caller's to
+    fix by choosing another key or dataset; nothing was written."""
+
+
+class DatasetConflictError(LensError, ValueError):
+    """An example that does not fit its dataset: its key is already there, or the dataset
+    holds examples with other settings (model, points, layers, dtype, positions ...)."""
 
 
 class RemoteCodeRefusedError(LensRequestError):

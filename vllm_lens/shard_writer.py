@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from vllm_lens.errors import DatasetConflictError
+
 __all__ = ["FORMAT", "INDEX", "MANIFEST", "VERSION_FIELDS", "ShardWriter", "jsonable",
            "read_index", "shard_name", "tensor_name"]
 
@@ -168,8 +170,9 @@ class ShardWriter:
             existing = json.loads(manifest_path.read_text())
             for field in sorted(set(existing) | set(self.manifest)):
                 if field not in VERSION_FIELDS and existing.get(field) != self.manifest.get(field):
-                    raise ValueError(f"{self.root}: the dataset's manifest has {field}="
-                                     f"{existing.get(field)!r}, not {self.manifest.get(field)!r}")
+                    raise DatasetConflictError(
+                        f"{self.root}: the dataset's manifest has {field}="
+                        f"{existing.get(field)!r}, not {self.manifest.get(field)!r}")
         else:
             tmp = _temp_name(manifest_path)
             tmp.write_text(json.dumps(self.manifest, indent=1))
@@ -216,7 +219,7 @@ class ShardWriter:
         if not isinstance(key, str) or not key:
             raise ValueError(f"example keys are non-empty strings, got {key!r}")
         if key in self.written or key in self._pending_keys:
-            raise ValueError(f"example key {key!r} is already in the dataset")
+            raise DatasetConflictError(f"example key {key!r} is already in the dataset")
         missing = [point for point in self.points if point not in rows]
         if missing:
             raise ValueError(f"example {key!r} has no rows of {', '.join(missing)}")

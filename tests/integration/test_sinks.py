@@ -102,10 +102,11 @@ def test_the_workers_write_the_rows_and_the_response_carries_a_receipt(sink_serv
     assert entry["token_ids"] == receipts[0].token_ids
     again = _post(server, output_activations=capture,
                   capture_sink={"sink": "open", "dataset": "run-1", "key": "fr"})
-    assert again.status_code == 500 and "already in the dataset" in again.text
+    assert again.status_code == 409 and "already in the dataset" in again.text
+    assert again.json()["error"]["param"] == "capture_sink"
     other = _post(server, output_residual_stream=[1],
                   capture_sink={"sink": "open", "dataset": "run-1", "key": "new"})
-    assert other.status_code == 500 and "holds examples with layers=[1, 3]" in other.text
+    assert other.status_code == 409 and "holds examples with layers=[1, 3]" in other.text
 
 
 @pytest.mark.parametrize("sink, status, problem", [

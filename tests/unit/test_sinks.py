@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm_lens import datasets
-from vllm_lens.errors import LensRequestError, UnsupportedConfigError
+from vllm_lens.errors import DatasetConflictError, LensRequestError, UnsupportedConfigError
 from vllm_lens.sinks import Example, load_kind
 from vllm_lens.sinks.config import SinkSpec, check_name, parse_config
 from vllm_lens.sinks.shards import ShardSink
@@ -123,15 +123,36 @@ def test_the_shard_sink_writes_a_dataset_and_receipts(tmp_path):
     assert (second["shard"], second["offset"], second["durable"]) == (0, 3, True)
     third = sink.write("d", _example("c", 1, SETTINGS, 3.0))
     assert (third["shard"], third["offset"], third["durable"]) == (None, None, False)
-    with pytest.raises(ValueError, match="already in the dataset"):
+    # The caller's to resolve (another key, another dataset): HTTP 409 on the server.
+    with pytest.raises(DatasetConflictError, match="already in the dataset"):
         sink.write("d", _example("a", 1, SETTINGS))
-    with pytest.raises(ValueError, match="holds examples with positions='all'"):
+    with pytest.raises(DatasetConflictError, match="holds examples with positions='all'"):
         sink.write("d", _example("x", 1, {**SETTINGS, "positions": "prompt"}))
     assert sink.flush() == []
     ds = datasets.open(tmp_path / "d")
     assert ds.keys() == ["a", "b", "c"]
     assert torch.equal(ds.get("b")["resid_post"], torch.full((2, 3, 8), 2.0))
     sink.close()
+
+
+def test_a_dataset_on_disk_with_other_settings_is_a_conflict_and_a_broken_index_is_not(
+        tmp_path):
+    config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 1,
+                                               "flush_s": 0}}))["acts"]
+    first = ShardSink(config)
+    first.write("d", _example("a", 1, SETTINGS))
+    first.write("e", _example("a", 1, SETTINGS))
+    first.close()
+    later = ShardSink(config)  # a new worker: the datasets are opened from disk
+    with pytest.raises(DatasetConflictError, match="manifest has layers=\\[1, 2\\]"):
+        later.write("d", _example("b", 1, {**SETTINGS, "layers": [3, 4]}))
+    with pytest.raises(DatasetConflictError, match="already in the dataset"):
+        later.write("d", _example("a", 1, SETTINGS))
+    (tmp_path / "e" / "index.jsonl").write_text("not json\n")
+    with pytest.raises(ValueError, match="not an index entry") as info:
+        later.write("e", _example("b", 1, SETTINGS))
+    assert not isinstance(info.value, DatasetConflictError)  # the operator's to mend: a 500
+    later.close()
 
 
 def test_a_shard_that_cannot_be_written_fails_its_request_and_names_the_dropped_keys(

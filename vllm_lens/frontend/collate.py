@@ -18,7 +18,7 @@ from vllm.outputs import RequestOutput
 
 from vllm_lens import envs, handoff, wire
 from vllm_lens.admission import check_admission
-from vllm_lens.errors import LensExecutionError, LensRequestError
+from vllm_lens.errors import LensExecutionError, LensRequestError, SinkConflictError
 from vllm_lens.hooks import HookError
 from vllm_lens.points import RESIDUAL_SIGNAL, SHARDED, SITES, shard_dim
 from vllm_lens.spec import (
@@ -373,6 +373,8 @@ class LensSession:
         captures: dict[str, dict[str, list[tuple[dict[str, Any], torch.Tensor]]]] = {}
         hooks: dict[str, list[dict[str, Any]]] = {}
         errors: dict[str, str] = {}
+        conflicts: set[str] = set()
+        """Requests whose example the sink refused as conflicting with its dataset."""
         seen: dict[str, set[str]] = {}
         held: set[str] = set()
         receipts: dict[str, dict[str, Any]] = {}
@@ -382,6 +384,8 @@ class LensSession:
             for req_id, parts in (result or {}).get(lens.key, {}).items():
                 if parts.get("error") is not None:
                     errors.setdefault(req_id, parts["error"])
+                    if parts.get("conflict"):
+                        conflicts.add(req_id)
                 seen.setdefault(req_id, set()).update(parts.get("seen") or ())
                 if parts.get("held"):
                     held.add(req_id)
@@ -399,7 +403,8 @@ class LensSession:
         for index in range(n):
             prefix = "" if n == 1 else f"{index}_"
             found: dict[str, Any] = {"lens_error": None}
-            error = next((m for k, m in errors.items() if k.startswith(prefix) or not k), None)
+            failed = next((k for k in errors if k.startswith(prefix) or not k), None)
+            error = None if failed is None else errors[failed]
             if error is None and not _ended_early(output, index):
                 if not any(k.startswith(prefix) for k in held):
                     error = ("vllm-lens lost this request's lens state: no worker held it at "
@@ -421,7 +426,8 @@ class LensSession:
                                       tp if c.signal in SHARDED else 1)
                         for c in lens.captures)), None)
             if error is not None:
-                found["lens_error"] = LensExecutionError(error, request_id=output.request_id)
+                kind = SinkConflictError if failed in conflicts else LensExecutionError
+                found["lens_error"] = kind(error, request_id=output.request_id)
                 if lens.sink is not None:
                     found["capture_receipt"] = None
                 elif lens.captures:

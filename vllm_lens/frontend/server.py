@@ -55,6 +55,7 @@ from vllm_lens.errors import (
     LensExecutionError,
     LensRequestError,
     RemoteCodeRefusedError,
+    SinkConflictError,
     SinkRefusedError,
 )
 from vllm_lens.frontend.async_engine import model_facts
@@ -166,6 +167,10 @@ def _wrap_endpoint(endpoint: _Endpoint):
                     return create_error_response(
                         str(exc), err_type="InternalServerError",
                         status_code=HTTPStatus.INTERNAL_SERVER_ERROR, param=HOOKS_KEY)
+                except SinkConflictError as exc:  # the key or settings clash with the dataset
+                    return create_error_response(str(exc), err_type="ConflictError",
+                                                 status_code=HTTPStatus.CONFLICT,
+                                                 param=SINK_KEY)
                 except LensExecutionError as exc:  # the worker failed this request alone
                     return create_error_response(
                         str(exc), err_type="InternalServerError",

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_lens.errors import DatasetConflictError
 from vllm_lens.shard_writer import VERSION_FIELDS, ShardWriter, jsonable
 from vllm_lens.sinks import Example
 from vllm_lens.sinks.config import SinkConfig
@@ -95,7 +96,7 @@ class ShardSink:
                 if field in VERSION_FIELDS or field == "format":
                     continue
                 if writer.manifest.get(field) != jsonable(settings.get(field)):
-                    raise ValueError(
+                    raise DatasetConflictError(
                         f"dataset {dataset!r} of sink {self.config.name!r} holds examples with "
                         f"{field}={writer.manifest.get(field)!r}, not "
                         f"{jsonable(settings.get(field))!r}; write these to another dataset")
@@ -113,10 +114,13 @@ class ShardSink:
         try:
             writer = ShardWriter(path, settings, rows_per_shard=self.rows_per_shard,
                                  max_shard_bytes=self.max_shard_bytes, resume=True)
-        except (ValueError, RuntimeError) as exc:  # another manifest, another writer
+        except (ValueError, RuntimeError) as exc:  # another manifest, another writer, ...
             problem = str(exc).replace(f"{path}: ", "").replace(str(path), dataset)
-            raise ValueError(f"dataset {dataset!r} of sink {self.config.name!r}: {problem}; "
-                             "write these to another dataset") from None
+            # Another manifest or another writer is the caller's to resolve; an unreadable
+            # index is not.
+            error = ValueError if type(exc) is ValueError else DatasetConflictError
+            raise error(f"dataset {dataset!r} of sink {self.config.name!r}: {problem}; "
+                        "write these to another dataset") from None
         self._writers[dataset] = writer
         return writer
 

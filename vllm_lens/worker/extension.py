@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from vllm_lens import envs, faults, handoff, wire
+from vllm_lens.errors import DatasetConflictError
 from vllm_lens.points import SHARDED
 from vllm_lens.spec import HookSpec
 from vllm_lens.worker.attention_taps import attention_meta
@@ -301,7 +302,8 @@ def _write_to_sink(runtime: LensRuntime, record: Any, by_signal: dict[str, Any],
         receipt = sink_writes.write(record.lens, captures, str(runtime.runner.model_config.model),
                                     tokens.get("prompt_token_ids", ()), tokens.get("token_ids", ()))
     except Exception as exc:  # noqa: BLE001 - this request fails alone
-        out[record.req_id] = {"error": f"vllm-lens failed at sink: {describe(exc)}"}
+        out[record.req_id] = {"error": f"vllm-lens failed at sink: {describe(exc)}",
+                              "conflict": isinstance(exc, DatasetConflictError)}
         return
     out.setdefault(record.req_id, {})["receipt"] = receipt
 

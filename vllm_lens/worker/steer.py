@@ -98,8 +98,12 @@ class SteerGroup:
     norm-matched vectors."""
     conditions: list[GateSlot] = field(default_factory=list)
     """Gates read at this site (before any steering here)."""
-    gated: list[tuple[torch.Tensor, torch.Tensor, GateSlot]] = field(default_factory=list)
-    """(rows, additions, gate) of gated vectors: ``additions * gate.values`` is added."""
+    gated_rows: torch.Tensor | None = None
+    """Rows receiving a gated addition, every gated vector's rows in turn, with
+    ``gated_delta`` their additions and ``gated`` the gates, in the same order: row ``i``
+    gets ``gated_delta[i]`` times its gate's value for it."""
+    gated_delta: torch.Tensor | None = None
+    gated: list[GateSlot] = field(default_factory=list)
     replaced: list[tuple[torch.Tensor, torch.Tensor, bool]] = field(default_factory=list)
     """(rows, values, whether the point is ``hidden + residual``) for ``replace`` vectors,
     written before any addition."""
@@ -114,6 +118,7 @@ def build_steer_groups(
     """Per (layer, site), the rows to steer and what to add, for every steered request of the
     step."""
     plain: dict[tuple[int, str], tuple[list[np.ndarray], list[torch.Tensor]]] = {}
+    gated: dict[tuple[int, str], tuple[list[np.ndarray], list[torch.Tensor]]] = {}
     groups: dict[tuple[int, str], SteerGroup] = {}
     for s, prepared in slices:
         for index, p in enumerate(prepared):
@@ -134,7 +139,10 @@ def build_steer_groups(
                 _owned(groups, where, s.req_id)
                 vecs = _vectors_for(p, i, vector_rows, offsets.size)
                 if gate is not None:
-                    groups[where].gated.append((gate.rows, vecs, gate))
+                    row_lists, deltas = gated.setdefault(where, ([], []))
+                    row_lists.append(rows)
+                    deltas.append(vecs)
+                    groups[where].gated.append(gate)
                 elif p.spec.mode == "replace":
                     groups[where].replaced.append(
                         (device_index(rows, device), vecs, point.with_residual))
@@ -149,6 +157,10 @@ def build_steer_groups(
         group = groups[where]
         group.rows = device_index(np.concatenate(row_lists), device)
         group.delta = torch.cat(deltas)
+    for where, (row_lists, deltas) in gated.items():
+        group = groups[where]
+        group.gated_rows = device_index(np.concatenate(row_lists), device)
+        group.gated_delta = torch.cat(deltas).float()
     return groups
 
 
@@ -212,8 +224,11 @@ def apply_steering(group: SteerGroup, hidden: torch.Tensor, residual: torch.Tens
         hidden.index_add_(0, group.rows, group.delta)
     for rows, delta in norm_deltas:
         hidden.index_add_(0, rows, delta)
-    for rows, additions, gate in group.gated:
-        hidden.index_add_(0, rows, (additions.float() * gate.values[:, None]).to(hidden.dtype))
+    if group.gated:
+        values = (group.gated[0].values if len(group.gated) == 1
+                  else torch.cat([gate.values for gate in group.gated]))
+        hidden.index_add_(0, group.gated_rows,
+                          (group.gated_delta * values[:, None]).to(hidden.dtype))
 
 
 def pack_gates(gates: dict[int, list[tuple[np.ndarray, torch.Tensor]]],

@@ -308,11 +308,13 @@ class LensRuntime:
 
         In steady decoding every step puts the same requests at the same rows, and vectors
         without positions apply to every row (of their phase), so the previous step's groups
-        still hold.
+        still hold; so do those of vectors whose positions the request has passed (a
+        replacement at one prompt position: nothing more to write).
         """
         layout = tuple(
             (s.req_id, s.start, s.end,
-             s.pos0 if any(p.positions_sorted is not None for p in prepared) else None,
+             s.pos0 if any(p.positions_sorted is not None and p.positions_sorted.size
+                           and s.pos0 <= p.positions_sorted[-1] for p in prepared) else None,
              phase_boundary(s) if any(p.spec.phase != "all" for p in prepared) else None)
             for s, prepared in steered)
         if layout != self._steer_layout:

@@ -7,8 +7,9 @@
         [--reduce mean|last] [--max-tokens 0] [--server URL]
         [vLLM engine options: --dtype, -tp, ...]
 
-Input rows (``vllm_lens.prompt_files``) have ``prompt`` (text) or ``messages`` (a chat,
-rendered with the model's chat template) and an optional ``key``. The engine's workers write
+Input rows (``vllm_lens.prompt_files``: a JSONL, CSV or Parquet file, or a local Hugging Face
+dataset directory with ``--split``) have ``prompt`` (text) or ``messages`` (a chat, rendered
+with the model's chat template) and an optional ``key``. The engine's workers write
 the rows themselves through a capture sink of the job's own (``vllm_lens.sinks``; the front
 end sees only receipts), in the format of ``vllm_lens.shard_writer`` a shard at a time, so
 nothing grows with the dataset (the prompt file itself is read whole). A re-run skips the
@@ -46,7 +47,11 @@ def _parser():
     extract = commands.add_parser(
         "extract", help="write the activations of a prompt file to an activation dataset")
     extract.add_argument("--input", required=True, type=Path,
-                         help="JSONL, CSV or Parquet with prompt or messages, and key")
+                         help="JSONL, CSV or Parquet with prompt or messages, and key; or a "
+                              "directory, read with Hugging Face datasets (save_to_disk, or "
+                              "data files for load_dataset)")
+    extract.add_argument("--split", default=None,
+                         help="with a dataset directory of several splits: the one to read")
     extract.add_argument("--output", required=True, type=Path, help="the dataset directory")
     extract.add_argument("--layers", required=True, help="comma-separated layers, or all")
     extract.add_argument("--points", default="resid_post",
@@ -69,8 +74,8 @@ def _parser():
     return parser
 
 
-_OWN = ("command", "input", "output", "layers", "points", "positions", "reduce", "max_tokens",
-        "batch_size", "rows_per_shard", "server", "api_key_env")
+_OWN = ("command", "input", "split", "output", "layers", "points", "positions", "reduce",
+        "max_tokens", "batch_size", "rows_per_shard", "server", "api_key_env")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -114,7 +119,7 @@ def extract(args: Any) -> int:
     if args.max_tokens == 0 and args.positions.strip().startswith("generated"):
         raise SystemExit("vllm-lens extract: --positions selects generated rows, but "
                          "--max-tokens 0 generates none")
-    examples, bad = read_examples(args.input)
+    examples, bad = read_examples(args.input, args.split)
     for message in bad:
         print(f"vllm-lens extract: {args.input}: {message}", file=sys.stderr)
     if args.server is not None:

@@ -1,5 +1,6 @@
-"""Prompt files for ``vllm-lens extract``: JSONL, CSV or Parquet rows with ``prompt`` or
-``messages`` and an optional ``key``, each bad row named (runs in: the user's process)."""
+"""Prompt files for ``vllm-lens extract``: JSONL, CSV or Parquet rows, or a local Hugging Face
+dataset (a directory), with ``prompt`` or ``messages`` and an optional ``key``, each bad row
+named (runs in: the user's process)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,22 @@ class Example:
     messages: list[Any] | None = None
 
 
-def read_examples(path: Path) -> tuple[list[Example], list[str]]:
-    """The examples of an input file, and one message per bad row (``"line N: ..."``)."""
+def read_examples(path: Path, split: str | None = None) -> tuple[list[Example], list[str]]:
+    """The examples of an input file, and one message per bad row (``"line N: ..."``; ``"row
+    N: ..."`` in a dataset directory, whose rows count from 1 like a file's lines).
+
+    A directory is read with Hugging Face ``datasets``: one written by ``save_to_disk``, or a
+    folder of data files for ``load_dataset``; ``split`` picks one of several splits.
+    """
     rows: Iterator[tuple[int, Any]]
     suffix = path.suffix.lower()
-    if suffix == ".csv":
+    unit = "line"
+    if path.is_dir():
+        rows, unit = _dataset_rows(path, split), "row"
+    elif split is not None:
+        raise SystemExit(f"vllm-lens extract: --split applies to a dataset directory, and "
+                         f"{path} is a file")
+    elif suffix == ".csv":
         with path.open(newline="") as f:
             rows = iter(list(enumerate(csv.DictReader(f), start=2)))  # line 1: the header
     elif suffix == ".parquet":
@@ -43,14 +55,45 @@ def read_examples(path: Path) -> tuple[list[Example], list[str]]:
         try:
             example = _example(line, row)
         except ValueError as exc:
-            bad.append(f"line {line}: {exc}")
+            bad.append(f"{unit} {line}: {exc}")
             continue
         if example.key in seen:
-            bad.append(f"line {line}: key {example.key!r} appears twice")
+            bad.append(f"{unit} {line}: key {example.key!r} appears twice")
             continue
         seen.add(example.key)
         examples.append(example)
     return examples, bad
+
+
+def _dataset_rows(path: Path, split: str | None) -> Iterator[tuple[int, Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise SystemExit(f"vllm-lens extract: {path} is a directory, read as a Hugging Face "
+                         "dataset, which needs the datasets package (pip install datasets)"
+                         ) from None
+    saved = (path / "dataset_dict.json").exists() or (path / "state.json").exists()
+    try:
+        loaded = datasets.load_from_disk(str(path)) if saved else datasets.load_dataset(
+            str(path))
+    except Exception as exc:  # noqa: BLE001 - whatever datasets finds wrong, said once
+        raise SystemExit(f"vllm-lens extract: {path} could not be read as a dataset "
+                         f"({type(exc).__name__}: {exc})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        names = list(loaded)
+        if split is None and len(names) != 1:
+            raise SystemExit(f"vllm-lens extract: {path} has the splits {names}; pick one "
+                             "with --split")
+        name = names[0] if split is None else split
+        if name not in loaded:
+            raise SystemExit(f"vllm-lens extract: {path} has no split {name!r} (it has "
+                             f"{names})")
+        loaded = loaded[name]
+    elif split is not None:
+        raise SystemExit(f"vllm-lens extract: {path} holds one dataset, not splits; leave "
+                         "out --split")
+    for number, row in enumerate(loaded, start=1):
+        yield number, {k: _plain(v) for k, v in row.items()}
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:

@@ -72,12 +72,21 @@ def test_extract_writes_a_dataset_equal_to_transformers_and_resumes(tmp_path, ti
 
 
 def test_extract_reduced_rows_with_generated_tokens(tmp_path, tiny_path, tiny_ref):
-    source = tmp_path / "prompts.csv"
-    source.write_text("key,prompt\na,The capital of France is\nb,Once upon a time\n")
+    """Also: the input is a Hugging Face dataset directory (``save_to_disk``), one split of
+    two picked with ``--split``."""
+    import datasets as hf
+
+    source = tmp_path / "prompts"
+    hf.DatasetDict({
+        "train": hf.Dataset.from_dict({"key": ["a", "b"], "prompt": [
+            "The capital of France is", "Once upon a time"]}),
+        "unused": hf.Dataset.from_dict({"key": ["z"], "prompt": ["not this one"]}),
+    }).save_to_disk(source)
     output = tmp_path / "acts"
-    done = run_extract(tiny_path, source, output, "--reduce", "mean", "--max-tokens", "3",
-                       points="resid_post")
+    done = run_extract(tiny_path, source, output, "--split", "train", "--reduce", "mean",
+                       "--max-tokens", "3", points="resid_post")
     assert done.returncode == 0, done.stderr[-3000:]
+    assert datasets.open(output).keys() == ["a", "b"]
     for ex in datasets.open(output):
         entry = next(e for e in datasets.open(output).entries if e["key"] == ex["key"])
         ids = ex["prompt_token_ids"] + entry["token_ids"][:2]  # 3 generated, 2 run

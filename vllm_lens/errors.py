@@ -86,8 +86,8 @@ class LensExecutionError(LensError):
 
 class SinkConflictError(LensExecutionError):
     """The capture sink refused the request's example because it conflicts with its dataset
-    (a key already written, examples with other settings, another writer): the caller's to
-    fix by choosing another key or dataset; nothing was written."""
+    (a key already written, examples with other settings): the caller's to fix by choosing
+    another key or dataset; nothing was written."""
 
 
 class DatasetConflictError(LensError, ValueError):

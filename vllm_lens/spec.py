@@ -144,6 +144,8 @@ class ModelFacts:
     """False when the engine was started with ``VLLM_LENS_INNER_TAPS=0``."""
     pp_size: int = 1
     """Pipeline-parallel stages."""
+    dp_size: int = 1
+    """Data-parallel engines."""
 
     def row_shape(self, signal: str) -> tuple[int, ...]:
         """The shape of one captured row (one position, one layer) of ``signal``."""
@@ -574,6 +576,11 @@ def _parse_sink(raw: Any, captures: tuple[CaptureSpec, ...], facts: ModelFacts,
             SINK_KEY, f"is refused under pipeline parallelism (pipeline_parallel_size="
             f"{facts.pp_size}): each stage holds its own layers' rows and no stage writes the "
             "others'; return the rows instead, or use one stage", request_id=request_id)
+    if facts.dp_size > 1:
+        raise UnsupportedConfigError(
+            SINK_KEY, f"is refused under data parallelism (data_parallel_size={facts.dp_size}"
+            "): each engine's worker would open the same dataset, and only one may write it; "
+            "return the rows instead, or use one engine", request_id=request_id)
     sharded = [c.signal for c in captures if c.signal in tap_points.SHARDED]
     if sharded and facts.tp_size > 1:
         raise UnsupportedConfigError(

@@ -5,6 +5,8 @@ The reference is the session's tiny engine (eager, TP=1, PP=1), itself checked a
 transformers in test_chunked_and_mixed.py.
 """
 
+import json
+
 import pytest
 import torch
 from vllm import SamplingParams
@@ -12,6 +14,7 @@ from vllm import SamplingParams
 from tests.integration.engines import env, running_llm
 from tests.integration.reference import max_relative_error
 from vllm_lens import Hook, NamedHook, SteeringVector
+from vllm_lens.errors import UnsupportedConfigError
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -210,7 +213,8 @@ def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch):
 
 
 @pytest.mark.slow
-def test_data_parallel_2_fetches_from_the_engine_that_served_each_request(tiny_path, tiny_llm):
+def test_data_parallel_2_fetches_from_the_engine_that_served_each_request(tiny_path, tiny_llm,
+                                                                         tmp_path):
     """vLLM's collective_rpc through the DP client answers with engine 0 only; every request
     must still get its own rows, whichever engine served it."""
     import asyncio
@@ -240,11 +244,20 @@ def test_data_parallel_2_fetches_from_the_engine_that_served_each_request(tiny_p
             return out
         outs = await asyncio.gather(*[final(i, p) for i, p in enumerate(prompts)])
         assert len(set(chosen)) == 2  # both engines served some of the requests
+        # Each engine's worker would open the sink's dataset: refused, not half written.
+        sink = {"output_residual_stream": [1],
+                "capture_sink": {"sink": "acts", "dataset": "d", "key": "k"}}
+        with pytest.raises(UnsupportedConfigError, match="data_parallel_size=2"):
+            async for _ in engine.generate("Hi", SamplingParams(max_tokens=1, extra_args=sink),
+                                           "dp-sink"):
+                pass
         return outs, await all_workers(engine, "lens_stats")
 
-    with env(**TWO_WORKERS), running_async_llm(tiny_path, data_parallel_size=2,
-                                               enforce_eager=True) as (engine, run):
+    sinks = json.dumps({"acts": {"root": str(tmp_path)}})
+    with env(**TWO_WORKERS, VLLM_LENS_SINKS=sinks), running_async_llm(
+            tiny_path, data_parallel_size=2, enforce_eager=True) as (engine, run):
         outs, stats = run(serve(engine))
+    assert not any(tmp_path.iterdir())
     assert stats == [IDLE, IDLE]  # one worker per engine, both empty afterwards
     for out, ref in zip(outs, expected):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids

@@ -74,6 +74,9 @@ def test_a_request_names_a_configured_sink_a_dataset_and_a_key(tmp_path, monkeyp
     with pytest.raises(UnsupportedConfigError, match="pipeline parallelism"):
         parse_extra_args({**capture, "capture_sink": good},
                          lambda: ModelFacts(**{**FACTS.__dict__, "pp_size": 2}))
+    with pytest.raises(UnsupportedConfigError, match="data parallelism \\(data_parallel_size=2"):
+        parse_extra_args({**capture, "capture_sink": good},
+                         lambda: ModelFacts(**{**FACTS.__dict__, "dp_size": 2}))
     with pytest.raises(UnsupportedConfigError, match="attn_z under tensor parallelism"):
         parse_extra_args({"output_activations": {"attn_z": [1]}, "capture_sink": good},
                          lambda: ModelFacts(**{**FACTS.__dict__, "tp_size": 2}))
@@ -148,10 +151,21 @@ def test_a_dataset_on_disk_with_other_settings_is_a_conflict_and_a_broken_index_
         later.write("d", _example("b", 1, {**SETTINGS, "layers": [3, 4]}))
     with pytest.raises(DatasetConflictError, match="already in the dataset"):
         later.write("d", _example("a", 1, SETTINGS))
+    # The operator's to mend, not the caller's (HTTP 500, not 409): a damaged index or
+    # manifest, and another process writing the dataset.
     (tmp_path / "e" / "index.jsonl").write_text("not json\n")
     with pytest.raises(ValueError, match="not an index entry") as info:
         later.write("e", _example("b", 1, SETTINGS))
-    assert not isinstance(info.value, DatasetConflictError)  # the operator's to mend: a 500
+    assert not isinstance(info.value, DatasetConflictError)
+    first.write("f", _example("a", 1, SETTINGS))  # holds "f" open
+    with pytest.raises(ValueError, match="another writer") as info:
+        later.write("f", _example("b", 1, SETTINGS))
+    assert not isinstance(info.value, DatasetConflictError)
+    first.close()
+    (tmp_path / "f" / "manifest.json").write_text("{truncated")
+    with pytest.raises(ValueError) as info:
+        later.write("f", _example("b", 1, SETTINGS))
+    assert not isinstance(info.value, DatasetConflictError)
     later.close()
 
 

@@ -107,6 +107,10 @@ def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
         unmapped=next((r["unmapped"] for r in results if r.get("unmapped")), None),
         inner_taps=all(r.get("inner_taps", True) for r in results),
         pp_size=len({int(r.get("pp_rank", 0)) for r in results}),
+        # Every engine's workers answer (``rpc.all_workers``): one TP rank 0 of the first
+        # stage per engine.
+        dp_size=max(sum(not r.get("tp_rank", 0) and not r.get("pp_rank", 0) for r in results),
+                    *(int(r.get("dp_size", 1)) for r in results)),
     )
 
 
@@ -382,9 +386,9 @@ class LensSession:
         trusted = any(h.pickled is not None for h in lens.hooks)
         for result in rank_results:
             for req_id, parts in (result or {}).get(lens.key, {}).items():
-                if parts.get("error") is not None:
-                    errors.setdefault(req_id, parts["error"])
-                    if parts.get("conflict"):
+                if parts.get("error") is not None and req_id not in errors:
+                    errors[req_id] = parts["error"]
+                    if parts.get("conflict"):  # (only when this is the error reported)
                         conflicts.add(req_id)
                 seen.setdefault(req_id, set()).update(parts.get("seen") or ())
                 if parts.get("held"):

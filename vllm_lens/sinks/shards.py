@@ -116,9 +116,9 @@ class ShardSink:
                                  max_shard_bytes=self.max_shard_bytes, resume=True)
         except (ValueError, RuntimeError) as exc:  # another manifest, another writer, ...
             problem = str(exc).replace(f"{path}: ", "").replace(str(path), dataset)
-            # Another manifest or another writer is the caller's to resolve; an unreadable
-            # index is not.
-            error = ValueError if type(exc) is ValueError else DatasetConflictError
+            # Examples with other settings are the caller's to resolve; another writer of the
+            # directory, or a damaged manifest or index, the operator's.
+            error = DatasetConflictError if isinstance(exc, DatasetConflictError) else ValueError
             raise error(f"dataset {dataset!r} of sink {self.config.name!r}: {problem}; "
                         "write these to another dataset") from None
         self._writers[dataset] = writer

@@ -354,6 +354,7 @@ def _describe(worker: Any) -> dict[str, Any]:
         "pp_rank": pp_rank,
         "speculative": vllm_config.speculative_config is not None,
         "tp_size": tp_size,
+        "dp_size": int(vllm_config.parallel_config.data_parallel_size),
         "num_heads_total": int(model_config.get_num_attention_heads(vllm_config.parallel_config)
                                * tp_size),
         "num_kv_heads_total": int(model_config.get_total_num_kv_heads()),

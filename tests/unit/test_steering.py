@@ -340,6 +340,57 @@ def test_gate_scales_each_row_and_is_read_before_steering_at_its_site():
     torch.testing.assert_close(hidden, before + 2.0 * g[:, None] * vector)
 
 
+def test_several_gated_vectors_of_several_requests_each_scale_their_own_rows():
+    """One index_add_ for a site's gated vectors: each row gets its own vector times its own
+    gate, for two requests with two gated vectors each (one of them per position, 3D), one of
+    them at two layers."""
+    cpu = torch.device("cpu")
+    g = torch.Generator().manual_seed(0)
+    probes = [torch.randn(H, generator=g) for _ in range(4)]
+
+    def steering(k):
+        flat = sv(activations=torch.randn(2, H, generator=g), layer_indices=[2, 3],
+                  condition=cond(probe=probes[2 * k], layer=1, threshold=0.1, sharpness=2.0))
+        per_pos = sv(activations=torch.randn(1, 2, H, generator=g), layer_indices=[3],
+                     position_indices=[1, 2], scale=0.5,
+                     condition=cond(probe=probes[2 * k + 1], layer=2, threshold=-0.2))
+        return parse([flat, per_pos])
+
+    lenses = [steering(0), steering(1)]
+    slices = [(dataclasses.replace(_slice(lens, start, start + 3, 0), req_id=f"r{k}"),
+               [prepare(s, cpu, torch.float32) for s in lens.steer])
+              for k, (lens, start) in enumerate(zip(lenses, (0, 3)))]
+    groups = build_steer_groups(slices, cpu, split=False)
+    hidden, residual = torch.randn(6, H, generator=g), torch.randn(6, H, generator=g)
+    expected = hidden.clone()
+    for layer in (1, 2, 3):
+        group = groups.get((layer, "post"))
+        if group is None:
+            continue
+        # Per gate, by hand: read the gates here, then add each vector times its gate.
+        stream = expected + residual
+        wanted = {}
+        for gate in group.conditions:
+            wanted[id(gate)] = torch.sigmoid(gate.sharpness * (
+                stream[gate.rows] @ gate.probe - gate.threshold))
+        for k, (s, prepared) in enumerate(slices):
+            for p in prepared:
+                if layer not in p.spec.layers:
+                    continue
+                i = p.spec.layers.index(layer)
+                gate = next(c for c in groups[(p.spec.condition.layer, "post")].conditions
+                            if c.req_id == s.req_id and c.probe is p.probe)
+                value = wanted.get(id(gate), gate.values)
+                vectors = p.vectors[i] if p.vectors.dim() == 2 else p.vectors[i][
+                    torch.as_tensor(p.position_rows)]
+                expected[gate.rows] += vectors * value[:, None]
+        apply_steering(group, hidden, residual)
+        for gate in group.conditions:
+            torch.testing.assert_close(gate.values, wanted[id(gate)])
+        torch.testing.assert_close(hidden, expected)
+    assert len(groups[(3, "post")].gated) == 4  # two requests' two gated vectors, batched
+
+
 def test_conditional_vectors_parse_in_every_form():
     v = sv(condition=cond(threshold=0.5))
     forms = [[v], [v.model_dump(mode="json")], json.dumps([v.model_dump(mode="json")]),

@@ -160,7 +160,7 @@ def build_steer_groups(
     for where, (row_lists, deltas) in gated.items():
         group = groups[where]
         group.gated_rows = device_index(np.concatenate(row_lists), device)
-        group.gated_delta = torch.cat(deltas).float()
+        group.gated_delta = torch.cat(deltas)
     return groups
 
 
@@ -228,7 +228,7 @@ def apply_steering(group: SteerGroup, hidden: torch.Tensor, residual: torch.Tens
         values = (group.gated[0].values if len(group.gated) == 1
                   else torch.cat([gate.values for gate in group.gated]))
         hidden.index_add_(0, group.gated_rows,
-                          (group.gated_delta * values[:, None]).to(hidden.dtype))
+                          (group.gated_delta.float() * values[:, None]).to(hidden.dtype))
 
 
 def pack_gates(gates: dict[int, list[tuple[np.ndarray, torch.Tensor]]],

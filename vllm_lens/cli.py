@@ -2,10 +2,10 @@
 
 ``vllm-lens extract`` builds an activation dataset from a prompt file::
 
-    vllm-lens extract --model M --input prompts.jsonl --output acts/ --layers 3,7|all \\
-        [--points resid_post,attn_out] [--positions all|prompt|last_prompt|...] \\
-        [--reduce mean|last] [--max-tokens 0] [--server URL]
-        [vLLM engine options: --dtype, -tp, ...]
+    vllm-lens extract --model M --input prompts.jsonl|DIR [--split NAME] --output acts/ \\
+        --layers 3,7|all [--points resid_post,attn_out] \\
+        [--positions all|prompt|last_prompt|...] [--reduce mean|last] [--max-tokens 0] \\
+        [--server URL] [vLLM engine options: --dtype, -tp, ...]
 
 Input rows (``vllm_lens.prompt_files``: a JSONL, CSV or Parquet file, or a local Hugging Face
 dataset directory with ``--split``) have ``prompt`` (text) or ``messages`` (a chat, rendered

@@ -67,7 +67,9 @@ def read_examples(path: Path, split: str | None = None) -> tuple[list[Example], 
 
 def _dataset_rows(path: Path, split: str | None) -> Iterator[tuple[int, Any]]:
     try:
-        import datasets
+        import datasets  # Hugging Face's, not vllm_lens.datasets
+        if not hasattr(datasets, "load_from_disk"):
+            raise ImportError(f"{datasets.__name__} is not Hugging Face datasets")
     except ImportError:
         raise SystemExit(f"vllm-lens extract: {path} is a directory, read as a Hugging Face "
                          "dataset, which needs the datasets package (pip install datasets)"

@@ -225,9 +225,10 @@ def test_attention_metadata_joins_per_head_values_once_per_rank():
     assert meta["sinks"] == [0.0, 0.5, 1.0, 1.5]
     assert (meta["num_heads"], meta["num_kv_heads"]) == (4, 2)
     assert (facts.n_heads, facts.n_kv_heads, facts.head_dim, facts.tp_size) == (4, 2, 4, 2)
-    assert facts.pp_size == 1
+    assert facts.pp_size == 1 and facts.dp_size == 2
+    assert facts_from_describe([rank(0), rank(1)]).dp_size == 1
     staged = facts_from_describe([{**rank(0), "pp_rank": 0}, {**rank(0), "pp_rank": 1}])
-    assert staged.pp_size == 2
+    assert staged.pp_size == 2 and staged.dp_size == 1
 
 
 def test_pipeline_parallel_is_refused_on_families_it_is_not_proven_on():

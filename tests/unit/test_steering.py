@@ -361,6 +361,13 @@ def test_several_gated_vectors_of_several_requests_each_scale_their_own_rows():
                [prepare(s, cpu, torch.float32) for s in lens.steer])
               for k, (lens, start) in enumerate(zip(lenses, (0, 3)))]
     groups = build_steer_groups(slices, cpu, split=False)
+    # The rows each gate covers, by hand: request k owns rows 3k..3k+2 (positions 0..2); the
+    # flat vector steers all three, the per-position one positions 1 and 2.
+    by_request = {k: [c for c in groups[(1, "post")].conditions + groups[(2, "post")].conditions
+                      if c.req_id == f"r{k}"] for k in (0, 1)}
+    for k, gates in by_request.items():
+        assert sorted(c.rows.tolist() for c in gates) == [
+            [3 * k, 3 * k + 1, 3 * k + 2], [3 * k + 1, 3 * k + 2]]
     hidden, residual = torch.randn(6, H, generator=g), torch.randn(6, H, generator=g)
     expected = hidden.clone()
     for layer in (1, 2, 3):

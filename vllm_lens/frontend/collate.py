@@ -108,7 +108,8 @@ def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
         inner_taps=all(r.get("inner_taps", True) for r in results),
         pp_size=len({int(r.get("pp_rank", 0)) for r in results}),
         # Every engine's workers answer (``rpc.all_workers``): one TP rank 0 of the first
-        # stage per engine.
+        # stage per engine; vLLM's dense-model DP workers report data_parallel_size 1. The
+        # workers' own figure covers offline DP, where each process's LLM sees its engine.
         dp_size=max(sum(not r.get("tp_rank", 0) and not r.get("pp_rank", 0) for r in results),
                     *(int(r.get("dp_size", 1)) for r in results)),
     )

@@ -153,15 +153,17 @@ def build_steer_groups(
                     row_lists, deltas = plain.setdefault(where, ([], []))
                     row_lists.append(rows)
                     deltas.append(vecs)
-    for where, (row_lists, deltas) in plain.items():
-        group = groups[where]
-        group.rows = device_index(np.concatenate(row_lists), device)
-        group.delta = torch.cat(deltas)
-    for where, (row_lists, deltas) in gated.items():
-        group = groups[where]
-        group.gated_rows = device_index(np.concatenate(row_lists), device)
-        group.gated_delta = torch.cat(deltas)
+    for where, parts in plain.items():
+        groups[where].rows, groups[where].delta = _joined(*parts, device)
+    for where, parts in gated.items():
+        groups[where].gated_rows, groups[where].gated_delta = _joined(*parts, device)
     return groups
+
+
+def _joined(row_lists: list[np.ndarray], deltas: list[torch.Tensor],
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every vector's rows and additions at one site as one index and one tensor."""
+    return device_index(np.concatenate(row_lists), device), torch.cat(deltas)
 
 
 def _owned(groups: dict[tuple[int, str], SteerGroup], where: tuple[int, str],

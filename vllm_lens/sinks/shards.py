@@ -118,9 +118,12 @@ class ShardSink:
             problem = str(exc).replace(f"{path}: ", "").replace(str(path), dataset)
             # Examples with other settings are the caller's to resolve; another writer of the
             # directory, or a damaged manifest or index, the operator's.
-            error = DatasetConflictError if isinstance(exc, DatasetConflictError) else ValueError
-            raise error(f"dataset {dataset!r} of sink {self.config.name!r}: {problem}; "
-                        "write these to another dataset") from None
+            if isinstance(exc, DatasetConflictError):
+                raise DatasetConflictError(
+                    f"dataset {dataset!r} of sink {self.config.name!r}: {problem}; write these "
+                    "to another dataset") from None
+            raise ValueError(f"dataset {dataset!r} of sink {self.config.name!r}: {problem}; the "
+                             "server's operator must resolve this") from None
         self._writers[dataset] = writer
         return writer
 

@@ -324,10 +324,14 @@ class _Job:
                 inputs.append((example, _engine_input(example, self.tokenizer)))
             except Exception as exc:  # noqa: BLE001 - the row is bad, not the job
                 self._fail(bad, example, exc)
+        from vllm_lens.errors import UnsupportedConfigError
+
         try:
             outs = self.llm.generate([i for _, i in inputs],
                                      [self._params(e.key) for e, _ in inputs], use_tqdm=False)
             return [(e, out) for (e, _), out in zip(inputs, outs)]
+        except UnsupportedConfigError as exc:  # the engine's set-up, not a row: no row can run
+            raise SystemExit(f"vllm-lens extract: {exc}") from None
         except ValueError:  # some input the engine rejects: find it, run the others
             done = []
             for example, engine_input in inputs:

@@ -159,6 +159,23 @@ def test_compiled_mode_matches_eager(tiny_path, reference):
     _assert_points_same(outs[2], reference[2], tol=1e-5)
 
 
+def _assert_extract_stops_at_the_sink_refusal(llm, monkeypatch, tmp_path):
+    """``vllm-lens extract`` on an engine whose set-up refuses sinks (PP here) ends the job at
+    the first batch with the refusal, instead of failing every example one by one."""
+    from types import SimpleNamespace
+
+    from vllm_lens import cli
+    from vllm_lens.prompt_files import Example
+
+    monkeypatch.setenv("VLLM_LENS_SINKS", json.dumps({cli._SINK: {"root": str(tmp_path)}}))
+    sp = SamplingParams(max_tokens=1, extra_args={"output_activations": {"resid_post": [1]}})
+    job = cli._Job(SimpleNamespace(batch_size=2), llm, sp, tmp_path / "d")
+    bad: list[str] = []
+    with pytest.raises(SystemExit, match="pipeline_parallel_size=2"):
+        job.run([Example(key=str(i), prompt=p) for i, p in enumerate(PROMPTS * 2)], bad)
+    assert bad == [] and not (tmp_path / "d").exists()
+
+
 @pytest.mark.slow
 def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch):
     with env(**TWO_WORKERS), running_llm(tiny_path, tensor_parallel_size=2,
@@ -182,9 +199,10 @@ def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch):
 
 
 @pytest.mark.slow
-def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch):
+def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch, tmp_path):
     # vLLM 0.32's CPU runner supports PP only in compiled mode.
     with env(**TWO_WORKERS), running_llm(tiny_path, pipeline_parallel_size=2) as llm:
+        _assert_extract_stops_at_the_sink_refusal(llm, monkeypatch, tmp_path)
         describe = llm.collective_rpc("lens_describe")
         outs = _run(llm)
         one_per_stage = llm.generate(

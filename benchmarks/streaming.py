@@ -8,7 +8,9 @@ for each case in turn (order rotating between rounds): plain streaming; the resi
 one layer at every generated token streamed with its chunk (``stream_activations``, JSON
 transport); the same layer captured but sent once at the end; and 30 layers streamed. The
 throughput is generated tokens per second of wall time over the round's requests; a case's
-ratio is to the plain streams of the same round. Prints a Markdown table.
+ratio is to the plain streams of the same round. Also reports the chunks a stream received
+(vLLM merges the outputs of a consumer that falls behind, so fewer than one per token means
+chunks carried several tokens). Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -36,26 +38,30 @@ def _prompts(n: int) -> list[str]:
     return [f"Tell a short story about a lighthouse keeper (number {i})." for i in range(n)]
 
 
-async def _round(base_url: str, options: dict, prompts: list[str], tokens: int) -> float:
+async def _round(base_url: str, options: dict, prompts: list[str], tokens: int
+                 ) -> tuple[float, float]:
+    """(generated tokens/s, mean chunks per stream)."""
     from vllm_lens.client import AsyncLensClient
 
-    async def one(client: AsyncLensClient, prompt: str) -> int:
-        n = 0
-        rows = 0
+    async def one(client: AsyncLensClient, prompt: str) -> tuple[int, int]:
+        n = chunks = rows = 0
         async for part in await client.generate(prompt, max_tokens=tokens, ignore_eos=True,
                                                 stream=True, **options):
             n = len(part.token_ids)
+            chunks += 1
             if part.activations is not None:
                 rows += part.activations["residual_stream"].shape[1]
         if options and rows != tokens - 1:
             raise SystemExit(f"expected {tokens - 1} generated rows, got {rows}")
-        return n
+        return n, chunks
 
     async with AsyncLensClient(base_url) as client:
         await client.served_model()
         start = time.perf_counter()
         counts = await asyncio.gather(*(one(client, p) for p in prompts))
-        return sum(counts) / (time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        return (sum(n for n, _ in counts) / elapsed,
+                statistics.mean(chunks for _, chunks in counts))
 
 
 def main() -> None:
@@ -72,6 +78,7 @@ def main() -> None:
     names = list(CASES)
     speeds: dict[str, list[float]] = {name: [] for name in names}
     ratios: dict[str, list[float]] = {name: [] for name in names}
+    chunks: dict[str, list[float]] = {name: [] for name in names}
     with running_server(str(smollm2_dir())) as server:
         for r in range(args.rounds + 1):
             order = names[r % len(names):] + names[:r % len(names)]
@@ -80,20 +87,22 @@ def main() -> None:
             if r == 0:
                 continue  # warm-up
             for name in names:
-                speeds[name].append(got[name])
-                ratios[name].append(got[name] / got[names[0]])
-            print(f"round {r}: " + ", ".join(f"{n}: {got[n]:.0f} tok/s" for n in names),
+                speeds[name].append(got[name][0])
+                ratios[name].append(got[name][0] / got[names[0]][0])
+                chunks[name].append(got[name][1])
+            print(f"round {r}: " + ", ".join(f"{n}: {got[n][0]:.0f} tok/s" for n in names),
                   file=sys.stderr, flush=True)
 
     print(f"\n{args.concurrency} concurrent streams x {args.tokens} tokens (ignore_eos), "
           f"SmolLM2-135M float32 compiled on the CPU behind the OpenAI server, {args.rounds} "
           "rounds\n")
-    print("| case | tokens/s (median) | ratio to plain streaming (median) | lowest | highest |")
-    print("|---|---:|---:|---:|---:|")
+    print("| case | tokens/s (median) | ratio to plain streaming (median) | lowest | highest "
+          "| chunks per stream (mean) |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name in names:
         print(f"| {name} | {statistics.median(speeds[name]):.0f} | "
               f"{statistics.median(ratios[name]):.3f} | {min(ratios[name]):.3f} | "
-              f"{max(ratios[name]):.3f} |")
+              f"{max(ratios[name]):.3f} | {statistics.mean(chunks[name]):.1f} |")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ each worker — possibly several times per process).
   ``/v1/hooks/*`` and ``/v1/steering*`` routes are added (``frontend.server``,
   ``frontend.steering_routes``, ``frontend.patching``);
 - engine core: blocks of generated tokens under decode-only steering get their own hash
-  (``frontend.prefix_cache``);
+  (``frontend.prefix_cache``); the front end's once-per-step worker calls get a method that
+  does not hold up the next step (``engine_core_rpc``);
 - worker: every model vLLM constructs gets taps on its decoder layers (``worker.taps``), by
   wrapping the class vLLM's model loader resolves for the architecture.
 
@@ -43,6 +44,7 @@ def register() -> None:
         prefix_cache,
         presets,
     )
+    from vllm_lens import engine_core_rpc
     from vllm_lens.worker import taps
 
     engine_args.install()
@@ -50,6 +52,7 @@ def register() -> None:
     offline.install()
     async_engine.install()
     prefix_cache.install()
+    engine_core_rpc.install()
     persistent_hooks.install()
     presets.install()
     patching.install()

@@ -1,6 +1,7 @@
 """AsyncLLM: concurrent lens requests, streaming, aborts and bad input."""
 
 import asyncio
+import itertools
 
 import pytest
 import torch
@@ -223,21 +224,31 @@ def test_streamed_rows_arrive_with_each_output_and_add_up_to_the_final_capture(a
         streamed = [engine.generate(p, sp(True), f"rows-{kind.name}-{i}")
                     for i, p in enumerate(PROMPTS)]
 
-        async def collect(gen):
-            return [out async for out in gen]
+        async def collect(gen):  # (output, its tokens so far: vLLM updates outputs in place)
+            return [(out, len(out.outputs[0].token_ids)) async for out in gen]
 
         return await asyncio.gather(*map(collect, streamed),
                                     _final(engine, PROMPTS[0], sp(False), f"whole-{kind.name}"))
 
     *streams, whole_first = run(both())
-    for i, outs in enumerate(streams):
+    for i, with_counts in enumerate(streams):
+        outs = [out for out, _ in with_counts]
         whole = whole_first if i == 0 else run(_final(engine, PROMPTS[i], sp(False),
                                                       f"whole-{kind.name}-{i}"))
         n_prompt = len(outs[-1].prompt_token_ids)
-        assert len(outs) == 6 and all(o.lens_error is None for o in outs)
+        assert all(o.lens_error is None for o in outs)
         rows, positions = _rows_by_output(outs, "residual_stream")
-        assert positions[0].tolist() == list(range(n_prompt))
-        assert [p.tolist() for p in positions[1:]] == [[n_prompt + k] for k in range(5)]
+        assert positions[0].tolist() == list(range(n_prompt)) and len(outs) >= 2
+        if kind == RequestOutputKind.DELTA:
+            # An output with T tokens so far carries the rows up to position n_prompt + T - 2
+            # (its last token is fed at the next step). vLLM merges outputs a consumer has not
+            # taken yet, so one may carry several tokens; usually each carries one. (A
+            # CUMULATIVE output's token list is vLLM's live one, which grows while a consumer
+            # lags: there only the order and the concatenation below are checked.)
+            totals = list(itertools.accumulate(n for _, n in with_counts))
+            starts = [0] + [n_prompt + t - 1 for t in totals[:-1]]
+            assert totals[-1] == 6 and [p.tolist() for p in positions] == [
+                list(range(start, n_prompt + t - 1)) for start, t in zip(starts, totals)]
         for name in ("residual_stream", "attn_out", "mlp_post"):
             rows, positions = _rows_by_output(outs, name)
             torch.testing.assert_close(torch.cat(rows, dim=1), whole.activations[name],
@@ -274,3 +285,28 @@ def test_streamed_generated_rows_and_bad_streams(async_engine):
             max_tokens=2, n=2, extra_args={"output_residual_stream": [1],
                                            "stream_activations": True}), "bad-n"))
     assert run(engine.collective_rpc("lens_stats"))[0] == IDLE
+
+
+def test_pipelined_worker_call_answers_on_an_idle_and_on_a_busy_engine(async_engine):
+    """``lens_pipelined_rpc`` (the engine-core method streamed fetches use) answers like
+    ``collective_rpc`` when the engine is idle (blocking) and while requests run (the answer
+    waits for the next step), and a generation around it is undisturbed."""
+    from vllm_lens.frontend.rpc import pipelined
+
+    engine, run = async_engine
+    sp = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True,
+                        output_kind=RequestOutputKind.DELTA)
+
+    async def go():
+        idle = await pipelined(engine, "lens_stats")
+        generation = engine.generate(PROMPTS[0], sp, "pipelined-busy")
+        first = await anext(generation)
+        busy = [await pipelined(engine, "lens_stats") for _ in range(3)]
+        rest = [out async for out in generation]
+        return idle, busy, first, rest
+
+    idle, busy, first, rest = run(go())
+    assert idle == run(engine.collective_rpc("lens_stats")) and idle[0] == IDLE
+    assert all(len(answer) == len(idle) and isinstance(answer[0], dict) for answer in busy)
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "length"
+    assert len(first.outputs[0].token_ids) + sum(len(o.outputs[0].token_ids) for o in rest) == 400

@@ -412,7 +412,8 @@ def test_streamed_rows_arrive_with_the_chunks_and_add_up_to_the_capture(smol_ser
     parts = list(client.generate(PROMPT, max_tokens=6, capture=capture, stream=True,
                                  stream_activations=True, transport=transport))
     with_rows = [p for p in parts if p.activations is not None]
-    assert len(with_rows) >= 5  # the prompt's rows with the first token, then a row a token
+    assert len(with_rows) >= 3  # the prompt's rows with the first token, then per chunk (vLLM
+    # merges the chunks of a consumer that falls behind, so not always one per token)
     rows = torch.cat([p.activations["residual_stream"] for p in with_rows], dim=1)
     positions = torch.cat([p.activations["positions"] for p in with_rows])
     assert positions.tolist() == whole.activations["positions"].tolist()
@@ -430,7 +431,7 @@ def test_streamed_rows_arrive_with_the_chunks_and_add_up_to_the_capture(smol_ser
 
     full, streamed = asyncio.run(chat())
     got = [p.activations for p in streamed if p.activations is not None]
-    assert len(got) >= 4
+    assert len(got) >= 3
     assert max_relative_error(torch.cat([a["residual_stream"] for a in got], dim=1),
                               full.activations["residual_stream"]) <= TOL
     assert httpx.get(smol_server.base_url + "/v1/lens/stats").json()["store"]["entries"] == 0

@@ -3,7 +3,8 @@
 The wrapper validates lens keys before the request enters the engine and, when the final
 output arrives, awaits the workers' buffers and attaches ``activations`` to it. A request with
 ``stream_activations`` gets, on every output, the rows computed since the previous one
-(``lens_fetch_partial``, one RPC per step for all of them: ``partial_fetch``; the final
+(``lens_fetch_partial``, one RPC per step for all of them, which the engine does not wait
+for: ``partial_fetch``, ``engine_core_rpc``; the final
 output carries the rest), so that the outputs' rows laid end to end are the whole capture.
 A request that ends any other way (client gone, cancelled, failed) has its buffers released.
 """
@@ -24,7 +25,7 @@ from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend import response_scope
 from vllm_lens.frontend.collate import LensSession, discard_unread, facts_from_describe
 from vllm_lens.frontend.partial_fetch import PartialFetcher
-from vllm_lens.frontend.rpc import all_workers
+from vllm_lens.frontend.rpc import all_workers, pipelined
 from vllm_lens.spec import ModelFacts
 
 __all__ = ["install", "model_facts"]
@@ -125,14 +126,14 @@ def _wrap_generate(original):
 
 
 def _partial_fetcher(engine: AsyncLLM) -> PartialFetcher:
-    """The engine's coalescer of streamed requests' fetches (one RPC per step)."""
+    """The engine's coalescer of streamed requests' fetches (one pipelined RPC per step)."""
     fetcher = engine.__dict__.get("_vllm_lens_partial_fetcher")
     if fetcher is None:
         session = LensSession.of(engine)
 
         async def rpc(requests: list[tuple[str, dict[str, int]]]) -> list[Any]:
-            return await all_workers(engine, "lens_fetch_partial",
-                                     session.fetch_rpc_args(requests))
+            return await pipelined(engine, "lens_fetch_partial",
+                                   session.fetch_rpc_args(requests))
 
         fetcher = engine._vllm_lens_partial_fetcher = PartialFetcher(rpc)
     return fetcher

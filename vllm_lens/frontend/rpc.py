@@ -5,13 +5,19 @@ end).
 requests over several data-parallel engines itself (``DPLBAsyncMPClient``: it calls every
 engine and keeps engine 0's answer). A request's rows live on the engine that served it, so
 vllm-lens asks every engine and joins their workers' answers.
+
+``pipelined`` is the same call routed through the engine core's ``lens_pipelined_rpc``
+(``vllm_lens.engine_core_rpc``), which does not make the engine wait for the answer before its
+next step: for calls made once per step.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["all_workers"]
+from vllm_lens import engine_core_rpc
+
+__all__ = ["all_workers", "pipelined"]
 
 
 async def all_workers(engine: Any, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
@@ -22,3 +28,13 @@ async def all_workers(engine: Any, method: str, args: tuple[Any, ...] = ()) -> l
         per_engine = await call_all("collective_rpc", method, None, args, None)
         return [answer for answers in per_engine for answer in answers]
     return await engine.collective_rpc(method, args=args)
+
+
+async def pipelined(engine: Any, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+    """``all_workers(engine, method, args)`` without holding up the engines' next steps."""
+    core = engine.engine_core
+    engines = getattr(core, "core_engines", ())
+    if len(engines) > 1:
+        per_engine = await core.call_utility_all_async(engine_core_rpc.METHOD, method, args)
+        return [answer for answers in per_engine for answer in answers]
+    return await core.call_utility_async(engine_core_rpc.METHOD, method, args)

@@ -1,0 +1,48 @@
+"""A worker RPC that does not hold up the engine's next step (runs in: engine core; the front
+end calls it by name through vLLM's utility channel).
+
+``AsyncLLM.collective_rpc`` makes the engine core send the call to its workers and wait for
+their answers before it schedules the next step. For a call made once per step
+(``lens_fetch_partial`` for streamed rows) that wait sits on the engine's critical path: two
+message-queue round trips per step instead of one. ``lens_pipelined_rpc`` sends the call the
+same way but hands vLLM's utility handler the executor's future, which answers the front end
+once the workers' reply has been read: the engine core goes straight on to its next step, and
+the workers, which take calls in order, run this one before that step, exactly where the
+blocking call would have run.
+
+A multiprocess executor resolves such a future when the engine core next reads a reply (the
+next step's): so the call is pipelined only while the engine has requests, which guarantees a
+next step (not paused, not asleep); otherwise, and with any other executor (in-process ones
+answer at once anyway; Ray's futures were not checked), the call blocks as
+``collective_rpc`` does.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["METHOD", "install"]
+
+#: The engine-core method's name, for ``call_utility_async``.
+METHOD = "lens_pipelined_rpc"
+
+
+def install() -> None:
+    """Give vLLM's ``EngineCore`` the method (only where vLLM's engine core is loaded)."""
+    core = sys.modules.get("vllm.v1.engine.core")
+    if core is not None and not hasattr(core.EngineCore, METHOD):
+        setattr(core.EngineCore, METHOD, _pipelined_rpc)
+
+
+def _pipelined_rpc(self: Any, method: str, args: list[Any]) -> Any:
+    """``collective_rpc(method, args)`` on this engine's workers, answered without blocking
+    the engine's loop where that is safe (see the module docstring)."""
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    executor = self.model_executor
+    steps_ahead = (self.scheduler.has_requests() and not self.is_scheduler_paused()
+                   and not executor.is_sleeping)
+    if steps_ahead and isinstance(executor, MultiprocExecutor):
+        return executor.collective_rpc(method, args=tuple(args), non_block=True)
+    return executor.collective_rpc(method, args=tuple(args))

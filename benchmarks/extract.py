@@ -1,6 +1,6 @@
 """Building an activation dataset: vllm-lens' sink vs plain vLLM and vs other tools, side by side.
 
-    python benchmarks/extract.py [--prompts 2000] [--rounds 2] [--batch 32]
+    python benchmarks/extract.py [--prompts 2000] [--rounds 2] [--batch 32] [--vllm-only]
 
 SmolLM2-135M (float32, eager, CPU). Every job reads the same ``--prompts`` short prompts once
 (prompt only: one token sampled, as ``vllm-lens extract --max-tokens 0``) and, except the
@@ -18,14 +18,15 @@ plain one, writes the residual stream of all 30 layers to a safetensors shard da
 - **nnsight**, **TransformerLens**: the same job where the package is installed (benchmark-only
   extras: ``pip install nnsight transformer_lens``), else reported as skipped.
 
-The two vLLM engines run in child processes that stay up; each round runs the plain job and
-the plugin jobs back to back (order alternating), and a job's ratio is to the plain job of
-its round; as wall-clock ratios on a shared 2-core machine carry noise of several percent, the
-plugin engine also reports the share of each job's time spent in vllm-lens' own code (the tap
-handler, the fetch that assembles and writes the rows, validation, collation). Prompt tokens
-per second exclude start-up. The engines run in-process (vLLM's
-engine-core busy loop would otherwise compete with the model for the cores), so the plugin
-engine's process holds front end and worker: it reports its resident memory after each
+The two vLLM engines run in child processes that stay up; in each round every plugin job runs
+beside a plain job of its own (which of the two goes first alternates; the disk's dirty pages
+are written out before each job), and its ratio is to that plain job. Every vLLM job sends its
+prompts in the same four ``generate`` calls. As wall-clock ratios on a shared 2-core machine
+carry noise of several percent, the plugin engine also reports the share of each job's time
+spent in vllm-lens' own code (the tap handler, the fetch that assembles and writes the rows,
+validation, collation). Prompt tokens per second exclude start-up. The engines run in-process
+(vLLM's engine-core busy loop would otherwise compete with the model for the cores), so the
+plugin engine's process holds front end and worker: it reports its resident memory after each
 quarter of a sink job, whose shards are cut at 64 MiB (the rows never pile up in the front end,
 so it should stay flat). Prints a Markdown table for ``benchmarks/RESULTS.md``.
 """
@@ -85,6 +86,7 @@ def serve_engine(cfg: dict) -> None:
         os.environ["VLLM_LENS_SINKS"] = json.dumps(
             {"bench": {"root": str(root), "flush_s": 0, "max_shard_bytes": 64 << 20}})
     llm = LLM(str(smollm2_dir()), **ENGINE)
+    plain = SamplingParams(max_tokens=1, temperature=0)
     prompts = _prompts(cfg["prompts"])
     llm.generate(prompts[:16], SamplingParams(max_tokens=1))  # warm-up
     print("READY", flush=True)
@@ -94,20 +96,14 @@ def serve_engine(cfg: dict) -> None:
         start = time.perf_counter()
         memory = []
         if job == "plain":
-            outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0),
-                                use_tqdm=False)
+            outs = _in_quarters(llm, prompts, lambda i: plain, memory)
         elif job.startswith("sink"):
             positions = "last_prompt" if job == "sink_last" else "prompt"
-            outs = []
-            quarter = max(1, len(prompts) // 4)
-            for lo in range(0, len(prompts), quarter):
-                sps = [SamplingParams(max_tokens=1, temperature=0, extra_args={
+            outs = _in_quarters(llm, prompts, lambda i: SamplingParams(
+                max_tokens=1, temperature=0, extra_args={
                     "output_residual_stream": {"layers": True, "positions": positions},
                     "capture_sink": {"sink": "bench", "dataset": f"{job}-{run}",
-                                     "key": str(i)}})
-                    for i in range(lo, min(lo + quarter, len(prompts)))]
-                outs += llm.generate(prompts[lo:lo + quarter], sps, use_tqdm=False)
-                memory.append(_rss_mb())
+                                     "key": str(i)}}), memory)
             from vllm_lens import flush_sinks
 
             flush_sinks(llm)
@@ -117,7 +113,7 @@ def serve_engine(cfg: dict) -> None:
         elif job == "returned_last":
             sp = SamplingParams(max_tokens=1, temperature=0, extra_args={
                 "output_residual_stream": {"layers": True, "positions": "last_prompt"}})
-            outs = llm.generate(prompts, sp, use_tqdm=False)
+            outs = _in_quarters(llm, prompts, lambda i: sp, memory)
             _write_returned(outs, root / f"{job}-{run}")
         else:
             raise SystemExit(f"unknown job {job}")
@@ -125,6 +121,20 @@ def serve_engine(cfg: dict) -> None:
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         print("RESULT " + json.dumps({"tps": tokens / elapsed, "memory_mb": memory,
                                       "share": sum(spent.values()) / elapsed}), flush=True)
+
+
+def _in_quarters(llm: Any, prompts: list[str], params_of: Any, memory: list[float]
+                 ) -> list[Any]:
+    """Every job's prompts go through the engine in the same four ``generate`` calls (the
+    front end's memory is read after each), so that the jobs' ratios compare like with like."""
+    outs: list[Any] = []
+    quarter = max(1, len(prompts) // 4)
+    for lo in range(0, len(prompts), quarter):
+        part = range(lo, min(lo + quarter, len(prompts)))
+        outs += llm.generate([prompts[i] for i in part], [params_of(i) for i in part],
+                             use_tqdm=False)
+        memory.append(_rss_mb())
+    return outs
 
 
 def _write_returned(outs: list[Any], path: Path) -> None:
@@ -277,6 +287,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="paired rounds per vLLM job")
     parser.add_argument("--batch", type=int, default=32,
                         help="prompts per forward pass for the transformers-based tools")
+    parser.add_argument("--vllm-only", action="store_true",
+                        help="run the vLLM jobs only (not transformers, nnsight, TransformerLens)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -292,22 +304,25 @@ def main() -> None:
     ratios: dict[str, list[float]] = {job: [] for job in jobs}
     try:
         for r in range(args.rounds):
-            if r % 2 == 0:
-                base.append(plain.run("plain", r)["tps"])
-            results = {job: lens.run(job, r) for job in jobs}
-            if r % 2 == 1:
-                base.append(plain.run("plain", r)["tps"])
-            for job, result in results.items():
-                found[job].append(result)
-                ratios[job].append(result["tps"] / base[-1])
-                print(f"round {r}: {job} {result['tps']:.0f} tok/s, "
+            for j, job in enumerate(jobs):
+                # Each plugin job beside its own plain job, which goes first every other
+                # time; the disk's dirty pages of earlier jobs are written out before each.
+                pair = [("plain", plain), (job, lens)]
+                got = {}
+                for name, engine in pair if (r + j) % 2 == 0 else pair[::-1]:
+                    os.sync()
+                    got[name] = engine.run(name, r)
+                base.append(got["plain"]["tps"])
+                found[job].append(got[job])
+                ratios[job].append(got[job]["tps"] / got["plain"]["tps"])
+                print(f"round {r}: {job} {got[job]['tps']:.0f} tok/s, "
                       f"{ratios[job][-1]:.3f}x plain", file=sys.stderr, flush=True)
     finally:
         plain.close()
         lens.close()
     prompts = _prompts(args.prompts)
     others: dict[str, dict[str, float | str]] = {}
-    for name, fn in OTHERS.items():
+    for name, fn in {} if args.vllm_only else OTHERS.items():
         for last_only, label in ((True, "last_prompt"), (False, "every prompt position")):
             try:
                 tps = fn(prompts, work / f"{name}-{label}".replace(" ", "_"), args.batch,
@@ -326,12 +341,13 @@ def main() -> None:
               "sink_all": "vllm-lens sink, all layers, every prompt position",
               "returned_last": "vllm-lens returned + ShardWriter, all layers, last_prompt"}
     print(f"\n{args.prompts} prompts, prompt only (1 token sampled), SmolLM2-135M float32 "
-          f"eager on the CPU, {args.rounds} paired rounds; ratios to plain vLLM's "
-          f"{plain_tps:.0f} prompt tokens/s\n")
+          f"eager on the CPU, {args.rounds} rounds; a vLLM job's ratio is to the plain job run "
+          "beside it, the other tools' to the median plain job\n")
     print("| job | prompt tokens/s | ratio to plain vLLM (median) | lowest | highest | "
           "time in vllm-lens |")
     print("|---|---:|---:|---:|---:|---:|")
-    print(f"| plain vLLM (nothing written) | {plain_tps:.0f} | 1 | | | |")
+    print(f"| plain vLLM (nothing written; median of its {len(base)} runs) | {plain_tps:.0f} "
+          "| 1 | | | |")
     for job in jobs:
         tps = statistics.median(r["tps"] for r in found[job])
         share = statistics.median(r["share"] for r in found[job])

@@ -11,10 +11,13 @@ the workers, which take calls in order, run this one before that step, exactly w
 blocking call would have run.
 
 A multiprocess executor resolves such a future when the engine core next reads a reply (the
-next step's): so the call is pipelined only while the engine has requests, which guarantees a
-next step (not paused, not asleep); otherwise, and with any other executor (in-process ones
-answer at once anyway; Ray's futures were not checked), the call blocks as
-``collective_rpc`` does.
+next step's; vLLM steps, and reads the reply, whenever it has requests, even for a step that
+schedules nothing): so the call is pipelined only while the engine has requests and is neither
+paused nor asleep. Should the engine go idle first anyway, the idle callback vLLM runs before
+it waits for input reads the reply. Otherwise the call blocks as ``collective_rpc`` does, and
+so it does with any other executor: the in-process one (vLLM's default for one GPU) runs the
+call in the engine core's thread, with no message-queue round trip to save; Ray's futures were
+not checked.
 """
 
 from __future__ import annotations
@@ -43,6 +46,23 @@ def _pipelined_rpc(self: Any, method: str, args: list[Any]) -> Any:
     executor = self.model_executor
     steps_ahead = (self.scheduler.has_requests() and not self.is_scheduler_paused()
                    and not executor.is_sleeping)
-    if steps_ahead and isinstance(executor, MultiprocExecutor):
-        return executor.collective_rpc(method, args=tuple(args), non_block=True)
-    return executor.collective_rpc(method, args=tuple(args))
+    if not (steps_ahead and isinstance(executor, MultiprocExecutor)):
+        return executor.collective_rpc(method, args=tuple(args))
+    future = executor.collective_rpc(method, args=tuple(args), non_block=True)
+    if self.__dict__.get(_PENDING) is None:
+        self._idle_state_callbacks.append(_read_pending)
+    setattr(self, _PENDING, future)  # reading the latest reply reads every earlier one first
+    return future
+
+
+_PENDING = "_vllm_lens_pipelined_future"
+
+
+def _read_pending(core: Any) -> None:
+    """Idle callback: read the reply of the latest pipelined call, if no step has."""
+    future = core.__dict__.pop(_PENDING, None)
+    if future is not None and not future.done():
+        try:
+            future.result()
+        except Exception:  # noqa: BLE001 - the call's own utility callback reports it
+            pass

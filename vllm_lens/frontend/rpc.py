@@ -13,6 +13,7 @@ next step: for calls made once per step.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from vllm_lens import engine_core_rpc
@@ -31,10 +32,28 @@ async def all_workers(engine: Any, method: str, args: tuple[Any, ...] = ()) -> l
 
 
 async def pipelined(engine: Any, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-    """``all_workers(engine, method, args)`` without holding up the engines' next steps."""
+    """``all_workers(engine, method, args)`` without holding up the engines' next steps.
+
+    Its answer waits for the engine's next step, and vLLM does not fail a pending utility call
+    when its engine dies: so the wait also ends, with vLLM's ``EngineDeadError``, once the
+    engine is found dead (checked every ``_DEAD_CHECK_S``).
+    """
     core = engine.engine_core
-    engines = getattr(core, "core_engines", ())
-    if len(engines) > 1:
-        per_engine = await core.call_utility_all_async(engine_core_rpc.METHOD, method, args)
-        return [answer for answers in per_engine for answer in answers]
-    return await core.call_utility_async(engine_core_rpc.METHOD, method, args)
+    if len(getattr(core, "core_engines", ())) > 1:
+        call = core.call_utility_all_async(engine_core_rpc.METHOD, method, args)
+    else:
+        call = core.call_utility_async(engine_core_rpc.METHOD, method, args)
+    task = asyncio.ensure_future(call)
+    try:
+        while not (await asyncio.wait((task,), timeout=_DEAD_CHECK_S))[0]:
+            if getattr(engine, "errored", False):
+                raise engine.dead_error
+    finally:
+        task.cancel()  # a no-op once it is done
+    answers = task.result()
+    if len(getattr(core, "core_engines", ())) > 1:
+        return [answer for per_engine in answers for answer in per_engine]
+    return answers
+
+
+_DEAD_CHECK_S = 1.0

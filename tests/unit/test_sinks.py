@@ -154,11 +154,12 @@ def test_a_dataset_on_disk_with_other_settings_is_a_conflict_and_a_broken_index_
     # The operator's to mend, not the caller's (HTTP 500, not 409): a damaged index or
     # manifest, and another process writing the dataset.
     (tmp_path / "e" / "index.jsonl").write_text("not json\n")
-    with pytest.raises(ValueError, match="not an index entry.*operator must resolve") as info:
+    with pytest.raises(ValueError,
+                       match="not an index entry.*sink's operator to resolve") as info:
         later.write("e", _example("b", 1, SETTINGS))
     assert not isinstance(info.value, DatasetConflictError)
     first.write("f", _example("a", 1, SETTINGS))  # holds "f" open
-    with pytest.raises(ValueError, match="another writer.*operator must resolve") as info:
+    with pytest.raises(ValueError, match="another writer.*sink's operator to resolve") as info:
         later.write("f", _example("b", 1, SETTINGS))
     assert not isinstance(info.value, DatasetConflictError)
     first.close()

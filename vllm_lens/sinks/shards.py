@@ -122,8 +122,8 @@ class ShardSink:
                 raise DatasetConflictError(
                     f"dataset {dataset!r} of sink {self.config.name!r}: {problem}; write these "
                     "to another dataset") from None
-            raise ValueError(f"dataset {dataset!r} of sink {self.config.name!r}: {problem}; the "
-                             "server's operator must resolve this") from None
+            raise ValueError(f"dataset {dataset!r} of sink {self.config.name!r}: {problem} "
+                             "(for the sink's operator to resolve, not the request)") from None
         self._writers[dataset] = writer
         return writer
 

@@ -16,8 +16,8 @@ schedules nothing): so the call is pipelined only while the engine has requests 
 paused nor asleep. Should the engine go idle first anyway, the idle callback vLLM runs before
 it waits for input reads the reply. Otherwise the call blocks as ``collective_rpc`` does, and
 so it does with any other executor: the in-process one (vLLM's default for one GPU) runs the
-call in the engine core's thread, with no message-queue round trip to save; Ray's futures were
-not checked.
+call in the engine core's thread, with no message-queue round trip to save; Ray's executors,
+including the one built on the multiprocess executor, were not tested.
 """
 
 from __future__ import annotations
@@ -46,20 +46,31 @@ def _pipelined_rpc(self: Any, method: str, args: list[Any]) -> Any:
     executor = self.model_executor
     steps_ahead = (self.scheduler.has_requests() and not self.is_scheduler_paused()
                    and not executor.is_sleeping)
-    if not (steps_ahead and isinstance(executor, MultiprocExecutor)):
+    # Exactly vLLM's multiprocess executor: its subclasses (Ray's V2 executor) are untested.
+    if not (steps_ahead and type(executor) is MultiprocExecutor):
         return executor.collective_rpc(method, args=tuple(args))
     future = executor.collective_rpc(method, args=tuple(args), non_block=True)
-    if self.__dict__.get(_PENDING) is None:
-        self._idle_state_callbacks.append(_read_pending)
-    setattr(self, _PENDING, future)  # reading the latest reply reads every earlier one first
+    if not self.__dict__.get(_WATCHING):
+        self._idle_state_callbacks.append(_read_pending)  # vLLM drops it once it has run
+        setattr(self, _WATCHING, True)
+    # Reading the latest reply reads every earlier one first; once read, it is let go.
+    setattr(self, _PENDING, future)
+    future.add_done_callback(lambda done: _let_go(self, done))
     return future
 
 
 _PENDING = "_vllm_lens_pipelined_future"
+_WATCHING = "_vllm_lens_pipelined_watch"
+
+
+def _let_go(core: Any, future: Any) -> None:
+    if core.__dict__.get(_PENDING) is future:
+        core.__dict__.pop(_PENDING, None)
 
 
 def _read_pending(core: Any) -> None:
     """Idle callback: read the reply of the latest pipelined call, if no step has."""
+    core.__dict__[_WATCHING] = False
     future = core.__dict__.pop(_PENDING, None)
     if future is not None and not future.done():
         try:

@@ -238,7 +238,9 @@ def test_data_parallel_2_fetches_from_the_engine_that_served_each_request(tiny_p
     import asyncio
 
     from tests.integration.engines import IDLE, running_async_llm
-    from vllm_lens.frontend.rpc import all_workers
+    from vllm.sampling_params import RequestOutputKind
+
+    from vllm_lens.frontend.rpc import all_workers, pipelined
 
     prompts = [f"{p} Request number {i}." for i, p in enumerate(PROMPTS * 4)]
     sp = SamplingParams(max_tokens=5, temperature=0, extra_args={"output_residual_stream": [1, 3]})
@@ -260,8 +262,21 @@ def test_data_parallel_2_fetches_from_the_engine_that_served_each_request(tiny_p
             async for out in engine.generate(prompt, sp, f"dp-{i}"):
                 pass
             return out
-        outs = await asyncio.gather(*[final(i, p) for i, p in enumerate(prompts)])
+        async def streamed(i, prompt):  # rows with every output (the pipelined fetch)
+            params = SamplingParams(max_tokens=5, temperature=0, extra_args={
+                "output_residual_stream": [1, 3], "stream_activations": True},
+                output_kind=RequestOutputKind.DELTA)
+            return [out.activations["residual_stream"]
+                    async for out in engine.generate(prompt, params, f"dp-stream-{i}")]
+
+        outs, *streams = await asyncio.gather(
+            asyncio.gather(*[final(i, p) for i, p in enumerate(prompts)]),
+            *[streamed(i, p) for i, p in enumerate(prompts[:4])])
         assert len(set(chosen)) == 2  # both engines served some of the requests
+        for rows, ref in zip(streams, expected[:4]):
+            assert len(rows) >= 2
+            torch.testing.assert_close(torch.cat(rows, dim=1),
+                                       ref.activations["residual_stream"], rtol=1e-4, atol=1e-5)
         # Each engine's worker would open the sink's dataset: refused, not half written.
         sink = {"output_residual_stream": [1],
                 "capture_sink": {"sink": "acts", "dataset": "d", "key": "k"}}
@@ -269,7 +284,10 @@ def test_data_parallel_2_fetches_from_the_engine_that_served_each_request(tiny_p
             async for _ in engine.generate("Hi", SamplingParams(max_tokens=1, extra_args=sink),
                                            "dp-sink"):
                 pass
-        return outs, await all_workers(engine, "lens_stats")
+        stats = await all_workers(engine, "lens_stats")
+        # The streamed fetch's route asks every engine too (both idle here: it blocks).
+        assert await pipelined(engine, "lens_stats") == stats
+        return outs, stats
 
     sinks = json.dumps({"acts": {"root": str(tmp_path)}})
     with env(**TWO_WORKERS, VLLM_LENS_SINKS=sinks), running_async_llm(

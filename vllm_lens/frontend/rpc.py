@@ -39,11 +39,9 @@ async def pipelined(engine: Any, method: str, args: tuple[Any, ...] = ()) -> lis
     engine is found dead (checked every ``_DEAD_CHECK_S``).
     """
     core = engine.engine_core
-    if len(getattr(core, "core_engines", ())) > 1:
-        call = core.call_utility_all_async(engine_core_rpc.METHOD, method, args)
-    else:
-        call = core.call_utility_async(engine_core_rpc.METHOD, method, args)
-    task = asyncio.ensure_future(call)
+    several = len(getattr(core, "core_engines", ())) > 1
+    call = core.call_utility_all_async if several else core.call_utility_async
+    task = asyncio.ensure_future(call(engine_core_rpc.METHOD, method, args))
     try:
         while not (await asyncio.wait((task,), timeout=_DEAD_CHECK_S))[0]:
             if getattr(engine, "errored", False):
@@ -51,9 +49,7 @@ async def pipelined(engine: Any, method: str, args: tuple[Any, ...] = ()) -> lis
     finally:
         task.cancel()  # a no-op once it is done
     answers = task.result()
-    if len(getattr(core, "core_engines", ())) > 1:
-        return [answer for per_engine in answers for answer in per_engine]
-    return answers
+    return [answer for per_engine in answers for answer in per_engine] if several else answers
 
 
 _DEAD_CHECK_S = 1.0

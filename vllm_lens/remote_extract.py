@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_lens.cli import capture_spec, fail, finish, prepare_output
+from vllm_lens.extract_output import capture_spec, fail, finish, prepare_output
 from vllm_lens.client import AsyncLensClient
 from vllm_lens.shard_writer import ShardWriter
 

@@ -1,0 +1,71 @@
+"""Lens request keys -> validated, typed specs (runs in: front end; decoded again in workers).
+
+Users put lens keys in ``SamplingParams.extra_args`` (offline) or ``vllm_xargs`` (HTTP). The
+front end validates them here, before the request reaches the engine, so a bad request fails
+alone with an error naming the key. One module per job:
+
+- ``keys``: the key names and the reserved payload key;
+- ``facts``: ``ModelFacts``, what the model and engine allow;
+- ``fields``: validators every key shares (layers, positions, sites, JSON strings);
+- ``capture``: captures at the residual stream, tap points and Q/K;
+- ``steering``: steering vectors, presets, replacements, conditions;
+- ``hooks``: hooks, named and pickled;
+- ``outputs``: capture sinks and streamed rows;
+- ``request``: ``LensRequest``, ``parse_extra_args`` and the engine-wide checks.
+"""
+
+from vllm_lens.positions import NAMED as POSITION_SELECTORS
+from vllm_lens.spec.capture import CaptureSpec
+from vllm_lens.spec.facts import ModelFacts
+from vllm_lens.spec.hooks import HookSpec, parse_hooks
+from vllm_lens.spec.keys import (
+    ACTIVATIONS_KEY,
+    CAPTURE_KEY,
+    HOOKS_KEY,
+    LENS_KEYS,
+    PAYLOAD_KEY,
+    PRESET_PREFIX,
+    QK_KEY,
+    REDUCTIONS,
+    SINK_KEY,
+    STEER_KEY,
+    STREAM_KEY,
+    TRANSPORT_KEY,
+    TRANSPORTS,
+)
+from vllm_lens.spec.request import (
+    LensRequest,
+    check_engine,
+    has_lens_keys,
+    parse_extra_args,
+    reuse_parsed,
+)
+from vllm_lens.spec.steering import SteerSpec, parse_steering
+
+__all__ = [
+    "ACTIVATIONS_KEY",
+    "CAPTURE_KEY",
+    "QK_KEY",
+    "LENS_KEYS",
+    "SINK_KEY",
+    "STREAM_KEY",
+    "STEER_KEY",
+    "SteerSpec",
+    "TRANSPORT_KEY",
+    "TRANSPORTS",
+    "PAYLOAD_KEY",
+    "PRESET_PREFIX",
+    "POSITION_SELECTORS",
+    "REDUCTIONS",
+    "CaptureSpec",
+    "HOOKS_KEY",
+    "HookSpec",
+    "LensRequest",
+    "ModelFacts",
+    "check_engine",
+    "has_lens_keys",
+    "parse_extra_args",
+    "parse_hooks",
+    "parse_steering",
+    "reuse_parsed",
+]

@@ -1,0 +1,173 @@
+"""Captures: ``output_residual_stream``, ``output_activations`` and ``output_qk`` ->
+``CaptureSpec`` (which signal, layers, positions, reduction) (runs in: front end; decoded
+again in workers from the payload)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_lens import points as tap_points
+from vllm_lens.errors import LensRequestError, UnsupportedModelError
+from vllm_lens.positions import parse_selector
+from vllm_lens.spec.facts import ModelFacts
+from vllm_lens.spec.fields import (
+    check_site,
+    json_value,
+    parse_layers,
+    position_rule,
+    sorted_indices,
+)
+from vllm_lens.spec.keys import ACTIVATIONS_KEY, CAPTURE_KEY, QK_KEY, REDUCTIONS
+
+
+_CAPTURE_FIELDS = ("layers", "positions", "reduce")
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """Which residual-stream rows a request wants.
+
+    ``positions`` is a selector (``"prompt"``, ``"prompt[1:]"``, ``"generated[-5:]"`` ...;
+    see ``vllm_lens.positions``) or a sorted tuple of absolute token positions; ``reduce``
+    collapses the selected positions per layer (``"mean"`` or ``"last"``).
+    """
+
+    layers: tuple[int, ...]
+    positions: str | tuple[int, ...] = "all"
+    reduce: str | None = None
+    signal: str = tap_points.RESIDUAL_SIGNAL
+    """What is captured: ``residual_stream`` (``output_residual_stream``), a tap point
+    (``output_activations``), or ``attn_q`` / ``attn_k`` (``output_qk``)."""
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "signal": self.signal, "reduce": self.reduce,
+                "positions": self.positions if isinstance(self.positions, str)
+                else list(self.positions)}
+
+    @classmethod
+    def from_payload(cls, d: Mapping[str, Any]) -> CaptureSpec:
+        positions = d["positions"]
+        return cls(layers=tuple(int(x) for x in d["layers"]),
+                   positions=positions if isinstance(positions, str) else tuple(positions),
+                   reduce=d["reduce"], signal=str(d.get("signal", tap_points.RESIDUAL_SIGNAL)))
+
+    def wants_prompt_rows(self) -> bool:
+        """True if any prompt position may be selected (so prefix-cache hits must be recomputed)."""
+        if isinstance(self.positions, tuple):
+            return True
+        selector = parse_selector(self.positions)
+        return selector is None or selector.may_read_prompt
+
+
+def parse_capture(raw: Any, facts: ModelFacts, request_id: str | None,
+                   field: str = CAPTURE_KEY) -> CaptureSpec:
+    if isinstance(raw, str):  # HTTP's vllm_xargs carries structured values as JSON strings
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise LensRequestError(field, f"not valid JSON ({exc.msg})", request_id=request_id) from None
+    if isinstance(raw, Mapping):
+        unknown = [k for k in raw if k not in _CAPTURE_FIELDS]
+        if unknown:
+            raise LensRequestError(
+                f"{field}.{unknown[0]}",
+                f"unknown field; allowed fields are {', '.join(_CAPTURE_FIELDS)}",
+                request_id=request_id,
+            )
+        if "layers" not in raw:
+            raise LensRequestError(f"{field}.layers", "missing (a list of layer indices, or true)",
+                                   request_id=request_id)
+        return CaptureSpec(
+            layers=parse_layers(raw["layers"], facts, f"{field}.layers", request_id),
+            positions=parse_positions(raw.get("positions", "all"), facts, f"{field}.positions",
+                                       request_id),
+            reduce=parse_reduce(raw.get("reduce"), f"{field}.reduce", request_id),
+        )
+    return CaptureSpec(layers=parse_layers(raw, facts, field, request_id))
+
+
+def parse_points(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[CaptureSpec, ...]:
+    """``output_activations``: ``{point: layers | true | {"layers", "positions", "reduce"}}``;
+    a ``blocks.{L}.`` name fixes the layer (then its value is ``true`` or a dict without
+    ``layers``). Names that resolve to the same point merge their layers if their positions
+    and reduction agree."""
+    field = ACTIVATIONS_KEY
+    raw = json_value(raw, field, request_id)
+    if not isinstance(raw, Mapping) or not raw:
+        raise LensRequestError(field, "expected a non-empty object {point: layers | true | "
+                               f"{{layers, positions, reduce}}}}; points: "
+                               f"{', '.join(tap_points.POINTS)}", request_id=request_id)
+    merged: dict[str, CaptureSpec] = {}
+    for name, value in raw.items():
+        where = f"{field}.{name}"
+        try:
+            point, layer = tap_points.resolve(name)
+        except KeyError as exc:
+            raise LensRequestError(where, exc.args[0], request_id=request_id) from None
+        check_site(point, facts, where, request_id)
+        if layer is not None:
+            if value is True or value == "true":
+                value = {}
+            if not isinstance(value, Mapping) or "layers" in value:
+                raise LensRequestError(where, "a blocks.<layer>. name fixes the layer: give true "
+                                       "or {positions, reduce}", request_id=request_id)
+            value = {**value, "layers": [layer]}
+        spec = dataclasses.replace(parse_capture(value, facts, request_id, field=where),
+                                   signal=point)
+        if (old := merged.get(point)) is not None:
+            if (old.positions, old.reduce) != (spec.positions, spec.reduce):
+                raise LensRequestError(where, f"names the point {point} again with other "
+                                       "positions or reduce; use one entry per point",
+                                       request_id=request_id)
+            spec = dataclasses.replace(old, layers=tuple(sorted(set(old.layers + spec.layers))))
+        merged[point] = spec
+    return tuple(merged.values())
+
+
+def parse_qk(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[CaptureSpec, ...]:
+    """``output_qk``: ``true`` or a list of layers -> the ``attn_q`` and ``attn_k`` captures
+    (every position: an attention pattern needs all keys)."""
+    raw = json_value(raw, QK_KEY, request_id)
+    check_site("attn_q", facts, QK_KEY, request_id)
+    layers = parse_layers(raw, facts, QK_KEY, request_id)
+    blind = [layer for layer in layers
+             if layer >= len(facts.qk_meta) or not facts.qk_meta[layer]]
+    if blind:
+        raise UnsupportedModelError(QK_KEY, f"the attention of layers {blind} cannot be "
+                                    "described (scale, window ...), so their Q/K are not "
+                                    "captured", request_id=request_id)
+    return (CaptureSpec(layers=layers, signal="attn_q"),
+            CaptureSpec(layers=layers, signal="attn_k"))
+
+
+def parse_positions(
+    raw: Any, facts: ModelFacts, field: str, request_id: str | None
+) -> str | tuple[int, ...]:
+    forms = ("'all', 'prompt', 'generated', 'last_prompt', a slice of one of the first three "
+             "such as 'prompt[1:]', 'generated[-5:]' or 'all[-1]', or a list of absolute "
+             "positions")
+    if isinstance(raw, str):
+        if parse_selector(raw) is None:
+            raise LensRequestError(field, f"unknown selector {raw!r}; use {forms}",
+                                   request_id=request_id)
+        return raw.replace(" ", "")
+    if hasattr(raw, "tolist"):
+        raw = raw.tolist()  # a numpy array or tensor of positions
+    if not isinstance(raw, (list, tuple)):
+        raise LensRequestError(field, f"expected {forms}; got {type(raw).__name__} {raw!r}",
+                               request_id=request_id)
+    if not raw:
+        raise LensRequestError(field, f"a non-empty list is needed; or use {forms}",
+                               request_id=request_id)
+    return sorted_indices(raw, field, position_rule(facts), request_id)
+
+
+def parse_reduce(raw: Any, field: str, request_id: str | None) -> str | None:
+    if raw not in REDUCTIONS:
+        raise LensRequestError(field, f"unknown reduction {raw!r}; use null, 'mean' or 'last'",
+                               request_id=request_id)
+    return raw

@@ -1,0 +1,121 @@
+"""Validators every lens key shares: JSON-string values, layer and position lists, tap sites
+and the points a request may write to (runs in: front end). Each raises ``LensRequestError``
+(or a subclass) naming the offending field."""
+
+from __future__ import annotations
+
+import json
+import numbers
+from typing import Any
+
+from vllm_lens import points as tap_points
+from vllm_lens.errors import LensRequestError, UnsupportedConfigError, UnsupportedModelError
+from vllm_lens.spec.facts import ModelFacts
+
+
+def json_value(raw: Any, field: str, request_id: str | None) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise LensRequestError(field, f"not valid JSON ({exc.msg})", request_id=request_id) from None
+
+
+def parse_layers(raw: Any, facts: ModelFacts, field: str, request_id: str | None) -> tuple[int, ...]:
+    if raw is True:
+        return tuple(range(facts.n_layers))
+    if hasattr(raw, "tolist") and not isinstance(raw, (str, bytes)):
+        raw = raw.tolist()  # a numpy array or tensor of indices
+    if not isinstance(raw, (list, tuple)):
+        hint = ""
+        if isinstance(raw, int) and not isinstance(raw, bool) and raw in (0, 1):
+            hint = ("; over HTTP, vllm_xargs turns JSON true into 1: send the string \"true\" "
+                    "for every layer, or a list such as \"[3, 7]\"")
+        raise LensRequestError(
+            field, f"expected a list of layer indices or true, got {type(raw).__name__} "
+            f"{raw!r}{hint}", request_id=request_id,
+        )
+    if not raw:
+        raise LensRequestError(field, "empty list; name at least one layer", request_id=request_id)
+    return sorted_indices(raw, field, layer_rule(facts), request_id)
+
+
+def layer_rule(facts: ModelFacts) -> tuple[str, int, str]:
+    return ("layer index", facts.n_layers,
+            f"is out of range; the model has layers 0..{facts.n_layers - 1}")
+
+
+def position_rule(facts: ModelFacts) -> tuple[str, int, str]:
+    return ("position", facts.max_model_len,
+            f"is outside the model's context (0..{facts.max_model_len - 1})")
+
+
+def sorted_indices(
+    raw: list | tuple, field: str, rule: tuple[str, int, str], request_id: str | None
+) -> tuple[int, ...]:
+    """Check every item is an int in ``[0, upper)``; ``rule`` is (what, upper, complaint)."""
+    what, upper, complaint = rule
+    raw = [int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v
+           for v in raw]  # numpy integers count
+    for i, value in enumerate(raw):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise LensRequestError(f"{field}[{i}]", f"expected an integer {what}, got {value!r}",
+                                   request_id=request_id)
+        if not 0 <= value < upper:
+            raise LensRequestError(f"{field}[{i}]", f"{what} {value} {complaint}",
+                                   request_id=request_id)
+    return tuple(sorted(set(raw)))
+
+
+def check_site(point: str, facts: ModelFacts, where: str, request_id: str | None) -> None:
+    """Refuse a point whose site this model's taps do not have."""
+    site = tap_points.site_of(point, split=facts.split)
+    if site not in facts.sites:
+        if site == "mid" and facts.block == "parallel":
+            raise UnsupportedModelError(
+                where, f"{facts.model_class} runs attention and the MLP in parallel on "
+                f"resid_pre, so there is no {point} (use resid_pre, attn_out, mlp_out or "
+                "resid_post)", request_id=request_id)
+        if not facts.inner_taps and site not in ("pre", "post", "attn"):
+            why = "the engine was started with VLLM_LENS_INNER_TAPS=0"
+        else:
+            why = _MISSING_SITE.get(site, "its layers have no tap there")
+        raise UnsupportedModelError(
+            where, f"the tap point {point} is not available on {facts.model_class} ({why})",
+            request_id=request_id)
+
+
+#: Why a model offers no tap at a site (the engine's inner taps on).
+_MISSING_SITE = {
+    "router": "its layers have no MoE router",
+    "act": "its layers have no single MLP activation to read: MoE experts, or a down "
+           "projection taking quantized input",
+    "attn": "its attention is not vLLM's plain attention kernel (MLA, shared KV, or a query "
+            "quantized first)",
+    "pre": "its layers' inputs cannot be tapped",
+}
+
+
+def parse_write_point(raw: Any, facts: ModelFacts, where: str, request_id: str | None,
+                       *, hook: bool = False) -> str:
+    """A point steering or a hook writes to: one of ``points.STEERABLE`` (or an alias); for
+    a hook also ``points.QK_HOOK_POINT`` (read-only)."""
+    if hook and raw == tap_points.QK_HOOK_POINT:
+        check_site("attn_q", facts, where, request_id)
+        if facts.tp_size > 1:
+            raise UnsupportedConfigError(
+                where, f"hooks at {raw} would see each tensor-parallel rank's heads apart "
+                f"(tensor_parallel_size={facts.tp_size}); use output_qk, or "
+                "tensor_parallel_size=1", request_id=request_id)
+        return raw
+    try:
+        point, layer = tap_points.resolve(raw)
+    except KeyError as exc:
+        raise LensRequestError(where, exc.args[0], request_id=request_id) from None
+    if layer is not None or point not in tap_points.STEERABLE:
+        raise LensRequestError(where, f"{raw!r} cannot be written to; use one of "
+                               f"{', '.join(tap_points.STEERABLE)} (layers go in "
+                               "layer_indices)", request_id=request_id)
+    check_site(point, facts, where, request_id)
+    return point

@@ -1,0 +1,113 @@
+"""Where captured rows go besides the final output: ``capture_sink`` (an operator's dataset)
+and ``stream_activations`` (rows with every streamed output) (runs in: front end)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_lens import points as tap_points
+from vllm_lens.errors import LensRequestError, SinkRefusedError, UnsupportedConfigError
+from vllm_lens.positions import parse_selector
+from vllm_lens.sinks import check_sink
+from vllm_lens.sinks.config import SinkSpec
+from vllm_lens.sinks.config import configured as configured_sinks
+from vllm_lens.sinks.config import serves_http as sinks_serve_http
+from vllm_lens.spec.capture import CaptureSpec
+from vllm_lens.spec.facts import ModelFacts
+from vllm_lens.spec.keys import ACTIVATIONS_KEY, CAPTURE_KEY, QK_KEY, SINK_KEY, STREAM_KEY
+
+
+def parse_sink(raw: Any, captures: tuple[CaptureSpec, ...], facts: ModelFacts,
+                request_id: str | None) -> SinkSpec:
+    """``capture_sink``: a configured sink, a valid dataset name and key; the captures it
+    writes must form one example (the same layers, positions and reduction for every point),
+    and one worker must hold all of their rows."""
+    if not captures:
+        raise LensRequestError(SINK_KEY, f"asks for captured rows, but the request captures "
+                               f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY} or {QK_KEY})",
+                               request_id=request_id)
+    try:
+        sinks = configured_sinks()
+    except ValueError as exc:
+        raise LensRequestError(SINK_KEY, f"the operator's sink configuration is invalid: {exc}",
+                               request_id=request_id) from None
+    try:
+        sink = SinkSpec.parse(raw, sinks)
+    except ValueError as exc:
+        sub, problem = exc.args
+        raise LensRequestError(f"{SINK_KEY}.{sub}" if sub else SINK_KEY, problem,
+                               request_id=request_id) from None
+    config = sinks[sink.sink]
+    if sinks_serve_http() and not config.clients:
+        raise SinkRefusedError(
+            f"{SINK_KEY}.sink", f"sink {sink.sink!r} is not open to HTTP clients (its operator "
+            'sets "clients": true in its VLLM_LENS_SINKS entry to allow that)',
+            request_id=request_id)
+    try:
+        check_sink(config)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise LensRequestError(f"{SINK_KEY}.sink", f"sink {sink.sink!r} is misconfigured by "
+                               f"the operator: {exc}", request_id=request_id) from None
+    first = captures[0]
+    for other in captures[1:]:
+        for name in ("layers", "positions", "reduce"):
+            if getattr(other, name) != getattr(first, name):
+                raise LensRequestError(
+                    SINK_KEY, f"writes one example per request, so every captured point needs "
+                    f"the same {name}: {first.signal} has {getattr(first, name)!r}, "
+                    f"{other.signal} {getattr(other, name)!r}", request_id=request_id)
+    if facts.pp_size > 1:
+        raise UnsupportedConfigError(
+            SINK_KEY, f"is refused under pipeline parallelism (pipeline_parallel_size="
+            f"{facts.pp_size}): each stage holds its own layers' rows and no stage writes the "
+            "others'; return the rows instead, or use one stage", request_id=request_id)
+    if facts.dp_size > 1:
+        raise UnsupportedConfigError(
+            SINK_KEY, f"is refused under data parallelism (data_parallel_size={facts.dp_size}"
+            "): each engine's worker would open the same dataset, and only one may write it; "
+            "return the rows instead, or use one engine", request_id=request_id)
+    sharded = [c.signal for c in captures if c.signal in tap_points.SHARDED]
+    if sharded and facts.tp_size > 1:
+        raise UnsupportedConfigError(
+            SINK_KEY, f"is refused for {', '.join(sharded)} under tensor parallelism "
+            f"(tensor_parallel_size={facts.tp_size}): their rows are split across the ranks "
+            "and no rank writes the others'; return them instead", request_id=request_id)
+    return sink
+
+
+def parse_stream(raw: Any, captures: tuple[CaptureSpec, ...], sink: SinkSpec | None,
+                  facts: ModelFacts, request_id: str | None) -> bool:
+    """``stream_activations``: ``true`` streams each capture's rows as they are computed,
+    which needs their final positions to be known then (no reduction, no window counted
+    from the end of the generation)."""
+    # vllm_xargs carries JSON true as 1 (its values are str | int | float), or "true".
+    if raw is None or (not isinstance(raw, float) and raw in (False, "false", "0")):
+        return False
+    if isinstance(raw, float) or raw not in (True, "true", "1"):
+        raise LensRequestError(STREAM_KEY, f"must be true or false, got {raw!r}",
+                               request_id=request_id)
+    if not captures:
+        raise LensRequestError(STREAM_KEY, f"asks for captured rows, but the request captures "
+                               f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY} or {QK_KEY})",
+                               request_id=request_id)
+    if sink is not None:
+        raise LensRequestError(STREAM_KEY, f"cannot be combined with {SINK_KEY} (the rows go "
+                               "to the sink, not to the caller)", request_id=request_id)
+    if facts.tp_size > 1 or facts.pp_size > 1:
+        raise UnsupportedConfigError(
+            STREAM_KEY, f"is not yet proven under tensor or pipeline parallelism "
+            f"(tensor_parallel_size={facts.tp_size}, pipeline_parallel_size={facts.pp_size}); "
+            "the rows come with the final output without it", request_id=request_id)
+    for c in captures:
+        if c.reduce is not None:
+            raise LensRequestError(STREAM_KEY, f"streams rows as they are computed, but "
+                                   f"{c.signal} is reduced ({c.reduce!r}) over positions only "
+                                   "known at the end; drop reduce", request_id=request_id)
+        if isinstance(c.positions, str):
+            selector = parse_selector(c.positions)
+            if selector is not None and selector.needs_end:
+                raise LensRequestError(
+                    STREAM_KEY, f"streams rows as they are computed, but {c.signal}'s "
+                    f"positions {c.positions!r} are counted from the end of the generation, "
+                    "known only when it stops", request_id=request_id)
+    return True

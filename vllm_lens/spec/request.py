@@ -1,0 +1,282 @@
+"""``LensRequest`` and the parse entry: ``extra_args`` -> (the caller's other keys, one
+validated ``LensRequest``), plus the engine-wide checks every lens request passes first
+(runs in: front end; workers decode the payload with ``LensRequest.from_payload``).
+
+The validated request travels *inside* the request as one reserved ``extra_args`` entry,
+``"vllm_lens"``: a versioned map of plain msgpack types that vLLM's own serializer carries to
+every worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_lens import envs, faults
+from vllm_lens.errors import LensRequestError, UnsupportedConfigError, UnsupportedModelError
+from vllm_lens.sinks.config import SinkSpec
+from vllm_lens.spec.capture import CaptureSpec, parse_capture, parse_points, parse_qk
+from vllm_lens.spec.facts import ModelFacts
+from vllm_lens.spec.hooks import HookSpec, parse_hooks
+from vllm_lens.spec.keys import (
+    ACTIVATIONS_KEY,
+    CAPTURE_KEY,
+    HOOKS_KEY,
+    LENS_KEYS,
+    PAYLOAD_KEY,
+    PAYLOAD_VERSION,
+    QK_KEY,
+    SINK_KEY,
+    STEER_KEY,
+    STREAM_KEY,
+    TRANSPORT_KEY,
+    TRANSPORTS,
+)
+from vllm_lens.spec.outputs import parse_sink, parse_stream
+from vllm_lens.spec.steering import SteerSpec, parse_steering_key, steering_digest
+
+
+@dataclass(frozen=True)
+class LensRequest:
+    """The validated lens part of one request, as carried in ``extra_args[PAYLOAD_KEY]``."""
+
+    key: str
+    """Unique per request: names its buffers on the workers."""
+    capture: CaptureSpec | None = None
+    steer: tuple[SteerSpec, ...] = ()
+    hooks: tuple[HookSpec, ...] = ()
+    fault: str | None = None
+    """Test-only: the stage at which the worker fails this request (``vllm_lens.faults``)."""
+    points: tuple[CaptureSpec, ...] = ()
+    """Captures at tap points (``output_activations``) and Q/K (``output_qk``), one per
+    signal."""
+    sink: SinkSpec | None = None
+    """Where the workers write the captured rows instead of returning them."""
+    stream: bool = False
+    """Rows travel with every streamed output, not only the last."""
+
+    @property
+    def captures(self) -> tuple[CaptureSpec, ...]:
+        """Every capture of the request: the residual stream's (if any) and the points'."""
+        return self.points if self.capture is None else (self.capture, *self.points)
+
+    @property
+    def qk_layers(self) -> tuple[int, ...]:
+        return next((c.layers for c in self.points if c.signal == "attn_q"), ())
+
+    @property
+    def needs_fetch(self) -> bool:
+        """Whether the front end asks the workers about this request when it finishes:
+        always, since even a steering-only request must learn whether its steering ran."""
+        return True
+
+    @functools.cached_property
+    def cache_salt(self) -> str | None:
+        """Prefix-cache salt of every block: requests share KV blocks only with identically
+        steered ones.
+
+        Steering that may touch a prompt position changes the KV of that position and every
+        later one, so such a request is salted from its first block. Steering of generated
+        positions only (``phase="decode"``) leaves the prompt's KV as an unsteered request's:
+        its prompt blocks stay shared (``decode_salt`` keeps its generated ones apart).
+        """
+        if self.hooks:
+            # A hook may change the stream in ways no digest can name: never share blocks.
+            return f"vllm-lens:hooks:{self.key}"
+        if any(s.condition is not None and s.phase != "decode" for s in self.steer):
+            # Gate values are reported for every steered position: compute them all.
+            return f"vllm-lens:gated:{self.key}"
+        return steering_digest([s for s in self.steer if s.phase != "decode"])
+
+    @functools.cached_property
+    def decode_salt(self) -> str | None:
+        """Salt of the blocks that reach past the prompt (``frontend.prefix_cache``), for
+        steering that treats prompt and generated positions apart (``phase`` ``prefill`` or
+        ``decode``): the KV of its generated tokens is not what a later request would compute
+        for the same tokens in its prompt (the next turn of a chat), so those blocks are
+        reused only by requests steered identically, phases included."""
+        return steering_digest([s for s in self.steer if s.phase != "all"])
+
+    def to_payload(self) -> dict[str, Any]:
+        payload: dict[str, Any] = {"v": PAYLOAD_VERSION, "key": self.key}
+        if self.steer:
+            payload["steer"] = [s.to_payload() for s in self.steer]
+        if self.cache_salt is not None:
+            payload["salt"] = self.cache_salt
+        if self.decode_salt is not None:
+            payload["decode_salt"] = self.decode_salt
+        if self.hooks:
+            payload["hooks"] = [h.to_payload() for h in self.hooks]
+        if self.fault is not None:
+            payload["fault"] = self.fault
+        if self.capture is not None:
+            payload["capture"] = self.capture.to_payload()
+        if self.points:
+            payload["points"] = [c.to_payload() for c in self.points]
+        if self.sink is not None:
+            payload["sink"] = self.sink.to_payload()
+        if self.stream:
+            payload["stream"] = True
+        return payload
+
+    @classmethod
+    def from_payload(cls, payload: Any) -> LensRequest:
+        """Decode a payload written by :meth:`to_payload` (raises ``ValueError`` otherwise)."""
+        if not isinstance(payload, Mapping) or payload.get("v") != PAYLOAD_VERSION:
+            raise ValueError(f"not a vllm-lens v{PAYLOAD_VERSION} payload")
+        capture = None
+        if (c := payload.get("capture")) is not None:
+            capture = CaptureSpec.from_payload(c)
+        points = tuple(CaptureSpec.from_payload(c) for c in payload.get("points", ()))
+        steer = tuple(SteerSpec.from_payload(d) for d in payload.get("steer", ()))
+        hooks = tuple(HookSpec.from_payload(d) for d in payload.get("hooks", ()))
+        fault = payload.get("fault")
+        sink = payload.get("sink")
+        return cls(key=str(payload["key"]), capture=capture, steer=steer, hooks=hooks,
+                   fault=None if fault is None else str(fault), points=points,
+                   sink=None if sink is None else SinkSpec.from_payload(sink),
+                   stream=bool(payload.get("stream", False)))
+
+
+def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
+    """Cheap check: does this request ask for anything vllm-lens does?"""
+    return bool(extra_args) and any(extra_args.get(k) is not None for k in LENS_KEYS)
+
+
+def parse_extra_args(
+    extra_args: Mapping[str, Any] | None,
+    facts: Callable[[], ModelFacts],
+    *,
+    request_id: str | None = None,
+    presets: Mapping[str, tuple[SteerSpec, ...]] | None = None,
+) -> tuple[dict[str, Any], LensRequest | None]:
+    """Split ``extra_args`` into (the caller's other keys, the validated lens request).
+
+    ``facts`` is called only when a lens key is present, so plain requests never ask the
+    workers anything. Returns the non-lens keys untouched and ``None`` when no lens key is set.
+    ``presets``: the engine's named steering presets, which ``"preset:<name>"`` selects.
+
+    Raises:
+        LensRequestError: a lens key is malformed, misspelt, or unusable on this model.
+    """
+    rest = dict(extra_args or {})
+    if PAYLOAD_KEY in rest:
+        raise LensRequestError(
+            PAYLOAD_KEY, "this extra_args key is reserved for vllm-lens itself", request_id=request_id
+        )
+    for name in rest:
+        if name not in LENS_KEYS and (close := difflib.get_close_matches(name, LENS_KEYS, 1, 0.8)):
+            raise LensRequestError(
+                name, f"unknown key; did you mean '{close[0]}'?", request_id=request_id
+            )
+    transport = rest.get(TRANSPORT_KEY)
+    if transport is not None and transport not in TRANSPORTS:
+        raise LensRequestError(TRANSPORT_KEY, f"unknown transport {transport!r}; use 'json' or "
+                               "'binary'", request_id=request_id)
+    raw_capture = rest.pop(CAPTURE_KEY, None)
+    raw_points = rest.pop(ACTIVATIONS_KEY, None)
+    raw_qk = rest.pop(QK_KEY, None)
+    if raw_points is False:
+        raw_points = None
+    raw_steer = rest.pop(STEER_KEY, None)
+    raw_hooks = rest.pop(HOOKS_KEY, None)
+    raw_sink = rest.pop(SINK_KEY, None)
+    raw_stream = rest.pop(STREAM_KEY, None)
+    fault = parse_fault(rest.pop(faults.FAULT_KEY, None), request_id)
+    if raw_capture is False:
+        raw_capture = None
+    if raw_qk is False:
+        raw_qk = None
+    asked = [(k, v) for k, v in ((CAPTURE_KEY, raw_capture), (ACTIVATIONS_KEY, raw_points),
+                                 (QK_KEY, raw_qk), (STEER_KEY, raw_steer), (HOOKS_KEY, raw_hooks))
+             if v is not None]
+    if not asked:
+        for key, value in ((SINK_KEY, raw_sink), (STREAM_KEY, raw_stream)):
+            if value is not None and value not in (False, "false", "0"):
+                raise LensRequestError(key, "asks for captured rows, but the request captures "
+                                       f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY} or "
+                                       f"{QK_KEY})", request_id=request_id)
+        return rest, None
+    facts = facts()
+    check_engine(facts, asked[0][0], hooks=raw_hooks is not None, request_id=request_id)
+    capture = None if raw_capture is None else parse_capture(raw_capture, facts, request_id)
+    points = () if raw_points is None else parse_points(raw_points, facts, request_id)
+    if raw_qk is not None:
+        points = (*points, *parse_qk(raw_qk, facts, request_id))
+    steer = () if raw_steer is None else parse_steering_key(raw_steer, facts, request_id,
+                                                          presets or {})
+    hooks = () if raw_hooks is None else parse_hooks(raw_hooks, facts, request_id)
+    captures = points if capture is None else (capture, *points)
+    sink = None if raw_sink is None else parse_sink(raw_sink, captures, facts, request_id)
+    stream = parse_stream(raw_stream, captures, sink, facts, request_id)
+    return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
+                             fault=fault, points=points, sink=sink, stream=stream)
+
+
+def reuse_parsed(
+    extra_args: Mapping[str, Any] | None, parsed_from: Mapping[str, Any], lens: LensRequest
+) -> tuple[dict[str, Any], LensRequest] | None:
+    """``parse_extra_args(extra_args)`` without parsing again, when its lens values are those
+    ``lens`` was parsed from (``parsed_from``): the same spec under a fresh key. ``None`` if
+    they differ."""
+    own = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, SINK_KEY, STREAM_KEY,
+           faults.FAULT_KEY)
+    extra_args = extra_args or {}
+    if any(extra_args.get(k) != parsed_from.get(k) for k in own) or PAYLOAD_KEY in extra_args:
+        return None
+    rest = {k: v for k, v in extra_args.items() if k not in own}
+    return rest, dataclasses.replace(lens, key=uuid.uuid4().hex)
+
+
+def check_engine(facts: ModelFacts, field: str, *, hooks: bool,
+                 request_id: str | None = None) -> None:
+    """Refuse lens work this engine cannot do (``field`` names the key that asked for it).
+
+    Raises:
+        UnsupportedConfigError: the engine's configuration is not supported, or hooks were
+            asked for under speculative decoding.
+        UnsupportedModelError: the model class is not supported.
+    """
+    if facts.unsupported is not None:
+        raise UnsupportedConfigError(
+            field, f"lens requests are refused on this engine: {facts.unsupported} "
+            "(plain requests still work)", request_id=request_id)
+    if hooks and facts.speculative:
+        raise UnsupportedConfigError(
+            HOOKS_KEY, "hooks are refused while speculative decoding is on (they would run on "
+            "draft tokens the sampler may reject); capture and steering work; start the "
+            "engine without speculative_config to use hooks", request_id=request_id)
+    if not facts.mapped:
+        raise UnsupportedModelError(
+            field,
+            f"vllm-lens does not support model class {facts.model_class} "
+            f"({facts.unmapped or 'its decoder layers are not mapped'}; see 'Model families' "
+            "in the README); lens features are refused for it (plain requests still work)",
+            request_id=request_id,
+        )
+    if facts.pp_size > 1 and facts.model_class not in PIPELINE_PROVEN:
+        raise UnsupportedConfigError(
+            field, f"pipeline parallelism (pipeline_parallel_size={facts.pp_size}) is proven "
+            f"only on {', '.join(sorted(PIPELINE_PROVEN))}, not on {facts.model_class}; use "
+            "tensor parallelism (tested on every family) or one stage", request_id=request_id)
+
+
+#: Model classes whose lens features the suite runs under pipeline parallelism.
+PIPELINE_PROVEN = frozenset({"LlamaForCausalLM"})
+
+
+def parse_fault(raw: Any, request_id: str | None) -> str | None:
+    if raw is None:
+        return None
+    if not envs.test_faults():
+        raise LensRequestError(faults.FAULT_KEY, "fault injection is for the test suite only "
+                               "(VLLM_LENS_TEST_FAULTS=1)", request_id=request_id)
+    if raw not in faults.STAGES:
+        raise LensRequestError(faults.FAULT_KEY, f"unknown stage {raw!r}; use one of "
+                               f"{', '.join(faults.STAGES)}", request_id=request_id)
+    return raw

@@ -1,0 +1,302 @@
+"""Steering: ``apply_steering_vectors`` (vectors, presets, replacements, phases, conditions)
+-> ``SteerSpec`` / ``GateSpec``, and the digest that salts the prefix cache (runs in: front
+end; decoded again in workers from the payload). Every tensor a client sends is sized against
+the model and charged to one decode budget before it is decompressed."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_lens import envs, wire
+from vllm_lens import points as tap_points
+from vllm_lens.errors import LensRequestError, UnsupportedConfigError
+from vllm_lens.spec.facts import ModelFacts
+from vllm_lens.spec.fields import (
+    layer_rule,
+    parse_write_point,
+    position_rule,
+    sorted_indices,
+)
+from vllm_lens.spec.keys import PRESET_PREFIX, STEER_KEY
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    """A steering vector's condition: its scale is multiplied per token by
+    ``sigmoid(sharpness * (h · probe - threshold))``, ``h`` read at (``layer``, ``point``)."""
+
+    layer: int
+    point: str
+    threshold: float
+    sharpness: float
+    probe: bytes
+    """``wire.dumps`` of the ``(hidden,)`` probe."""
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"layer": self.layer, "point": self.point, "threshold": self.threshold,
+                "sharpness": self.sharpness, "probe": self.probe}
+
+    @classmethod
+    def from_payload(cls, d: Mapping[str, Any]) -> GateSpec:
+        return cls(layer=int(d["layer"]), point=str(d["point"]), threshold=float(d["threshold"]),
+                   sharpness=float(d["sharpness"]), probe=bytes(d["probe"]))
+
+
+@dataclass(frozen=True)
+class SteerSpec:
+    """One validated steering vector, in the form that travels to the workers."""
+
+    layers: tuple[int, ...]
+    vectors: bytes
+    """``wire.dumps`` of the activations: ``[n_layers, hidden]`` or ``[n_layers, n_pos, hidden]``
+    in the caller's dtype (the worker casts to the model dtype)."""
+    scale: float
+    norm_match: bool
+    positions: tuple[int, ...] | None
+    """Absolute positions of 3D rows; ``None`` for 2D vectors, which apply at every position."""
+    point: str = "resid_post"
+    """The tap point the vectors are added at (``points.STEERABLE``)."""
+    mode: str = "add"
+    """``add`` or ``replace`` (the stream at those rows becomes the vector)."""
+    phase: str = "all"
+    """``all``, ``prefill`` (prompt positions) or ``decode`` (generated positions)."""
+    condition: GateSpec | None = None
+    """Per-token gate of the addition, computed in the same forward pass."""
+
+    def to_payload(self) -> dict[str, Any]:
+        return {
+            "layers": list(self.layers), "vectors": self.vectors, "scale": self.scale,
+            "norm_match": self.norm_match, "point": self.point,
+            "positions": None if self.positions is None else list(self.positions),
+            "mode": self.mode, "phase": self.phase,
+            "condition": None if self.condition is None else self.condition.to_payload(),
+        }
+
+    @classmethod
+    def from_payload(cls, d: Mapping[str, Any]) -> SteerSpec:
+        positions = d["positions"]
+        return cls(
+            layers=tuple(int(x) for x in d["layers"]), vectors=bytes(d["vectors"]),
+            scale=float(d["scale"]), norm_match=bool(d["norm_match"]),
+            positions=None if positions is None else tuple(int(p) for p in positions),
+            point=str(d.get("point", "resid_post")), mode=str(d.get("mode", "add")),
+            phase=str(d.get("phase", "all")),
+            condition=None if d.get("condition") is None else GateSpec.from_payload(
+                d["condition"]),
+        )
+
+    def digest_into(self, digest: Any) -> None:
+        """Feed everything that decides what this vector does into ``digest``."""
+        digest.update(repr((self.layers, self.scale, self.norm_match, self.positions,
+                            self.point, self.mode, self.phase)).encode())
+        digest.update(self.vectors)
+        if self.condition is not None:
+            digest.update(repr(dataclasses.astuple(self.condition)).encode())
+
+
+def steering_digest(specs: Sequence[SteerSpec]) -> str | None:
+    if not specs:
+        return None
+    digest = hashlib.sha256()
+    for spec in specs:
+        spec.digest_into(digest)
+    return "vllm-lens:" + digest.hexdigest()[:32]
+
+
+def parse_steering_key(raw: Any, facts: ModelFacts, request_id: str | None,
+                    presets: Mapping[str, tuple[SteerSpec, ...]] | None = None,
+                    field: str = STEER_KEY) -> tuple[SteerSpec, ...]:
+    from vllm_lens.steering import SteeringVector
+
+    if isinstance(raw, str):
+        text = raw.strip()
+        if text.startswith("["):  # json.dumps([sv.model_dump(mode="json"), ...])
+            try:
+                raw = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise LensRequestError(field, f"not valid JSON ({exc.msg})",
+                                       request_id=request_id) from None
+        else:  # one SteeringVector.to_wire() string
+            raw = [text]
+    elif isinstance(raw, (SteeringVector, Mapping)):
+        raw = [raw]
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise LensRequestError(
+            field, "expected a non-empty list of SteeringVector objects, dicts or wire strings",
+            request_id=request_id)
+    specs = []
+    # Every tensor a client sends is charged against one budget before it is decompressed.
+    limit = wire.decode_limit(envs.max_decoded_bytes(),
+                              "VLLM_LENS_MAX_DECODED_BYTES (one request's steering tensors)",
+                              functools.partial(_check_steering_shape, facts))
+    with limit:
+        for i, item in enumerate(raw):
+            if isinstance(item, str) and item.startswith(PRESET_PREFIX):
+                specs.extend(_preset(item, presets, f"{field}[{i}]", request_id))
+            else:
+                specs.append(_parse_one_vector(item, facts, f"{field}[{i}]", request_id))
+    _check_replacements_apart(specs, facts, field, request_id)
+    return tuple(specs)
+
+
+def parse_steering(raw: Any, facts: ModelFacts, field: str) -> tuple[SteerSpec, ...]:
+    """Validate steering vectors against the model outside a request (a preset being
+    registered): the forms ``apply_steering_vectors`` takes, errors naming ``field``."""
+    return parse_steering_key(raw, facts, None, None, field)
+
+
+def _preset(item: str, presets: Mapping[str, tuple[SteerSpec, ...]] | None, where: str,
+            request_id: str | None) -> tuple[SteerSpec, ...]:
+    name = item.removeprefix(PRESET_PREFIX)
+    if presets is None:
+        raise LensRequestError(where, f"{item!r}: a preset cannot be selected here (a preset "
+                               "holds vectors, not other presets)", request_id=request_id)
+    found = presets.get(name)
+    if found is None:
+        known = ", ".join(sorted(presets)) or "none are registered"
+        raise LensRequestError(where, f"unknown steering preset {name!r} ({known})",
+                               request_id=request_id)
+    return found
+
+
+def _check_replacements_apart(specs: Sequence[SteerSpec], facts: ModelFacts, field: str,
+                              request_id: str | None) -> None:
+    """Two ``replace`` vectors may not write the same rows of one site of one layer (two
+    points read at one site, e.g. ``mlp_out`` and ``resid_post``, write the same tensor):
+    which one wins would be an accident of order. Linear in the positions named."""
+    # (layer, site) -> phase -> [index of a vector writing every position, {position: index}]
+    written: dict[tuple[int, str], dict[str, list[Any]]] = {}
+    for i, spec in enumerate(specs):
+        if spec.mode != "replace":
+            continue
+        site = tap_points.site_of(spec.point, split=facts.split)
+        phases = ("all", "prefill", "decode") if spec.phase == "all" else ("all", spec.phase)
+        for layer in spec.layers:
+            by_phase = written.setdefault((layer, site), {})
+            for phase in phases:
+                everywhere, at = by_phase.get(phase, (None, {}))
+                clash = everywhere if everywhere is not None else (
+                    next(iter(at.values()), None) if spec.positions is None else
+                    next((at[p] for p in spec.positions if p in at), None))
+                if clash is not None:
+                    raise LensRequestError(
+                        f"{field}[{i}]", f"replaces rows of layer {layer} at the {site} site "
+                        f"that {field}[{clash}] replaces too; give each (layer, position) one "
+                        "replacement", request_id=request_id)
+            mine = by_phase.setdefault(spec.phase, [None, {}])
+            if spec.positions is None:
+                mine[0] = i
+            else:
+                mine[1].update((p, i) for p in spec.positions)
+
+
+def _check_steering_shape(facts: ModelFacts, shape: list[int]) -> None:
+    """A steering tensor's declared shape, vetted against the model before decompression: the
+    activations (2D or 3D) or a condition's probe (1D)."""
+    if len(shape) == 1:
+        if shape[0] != facts.hidden_size:
+            raise wire.WireError(f"a probe of {shape[0]} values, but the model's hidden size "
+                                 f"is {facts.hidden_size}")
+        return
+    if len(shape) not in (2, 3):
+        raise wire.WireError(f"activations must be 2D or 3D, got shape {shape}")
+    if shape[-1] != facts.hidden_size:
+        raise wire.WireError(f"hidden size is {shape[-1]} but the model's is {facts.hidden_size}")
+    if shape[0] > facts.n_layers:
+        raise wire.WireError(f"{shape[0]} rows of layers, but the model has {facts.n_layers} "
+                             "layers (and a layer may appear once)")
+    if len(shape) == 3 and shape[1] > facts.max_model_len:
+        raise wire.WireError(f"{shape[1]} positions, but the model's context is "
+                             f"{facts.max_model_len}")
+
+
+def _parse_one_vector(item: Any, facts: ModelFacts, where: str,
+                      request_id: str | None) -> SteerSpec:
+    from pydantic import ValidationError
+
+    from vllm_lens.steering import SteeringVector
+
+    try:
+        if isinstance(item, SteeringVector):
+            sv = item
+        elif isinstance(item, Mapping):
+            sv = SteeringVector.model_validate(dict(item))
+        elif isinstance(item, str):
+            sv = SteeringVector.from_wire(item)
+        else:
+            raise ValueError(f"expected a SteeringVector, dict or wire string, got "
+                             f"{type(item).__name__}")
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise LensRequestError(f"{where}.{loc}" if loc else where,
+                               err["msg"].removeprefix("Value error, "),
+                               request_id=request_id) from None
+    except ValueError as exc:  # WireError included
+        raise LensRequestError(where, str(exc), request_id=request_id) from None
+    return _check_against_model(sv, facts, where, request_id)
+
+
+def _check_against_model(sv: Any, facts: ModelFacts, where: str,
+                         request_id: str | None) -> SteerSpec:
+    hidden = sv.activations.shape[-1]
+    if hidden != facts.hidden_size:
+        raise LensRequestError(
+            f"{where}.activations",
+            f"hidden size is {hidden} but the model's is {facts.hidden_size}",
+            request_id=request_id)
+    positions = sv.positions
+    if positions is not None:
+        sorted_indices(positions, f"{where}.position_indices", position_rule(facts), request_id)
+    if sv.layer_indices == [-1]:  # the token embeddings: the stream entering layer 0
+        layers = (0,)
+        point = parse_write_point("resid_pre", facts, f"{where}.hook_point", request_id)
+    else:
+        sorted_indices(sv.layer_indices, f"{where}.layer_indices", layer_rule(facts),
+                        request_id)
+        layers = tuple(sv.layer_indices)
+        point = parse_write_point(sv.hook_point, facts, f"{where}.hook_point", request_id)
+    condition = None
+    if sv.condition is not None:
+        condition = _parse_condition(sv.condition, layers, point, facts, f"{where}.condition",
+                                     request_id)
+    return SteerSpec(
+        layers=layers, vectors=wire.dumps(sv.activations), scale=sv.scale,
+        norm_match=sv.norm_match, positions=None if positions is None else tuple(positions),
+        point=point, mode=sv.mode, phase=sv.phase, condition=condition,
+    )
+
+
+def _parse_condition(cond: Any, layers: tuple[int, ...], point: str, facts: ModelFacts,
+                     where: str, request_id: str | None) -> GateSpec:
+    """A steering condition, checked against the model and against the layers it gates: it
+    must be read before the earliest steered (layer, site) in the same forward pass."""
+    if facts.pp_size > 1:
+        raise UnsupportedConfigError(
+            where, f"conditional steering under pipeline parallelism (pipeline_parallel_size="
+            f"{facts.pp_size}) is not yet proven (the gate may be read on another stage than "
+            "the one it steers); use pipeline_parallel_size=1", request_id=request_id)
+    width = cond.probe.shape[-1]
+    if width != facts.hidden_size:
+        raise LensRequestError(f"{where}.probe", f"hidden size is {width} but the model's is "
+                               f"{facts.hidden_size}", request_id=request_id)
+    (layer,) = sorted_indices([cond.layer], f"{where}.layer", layer_rule(facts), request_id)
+    read = parse_write_point(cond.point, facts, f"{where}.point", request_id)
+
+    def order(at_layer: int, at_point: str) -> tuple[int, int]:
+        return at_layer, tap_points.SITES.index(tap_points.site_of(at_point, split=facts.split))
+
+    first = min(order(steered, point) for steered in layers)
+    if order(layer, read) > first:
+        raise LensRequestError(
+            f"{where}.layer", f"the condition is read at layer {layer} {read}, after the "
+            f"steering it gates (layer {first[0]} {point}); read it at or before the steered "
+            "layer, in the same forward pass", request_id=request_id)
+    return GateSpec(layer=layer, point=read, threshold=float(cond.threshold),
+                    sharpness=float(cond.sharpness), probe=wire.dumps(cond.probe))

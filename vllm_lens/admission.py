@@ -11,7 +11,7 @@ the request's size: its prompt length (known once the engine input is tokenized)
   ``"generated[-5:]"`` keep only their last positions, see ``positions.Selector.held_bound``);
 - a named hook that declares ``max_rows = (ENV_VAR, default)`` (``logit_lens_topk``) may run on
   at most that many rows: hooked layers × positions × ``n`` (hooked requests compute every
-  position, prefix cache or not).
+  position, prefix cache or not), summed over all of the request's hooks of that name.
 """
 
 from __future__ import annotations
@@ -103,20 +103,28 @@ def check_admission(lens: LensRequest, facts: ModelFacts, prompt_len: int | None
     from vllm_lens import named_hooks
 
     positions = _lengths(facts, prompt_len, max_tokens)["all"]
+    # A factory's rows are summed over every hook of the request that names it: copies of
+    # one hook cost what one hook on all their layers would.
+    layers_by_name: dict[str, int] = {}
+    copies: dict[str, int] = {}
     for i, hook in enumerate(lens.hooks):
         limit = getattr(named_hooks.load(hook.name), "max_rows", None) if hook.name else None
         if limit is None:
             continue
         setting, default = limit
         cap = _int_setting(setting, default)
-        rows = len(hook.layers) * positions * max(1, n)
+        layers = layers_by_name[hook.name] = layers_by_name.get(hook.name, 0) + len(hook.layers)
+        copies[hook.name] = copies.get(hook.name, 0) + 1
+        rows = layers * positions * max(1, n)
         if rows > cap:
+            together = (f", {copies[hook.name]} hooks named so together"
+                        if copies[hook.name] > 1 else "")
             raise LensRequestError(
                 f"{HOOKS_KEY}[{i}]",
-                f"named hook {hook.name!r} would run on up to {rows:,} rows ({len(hook.layers)} "
-                f"layers x {positions} positions" + (f" x n={n}" if n > 1 else "") + "), above "
-                f"this server's {setting} ({cap:,}); hook fewer layers, lower max_tokens, or "
-                "raise the setting", request_id=request_id)
+                f"named hook {hook.name!r} would run on up to {rows:,} rows ({layers} layers x "
+                f"{positions} positions" + (f" x n={n}" if n > 1 else "") + f"{together}), "
+                f"above this server's {setting} ({cap:,}); hook fewer layers, lower "
+                "max_tokens, or raise the setting", request_id=request_id)
 
 
 def _int_setting(name: str, default: int) -> int:

@@ -38,6 +38,10 @@
   server registers before it serves (``frontend.presets``).
 - ``VLLM_LENS_ALLOW_STEERING_ROUTES``: ``1`` enables ``/v1/steering/register`` and
   ``/v1/steering/unregister`` (a preset steers every client that selects it: off by default).
+- ``VLLM_LENS_MAX_STEERING_VECTORS``: most steering vectors one request may carry, presets
+  expanded (default 256); a preset's tensors also count towards ``VLLM_LENS_MAX_DECODED_BYTES``.
+- ``VLLM_LENS_MAX_HOOKS``: most hooks one request may carry (default 32); the rows of a named
+  hook that declares ``max_rows`` are summed over all of the request's hooks of that name.
 - ``VLLM_LENS_MAX_SWEEP_CELLS``: most (layer, position) cells one ``patching_sweep`` may ask
   for (default 4096), each one engine request.
 - ``VLLM_LENS_HOOK_RESULTS_MAX``: results of persistent hooks kept per worker, in requests
@@ -51,7 +55,8 @@ import os
 __all__ = [
     "allow_persistent_hooks", "allow_pickled_hooks", "allow_steering_routes", "disabled",
     "finished_ttl_s", "hook_results_max", "http_store_max_bytes", "http_store_ttl_s",
-    "max_capture_bytes", "max_decoded_bytes", "max_request_bytes", "max_sweep_cells",
+    "max_capture_bytes", "max_decoded_bytes", "max_hooks", "max_request_bytes",
+    "max_steering_vectors", "max_sweep_cells",
     "shm_handoff", "steering_presets_path", "test_faults", "worker_max_bytes",
 ]
 
@@ -78,6 +83,14 @@ def allow_steering_routes() -> bool:
 
 def max_sweep_cells() -> int:
     return int(os.environ.get("VLLM_LENS_MAX_SWEEP_CELLS", "4096"))
+
+
+def max_steering_vectors() -> int:
+    return int(os.environ.get("VLLM_LENS_MAX_STEERING_VECTORS", "256"))
+
+
+def max_hooks() -> int:
+    return int(os.environ.get("VLLM_LENS_MAX_HOOKS", "32"))
 
 
 def steering_presets_path() -> str | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import math
 import contextvars
 import threading
 from collections.abc import Callable, Iterator
@@ -131,6 +132,33 @@ def decode_limit(max_bytes: int, what: str = "this request",
         yield
     finally:
         _budget.reset(token)
+
+
+def charge(blob: bytes) -> None:
+    """Charge the tensors ``blob`` (from :func:`dumps`) declares against the active
+    ``decode_limit`` without decompressing them: tensors validated earlier (a registered
+    preset) still count towards the request that uses them."""
+    budget = _budget.get()
+    if budget is None:
+        return
+    try:
+        obj = msgpack.unpackb(blob, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise WireError(f"payload is not valid msgpack: {exc!r}") from None
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict) and item.get(_TENSOR_TAG) is True:
+            try:
+                dtype, shape = item["dtype"], [_dim(s) for s in item["shape"]]
+                itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+            except (KeyError, TypeError, ValueError) as exc:
+                raise WireError(f"malformed tensor record: {exc!r}") from None
+            budget.take(math.prod(shape) * itemsize, shape, dtype)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def unpack_tensor(obj: dict[str, Any]) -> torch.Tensor:

@@ -212,3 +212,31 @@ def test_admission_bounds_named_hook_rows(monkeypatch):
     # The prompt's length unknown: bounded by the context (64 positions here).
     with pytest.raises(LensRequestError, match=r"3 layers x 64 positions"):
         check_admission(lens, FACTS, prompt_len=None, max_tokens=20, n=1)
+
+
+def test_a_request_carries_a_bounded_number_of_hooks(monkeypatch):
+    monkeypatch.setenv("VLLM_LENS_MAX_HOOKS", "3")
+    assert len(parse([NamedHook("logit_lens_topk", [0], {"k": 1})] * 3).hooks) == 3
+    with pytest.raises(LensRequestError, match=r"'apply_hooks'.* 4 hooks.*VLLM_LENS_MAX_HOOKS "
+                                               r"\(3\)"):
+        parse([NamedHook("logit_lens_topk", [0], {"k": 1})] * 4)
+    monkeypatch.delenv("VLLM_LENS_MAX_HOOKS")
+    with pytest.raises(LensRequestError, match=r"2,000 hooks.*VLLM_LENS_MAX_HOOKS \(32\)"):
+        parse(json.dumps([hook_to_json(NamedHook("logit_lens_topk", [0, 1, 2, 3],
+                                                 {"k": 1}))] * 2000))
+
+
+def test_admission_sums_a_named_hooks_rows_over_its_copies(monkeypatch):
+    """Copies of one row-bounded hook cost what one hook on all their layers would: two
+    copies on 3 layers each are refused where one passes."""
+    from vllm_lens.admission import check_admission
+
+    monkeypatch.setenv("VLLM_LENS_LOGIT_LENS_MAX_ROWS", "100")
+    one = NamedHook("logit_lens_topk", [0, 1, 2], {"k": 1})
+    check_admission(parse([one]), FACTS, prompt_len=10, max_tokens=20, n=1)  # 90 rows
+    with pytest.raises(LensRequestError, match=r"'apply_hooks\[1\]'.*180 rows \(6 layers x 30 "
+                                               r"positions, 2 hooks named so together\)"):
+        check_admission(parse([one, one]), FACTS, prompt_len=10, max_tokens=20, n=1)
+    # Other factories' hooks do not count towards it.
+    other = NamedHook("linear_probe", [0, 1, 2, 3], {"weight": [0.0] * 8})
+    check_admission(parse([other, one, other]), FACTS, prompt_len=10, max_tokens=20, n=1)

@@ -413,3 +413,41 @@ def test_conditional_vectors_parse_in_every_form():
 def test_malformed_probe_lists_are_value_errors():
     with pytest.raises(ValueError, match="list of floats"):
         sv(condition=cond(probe=[None]))
+
+
+def test_a_request_carries_a_bounded_number_of_vectors(monkeypatch):
+    monkeypatch.setenv("VLLM_LENS_MAX_STEERING_VECTORS", "4")
+    assert len(parse([sv()] * 4).steer) == 4
+    with pytest.raises(LensRequestError, match=r"apply_steering_vectors\[4\]'.*5 steering "
+                                               r"vectors.*VLLM_LENS_MAX_STEERING_VECTORS \(4\)"):
+        parse([sv()] * 5)
+
+
+def _with_presets(value, presets):
+    return parse_extra_args({"apply_steering_vectors": value}, lambda: FACTS,
+                            presets=presets)[1]
+
+
+def test_presets_count_towards_the_vector_cap_and_the_decoded_bytes(monkeypatch):
+    """A preset reference is short, but expands to its vectors: they count as the request's
+    own, so 50,000 references are refused at the first one past the cap, and a preset's
+    tensors are charged against VLLM_LENS_MAX_DECODED_BYTES like sent ones."""
+    from vllm_lens.spec import parse_steering
+
+    three = parse_steering([sv(), sv(layer_indices=[1]), sv(layer_indices=[3])], FACTS, "p")
+    presets = {"p": three}
+    assert len(_with_presets(["preset:p"] * 2, presets).steer) == 6
+    with pytest.raises(LensRequestError, match=r"apply_steering_vectors\[85\]'.*258 steering "
+                                               r"vectors.*\(256\)"):
+        _with_presets(["preset:p"] * 50_000, presets)
+    # Each vector here declares 1 x 8 float32 = 32 bytes: two references (192 bytes) fit in
+    # 200, a third does not.
+    monkeypatch.setenv("VLLM_LENS_MAX_DECODED_BYTES", "200")
+    assert len(_with_presets(["preset:p"] * 2, presets).steer) == 6
+    with pytest.raises(LensRequestError, match=r"apply_steering_vectors\[2\]'.*"
+                                               r"VLLM_LENS_MAX_DECODED_BYTES"):
+        _with_presets(["preset:p"] * 3, presets)
+    # A vector sent over the wire after them finds the budget the presets used.
+    with pytest.raises(LensRequestError, match=r"apply_steering_vectors\[2\]'.*"
+                                               r"VLLM_LENS_MAX_DECODED_BYTES"):
+        _with_presets(["preset:p", "preset:p", sv().to_wire()], presets)

@@ -63,6 +63,12 @@ def parse_hooks(raw: Any, facts: ModelFacts, request_id: str | None = None) -> t
     if not isinstance(raw, (list, tuple)) or not raw:
         raise LensRequestError(field, "expected a non-empty list of Hook or NamedHook objects "
                                "(or their JSON forms)", request_id=request_id)
+    most = envs.max_hooks()
+    if len(raw) > most:  # before any is parsed: each runs inside the shared forward pass
+        raise LensRequestError(field, f"{len(raw):,} hooks, above this server's "
+                               f"VLLM_LENS_MAX_HOOKS ({most:,}); give one hook more layers "
+                               "instead of one hook per layer, or raise the setting",
+                               request_id=request_id)
     return tuple(_parse_hook(item, facts, f"{field}[{i}]", request_id)
                  for i, item in enumerate(raw))
 

@@ -135,14 +135,40 @@ def parse_steering_key(raw: Any, facts: ModelFacts, request_id: str | None,
     limit = wire.decode_limit(envs.max_decoded_bytes(),
                               "VLLM_LENS_MAX_DECODED_BYTES (one request's steering tensors)",
                               functools.partial(_check_steering_shape, facts))
+    most = envs.max_steering_vectors()
     with limit:
         for i, item in enumerate(raw):
+            where = f"{field}[{i}]"
             if isinstance(item, str) and item.startswith(PRESET_PREFIX):
-                specs.extend(_preset(item, presets, f"{field}[{i}]", request_id))
+                found = _preset(item, presets, where, request_id)
+                _check_count(len(specs) + len(found), most, where, request_id)
+                for spec in found:  # a preset's tensors count as the request's own
+                    _charge(spec, where, request_id)
+                specs.extend(found)
             else:
-                specs.append(_parse_one_vector(item, facts, f"{field}[{i}]", request_id))
+                _check_count(len(specs) + 1, most, where, request_id)
+                specs.append(_parse_one_vector(item, facts, where, request_id))
     _check_replacements_apart(specs, facts, field, request_id)
     return tuple(specs)
+
+
+def _check_count(count: int, most: int, where: str, request_id: str | None) -> None:
+    """Refuse a request whose steering vectors (presets expanded) outnumber the setting:
+    every vector is decoded on every worker and steers inside the shared forward pass."""
+    if count > most:
+        raise LensRequestError(
+            where, f"brings the request to {count:,} steering vectors (presets expanded), "
+            f"above this server's VLLM_LENS_MAX_STEERING_VECTORS ({most:,}); add vectors that "
+            "share layers and positions into one, or raise the setting", request_id=request_id)
+
+
+def _charge(spec: SteerSpec, where: str, request_id: str | None) -> None:
+    try:
+        wire.charge(spec.vectors)
+        if spec.condition is not None:
+            wire.charge(spec.condition.probe)
+    except wire.WireError as exc:
+        raise LensRequestError(where, str(exc), request_id=request_id) from None
 
 
 def parse_steering(raw: Any, facts: ModelFacts, field: str) -> tuple[SteerSpec, ...]:

@@ -15,8 +15,9 @@ __all__ = ["FAULT_KEY", "STAGES", "InjectedFault", "check"]
 
 FAULT_KEY = "lens_test_fault"
 #: Where a fault can be injected, in the order a request meets them. ``step`` raises in the
-#: tap outside every per-request stage: the whole step's lens requests fail.
-STAGES = ("plan", "steer", "hooks", "capture", "step", "fetch", "handoff")
+#: tap outside every per-request stage: the whole step's lens requests fail. ``steer_groups``
+#: raises while the step's steering of every request is joined (``worker.steer``).
+STAGES = ("plan", "steer", "steer_groups", "hooks", "capture", "step", "fetch", "handoff")
 
 
 class InjectedFault(RuntimeError):

@@ -52,6 +52,31 @@ def test_a_failing_stage_fails_only_its_request(tiny_llm, tiny_ref, stage):
     _assert_clean_and_serving(tiny_llm, tiny_ref, clean)
 
 
+def test_a_failing_steering_build_leaves_the_steps_other_steered_requests_steered(tiny_llm):
+    """The step's steering is joined for every steered request at once; when that fails for
+    one request (its vectors too large for the device, say) the others stay steered."""
+    steer = SteeringVector(activations=torch.linspace(-4, 4, 128)[None], layer_indices=[1],
+                           scale=3.0)
+
+    def steered(fault=None):
+        extra = {"apply_steering_vectors": [steer], "output_residual_stream": [2]}
+        if fault is not None:
+            extra[FAULT_KEY] = fault
+        return SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args=extra)
+
+    alone = tiny_llm.generate([PROMPTS[1]], steered())[0]
+    faulty, other = tiny_llm.generate(PROMPTS, [steered("steer_groups"), steered()])
+    assert "failed at steer_groups" in str(faulty.lens_error)
+    assert other.lens_error is None
+    assert other.outputs[0].token_ids == alone.outputs[0].token_ids
+    rows = other.activations["residual_stream"]
+    assert max_relative_error(rows, alone.activations["residual_stream"]) <= 1e-4
+    unsteered = tiny_llm.generate([PROMPTS[1]], CLEAN)[0].activations["residual_stream"][1]
+    n = min(len(unsteered), rows.shape[1])
+    assert max_relative_error(rows[0, :n], unsteered[:n]) > 0.1  # the steering is there
+    assert tiny_llm.collective_rpc("lens_stats") == [IDLE]
+
+
 def test_a_failure_outside_the_per_request_stages_fails_the_steps_lens_requests(tiny_llm,
                                                                                tiny_ref):
     # Raised in the tap itself, where nothing pins it on one request: every lens request of

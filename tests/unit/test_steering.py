@@ -451,3 +451,25 @@ def test_presets_count_towards_the_vector_cap_and_the_decoded_bytes(monkeypatch)
     with pytest.raises(LensRequestError, match=r"apply_steering_vectors\[2\]'.*"
                                                r"VLLM_LENS_MAX_DECODED_BYTES"):
         _with_presets(["preset:p", "preset:p", sv().to_wire()], presets)
+
+
+def test_a_requests_2d_vectors_at_one_site_are_summed_before_they_are_expanded():
+    """200 plain 2D vectors at one layer add 200 x rows x hidden values if expanded one by
+    one; summed per (site, phase) first, the addition is rows x hidden, with the same
+    result. A decode-only vector keeps rows of its own, a 3D vector its positions."""
+    vectors = [sv(activations=torch.randn(1, H)) for _ in range(200)]
+    decode = sv(activations=torch.randn(1, H), phase="decode")
+    placed = sv(activations=torch.randn(1, 1, H), position_indices=[3])
+    lens = parse([*vectors, decode, placed])
+    cpu = torch.device("cpu")
+    s = RequestSlice(req_id="r", lens=lens, start=0, end=6, pos0=0, n_prompt=4)
+    groups = build_steer_groups([(s, [prepare(v, cpu, torch.float32) for v in lens.steer])],
+                                cpu, split=False)
+    group = groups[(2, "post")]
+    assert group.delta.shape == (6 + 2 + 1, H)  # every row, the 2 generated, position 3
+    hidden = torch.zeros(6, H)
+    apply_steering(group, hidden, None)
+    expected = torch.zeros(6, H) + sum(v.activations[0] for v in vectors)
+    expected[4:] += decode.activations[0]
+    expected[3] += placed.activations[0, 0]
+    torch.testing.assert_close(hidden, expected)

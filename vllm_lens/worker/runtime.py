@@ -319,9 +319,28 @@ class LensRuntime:
             for s, prepared in steered)
         if layout != self._steer_layout:
             self._steer_layout = ()  # a failed build leaves nothing stale behind
-            self._steer_groups = build_steer_groups(steered, device, split=self.split)
+            try:
+                self._steer_groups = build_steer_groups(steered, device, split=self.split)
+            except Exception:  # noqa: BLE001 -- e.g. out of device memory: find whose
+                self._steer_groups = build_steer_groups(self._buildable(steered, device),
+                                                        device, split=self.split)
+                return self._steer_groups  # layout left empty: rebuilt next step
             self._steer_layout = layout
         return self._steer_groups
+
+    def _buildable(self, steered: list[tuple[RequestSlice, list[PreparedSteer]]],
+                   device: torch.device) -> list[tuple[RequestSlice, list[PreparedSteer]]]:
+        """The steered requests whose groups build on their own; the others fail alone (one
+        request's steering too large for the device must not fail the step's others)."""
+        kept = []
+        for item in steered:
+            try:
+                build_steer_groups([item], device, split=self.split)
+            except Exception as exc:  # noqa: BLE001
+                self._fail([item[0].req_id], exc, "steer_groups")
+            else:
+                kept.append(item)
+        return kept
 
     def _prepared(self, s: RequestSlice, device: torch.device,
                   dtype: torch.dtype) -> list[PreparedSteer]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_lens import wire
+from vllm_lens import faults, wire
 from vllm_lens.points import POINTS, site_of
 from vllm_lens.spec import SteerSpec
 from vllm_lens.worker.plan import RequestSlice, device_index
@@ -121,6 +121,10 @@ def build_steer_groups(
     gated: dict[tuple[int, str], tuple[list[np.ndarray], list[torch.Tensor]]] = {}
     groups: dict[tuple[int, str], SteerGroup] = {}
     for s, prepared in slices:
+        faults.check(s.lens.fault, "steer_groups")
+        # A request's plain 2D vectors at one site and phase steer the same rows: summed
+        # first, they are expanded to those rows once, however many there are.
+        flat: dict[tuple[tuple[int, str], str], tuple[np.ndarray, torch.Tensor]] = {}
         for index, p in enumerate(prepared):
             offsets, vector_rows = _rows_for(p, s)
             if offsets.size == 0:
@@ -149,10 +153,19 @@ def build_steer_groups(
                 elif p.spec.norm_match:
                     groups[where].norm_matched.append(
                         (device_index(rows, device), vecs, p.spec.scale, point.with_residual))
+                elif vector_rows is None:
+                    summed = flat.get((where, p.spec.phase))
+                    vector = p.vectors[i].float()
+                    flat[(where, p.spec.phase)] = (
+                        rows, vector if summed is None else summed[1] + vector)
                 else:
                     row_lists, deltas = plain.setdefault(where, ([], []))
                     row_lists.append(rows)
                     deltas.append(vecs)
+        for (where, _), (rows, vector) in flat.items():
+            row_lists, deltas = plain.setdefault(where, ([], []))
+            row_lists.append(rows)
+            deltas.append(vector.to(prepared[0].vectors.dtype).expand(rows.size, -1))
     for where, parts in plain.items():
         groups[where].rows, groups[where].delta = _joined(*parts, device)
     for where, parts in gated.items():

@@ -44,6 +44,8 @@
   hook that declares ``max_rows`` are summed over all of the request's hooks of that name.
 - ``VLLM_LENS_MAX_SWEEP_CELLS``: most (layer, position) cells one ``patching_sweep`` may ask
   for (default 4096), each one engine request.
+- ``VLLM_LENS_MAX_CONCURRENT_SWEEPS``: ``/v1/lens/patching_sweep`` calls one API process runs
+  at once (default 2); more get HTTP 429. A sweep whose client disconnects is cancelled.
 - ``VLLM_LENS_HOOK_RESULTS_MAX``: results of persistent hooks kept per worker, in requests
   (default 10000); past it the oldest requests' results are dropped.
 """
@@ -55,7 +57,7 @@ import os
 __all__ = [
     "allow_persistent_hooks", "allow_pickled_hooks", "allow_steering_routes", "disabled",
     "finished_ttl_s", "hook_results_max", "http_store_max_bytes", "http_store_ttl_s",
-    "max_capture_bytes", "max_decoded_bytes", "max_hooks", "max_request_bytes",
+    "max_capture_bytes", "max_concurrent_sweeps", "max_decoded_bytes", "max_hooks", "max_request_bytes",
     "max_steering_vectors", "max_sweep_cells",
     "shm_handoff", "steering_presets_path", "test_faults", "worker_max_bytes",
 ]
@@ -83,6 +85,10 @@ def allow_steering_routes() -> bool:
 
 def max_sweep_cells() -> int:
     return int(os.environ.get("VLLM_LENS_MAX_SWEEP_CELLS", "4096"))
+
+
+def max_concurrent_sweeps() -> int:
+    return int(os.environ.get("VLLM_LENS_MAX_CONCURRENT_SWEEPS", "2"))
 
 
 def max_steering_vectors() -> int:

@@ -115,3 +115,62 @@ def test_server_refuses_bombs_and_oversized_captures_then_serves(smol_server):
     assert ok.status_code == 200 and ok.json()["choices"][0]["activations"]
     stats = httpx.get(base + "/v1/lens/stats").json()
     assert all(w["entries"] == 0 and w["records"] == 0 for w in stats["workers"])
+
+
+def test_server_refuses_request_level_floods_and_off_route_lens_keys_then_serves(smol_server):
+    """Limits per request, not only per item: thousands of hooks, tens of thousands of preset
+    references and hundreds of vectors are each a 400 naming the field and the setting before
+    anything is scheduled; lens keys on a route that would drop their results (the Responses
+    API) are a 400 naming the key; then the server serves others."""
+    from vllm_lens.hooks import hook_to_json
+    from vllm_lens import NamedHook
+
+    base = smol_server.base_url
+    hook = hook_to_json(NamedHook("logit_lens_topk", list(range(30)), {"k": 1}))
+    zero = SteeringVector(activations=torch.zeros(1, 576), layer_indices=[3]).to_wire()
+    floods = [
+        ({"apply_hooks": json_dumps([hook] * 2000)}, "apply_hooks", "VLLM_LENS_MAX_HOOKS (32)"),
+        ({"apply_steering_vectors": ["preset:calm"] * 50_000}, "apply_steering_vectors[256]",
+         "VLLM_LENS_MAX_STEERING_VECTORS (256)"),
+        ({"apply_steering_vectors": [zero] * 300}, "apply_steering_vectors[256]",
+         "VLLM_LENS_MAX_STEERING_VECTORS (256)"),
+    ]
+    for xargs, param, setting in floods:
+        r = httpx.post(base + "/v1/completions", timeout=60, json={
+            "prompt": PROMPT, "max_tokens": 2, "vllm_xargs": xargs})
+        assert r.status_code == 400, r.text[:500]
+        err = r.json()["error"]
+        assert err["param"] == param and setting in err["message"], err
+    # Copies of an all-layer logit lens over ~1,006 positions: 30,180 rows each, within the
+    # per-hook cap (65,536), three together past it.
+    r = httpx.post(base + "/v1/completions", timeout=60, json={
+        "prompt": PROMPT, "max_tokens": 1000, "vllm_xargs": {"apply_hooks": json_dumps(
+            [hook] * 3)}})
+    assert r.status_code == 400, r.text[:500]
+    err = r.json()["error"]
+    assert err["param"] == "apply_hooks[2]" and "3 hooks named so together" in err["message"]
+    r = httpx.post(base + "/v1/responses", timeout=60, json={
+        "model": _served_model(base), "input": "Say hi.", "max_output_tokens": 4,
+        "vllm_xargs": {"output_residual_stream": "[3]"}})
+    assert r.status_code == 400, r.text[:500]
+    err = r.json()["error"]
+    assert err["param"] == "output_residual_stream" and "/v1/completions" in err["message"]
+    ok = httpx.post(base + "/v1/completions", timeout=120, json={
+        "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+        "vllm_xargs": {"output_residual_stream": "[3]"}})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["activations"]
+    plain = httpx.post(base + "/v1/responses", timeout=120, json={
+        "model": _served_model(base), "input": "Say hi.", "max_output_tokens": 4})
+    assert plain.status_code == 200, plain.text[:500]
+    stats = httpx.get(base + "/v1/lens/stats").json()
+    assert all(w["entries"] == 0 and w["records"] == 0 for w in stats["workers"])
+
+
+def json_dumps(value) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def _served_model(base: str) -> str:
+    return httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]

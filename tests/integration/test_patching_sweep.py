@@ -127,3 +127,58 @@ def test_sweeps_past_the_cell_limit_are_refused_before_running(tiny_llm, monkeyp
     with pytest.raises(LensRequestError, match="VLLM_LENS_MAX_DECODED_BYTES"):
         tiny_llm.patching_sweep([1, 2, 3, 4], torch.zeros(4, 4, 128) + 0.1, [0, 1, 2, 3],
                                 [0, 1, 2, 3], {"prob": 1}, corrupt=[zeros])
+
+
+def test_sweep_route_is_bounded_limited_and_cancelled_with_its_client(smol_server):
+    """A sweep body past VLLM_LENS_MAX_REQUEST_BYTES is a 413 before it is read whole; a
+    third concurrent sweep is a 429 naming VLLM_LENS_MAX_CONCURRENT_SWEEPS; sweeps whose
+    clients give up are cancelled (their thousands of engine requests aborted, not run for
+    nobody): their slots free up, the workers hold nothing, and the server serves on."""
+    import threading
+
+    import httpx
+
+    from vllm_lens.client import _sweep_body
+
+    base = smol_server.base_url
+    url = base + "/v1/lens/patching_sweep"
+    r = httpx.post(url, content=b"[" + b" " * (2 << 20) + b"]", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "VLLM_LENS_MAX_REQUEST_BYTES" in r.text, r.text[:300]
+    # 30 layers x 100 positions = 3,000 engine requests of 100 tokens each: minutes of work.
+    ids = list(range(1000, 1100))
+    body = _sweep_body(ids, torch.full((30, 100, 576), 0.5), list(range(30)),
+                       list(range(100)), {"prob": 5}, None, "resid_post")
+    gave_up = []
+
+    def leaving_client():
+        try:
+            httpx.post(url, json=body, timeout=8)
+        except httpx.TimeoutException:
+            gave_up.append(True)
+
+    clients = [threading.Thread(target=leaving_client) for _ in range(2)]
+    for c in clients:
+        c.start()
+    for _ in range(50):  # both admitted: the workers hold their first variants' records
+        stats = httpx.get(base + "/v1/lens/stats", timeout=30).json()
+        if sum(w["records"] for w in stats["workers"]) > 0:
+            break
+        threading.Event().wait(0.1)
+    third = httpx.post(url, json=_sweep_body(ids[:4], torch.zeros(1, 1, 576), [3], [1],
+                                             {"prob": 5}, None, "resid_post"), timeout=60)
+    assert third.status_code == 429, third.text[:300]
+    assert "VLLM_LENS_MAX_CONCURRENT_SWEEPS=2" in third.json()["error"]["message"]
+    for c in clients:
+        c.join()
+    assert gave_up == [True, True]
+    small = None
+    for _ in range(120):  # the cancelled sweeps give their slots back
+        small = httpx.post(url, json=_sweep_body(ids[:4], torch.zeros(1, 1, 576), [3], [1],
+                                                 {"prob": 5}, None, "resid_post"), timeout=120)
+        if small.status_code != 429:
+            break
+        threading.Event().wait(0.5)
+    assert small.status_code == 200, small.text[:300]
+    stats = httpx.get(base + "/v1/lens/stats", timeout=30).json()
+    assert all(w["entries"] == 0 and w["records"] == 0 for w in stats["workers"]), stats

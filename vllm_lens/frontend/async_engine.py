@@ -26,7 +26,8 @@ from vllm_lens.frontend import response_scope
 from vllm_lens.frontend.collate import LensSession, discard_unread, facts_from_describe
 from vllm_lens.frontend.partial_fetch import PartialFetcher
 from vllm_lens.frontend.rpc import all_workers, pipelined
-from vllm_lens.spec import ModelFacts
+from vllm_lens.sinks.config import serves_http
+from vllm_lens.spec import LENS_KEYS, ModelFacts, has_lens_keys
 
 __all__ = ["install", "model_facts"]
 
@@ -55,6 +56,8 @@ def _wrap_generate(original):
         if session.needs_facts(target):
             await model_facts(self)
         scope = response_scope.current()
+        if serves_http() and not response_scope.on_lens_route():
+            _refuse_off_route(target)
         parsed = None if scope is None or scope.parsed is None else (scope.parsed_from,
                                                                       scope.parsed)
         try:
@@ -123,6 +126,21 @@ def _wrap_generate(original):
                     task.add_done_callback(_background.discard)
 
     return generate
+
+
+def _refuse_off_route(params: Any) -> None:
+    """Refuse lens keys that reached the engine by a route that does not return lens results
+    (the server's own routes refuse them first where they can: ``frontend.server``)."""
+    extra = getattr(params, "extra_args", None)
+    if has_lens_keys(extra):
+        key = next(k for k in extra if k in LENS_KEYS and extra[k] is not None)
+        raise LensRequestError(key, OFF_ROUTE)
+
+
+#: Why lens keys are refused outside the routes that return their results.
+OFF_ROUTE = ("lens keys are served on /v1/completions and /v1/chat/completions (and "
+             "vllm-lens's own /v1/lens routes); this route would run them and drop what they "
+             "return")
 
 
 def _partial_fetcher(engine: AsyncLLM) -> PartialFetcher:

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
-__all__ = ["error", "json_object"]
+__all__ = ["error", "json_object", "read_bounded"]
 
 
 async def json_object(raw_request: Request) -> dict[str, Any] | None:
@@ -22,10 +22,29 @@ async def json_object(raw_request: Request) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
+async def read_bounded(raw_request: Request, limit: int) -> bytes:
+    """The request body, read no further than ``limit`` bytes (``ValueError`` past it, also
+    when its declared length is larger: nothing more is read then)."""
+    declared = raw_request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ValueError(f"body of {int(declared):,} bytes, above {limit:,}")
+    body = bytearray()
+    async for chunk in raw_request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ValueError(f"body larger than {limit:,} bytes")
+    return bytes(body)
+
+
+#: OpenAI's error type names by status (the SDK maps the status to its exception class).
+_ERROR_TYPES = {HTTPStatus.FORBIDDEN: "PermissionDeniedError",
+                HTTPStatus.TOO_MANY_REQUESTS: "RateLimitError"}
+
+
 def error(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
           param: str | None = None) -> JSONResponse:
-    """An OpenAI-style error response (``PermissionDeniedError`` for 403)."""
+    """An OpenAI-style error response (``PermissionDeniedError`` for 403, ``RateLimitError``
+    for 429, ``BadRequestError`` otherwise)."""
     err = create_error_response(message, status_code=status, param=param,
-                                err_type="PermissionDeniedError"
-                                if status == HTTPStatus.FORBIDDEN else "BadRequestError")
+                                err_type=_ERROR_TYPES.get(status, "BadRequestError"))
     return JSONResponse(err.model_dump(), status_code=err.error.code)

@@ -26,6 +26,7 @@ corrupted run alone, "uncorrupted": metric of the prompt without ``corrupt``, "l
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,13 +35,14 @@ from typing import Any
 
 import torch
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from vllm import SamplingParams
 
 from vllm_lens import envs, wire
 from vllm_lens.errors import LensError, LensRequestError, UnsupportedConfigError
 from vllm_lens.frontend.collate import LensSession, facts_from_describe
-from vllm_lens.frontend.http_io import error, json_object
+from vllm_lens.frontend.http_io import error, read_bounded
+from vllm_lens.frontend import response_scope
 from vllm_lens.spec import ModelFacts, STEER_KEY, parse_steering
 
 __all__ = ["install", "router"]
@@ -242,34 +244,55 @@ async def _async_sweep(self: Any, prompt: Any, clean: Any, layers: Any, position
     # One variant failing (or the caller being cancelled) cancels the others, which aborts
     # their engine requests.
     try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(one(k, p)) for k, p in enumerate(plan.params)]
+        with response_scope.lens_route():  # the variants' tasks inherit the mark
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(one(k, p)) for k, p in enumerate(plan.params)]
     except BaseExceptionGroup as failed:
         raise failed.exceptions[0] from None
     return plan.result([task.result() for task in tasks])
 
 
+#: Sweeps running in this API process (``VLLM_LENS_MAX_CONCURRENT_SWEEPS`` bounds it).
+_running = 0
+
+
 @router.post("/v1/lens/patching_sweep")
-async def patching_sweep(raw_request: Request) -> JSONResponse:
-    size = len(await raw_request.body())
-    if size > envs.max_request_bytes():
-        return error(f"the sweep is {size} bytes, above this server's limit of "
-                     f"{envs.max_request_bytes()} (VLLM_LENS_MAX_REQUEST_BYTES)",
+async def patching_sweep(raw_request: Request) -> Response:
+    global _running
+    limit = envs.max_request_bytes()
+    try:  # bounded before it is read whole
+        raw = await read_bounded(raw_request, limit)
+    except ValueError as exc:
+        return error(f"the sweep's {exc}, this server's limit (VLLM_LENS_MAX_REQUEST_BYTES)",
                      HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-    body = await json_object(raw_request)
-    if body is None:
-        return error("expected a JSON object")
-    engine = raw_request.app.state.engine_client
     try:
-        result = await engine.patching_sweep(
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        return error("expected a JSON object")
+    most = envs.max_concurrent_sweeps()
+    if _running >= most:
+        return error(f"{_running} patching sweeps are running in this API process, its limit "
+                     f"(VLLM_LENS_MAX_CONCURRENT_SWEEPS={most}); retry when one has finished",
+                     HTTPStatus.TOO_MANY_REQUESTS)
+    engine = raw_request.app.state.engine_client
+    _running += 1
+    try:
+        sweep = asyncio.ensure_future(engine.patching_sweep(
             body.get("prompt"), body.get("clean"), body.get("layers"), body.get("positions"),
-            body.get("metric"), body.get("corrupt"), body.get("point", "resid_post"))
+            body.get("metric"), body.get("corrupt"), body.get("point", "resid_post")))
+        result = await _unless_client_leaves(sweep, raw_request)
     except LensRequestError as exc:
         return error(str(exc), param=exc.field)
     except ValueError as exc:  # vLLM's own validation of a variant
         return error(str(exc))
     except LensError as exc:
         return error(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR)
+    finally:
+        _running -= 1
+    if result is None:  # the client went away: nobody reads this
+        return Response(status_code=499)
 
     def finite(x: float) -> float | None:  # JSON has no NaN or infinity
         return x if math.isfinite(x) else None
@@ -278,6 +301,25 @@ async def patching_sweep(raw_request: Request) -> JSONResponse:
                                             for row in result["grid"].tolist()],
                          "corrupted": finite(result["corrupted"]),
                          "uncorrupted": finite(result["uncorrupted"])})
+
+
+async def _unless_client_leaves(sweep: asyncio.Future, raw_request: Request) -> Any:
+    """The sweep's result, or ``None`` once the client has disconnected, which cancels the
+    sweep: its variants' engine requests are aborted, not run to the end for nobody (vLLM's
+    own routes do this with ``with_cancellation``)."""
+    from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
+
+    gone = asyncio.ensure_future(listen_for_disconnect(raw_request))
+    try:
+        await asyncio.wait([sweep, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not sweep.done():
+            sweep.cancel()
+            await asyncio.wait([sweep])  # its aborts are sent before the route returns
+        gone.cancel()
+    if sweep.cancelled():
+        return None
+    return sweep.result()
 
 
 def install() -> None:

@@ -20,12 +20,33 @@ from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
 
-__all__ = ["ResponseScope", "current", "report", "report_partial"]
+__all__ = ["ResponseScope", "current", "lens_route", "on_lens_route", "report",
+           "report_partial"]
 
 #: What ``LensSession.attach`` found for one completion: ``activations``, ``hook_results``.
 Results = Mapping[str, Any]
 
 _current: ContextVar[ResponseScope | None] = ContextVar("vllm_lens_response_scope", default=None)
+#: Set while a route that returns what lens keys ask for is served without a scope of its own
+#: (``patching_sweep``). In an API process, lens keys reaching the engine on any other route
+#: (``/v1/responses``, transcriptions ...) are refused: the route would drop their results.
+_lens_route: ContextVar[bool] = ContextVar("vllm_lens_route", default=False)
+
+
+@contextlib.contextmanager
+def lens_route() -> Iterator[None]:
+    """Mark the requests sent inside the block as coming from a lens-aware route."""
+    token = _lens_route.set(True)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            _lens_route.reset(token)
+
+
+def on_lens_route() -> bool:
+    """Whether the request being served came by a route that returns lens results."""
+    return _lens_route.get() or _current.get() is not None
 
 
 def current() -> ResponseScope | None:

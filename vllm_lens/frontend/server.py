@@ -14,10 +14,13 @@ Nothing to configure: when the plugin loads in a process that builds the API ser
 - with ``"activations_transport": "binary"`` a choice carries a handle instead of the tensors
   (see ``vllm_lens.activations``); the bytes are served by ``GET /v1/lens/activations/{handle}``
   and freed by ``DELETE`` on the same path or when they expire;
-- adds ``GET /v1/lens/stats`` (bytes waiting in the binary store and on each worker) and the
+- adds ``GET /v1/lens/stats`` (bytes waiting in the binary store and on each worker; the
+  workers' figures are at most a second old, one worker call serving every GET meanwhile) and the
   persistent-hook routes ``/v1/hooks/{register, collect, clear, clear_results, prefetch,
   clear_prefetched}`` (``frontend.persistent_hooks``), which answer 403 unless the operator
   set ``VLLM_LENS_ALLOW_PERSISTENT_HOOKS=1`` (they see every client's traffic);
+- refuses lens keys on routes that would drop their results (``/v1/responses``,
+  ``/v1/messages``, transcriptions ...) with HTTP 400 naming the key;
 - refuses pickled hooks (per request or registered) with 403 unless the operator set
   ``VLLM_LENS_ALLOW_PICKLED_HOOKS=1``; named hooks need no opt-in. A hook that raises fails its
   HTTP request with a 500 whose message carries the hook's error and traceback summary.
@@ -58,10 +61,10 @@ from vllm_lens.errors import (
     SinkConflictError,
     SinkRefusedError,
 )
-from vllm_lens.frontend.async_engine import model_facts
+from vllm_lens.frontend.async_engine import OFF_ROUTE, model_facts
 from vllm_lens.frontend import patching, steering_routes
 from vllm_lens.frontend.collate import LensSession, join_rows
-from vllm_lens.frontend.http_io import json_object
+from vllm_lens.frontend.http_io import json_object, read_bounded
 from vllm_lens.frontend.blob_store import BlobStore
 from vllm_lens.frontend.rpc import all_workers
 from vllm_lens.frontend.response_scope import ResponseScope
@@ -111,6 +114,13 @@ def install() -> None:
 
     wrap_attribute(OpenAIServingCompletion, "create_completion", _wrap_endpoint(_COMPLETIONS))
     wrap_attribute(OpenAIServingChat, "create_chat_completion", _wrap_endpoint(_CHAT))
+    # Routes that take vllm_xargs but would drop what lens keys return: refused up front
+    # (400 naming the key). Any other route is refused by the engine wrapper (async_engine).
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
+
+    wrap_attribute(OpenAIServingResponses, "create_responses", _refuse_lens_keys)
+    wrap_attribute(AnthropicServingMessages, "create_messages", _refuse_lens_keys)
     wrap_attribute(app_module, "register_api_routers", _wrap_register_api_routers)
     wrap_attribute(entry_module, "init_app_state", _wrap_init_app_state)
 
@@ -195,6 +205,17 @@ def _wrap_endpoint(endpoint: _Endpoint):
         return serve
 
     return make
+
+
+def _refuse_lens_keys(original):
+    async def serve(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        xargs = getattr(request, "vllm_xargs", None) or {}
+        key = next((k for k in xargs if k in LENS_KEYS and xargs[k] is not None), None)
+        if key is not None:
+            return _request_error(LensRequestError(key, OFF_ROUTE))
+        return await original(self, request, *args, **kwargs)
+
+    return serve
 
 
 def _several_prompts(request: Any) -> bool:
@@ -392,22 +413,12 @@ def _not_found(handle: str) -> JSONResponse:
 _FETCH_BODY_MAX = 4096
 
 
-async def _read_small(raw_request: Request, limit: int) -> bytes:
-    """The request body, read no further than ``limit`` bytes (``ValueError`` past it)."""
-    body = bytearray()
-    async for chunk in raw_request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ValueError(f"body larger than {limit} bytes")
-    return bytes(body)
-
-
 @_router.post(FETCH_PATH)
 async def fetch_activations(raw_request: Request) -> Response:
     """The bytes of a handle named in the body (kept out of URLs and access logs); with
     ``"delete": true`` (the default) they are freed as they are served."""
     try:
-        body = await _read_small(raw_request, _FETCH_BODY_MAX)
+        body = await read_bounded(raw_request, _FETCH_BODY_MAX)
         request = json.loads(body)
         handle = valid_handle(request.get("handle"))
         delete = request.get("delete", True)
@@ -442,8 +453,24 @@ async def delete_activations(handle: str) -> Response:
 
 @_router.get("/v1/lens/stats")
 async def lens_stats(raw_request: Request) -> JSONResponse:
-    workers = await all_workers(raw_request.app.state.engine_client, "lens_stats")
+    workers = await _worker_stats(raw_request.app.state.engine_client)
     return JSONResponse({"store": store().stats(), "workers": workers})
+
+
+#: (when it was asked, the call) of the last ``lens_stats`` RPC: GETs within
+#: ``_STATS_INTERVAL_S`` of it share its answer, so polling the route costs the workers at
+#: most one call a second however many clients poll.
+_stats_call: tuple[float, asyncio.Future] | None = None
+_STATS_INTERVAL_S = 1.0
+
+
+async def _worker_stats(engine: Any) -> list[Any]:
+    global _stats_call
+    loop = asyncio.get_running_loop()
+    if _stats_call is None or loop.time() - _stats_call[0] > _STATS_INTERVAL_S or (
+            _stats_call[1].done() and _stats_call[1].exception() is not None):
+        _stats_call = (loop.time(), asyncio.ensure_future(all_workers(engine, "lens_stats")))
+    return await asyncio.shield(_stats_call[1])
 
 
 async def _hooks_call(raw_request: Request, name: str, *args: Any) -> JSONResponse:

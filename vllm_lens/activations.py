@@ -11,10 +11,11 @@ A choice of an OpenAI-style response carries ``"activations"`` in one of two for
 
 - **binary**: a handle to bytes the server keeps for a while::
 
-      {"transport": "binary", "handle": "…", "url": "/v1/lens/activations/…", "nbytes": 123,
+      {"transport": "binary", "handle": "…", "nbytes": 123,
        "shapes": {"residual_stream": [2, 9, 576], "positions": [9]}, "dtype": "float32"}
 
-  ``GET url`` returns ``application/octet-stream``: msgpack of the same dict, tensors as the
+  ``POST /v1/lens/activations/fetch`` with ``{"handle": …}`` (the handle stays out of URLs,
+  hence out of access logs) returns ``application/octet-stream``: msgpack of the same dict, tensors as the
   same records with raw (not base64) ``data`` (``wire.dumps``), read by
   :func:`decode_activation_bytes`.
 """
@@ -88,7 +89,6 @@ def binary_descriptor(acts: Mapping[str, Any], handle: str, nbytes: int) -> dict
     return {
         "transport": "binary",
         "handle": handle,
-        "url": f"{ACTIVATIONS_PATH}/{handle}",
         "nbytes": nbytes,
         "shapes": {k: list(v.shape) for k, v in tensors.items()},
         "dtype": None if stream is None else str(stream.dtype).removeprefix("torch."),

@@ -149,6 +149,8 @@ def test_binary_handles_are_freed_and_unknown_ones_are_404(smol_server):
     data = httpx.post(base + "/v1/completions", json=body, timeout=120).json()
     desc = data["choices"][0]["activations"]
     assert desc["transport"] == "binary" and len(desc["handle"]) >= 40
+    assert "url" not in desc  # nothing invites a GET that logs the handle
+    desc["url"] = f"/v1/lens/activations/{desc['handle']}"  # the GET route still serves it
     first = httpx.get(base + desc["url"])
     assert first.status_code == 200
     assert first.headers["content-type"] == "application/octet-stream"
@@ -279,7 +281,7 @@ def test_unfetched_binary_handles_expire(smol_server):
     time.sleep(float(SERVER_ENV["VLLM_LENS_HTTP_STORE_TTL_S"]) + 1)
     stats = httpx.get(base + "/v1/lens/stats").json()
     assert stats["store"] == {"entries": 0, "bytes": 0}
-    url = unfetched[0]["choices"][0]["activations"]["url"]
+    url = f"/v1/lens/activations/{unfetched[0]['choices'][0]['activations']['handle']}"
     assert httpx.get(base + url).status_code == 404
     assert all(w == IDLE for w in stats["workers"])
 

@@ -63,7 +63,8 @@ def test_binary_descriptor_and_bytes_round_trip():
     acts = {"residual_stream": torch.randn(1, 5, 8), "positions": torch.arange(5)}
     blob = wire.dumps(acts)
     desc = binary_descriptor(acts, "h" * 43, len(blob))
-    assert desc["url"].endswith("h" * 43) and desc["shapes"]["residual_stream"] == [1, 5, 8]
+    assert desc["handle"] == "h" * 43 and desc["shapes"]["residual_stream"] == [1, 5, 8]
+    assert "url" not in desc  # a URL would carry the handle into access logs
     assert desc["dtype"] == "float32"
     assert torch.equal(decode_activation_bytes(blob)["residual_stream"], acts["residual_stream"])
     with pytest.raises(WireError, match="fetch the bytes"):

@@ -65,3 +65,26 @@ def test_a_cancelled_request_does_not_stop_the_others(monkeypatch):
 
     assert asyncio.run(main()) == [{"b": {"": {}}}]
     assert discarded == [{"a": {"": {}}}]  # the cancelled request's rows are deleted
+
+
+def test_a_request_cancelled_after_its_answer_arrived_discards_its_rows(monkeypatch):
+    """The answer is set, then the waiter is cancelled before it runs again (a client gone
+    right after its partial fetch): its hand-off files are deleted, not left until the next
+    worker start."""
+    discarded = []
+    monkeypatch.setattr("vllm_lens.handoff.discard_fetched", discarded.append)
+    waiter = []
+
+    async def rpc(requests):
+        # Runs before the answer is set and the waiter woken: the cancel lands in between.
+        asyncio.get_running_loop().call_soon(waiter[0].cancel)
+        return [{key: {"": {"file": key}} for key, _ in requests}]
+
+    async def main():
+        fetcher = PartialFetcher(rpc)
+        waiter.append(asyncio.ensure_future(fetcher.fetch("a", {"": 1})))
+        with pytest.raises(asyncio.CancelledError):
+            await waiter[0]
+
+    asyncio.run(main())
+    assert discarded == [{"a": {"": {"file": "a"}}}]

@@ -41,7 +41,15 @@ class PartialFetcher:
             task = asyncio.ensure_future(self._run())
             _background.add(task)
             task.add_done_callback(_background.discard)
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # Cancelled after its answer arrived but before it ran again: nobody reads the
+            # rows, so their hand-off files go now rather than at the next worker start.
+            if future.done() and not future.cancelled() and future.exception() is None:
+                for part in future.result():
+                    handoff.discard_fetched(part)
+            raise
 
     async def _run(self) -> None:
         await asyncio.sleep(0)  # the other generators woken by this step ask meanwhile

@@ -160,6 +160,17 @@ CLASSES: dict[str, st.SearchStrategy[Case]] = {
         lambda n: ({HOOKS: json.dumps([hook_to_json(NamedHook(
             "linear_probe", [1], {"weight": [0.125] * n}))])}, HOOKS)),
     # --- the request as a whole -------------------------------------------------------------
+    # Each item within its own caps, the request past the per-request ones (defaults:
+    # VLLM_LENS_MAX_HOOKS 32, VLLM_LENS_MAX_STEERING_VECTORS 256).
+    "request: too many hooks": st.integers(33, 3000).map(
+        lambda n: ({HOOKS: json.dumps([hook_to_json(NamedHook("logit_lens_topk", [1],
+                                                              {"k": 1}))] * n)}, HOOKS)),
+    "request: too many vectors": st.integers(257, 400).map(
+        lambda n: ({STEER: [SteeringVector(activations=torch.zeros(1, HIDDEN),
+                                           layer_indices=[3]).to_wire()] * n}, STEER)),
+    # The server's preset expands past the cap; offline (no presets) it is unknown.
+    "request: too many preset references": st.integers(257, 50_000).map(
+        lambda n: ({STEER: ["preset:calm"] * n}, STEER)),
     "keys: misspelt lens key": st.sampled_from(
         ["output_residual_streams", "apply_steering_vector", "apply_hook"]).map(
         lambda k: ({k: "[1]"}, k)),
@@ -190,6 +201,11 @@ ADMISSION: dict[str, tuple[dict, str, dict]] = {
         {HOOKS: json.dumps([hook_to_json(NamedHook("logit_lens_topk", list(range(N_LAYERS)),
                                                    {"k": 1}))])},
         f"{HOOKS}[0]", {"max_tokens": 1000, "n": 4, "temperature": 1.0}),
+    # Each copy within the per-hook cap (30 layers x ~1,000 positions), three together past it.
+    "admission: copies of a row-bounded hook": (
+        {HOOKS: json.dumps([hook_to_json(NamedHook("logit_lens_topk", list(range(N_LAYERS)),
+                                                   {"k": 1}))] * 3)},
+        f"{HOOKS}[2]", {"max_tokens": 1000}),
 }
 
 

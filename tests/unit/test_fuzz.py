@@ -52,7 +52,8 @@ def test_admission_classes_are_refused_before_scheduling(name):
     xargs, field, body = ADMISSION[name]
     _, lens = parse_extra_args(xargs, lambda: FACTS)  # well-formed ...
     with pytest.raises(LensRequestError) as info:  # ... but too large for this server
-        check_admission(lens, FACTS, prompt_len=6, max_tokens=body["max_tokens"], n=body["n"])
+        check_admission(lens, FACTS, prompt_len=6, max_tokens=body["max_tokens"],
+                        n=body.get("n", 1))
     assert info.value.field == field
 
 

@@ -19,3 +19,47 @@ def smollm2_path() -> str:
 @pytest.fixture(scope="session")
 def tiny_path() -> str:
     return str(tiny_llama_dir())
+
+
+#: Session engines on SmolLM2: every test that uses one runs in the same pytest-xdist worker,
+#: so each starts once per run.
+_SMOL_FIXTURES = frozenset({"smol_llm", "smol_ref", "smol_server"})
+
+
+def engine_group(item: pytest.Item) -> str | None:
+    """The pytest-xdist group of a test: the tests that share an engine (a session engine,
+    a module's engine, one family's engine) share a group, hence a worker. Unit tests have
+    none (they start no engine) and go wherever there is room."""
+    path = item.path.as_posix()
+    if "/tests/integration/" not in path:
+        return None
+    module = item.path.stem
+    if module in ("test_families", "test_families_tp"):
+        return f"{module}[{item.callspec.params['family']}]"
+    if _SMOL_FIXTURES.intersection(item.fixturenames):
+        return "smollm2"
+    return module
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks into node ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``-n 2 --dist loadgroup`` (``make test``), one xdist group per engine
+    (``engine_group``); without xdist the marks do nothing."""
+    for item in items:
+        if (group := engine_group(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's hook tagged the node ids with their groups
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Refuse to run when the groups did not take (each engine would start in both workers):
+    a pytest / pytest-xdist pair whose node ids xdist cannot tag."""
+    if not session.config.getoption("loadgroup", False):
+        return
+    lost = [item.nodeid for item in session.items
+            if engine_group(item) is not None and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"pytest-xdist's loadgroup did not tag {lost[0]} (and {len(lost) - 1} more) with "
+            f"its engine group: pytest {pytest.__version__} is too new for the installed "
+            "pytest-xdist; install the versions of the test extra (pyproject.toml)")

@@ -144,17 +144,28 @@ def test_inspect_eval_scores_every_sample_and_logs_no_tensors(smol_server, smoll
 
 
 def _api_server_pids(model_path: str) -> list[int]:
+    """API servers of ``model_path`` started by this test process (its descendants: other
+    pytest-xdist workers may run servers of the same model meanwhile)."""
     import os
 
+    def parent(pid: int) -> int:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+
     pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().split(b"\0")
-        except OSError:
+            if b"vllm.entrypoints.openai.api_server" not in cmd or model_path.encode() not in cmd:
+                continue
+            ancestor = pid
+            while ancestor > 1 and ancestor != os.getpid():
+                ancestor = parent(ancestor)
+        except (OSError, ValueError, IndexError):
             continue
-        if b"vllm.entrypoints.openai.api_server" in cmd and model_path.encode() in cmd:
-            pids.append(int(pid))
+        if ancestor == os.getpid():
+            pids.append(pid)
     return pids
 
 

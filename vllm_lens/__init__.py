@@ -17,6 +17,7 @@ public names are the helpers a user imports.
 """
 
 from vllm_lens.errors import (
+    CapacityError,
     LensError,
     LensExecutionError,
     LensRequestError,
@@ -33,6 +34,7 @@ from vllm_lens.steering import SteeringVector
 from vllm_lens.sink_control import flush_sinks
 
 __all__ = [
+    "CapacityError",
     "CaptureSpec",
     "Hook",
     "HookContext",

@@ -7,7 +7,8 @@
 - ``VLLM_LENS_FINISHED_TTL_S``: seconds a finished request's rows wait for their fetch before
   the worker drops them (default 600): covers aborted requests and front ends that went away.
 - ``VLLM_LENS_HTTP_STORE_MAX_BYTES``: capacity of the OpenAI server's store behind the binary
-  transport (default 2 GiB); past it the oldest entries are evicted.
+  transport (default 2 GiB); a response that does not fit beside what it holds is refused
+  (``CapacityError``, HTTP 503), nobody else's entries evicted.
 - ``VLLM_LENS_HTTP_STORE_TTL_S``: seconds a binary-transport handle stays readable (default 300).
 - ``VLLM_LENS_MAX_REQUEST_BYTES``: largest lens value (e.g. steering vectors) the OpenAI server
   accepts in one request's ``vllm_xargs`` (default 64 MiB); larger ones get HTTP 400.

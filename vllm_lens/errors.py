@@ -13,6 +13,8 @@ Split by who is to blame, like vLLM's own ``vllm/exceptions.py``::
     │   │                              500); the engine and every other request carry on
     │   └── SinkConflictError          the sink refused the request's example: it conflicts
     │                                  with what its dataset holds (HTTP 409)
+    ├── CapacityError              a budget every client shares is full: this request's
+    │                              results are refused, nobody else's dropped (HTTP 503)
     ├── DatasetConflictError(ValueError)  an example that conflicts with its dataset (its key
     │                                  is there already; the dataset has other settings)
     └── WireError(ValueError)          bytes that do not decode as a vllm-lens payload
@@ -24,7 +26,7 @@ they expect and vLLM's OpenAI server turns it into a 400 response.
 from __future__ import annotations
 
 __all__ = [
-    "DatasetConflictError", "LensError", "LensExecutionError", "LensRequestError",
+    "CapacityError", "DatasetConflictError", "LensError", "LensExecutionError", "LensRequestError",
     "RemoteCodeRefusedError", "SinkConflictError", "SinkRefusedError", "UnsupportedConfigError",
     "UnsupportedModelError", "WireError",
 ]
@@ -88,6 +90,20 @@ class SinkConflictError(LensExecutionError):
     """The capture sink refused the request's example because it conflicts with its dataset
     (a key already written, examples with other settings): the caller's to fix by choosing
     another key or dataset; nothing was written."""
+
+
+class CapacityError(LensError):
+    """A budget that every client shares is full, so this request's results are refused
+    rather than another client's dropped to make room; retry once earlier results are
+    fetched or expired.
+
+    Attributes:
+        setting: the environment variable that sizes the budget.
+    """
+
+    def __init__(self, message: str, *, setting: str) -> None:
+        self.setting = setting
+        super().__init__(message)
 
 
 class DatasetConflictError(LensError, ValueError):

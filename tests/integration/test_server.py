@@ -334,13 +334,17 @@ def test_persistent_named_hooks_over_http(client):
     assert client.collect_hook_results() == {}
 
 
-def test_pickled_hooks_work_when_the_operator_opts_in(tiny_path):
+def test_operator_settings_pickled_hooks_and_a_full_binary_store(tiny_path):
+    """A server whose operator allows pickled hooks and keeps a small binary store: hooks run,
+    routes not opted into are 403; a full store refuses the newcomer (503 naming the setting)
+    and keeps every handle it holds readable."""
     from tests.integration.server import running_server
     from vllm_lens import Hook
 
-    with running_server(tiny_path, "--enforce-eager",
-                        env={"VLLM_LENS_ALLOW_PICKLED_HOOKS": "1"}) as server, \
+    env = {"VLLM_LENS_ALLOW_PICKLED_HOOKS": "1", "VLLM_LENS_HTTP_STORE_MAX_BYTES": str(48 << 10)}
+    with running_server(tiny_path, "--enforce-eager", env=env) as server, \
             LensClient(server.base_url) as c:
+        _full_store_refuses_the_newcomer(server.base_url)
         result = c.generate(PROMPT, max_tokens=3, ignore_eos=True,
                             hooks=[Hook(_pickled_hook, [1])])
         assert result.hook_results == {"0": {"n": len(result.prompt_token_ids) + 2}}
@@ -361,6 +365,31 @@ def test_pickled_hooks_work_when_the_operator_opts_in(tiny_path):
         assert info.value.status == 500 and "broken on purpose" in info.value.message
         assert info.value.param == "apply_hooks"
         assert c.generate(PROMPT, max_tokens=2).text is not None  # still serving, same connection
+
+
+def _full_store_refuses_the_newcomer(base: str) -> None:
+    # All 4 layers at ~12 positions, 2 KiB each per layer: ~20 KB a response (random floats
+    # hardly compress); two fit in 48 KiB, the third does not.
+    body = {"prompt": "The capital of France is a city", "max_tokens": 4, "temperature": 0,
+            "vllm_xargs": {"output_residual_stream": "true", "activations_transport": "binary"}}
+    handles = []
+    for _ in range(4):
+        r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        if r.status_code != 200:
+            break
+        handles.append(r.json()["choices"][0]["activations"]["handle"])
+    assert r.status_code == 503 and len(handles) >= 1, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert err["param"] == "VLLM_LENS_HTTP_STORE_MAX_BYTES" and "do not fit" in err["message"]
+    stream = httpx.post(base + "/v1/completions", json={**body, "stream": True}, timeout=120)
+    assert '"VLLM_LENS_HTTP_STORE_MAX_BYTES"' in stream.text and "[DONE]" in stream.text
+    for handle in handles:  # nothing held was evicted: each is fetched (and freed)
+        fetched = httpx.post(base + "/v1/lens/activations/fetch", json={"handle": handle},
+                             timeout=60)
+        assert fetched.status_code == 200 and len(fetched.content) > 10_000
+    again = httpx.post(base + "/v1/completions", json=body, timeout=120)
+    assert again.status_code == 200, again.text[:300]  # room again
+    assert httpx.get(base + "/v1/lens/stats").json()["store"]["entries"] == 1
 
 
 @pytest.mark.parametrize("transport", ["json", "binary"])

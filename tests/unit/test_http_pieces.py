@@ -15,12 +15,20 @@ from vllm_lens.frontend.blob_store import BlobStore
 from vllm_lens.frontend.response_scope import ResponseScope
 
 
-def test_store_evicts_oldest_past_its_byte_budget():
+def test_a_full_store_refuses_the_newcomer_and_keeps_what_it_holds():
+    from vllm_lens import CapacityError
+
     store = BlobStore(max_bytes=10, ttl_s=60)
     a, b = store.put(b"aaaa"), store.put(b"bbbb")
-    c = store.put(b"cccc")
-    assert store.get(a) is None and store.get(b) == b"bbbb" and store.get(c) == b"cccc"
+    with pytest.raises(CapacityError, match=r"holds 8 of its 10 bytes in 2 responses.*"
+                                            "VLLM_LENS_HTTP_STORE_MAX_BYTES") as info:
+        store.put(b"cccc")
+    assert info.value.setting == "VLLM_LENS_HTTP_STORE_MAX_BYTES"
+    assert store.get(a) == b"aaaa" and store.get(b) == b"bbbb"  # nobody else's is dropped
     assert store.stats() == {"entries": 2, "bytes": 8}
+    assert store.delete(a)  # fetched or deleted: room again
+    c = store.put(b"cccc")
+    assert store.get(c) == b"cccc" and store.get(b) == b"bbbb"
     with pytest.raises(ValueError, match="VLLM_LENS_HTTP_STORE_MAX_BYTES"):
         store.put(b"x" * 11)
 

@@ -1,8 +1,9 @@
 """Server-side store behind the binary transport (runs in: API server).
 
 Activations sent by handle wait here until the client fetches them. The store is bounded in
-bytes and every entry expires; when a new entry would not fit, the oldest ones are evicted
-first (a client that fetches promptly never notices). Handles are 256-bit random tokens, so a
+bytes and every entry expires; a new entry that does not fit is refused (``CapacityError``,
+HTTP 503 naming the setting) rather than another client's entries being evicted to make room:
+a handle a response named stays readable until it is fetched, deleted or expired. Handles are 256-bit random tokens, so a
 client can only read what its own response named. Expired entries are dropped lazily on every
 access, so an idle server holds at most what was stored before it went idle until its next
 request.
@@ -15,6 +16,8 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from vllm_lens.errors import CapacityError
 
 __all__ = ["BlobStore"]
 
@@ -36,7 +39,12 @@ class BlobStore:
         self._lock = threading.Lock()
 
     def put(self, data: bytes) -> str:
-        """Store ``data``; returns its handle. Raises ``ValueError`` if it can never fit."""
+        """Store ``data``; returns its handle.
+
+        Raises:
+            ValueError: ``data`` is larger than the whole store.
+            CapacityError: it does not fit beside the entries held now.
+        """
         if len(data) > self.max_bytes:
             raise ValueError(
                 f"activations of {len(data)} bytes exceed the binary store's capacity of "
@@ -45,8 +53,14 @@ class BlobStore:
         handle = secrets.token_urlsafe(32)
         with self._lock:
             self._expire(time.monotonic())
-            while self._nbytes + len(data) > self.max_bytes:
-                self._drop(next(iter(self._blobs)))
+            if self._nbytes + len(data) > self.max_bytes:
+                raise CapacityError(
+                    f"the binary store holds {self._nbytes:,} of its {self.max_bytes:,} bytes "
+                    f"in {len(self._blobs)} responses not fetched yet, and these activations "
+                    f"({len(data):,} bytes) do not fit (VLLM_LENS_HTTP_STORE_MAX_BYTES); fetch "
+                    "or delete earlier handles, let them expire (VLLM_LENS_HTTP_STORE_TTL_S), "
+                    "or use activations_transport 'json'",
+                    setting="VLLM_LENS_HTTP_STORE_MAX_BYTES")
             self._blobs[handle] = _Blob(data, time.monotonic() + self.ttl_s)
             self._nbytes += len(data)
         return handle

@@ -55,6 +55,7 @@ from vllm_lens.activations import (
     valid_handle,
 )
 from vllm_lens.errors import (
+    CapacityError,
     LensExecutionError,
     LensRequestError,
     RemoteCodeRefusedError,
@@ -194,11 +195,18 @@ def _wrap_endpoint(endpoint: _Endpoint):
             n = request.n or 1
             if hasattr(result, "choices"):
                 found = _with_partials(scope, result.id, n)
-                for choice in result.choices:
-                    if (results := found.get(choice.index)) is not None:
-                        for name, value in (await asyncio.to_thread(
-                                _encode_results, results, encode)).items():
-                            setattr(choice, name, value)
+                try:
+                    for choice in result.choices:
+                        if (results := found.get(choice.index)) is not None:
+                            for name, value in (await asyncio.to_thread(
+                                    _encode_results, results, encode)).items():
+                                setattr(choice, name, value)
+                except CapacityError as exc:  # refused, not someone else's evicted
+                    for choice in result.choices:  # the choices stored already are freed
+                        acts = getattr(choice, "activations", None)
+                        if isinstance(acts, dict) and acts.get("transport") == "binary":
+                            store().delete(acts["handle"])
+                    return _capacity_error(exc)
                 return result
             return _with_activation_chunks(result, scope, n, endpoint, encode, lens.stream)
 
@@ -309,6 +317,11 @@ def _request_error(exc: LensRequestError) -> ErrorResponse:
     return create_error_response(str(exc), param=exc.field)
 
 
+def _capacity_error(exc: CapacityError) -> ErrorResponse:
+    return create_error_response(str(exc), err_type="ServiceUnavailableError",
+                                 status_code=HTTPStatus.SERVICE_UNAVAILABLE, param=exc.setting)
+
+
 def _json_error(err: ErrorResponse) -> JSONResponse:
     return JSONResponse(err.model_dump(), status_code=err.error.code)
 
@@ -364,9 +377,14 @@ async def _with_activation_chunks(
                 if item == _DONE and header is not None:
                     for index, results in sorted(_with_partials(scope, header["id"],
                                                                 n).items()):
+                        try:
+                            fields = await asyncio.to_thread(_encode_results, results, encode)
+                        except CapacityError as exc:
+                            err = _capacity_error(exc)
+                            yield f"data: {json.dumps({'error': err.error.model_dump()})}\n\n"
+                            continue
                         choice = {"index": index, **endpoint.empty_choice,
-                                  "finish_reason": None,
-                                  **await asyncio.to_thread(_encode_results, results, encode)}
+                                  "finish_reason": None, **fields}
                         yield f"data: {json.dumps({**header, 'choices': [choice]})}\n\n"
                 yield item
 

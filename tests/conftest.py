@@ -35,7 +35,8 @@ def engine_group(item: pytest.Item) -> str | None:
         return None
     module = item.path.stem
     if module in ("test_families", "test_families_tp"):
-        return f"{module}[{item.callspec.params['family']}]"
+        # No brackets: xdist reads a group only after the node id's last "]".
+        return f"{module}-{item.callspec.params['family']}"
     if _SMOL_FIXTURES.intersection(item.fixturenames):
         return "smollm2"
     return module
@@ -56,8 +57,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     a pytest / pytest-xdist pair whose node ids xdist cannot tag."""
     if not session.config.getoption("loadgroup", False):
         return
-    lost = [item.nodeid for item in session.items
-            if engine_group(item) is not None and "@" not in item.nodeid]
+    lost = [item.nodeid for item in session.items if engine_group(item) is not None
+            and item.nodeid.rfind("@") < item.nodeid.rfind("]")]  # xdist's own reading
     if lost:
         raise pytest.UsageError(
             f"pytest-xdist's loadgroup did not tag {lost[0]} (and {len(lost) - 1} more) with "

@@ -135,13 +135,17 @@ def test_sinks_a_client_may_not_use_are_refused(sink_server, sink, status, probl
 
 def test_a_closed_sink_is_refused_on_routes_vllm_lens_does_not_wrap(sink_server):
     """The Responses API hands ``vllm_xargs`` to the engine without the completions and chat
-    wrappers: a sink not open to clients is still refused (by the engine wrapper)."""
+    wrappers: lens keys there are refused before anything runs (the route would drop what
+    they return), so a sink not open to clients is never written through it either."""
     server, root = sink_server
     response = httpx.post(server.base_url + "/v1/responses", timeout=300, json={
         "model": _model(server), "input": "Hi", "max_output_tokens": 2,
         "vllm_xargs": {"output_residual_stream": "[1]", "capture_sink": json.dumps(
             {"sink": "closed", "dataset": "d", "key": "k"})}})
-    assert "not open to HTTP clients" in response.text, response.text
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] in ("output_residual_stream", "capture_sink"), error
+    assert "/v1/completions" in error["message"]
     assert not (root / "closed").exists()
 
 

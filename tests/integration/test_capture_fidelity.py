@@ -137,6 +137,7 @@ def test_buffers_are_freed_after_many_requests(smol_llm, n_requests):
         assert stats == [IDLE]
 
 
+@pytest.mark.slow
 def test_plain_requests_in_compiled_mode_match_vllm_without_plugin(smol_llm, smollm2_path):
     """The traced graph with taps must not change plain requests (default compiled mode)."""
     from tests.integration.engines import generate_without_plugin

@@ -11,7 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow  # each test starts engines of its own
 
 
 def test_steering_example_moves_the_probe_and_writes_a_png(tmp_path):

@@ -6,10 +6,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.integration.reference import max_relative_error
 from vllm_lens import datasets
+
+pytestmark = pytest.mark.slow  # each test starts engines of its own
 
 ENGINE = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512",
           "--kv-cache-memory-bytes", str(256 << 20)]

@@ -56,6 +56,7 @@ def test_directives_are_parsed_from_the_line_above():
     assert second.kind is None and second.line == 8
 
 
+@pytest.mark.slow
 def test_offline_snippets_run_as_written(tmp_path):
     chain = _of_kind("run", "continue")
     assert chain[0].kind == "run"
@@ -75,6 +76,7 @@ def _port_in_use(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.slow
 def test_server_command_and_client_snippets(tmp_path):
     (server,) = _of_kind("server")
     if not (ROOT / ".venv" / "bin" / "python").exists():
@@ -115,6 +117,7 @@ def test_server_command_and_client_snippets(tmp_path):
         log.close()
 
 
+@pytest.mark.slow
 def test_quickstart_make_demo():
     (quickstart,) = _of_kind("quickstart")
     commands = [line.split("#")[0].strip() for line in quickstart.code.splitlines()]

@@ -79,3 +79,20 @@ def test_binary_descriptor_and_bytes_round_trip():
         decode_activations(desc)
     with pytest.raises(WireError):
         decode_activation_bytes(b"\x00garbage")
+
+
+def test_lens_keys_off_the_lens_routes_are_refused_only_when_they_ask_for_work():
+    """The engine wrapper's last line in an API process (routes that would drop lens
+    results): a transport alone, or keys set to false, ask for nothing and pass."""
+    from types import SimpleNamespace
+
+    from vllm_lens import LensRequestError
+    from vllm_lens.frontend.async_engine import _refuse_off_route
+
+    for harmless in ({"activations_transport": "binary"}, {"output_residual_stream": False},
+                     {"stream_activations": "false", "output_qk": 0}, None, {"seed": 1}):
+        _refuse_off_route(SimpleNamespace(extra_args=harmless))
+    with pytest.raises(LensRequestError, match="/v1/completions") as info:
+        _refuse_off_route(SimpleNamespace(extra_args={"activations_transport": "binary",
+                                                      "apply_steering_vectors": "[]"}))
+    assert info.value.field == "apply_steering_vectors"

@@ -27,7 +27,7 @@ from vllm_lens.frontend.collate import LensSession, discard_unread, facts_from_d
 from vllm_lens.frontend.partial_fetch import PartialFetcher
 from vllm_lens.frontend.rpc import all_workers, pipelined
 from vllm_lens.sinks.config import serves_http
-from vllm_lens.spec import LENS_KEYS, ModelFacts, has_lens_keys
+from vllm_lens.spec import ModelFacts, asks_for_work
 
 __all__ = ["install", "model_facts"]
 
@@ -131,9 +131,8 @@ def _wrap_generate(original):
 def _refuse_off_route(params: Any) -> None:
     """Refuse lens keys that reached the engine by a route that does not return lens results
     (the server's own routes refuse them first where they can: ``frontend.server``)."""
-    extra = getattr(params, "extra_args", None)
-    if has_lens_keys(extra):
-        key = next(k for k in extra if k in LENS_KEYS and extra[k] is not None)
+    key = asks_for_work(getattr(params, "extra_args", None))
+    if key is not None:
         raise LensRequestError(key, OFF_ROUTE)
 
 

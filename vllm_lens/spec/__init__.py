@@ -35,6 +35,7 @@ from vllm_lens.spec.keys import (
 )
 from vllm_lens.spec.request import (
     LensRequest,
+    asks_for_work,
     check_engine,
     has_lens_keys,
     parse_extra_args,
@@ -62,6 +63,7 @@ __all__ = [
     "HookSpec",
     "LensRequest",
     "ModelFacts",
+    "asks_for_work",
     "check_engine",
     "has_lens_keys",
     "parse_extra_args",

@@ -143,6 +143,30 @@ class LensRequest:
                    stream=bool(payload.get("stream", False)))
 
 
+#: The keys that ask for lens work (the others only say how to return it).
+_WORK_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, SINK_KEY, STREAM_KEY)
+
+
+def _asks_nothing(value: Any) -> bool:
+    """``None`` or false: as Python, as a JSON string, or as vllm_xargs' number 0."""
+    if value is None or value is False or (type(value) is int and value == 0):
+        return True
+    return isinstance(value, str) and value.strip().lower() in ("false", "0")
+
+
+def asks_for_work(extra_args: Mapping[str, Any] | None) -> str | None:
+    """The first key of ``extra_args`` that asks for lens work (capture, steering, hooks, a
+    sink, streamed rows), or ``None``: ``activations_transport`` alone, or keys set to false,
+    ask for nothing.
+
+    >>> asks_for_work({"activations_transport": "binary", "output_residual_stream": False})
+    >>> asks_for_work({"temperature": 0, "apply_hooks": "[]"})
+    'apply_hooks'
+    """
+    return next((key for key in extra_args or () if key in _WORK_KEYS
+                 and not _asks_nothing(extra_args[key])), None)
+
+
 def has_lens_keys(extra_args: Mapping[str, Any] | None) -> bool:
     """Cheap check: does this request ask for anything vllm-lens does?"""
     return bool(extra_args) and any(extra_args.get(k) is not None for k in LENS_KEYS)

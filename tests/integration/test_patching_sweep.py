@@ -163,16 +163,15 @@ def test_sweep_route_is_bounded_limited_and_cancelled_with_its_client(smol_serve
         c.start()
     small_body = _sweep_body(ids[:4], torch.zeros(1, 1, 576), [3], [1], {"prob": 5}, None,
                              "resid_post")
-    third = None
-    while any(c.is_alive() for c in clients):  # both big sweeps admitted: a third waits
-        third = httpx.post(url, json=small_body, timeout=60)
-        if third.status_code == 429:
+    while any(c.is_alive() for c in clients):  # until both big sweeps run
+        if httpx.get(base + "/v1/lens/stats", timeout=30).json()["sweeps"] == 2:
             break
-        threading.Event().wait(0.5)
+        threading.Event().wait(0.2)
+    third = httpx.post(url, json=small_body, timeout=60)
     for c in clients:
         c.join()
     assert outcomes == {0: "gave up", 1: "gave up"}, outcomes
-    assert third is not None and third.status_code == 429, third and third.text[:300]
+    assert third.status_code == 429, third.text[:300]
     assert "VLLM_LENS_MAX_CONCURRENT_SWEEPS=2" in third.json()["error"]["message"]
     small = None
     for _ in range(120):  # the cancelled sweeps give their slots back
@@ -183,3 +182,4 @@ def test_sweep_route_is_bounded_limited_and_cancelled_with_its_client(smol_serve
     assert small.status_code == 200, small.text[:300]
     stats = httpx.get(base + "/v1/lens/stats", timeout=30).json()
     assert all(w["entries"] == 0 and w["records"] == 0 for w in stats["workers"]), stats
+    assert stats["sweeps"] == 0

@@ -383,6 +383,11 @@ def _full_store_refuses_the_newcomer(base: str) -> None:
     assert err["param"] == "VLLM_LENS_HTTP_STORE_MAX_BYTES" and "do not fit" in err["message"]
     stream = httpx.post(base + "/v1/completions", json={**body, "stream": True}, timeout=120)
     assert '"VLLM_LENS_HTTP_STORE_MAX_BYTES"' in stream.text and "[DONE]" in stream.text
+    rows = {**body, "stream": True, "vllm_xargs": {**body["vllm_xargs"],
+                                                   "stream_activations": "true"}}
+    stream = httpx.post(base + "/v1/completions", json=rows, timeout=120)  # rows mid-stream
+    assert '"VLLM_LENS_HTTP_STORE_MAX_BYTES"' in stream.text, stream.text[-500:]
+    assert stream.text.rstrip().endswith("data: [DONE]")
     for handle in handles:  # nothing held was evicted: each is fetched (and freed)
         fetched = httpx.post(base + "/v1/lens/activations/fetch", json={"handle": handle},
                              timeout=60)

@@ -118,6 +118,11 @@ def _plan(facts: ModelFacts, tokenizer: Any, model_config: Any, prompt: Any, cle
                                           else [corrupt])
     if corrupt:
         specs = parse_steering(corrupt, facts, "corrupt")  # errors name the caller's field
+        if len(specs) + 1 > envs.max_steering_vectors():  # each cell adds its patch
+            raise LensRequestError(
+                "corrupt", f"{len(specs)} corrupting vectors and each cell's patch come to "
+                f"{len(specs) + 1} per variant, above this server's "
+                f"VLLM_LENS_MAX_STEERING_VECTORS ({envs.max_steering_vectors()})")
         # Every variant carries its own copy of the corruption to the engine: charge them all,
         # decoded (compressed sizes would let a compressible corruption through).
         total = cells * sum(_decoded_bytes(spec) for spec in specs)
@@ -256,6 +261,11 @@ async def _async_sweep(self: Any, prompt: Any, clean: Any, layers: Any, position
 _running = 0
 
 
+def running_sweeps() -> int:
+    """Sweeps this API process runs now (``/v1/lens/stats``)."""
+    return _running
+
+
 @router.post("/v1/lens/patching_sweep")
 async def patching_sweep(raw_request: Request) -> Response:
     global _running
@@ -307,16 +317,18 @@ async def _unless_client_leaves(sweep: asyncio.Future, raw_request: Request) -> 
     """The sweep's result, or ``None`` once the client has disconnected, which cancels the
     sweep: its variants' engine requests are aborted, not run to the end for nobody (vLLM's
     own routes do this with ``with_cancellation``)."""
-    from vllm.entrypoints.serve.utils.api_utils import listen_for_disconnect
+    async def disconnected() -> None:  # the body was read whole: only a disconnect is left
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
 
-    gone = asyncio.ensure_future(listen_for_disconnect(raw_request))
+    gone = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait([sweep, gone], return_when=asyncio.FIRST_COMPLETED)
     finally:
+        gone.cancel()
         if not sweep.done():
             sweep.cancel()
             await asyncio.wait([sweep])  # its aborts are sent before the route returns
-        gone.cancel()
     if sweep.cancelled():
         return None
     return sweep.result()

@@ -78,6 +78,7 @@ from vllm_lens.spec import (
     STEER_KEY,
     TRANSPORT_KEY,
     LensRequest,
+    asks_for_work,
     has_lens_keys,
     parse_extra_args,
 )
@@ -128,7 +129,7 @@ def install() -> None:
 
 def _wrap_register_api_routers(original):
     def register_api_routers(args: Any, app: Any, *rest: Any, **kwargs: Any) -> None:
-        mark_http_process()  # sinks not open to clients are refused on every route
+        mark_http_process()  # sinks not open to clients are refused on completions and chat
         original(args, app, *rest, **kwargs)
         app.include_router(_router)
         app.include_router(steering_routes.router)
@@ -217,8 +218,7 @@ def _wrap_endpoint(endpoint: _Endpoint):
 
 def _refuse_lens_keys(original):
     async def serve(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        xargs = getattr(request, "vllm_xargs", None) or {}
-        key = next((k for k in xargs if k in LENS_KEYS and xargs[k] is not None), None)
+        key = asks_for_work(getattr(request, "vllm_xargs", None))
         if key is not None:
             return _request_error(LensRequestError(key, OFF_ROUTE))
         return await original(self, request, *args, **kwargs)
@@ -322,6 +322,11 @@ def _capacity_error(exc: CapacityError) -> ErrorResponse:
                                  status_code=HTTPStatus.SERVICE_UNAVAILABLE, param=exc.setting)
 
 
+def _error_event(err: ErrorResponse) -> str:
+    """An error as a server-sent event, as vLLM's own streams send them."""
+    return f"data: {json.dumps({'error': err.error.model_dump()})}\n\n"
+
+
 def _json_error(err: ErrorResponse) -> JSONResponse:
     return JSONResponse(err.model_dump(), status_code=err.error.code)
 
@@ -373,15 +378,19 @@ async def _with_activation_chunks(
                     header = _chunk_header(item)
                 if (stream_rows and scope.partial and header is not None
                         and item.startswith("data: {")):
-                    item = await _with_rows(item, scope, header["id"], encode)
+                    try:
+                        item = await _with_rows(item, scope, header["id"], encode)
+                    except CapacityError as exc:  # rows it cannot hold: say so and stop
+                        yield _error_event(_capacity_error(exc))
+                        yield _DONE
+                        return  # closing vLLM's stream aborts the request
                 if item == _DONE and header is not None:
                     for index, results in sorted(_with_partials(scope, header["id"],
                                                                 n).items()):
                         try:
                             fields = await asyncio.to_thread(_encode_results, results, encode)
                         except CapacityError as exc:
-                            err = _capacity_error(exc)
-                            yield f"data: {json.dumps({'error': err.error.model_dump()})}\n\n"
+                            yield _error_event(_capacity_error(exc))
                             continue
                         choice = {"index": index, **endpoint.empty_choice,
                                   "finish_reason": None, **fields}
@@ -472,23 +481,34 @@ async def delete_activations(handle: str) -> Response:
 @_router.get("/v1/lens/stats")
 async def lens_stats(raw_request: Request) -> JSONResponse:
     workers = await _worker_stats(raw_request.app.state.engine_client)
-    return JSONResponse({"store": store().stats(), "workers": workers})
+    return JSONResponse({"store": store().stats(), "workers": workers,
+                         "sweeps": patching.running_sweeps()})
 
 
-#: (when it was asked, the call) of the last ``lens_stats`` RPC: GETs within
-#: ``_STATS_INTERVAL_S`` of it share its answer, so polling the route costs the workers at
-#: most one call a second however many clients poll.
-_stats_call: tuple[float, asyncio.Future] | None = None
+#: The last ``lens_stats`` call to the workers: GETs while it runs, and within
+#: ``_STATS_INTERVAL_S`` after it answered, share it, so polling the route costs the workers
+#: at most one call a second however many clients poll.
+_stats_call: asyncio.Future | None = None
+_stats_answered = 0.0
 _STATS_INTERVAL_S = 1.0
 
 
 async def _worker_stats(engine: Any) -> list[Any]:
-    global _stats_call
+    global _stats_call, _stats_answered
     loop = asyncio.get_running_loop()
-    if _stats_call is None or loop.time() - _stats_call[0] > _STATS_INTERVAL_S or (
-            _stats_call[1].done() and _stats_call[1].exception() is not None):
-        _stats_call = (loop.time(), asyncio.ensure_future(all_workers(engine, "lens_stats")))
-    return await asyncio.shield(_stats_call[1])
+    call = _stats_call
+    stale = (call is None or call.get_loop() is not loop
+             or (call.done() and (call.cancelled() or call.exception() is not None
+                                  or loop.time() - _stats_answered > _STATS_INTERVAL_S)))
+    if stale:
+        call = _stats_call = asyncio.ensure_future(all_workers(engine, "lens_stats"))
+
+        def answered(_: asyncio.Future) -> None:
+            global _stats_answered
+            _stats_answered = loop.time()
+
+        call.add_done_callback(answered)
+    return await asyncio.shield(call)
 
 
 async def _hooks_call(raw_request: Request, name: str, *args: Any) -> JSONResponse:

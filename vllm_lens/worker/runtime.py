@@ -322,8 +322,12 @@ class LensRuntime:
             try:
                 self._steer_groups = build_steer_groups(steered, device, split=self.split)
             except Exception:  # noqa: BLE001 -- e.g. out of device memory: find whose
-                self._steer_groups = build_steer_groups(self._buildable(steered, device),
-                                                        device, split=self.split)
+                kept = self._buildable(steered, device)
+                try:
+                    self._steer_groups = build_steer_groups(kept, device, split=self.split)
+                except Exception as exc:  # noqa: BLE001 -- each fits alone, not together
+                    self._fail([s.req_id for s, _ in kept], exc, "steer_groups")
+                    self._steer_groups = {}
                 return self._steer_groups  # layout left empty: rebuilt next step
             self._steer_layout = layout
         return self._steer_groups

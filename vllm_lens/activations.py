@@ -152,8 +152,9 @@ def decode_activations(
         return None if acts is None else decode_activations(acts)
     if is_binary_descriptor(x):
         raise WireError(
-            f"these activations were sent by handle ({x.get('url')}); fetch the bytes and "
-            "call decode_activation_bytes, or use LensClient, which does both"
+            f"these activations were sent by handle ({x.get('handle')!r}); fetch the bytes "
+            "(POST /v1/lens/activations/fetch with the handle) and call "
+            "decode_activation_bytes, or use LensClient, which does both"
         )
     return {k: wire.tensor_from_json(v) if _is_tensor_record(v) else v for k, v in x.items()}
 

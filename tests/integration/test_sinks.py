@@ -133,7 +133,7 @@ def test_sinks_a_client_may_not_use_are_refused(sink_server, sink, status, probl
     assert not (root / "open" / "batch").exists()
 
 
-def test_a_closed_sink_is_refused_on_routes_vllm_lens_does_not_wrap(sink_server):
+def test_a_closed_sink_is_never_reached_through_the_responses_route(sink_server):
     """The Responses API hands ``vllm_xargs`` to the engine without the completions and chat
     wrappers: lens keys there are refused before anything runs (the route would drop what
     they return), so a sink not open to clients is never written through it either."""

@@ -39,8 +39,8 @@ _serves_http = False
 
 def mark_http_process() -> None:
     """This process serves HTTP clients (vLLM's OpenAI server built its routes): from now on
-    every request naming a sink that is not open to clients is refused, whichever route it
-    came by."""
+    every request naming a sink that is not open to clients is refused (completions and chat;
+    the other routes refuse lens keys altogether)."""
     global _serves_http
     _serves_http = True
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-import math
 import contextvars
+import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -149,12 +149,8 @@ def charge(blob: bytes) -> None:
     while stack:
         item = stack.pop()
         if isinstance(item, dict) and item.get(_TENSOR_TAG) is True:
-            try:
-                dtype, shape = item["dtype"], [_dim(s) for s in item["shape"]]
-                itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
-            except (KeyError, TypeError, ValueError) as exc:
-                raise WireError(f"malformed tensor record: {exc!r}") from None
-            budget.take(math.prod(shape) * itemsize, shape, dtype)
+            _, shape, nbytes = _declared(item)
+            budget.take(nbytes, shape, item["dtype"])
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, list):
@@ -167,21 +163,17 @@ def unpack_tensor(obj: dict[str, Any]) -> torch.Tensor:
     The declared dtype × shape is checked (against ``decode_limit``, when one is active) before
     decompression, and decompression never produces more than that many bytes.
     """
+    dtype, shape, nbytes = _declared(obj)
     try:
-        dtype = DTYPES[obj["dtype"]]
-        shape = [_dim(s) for s in obj["shape"]]
         data = obj["data"]
         compression = obj.get("compression")
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError) as exc:
         raise WireError(f"malformed tensor record: {exc!r}") from None
-    if not isinstance(data, (bytes, bytearray)) or any(s < 0 for s in shape) or len(shape) > 8:
-        raise WireError("malformed tensor record: bad data, negative shape or more than 8 dims")
+    if not isinstance(data, (bytes, bytearray)):
+        raise WireError("malformed tensor record: bad data")
     if compression not in (None, "zstd"):
         raise WireError(f"malformed tensor record: unknown compression {compression!r}")
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
     budget = _budget.get()
     if budget is not None:
         budget.take(nbytes, shape, obj["dtype"])
@@ -196,6 +188,19 @@ def unpack_tensor(obj: dict[str, Any]) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     buffer = data if isinstance(data, bytearray) else bytearray(data)
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _declared(obj: Any) -> tuple[torch.dtype, list[int], int]:
+    """A tensor record's declared dtype, shape and size in bytes, validated (``WireError``)
+    without touching its data."""
+    try:
+        dtype = DTYPES[obj["dtype"]]
+        shape = [_dim(s) for s in obj["shape"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError(f"malformed tensor record: {exc!r}") from None
+    if any(s < 0 for s in shape) or len(shape) > 8:
+        raise WireError("malformed tensor record: negative shape or more than 8 dims")
+    return dtype, shape, math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def _dim(value: Any) -> int:

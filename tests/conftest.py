@@ -8,6 +8,30 @@ import pytest
 # test-only fault-injection key (vllm_lens.faults).
 os.environ.setdefault("VLLM_LENS_TEST_FAULTS", "1")
 
+
+def _give_each_xdist_worker_its_own_cores() -> None:
+    """vLLM's CPU worker pins its OpenMP threads to the cores ``VLLM_CPU_OMP_THREADS_BIND``
+    names; by default ("auto") that is every core but one kept for the front end, on a
+    2-core machine core 0 alone. Everything the worker starts inherits the pinning, Inductor's
+    compiler processes included, so with two pytest-xdist workers both workers' engines
+    compiled and ran on core 0 while core 1 sat idle (measured: 2026-11-25). Each xdist
+    worker gets its own share of the cores instead. A value set by the caller wins, and the
+    tests that need two ranks (TP/PP/DP) set their own for the engines they start."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    n_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or n_workers < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < n_workers:
+        return
+    share = len(cores) // n_workers
+    index = int(worker.removeprefix("gw")) % n_workers
+    mine = cores[index * share:(index + 1) * share]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
+
+
+_give_each_xdist_worker_its_own_cores()
+
 from vllm_lens.demo_models import smollm2_dir, tiny_llama_dir
 
 

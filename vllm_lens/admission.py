@@ -9,6 +9,10 @@ the request's size: its prompt length (known once the engine input is tokenized)
   most rows its selection can keep while the request runs × hidden × dtype bytes × ``n``
   (reductions happen at fetch time and do not shrink it; rolling windows such as
   ``"generated[-5:]"`` keep only their last positions, see ``positions.Selector.held_bound``);
+- a worker holds at most ``VLLM_LENS_WORKER_MAX_BYTES`` of captured rows: each request
+  reserves its bound (``capture_reservation``, carried in its payload) when it first runs on a
+  worker, and one that does not fit beside the reservations of the requests held there fails
+  at once, before any of its rows exist; nobody else's rows are dropped for it;
 - a named hook that declares ``max_rows = (ENV_VAR, default)`` (``logit_lens_topk``) may run on
   at most that many rows: hooked layers × positions × ``n`` (hooked requests compute every
   position, prefix cache or not), summed over all of the request's hooks of that name.
@@ -33,7 +37,7 @@ from vllm_lens.spec import (
     ModelFacts,
 )
 
-__all__ = ["capture_bound", "check_admission", "check_capture_size"]
+__all__ = ["capture_bound", "capture_reservation", "check_admission", "check_capture_size"]
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -64,6 +68,14 @@ def capture_bound(spec: CaptureSpec, facts: ModelFacts, prompt_len: int | None,
         rows = selector.held_bound(lengths[selector.base])
     itemsize = _ITEMSIZE.get(facts.dtype, 4)
     return rows, len(spec.layers) * rows * facts.row_width(spec.signal) * itemsize
+
+
+def capture_reservation(lens: LensRequest, facts: ModelFacts, prompt_len: int | None,
+                        max_tokens: int | None) -> int:
+    """Bytes a worker reserves for one sample of ``lens`` when it first runs: what its
+    captures together can hold at once (``capture_bound``), so that a worker admits only
+    requests whose rows all fit beside the others' (``VLLM_LENS_WORKER_MAX_BYTES``)."""
+    return sum(capture_bound(spec, facts, prompt_len, max_tokens)[1] for spec in lens.captures)
 
 
 def check_capture_size(specs: CaptureSpec | Sequence[CaptureSpec], facts: ModelFacts,

@@ -76,6 +76,27 @@ def test_worker_budget_fails_the_request_that_exceeds_it_alone(small_budget_llm)
         assert llm.collective_rpc("lens_stats") == [IDLE]
 
 
+def test_worker_budget_refuses_the_newcomer_not_the_running_request(small_budget_llm):
+    """Two captures of ~40 KiB each under a 64 KiB budget: each fits alone, not both. The
+    first to run reserves its share; the second fails at once, before any of its rows
+    exist, and the first is served in full (before reservations, whichever filed its rows
+    last failed, the one running longest included)."""
+    llm = small_budget_llm
+    prompt = " ".join(["word"] * 16)
+    first, second = llm.generate([prompt, prompt], _capture(max_tokens=4))
+    assert first.lens_error is None
+    assert first.activations["residual_stream"].shape[:2] == (4, len(first.prompt_token_ids) + 3)
+    assert isinstance(second.lens_error, LensExecutionError) and second.activations is None
+    message = str(second.lens_error)
+    assert "refused its capture" in message and "nobody else's rows were dropped" in message
+    assert "VLLM_LENS_WORKER_MAX_BYTES (65,536 bytes)" in message
+    assert list(second.outputs[0].token_ids) == list(first.outputs[0].token_ids)  # still ran
+    assert llm.collective_rpc("lens_stats") == [IDLE]
+    # Fetched, the first gave its share back: the same request is admitted again.
+    (again,) = llm.generate([prompt], _capture(max_tokens=4))
+    assert again.lens_error is None
+
+
 # --- over HTTP ----------------------------------------------------------------------------------
 
 PROMPT = "The capital of France is"

@@ -223,6 +223,29 @@ def test_unclaimed_finished_records_expire():
     assert len(table) == 0
 
 
+def test_capture_reservations_refuse_the_newcomer_and_come_back_when_records_go():
+    table = RequestTable(finished_ttl_s=60, max_bytes=100)
+
+    def lens(key: str, size: int) -> dict:
+        return LensRequest(key=key, reserve_bytes=size).to_payload()
+
+    first = table.lookup("r1", lens("k1", 60))
+    steered_only = table.lookup("r0", lens("k0", 0))  # no capture: reserves nothing
+    assert first.error is None and steered_only.error is None and table.reserved_bytes == 60
+    late = table.lookup("r2", lens("k2", 41))  # 60 + 41 > 100: the newcomer fails at once
+    assert "could hold up to 41 bytes" in late.error
+    assert "reserved 60 of VLLM_LENS_WORKER_MAX_BYTES (100 bytes)" in late.error
+    assert first.error is None and table.reserved_bytes == 60  # the running one keeps its share
+    assert table.lookup("r3", lens("k3", 40)).error is None and table.reserved_bytes == 100
+    table.finish_gone(live={"r3"})  # finished, not yet fetched: its rows are still held
+    assert table.reserved_bytes == 100
+    table.pop("k1")  # fetched: its reservation comes back
+    assert table.lookup("r4", lens("k4", 60)).error is None and table.reserved_bytes == 100
+    # A failed request's rows are discarded, so its reservation comes back too.
+    table.records["r4"].fail("boom", "capture")
+    assert table.reserved_bytes == 40
+
+
 def test_missing_rows_are_an_error_unless_a_worker_saw_the_request():
     from vllm_lens.frontend.collate import _missing_rows
 

@@ -9,6 +9,7 @@ engines differ only in how they call ``collective_rpc``, so everything else live
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ from vllm import SamplingParams
 from vllm.outputs import RequestOutput
 
 from vllm_lens import envs, handoff, wire
-from vllm_lens.admission import check_admission
+from vllm_lens.admission import capture_reservation, check_admission
 from vllm_lens.errors import LensExecutionError, LensRequestError, SinkConflictError
 from vllm_lens.hooks import HookError
 from vllm_lens.points import RESIDUAL_SIGNAL, SHARDED, SITES, shard_dim
@@ -320,8 +321,12 @@ class LensSession:
             raise LensRequestError(SINK_KEY, f"writes one example per request; n={params.n} "
                                    "samples would need one key each (send n requests)",
                                    request_id=request_id)
-        check_admission(lens, self._facts(), prompt_length(prompt), params.max_tokens,
-                        params.n, request_id)
+        facts = self._facts()
+        check_admission(lens, facts, prompt_length(prompt), params.max_tokens, params.n,
+                        request_id)
+        if lens.captures:
+            lens = dataclasses.replace(lens, reserve_bytes=capture_reservation(
+                lens, facts, prompt_length(prompt), params.max_tokens))
         engine_params = params.clone()
         engine_params.extra_args = {**rest, PAYLOAD_KEY: lens.to_payload()}
         if lens.hooks or any(c.wants_prompt_rows() for c in lens.captures):

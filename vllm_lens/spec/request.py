@@ -59,6 +59,11 @@ class LensRequest:
     """Where the workers write the captured rows instead of returning them."""
     stream: bool = False
     """Rows travel with every streamed output, not only the last."""
+    reserve_bytes: int = 0
+    """The most captured bytes one sample of the request can hold on a worker at once
+    (``admission.capture_reservation``), set by the front end after admission, never read
+    from the client: a worker reserves it from ``VLLM_LENS_WORKER_MAX_BYTES`` when the
+    request first runs, or fails the request at once if it does not fit."""
 
     @property
     def captures(self) -> tuple[CaptureSpec, ...]:
@@ -122,6 +127,8 @@ class LensRequest:
             payload["sink"] = self.sink.to_payload()
         if self.stream:
             payload["stream"] = True
+        if self.reserve_bytes:
+            payload["reserve"] = self.reserve_bytes
         return payload
 
     @classmethod
@@ -140,7 +147,8 @@ class LensRequest:
         return cls(key=str(payload["key"]), capture=capture, steer=steer, hooks=hooks,
                    fault=None if fault is None else str(fault), points=points,
                    sink=None if sink is None else SinkSpec.from_payload(sink),
-                   stream=bool(payload.get("stream", False)))
+                   stream=bool(payload.get("stream", False)),
+                   reserve_bytes=int(payload.get("reserve", 0)))
 
 
 #: The keys that ask for lens work (the others only say how to return it).

@@ -65,9 +65,17 @@ class RequestRecord:
 
 @dataclass
 class RequestTable:
-    """The records of this worker, keyed by vLLM request id."""
+    """The records of this worker, keyed by vLLM request id.
+
+    A request with captures reserves its ``LensRequest.reserve_bytes`` (the most its rows can
+    take at once) from ``max_bytes`` when its record is created, until the record is removed
+    or fails; one that does not fit beside the others' reservations fails at once, so a
+    worker's capture budget never fails a request that is already running. Every rank sees the
+    same requests in the same order and decides alike."""
 
     finished_ttl_s: float
+    max_bytes: int = 1 << 62
+    """``VLLM_LENS_WORKER_MAX_BYTES``."""
     records: dict[str, RequestRecord] = field(default_factory=dict)
     _closed: dict[str, float] = field(default_factory=dict)
     """Lens keys fetched or released -> when: a surplus step the scheduler ran before it saw
@@ -79,6 +87,11 @@ class RequestTable:
     @property
     def device_bytes(self) -> int:
         return sum(r.device_bytes for r in self.records.values())
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Capture bytes reserved by the records that have not failed."""
+        return sum(r.lens.reserve_bytes for r in self.records.values() if r.error is None)
 
     def lookup(self, req_id: str, payload: Any) -> RequestRecord | None:
         """The record of a scheduled request, created on its first step; ``None`` for a
@@ -96,6 +109,19 @@ class RequestTable:
             return None
         if lens.key in self._closed:
             return None
+        reserved = self.reserved_bytes
+        if lens.reserve_bytes and reserved + lens.reserve_bytes > self.max_bytes:
+            holders = sum(1 for r in self.records.values()
+                          if r.error is None and r.lens.reserve_bytes)
+            record = self.records[req_id] = RequestRecord(req_id, lens)
+            record.error = (
+                f"vllm-lens refused its capture: it could hold up to {lens.reserve_bytes:,} "
+                f"bytes on this worker, and the {holders} request(s) held here have reserved "
+                f"{reserved:,} of VLLM_LENS_WORKER_MAX_BYTES ({self.max_bytes:,} bytes); it "
+                "ran without lens work, and nobody else's rows were dropped for it. Retry "
+                "later, capture fewer layers or positions (or lower max_tokens), or raise the "
+                "setting")
+            return record
         record = self.records[req_id] = RequestRecord(req_id, lens)
         return record
 

@@ -66,7 +66,7 @@ class LensRuntime:
         self.split = split
         """The model's layers add to the stream themselves (``points``: split layouts)."""
         self.store = CaptureStore(envs.worker_max_bytes(), envs.finished_ttl_s())
-        self.requests = RequestTable(envs.finished_ttl_s())
+        self.requests = RequestTable(envs.finished_ttl_s(), envs.worker_max_bytes())
         self.params = ParameterSource(runner.get_model(), tp_size)
         self.persistent_specs: tuple[HookSpec, ...] = ()
         self.persistent_results: OrderedDict[str, HookState] = OrderedDict()

@@ -26,6 +26,7 @@ from vllm_lens.errors import (
     UnsupportedConfigError,
     UnsupportedModelError,
     WireError,
+    WorkerCapacityError,
 )
 from vllm_lens.hooks import Hook, HookContext, HookError, NamedHook
 from vllm_lens.spec import CaptureSpec
@@ -49,6 +50,7 @@ __all__ = [
     "UnsupportedConfigError",
     "UnsupportedModelError",
     "WireError",
+    "WorkerCapacityError",
     "decode_activations",
     "flush_sinks",
 ]

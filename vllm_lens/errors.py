@@ -11,8 +11,10 @@ Split by who is to blame, like vLLM's own ``vllm/exceptions.py``::
     │                                  clients (HTTP 403)
     ├── LensExecutionError             the worker failed while handling this request (HTTP
     │   │                              500); the engine and every other request carry on
-    │   └── SinkConflictError          the sink refused the request's example: it conflicts
-    │                                  with what its dataset holds (HTTP 409)
+    │   ├── SinkConflictError          the sink refused the request's example: it conflicts
+    │   │                              with what its dataset holds (HTTP 409)
+    │   └── WorkerCapacityError        a worker's shared budget had no room when the request
+    │                                  first ran: it ran without lens work (HTTP 503)
     ├── CapacityError              a budget every client shares is full: this request's
     │                              results are refused, nobody else's dropped (HTTP 503)
     ├── DatasetConflictError(ValueError)  an example that conflicts with its dataset (its key
@@ -28,7 +30,7 @@ from __future__ import annotations
 __all__ = [
     "CapacityError", "DatasetConflictError", "LensError", "LensExecutionError", "LensRequestError",
     "RemoteCodeRefusedError", "SinkConflictError", "SinkRefusedError", "UnsupportedConfigError",
-    "UnsupportedModelError", "WireError",
+    "UnsupportedModelError", "WireError", "WorkerCapacityError",
 ]
 
 
@@ -104,6 +106,21 @@ class CapacityError(LensError):
     def __init__(self, message: str, *, setting: str) -> None:
         self.setting = setting
         super().__init__(message)
+
+
+class WorkerCapacityError(LensExecutionError):
+    """A budget that a worker shares between clients had no room for this request when it
+    first ran there (its capture's reservation of ``VLLM_LENS_WORKER_MAX_BYTES``, a capture
+    sink's open datasets): the request ran without its lens work and nobody else's was
+    dropped for it; retry later.
+
+    Attributes:
+        setting: the setting that sizes the budget.
+    """
+
+    def __init__(self, message: str, *, setting: str, request_id: str | None = None) -> None:
+        self.setting = setting
+        super().__init__(message, request_id=request_id)
 
 
 class DatasetConflictError(LensError, ValueError):

@@ -1,7 +1,7 @@
 """Bounded under hostile input, on real engines: captures are admitted by size before they
-are scheduled, the worker refuses rows past its budget (failing that request alone, never
-dropping a finished request's rows), and bombs, oversized captures and foreign URLs get
-nowhere over HTTP."""
+are scheduled, the worker reserves each capture's bound and refuses a newcomer that does not
+fit (failing that request alone, never dropping a running or finished request's rows), and
+bombs, oversized captures and foreign URLs get nowhere over HTTP."""
 
 from __future__ import annotations
 
@@ -15,7 +15,13 @@ import zstandard
 from vllm import SamplingParams
 
 from tests.integration.engines import IDLE, env, running_llm
-from vllm_lens import LensExecutionError, LensRequestError, SteeringVector, wire
+from vllm_lens import (
+    LensExecutionError,
+    LensRequestError,
+    SteeringVector,
+    WorkerCapacityError,
+    wire,
+)
 
 LONG = " ".join(["word"] * 150)
 
@@ -86,7 +92,8 @@ def test_worker_budget_refuses_the_newcomer_not_the_running_request(small_budget
     first, second = llm.generate([prompt, prompt], _capture(max_tokens=4))
     assert first.lens_error is None
     assert first.activations["residual_stream"].shape[:2] == (4, len(first.prompt_token_ids) + 3)
-    assert isinstance(second.lens_error, LensExecutionError) and second.activations is None
+    assert isinstance(second.lens_error, WorkerCapacityError) and second.activations is None
+    assert second.lens_error.setting == "VLLM_LENS_WORKER_MAX_BYTES"
     message = str(second.lens_error)
     assert "refused its capture" in message and "nobody else's rows were dropped" in message
     assert "VLLM_LENS_WORKER_MAX_BYTES (65,536 bytes)" in message

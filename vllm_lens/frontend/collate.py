@@ -19,7 +19,12 @@ from vllm.outputs import RequestOutput
 
 from vllm_lens import envs, handoff, wire
 from vllm_lens.admission import capture_reservation, check_admission
-from vllm_lens.errors import LensExecutionError, LensRequestError, SinkConflictError
+from vllm_lens.errors import (
+    LensExecutionError,
+    LensRequestError,
+    SinkConflictError,
+    WorkerCapacityError,
+)
 from vllm_lens.hooks import HookError
 from vllm_lens.points import RESIDUAL_SIGNAL, SHARDED, SITES, shard_dim
 from vllm_lens.spec import (
@@ -385,6 +390,8 @@ class LensSession:
         errors: dict[str, str] = {}
         conflicts: set[str] = set()
         """Requests whose example the sink refused as conflicting with its dataset."""
+        capacity: dict[str, str] = {}
+        """Requests a worker's full budget refused -> the setting that sizes it."""
         seen: dict[str, set[str]] = {}
         held: set[str] = set()
         receipts: dict[str, dict[str, Any]] = {}
@@ -396,6 +403,8 @@ class LensSession:
                     errors[req_id] = parts["error"]
                     if parts.get("conflict"):  # (only when this is the error reported)
                         conflicts.add(req_id)
+                    if parts.get("capacity"):
+                        capacity[req_id] = str(parts["capacity"])
                 seen.setdefault(req_id, set()).update(parts.get("seen") or ())
                 if parts.get("held"):
                     held.add(req_id)
@@ -436,8 +445,12 @@ class LensSession:
                                       tp if c.signal in SHARDED else 1)
                         for c in lens.captures)), None)
             if error is not None:
-                kind = SinkConflictError if failed in conflicts else LensExecutionError
-                found["lens_error"] = kind(error, request_id=output.request_id)
+                if failed in capacity:
+                    found["lens_error"] = WorkerCapacityError(
+                        error, setting=capacity[failed], request_id=output.request_id)
+                else:
+                    kind = SinkConflictError if failed in conflicts else LensExecutionError
+                    found["lens_error"] = kind(error, request_id=output.request_id)
                 if lens.sink is not None:
                     found["capture_receipt"] = None
                 elif lens.captures:

@@ -61,6 +61,7 @@ from vllm_lens.errors import (
     RemoteCodeRefusedError,
     SinkConflictError,
     SinkRefusedError,
+    WorkerCapacityError,
 )
 from vllm_lens.frontend.async_engine import OFF_ROUTE, model_facts
 from vllm_lens.frontend import patching, steering_routes
@@ -183,6 +184,10 @@ def _wrap_endpoint(endpoint: _Endpoint):
                     return create_error_response(str(exc), err_type="ConflictError",
                                                  status_code=HTTPStatus.CONFLICT,
                                                  param=SINK_KEY)
+                except WorkerCapacityError as exc:  # a worker's shared budget was full
+                    return create_error_response(
+                        str(exc), err_type="ServiceUnavailableError",
+                        status_code=HTTPStatus.SERVICE_UNAVAILABLE, param=exc.setting)
                 except LensExecutionError as exc:  # the worker failed this request alone
                     return create_error_response(
                         str(exc), err_type="InternalServerError",

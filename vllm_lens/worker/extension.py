@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from vllm_lens import envs, faults, handoff, wire
-from vllm_lens.errors import DatasetConflictError
+from vllm_lens.errors import CapacityError, DatasetConflictError
 from vllm_lens.points import SHARDED
 from vllm_lens.spec import HookSpec
 from vllm_lens.worker.attention_taps import attention_meta
@@ -254,6 +254,8 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
         faults.check(record.lens.fault, "fetch")
         if record.error is not None:
             out[req_id] = {"error": record.error}
+            if record.capacity is not None:
+                out[req_id]["capacity"] = record.capacity
             continue
         out[req_id] = {"held": True}  # the request's lens work ran here (steering, hooks)
         if runtime.tp_rank == 0 and record.hooks is not None:
@@ -304,6 +306,8 @@ def _write_to_sink(runtime: LensRuntime, record: Any, by_signal: dict[str, Any],
     except Exception as exc:  # noqa: BLE001 - this request fails alone
         out[record.req_id] = {"error": f"vllm-lens failed at sink: {describe(exc)}",
                               "conflict": isinstance(exc, DatasetConflictError)}
+        if isinstance(exc, CapacityError):
+            out[record.req_id]["capacity"] = exc.setting
         return
     out.setdefault(record.req_id, {})["receipt"] = receipt
 

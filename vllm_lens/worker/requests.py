@@ -52,6 +52,8 @@ class RequestRecord:
     step, reported at fetch (``steering_gates``)."""
     error: str | None = None
     """The first failure of the lens path for this request (its message)."""
+    capacity: str | None = None
+    """Set with ``error`` when the failure is a full shared budget: the setting that sizes it."""
     finished_at: float | None = None
 
     @property
@@ -121,6 +123,7 @@ class RequestTable:
                 "ran without lens work, and nobody else's rows were dropped for it. Retry "
                 "later, capture fewer layers or positions (or lower max_tokens), or raise the "
                 "setting")
+            record.capacity = "VLLM_LENS_WORKER_MAX_BYTES"
             return record
         record = self.records[req_id] = RequestRecord(req_id, lens)
         return record

@@ -46,6 +46,8 @@ def sink_server(tiny_path, tmp_path_factory):
         "closed": {"root": str(root / "closed")},
         "small": {"root": str(root / "small"), "clients": True, "rows_per_shard": 100000,
                   "max_shard_bytes": 1 << 20, "flush_s": 0},
+        "few": {"root": str(root / "few"), "clients": True, "max_open_datasets": 2,
+                "idle_close_s": 3600, "rows_per_shard": 1},
     }
     with running_server(tiny_path, "--enforce-eager",
                         env={"VLLM_LENS_SINKS": json.dumps(sinks)}) as server:
@@ -107,6 +109,28 @@ def test_the_workers_write_the_rows_and_the_response_carries_a_receipt(sink_serv
     other = _post(server, output_residual_stream=[1],
                   capture_sink={"sink": "open", "dataset": "run-1", "key": "new"})
     assert other.status_code == 409 and "holds examples with layers=[1, 3]" in other.text
+
+
+def test_clients_rotating_dataset_names_are_refused_past_max_open_datasets(sink_server):
+    """Every open dataset is in use (written within idle_close_s): a third name gets a 503
+    naming the sink's option, nothing is written for it, and the open ones keep working."""
+    server, root = sink_server
+    capture = {"resid_post": {"layers": [1]}}
+
+    def write(dataset, key):
+        return _post(server, output_activations=capture,
+                     capture_sink={"sink": "few", "dataset": dataset, "key": key})
+
+    assert [write(d, "a").status_code for d in ("d1", "d2")] == [200, 200]
+    refused = write("d3", "a")
+    assert refused.status_code == 503, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "VLLM_LENS_SINKS['few'].max_open_datasets"
+    assert "dataset 'd3' was not opened" in error["message"]
+    assert not (root / "few" / "d3").exists()
+    assert write("d1", "b").status_code == 200
+    assert _wait_for_keys(root / "few" / "d1", ["a", "b"]).keys() == ["a", "b"]
+    assert _post(server, output_residual_stream=[1]).status_code == 200  # others served
 
 
 @pytest.mark.parametrize("sink, status, problem", [

@@ -250,6 +250,41 @@ def test_open_datasets_are_bounded(tmp_path):
             ShardSink(config)
 
 
+def test_a_sink_open_to_clients_refuses_a_new_dataset_rather_than_closing_one_in_use(
+        tmp_path, monkeypatch):
+    """A client rotating over dataset names cannot make every write flush and reopen a
+    dataset: past ``max_open_datasets`` the newcomer is refused while every open dataset was
+    written within ``idle_close_s``; an idle one (nothing queued) is closed to make room."""
+    from vllm_lens.errors import CapacityError
+    from vllm_lens.sinks import shards
+
+    config = parse_config(json.dumps({"acts": {
+        "root": str(tmp_path), "clients": True, "flush_s": 0, "max_open_datasets": 2,
+        "rows_per_shard": 1, "idle_close_s": 60}}))["acts"]
+    sink = ShardSink(config)
+    now = [1000.0]
+    monkeypatch.setattr(shards.time, "monotonic", lambda: now[0])
+    sink.write("d1", _example("k1", 1, SETTINGS))
+    sink.write("d2", _example("k1", 1, SETTINGS))
+    now[0] += 59
+    with pytest.raises(CapacityError) as info:
+        sink.write("d3", _example("k1", 1, SETTINGS))
+    assert info.value.setting == "VLLM_LENS_SINKS['acts'].max_open_datasets"
+    assert "dataset 'd3' was not opened" in str(info.value)
+    assert list(sink._writers) == ["d1", "d2"] and not (tmp_path / "d3").exists()
+    sink.write("d1", _example("k2", 1, SETTINGS))  # an open dataset is still written
+    now[0] += 2  # d2 idle for 61 s (d1 for 2): d2 is closed for d3
+    sink.write("d3", _example("k1", 1, SETTINGS))
+    assert list(sink._writers) == ["d1", "d3"]
+    assert datasets.open(tmp_path / "d2").keys() == ["k1"]
+    sink.close()
+    # A sink only the operator's jobs write keeps closing the least recently written.
+    assert not parse_config(json.dumps({"a": {"root": "/x"}}))["a"].clients
+    with pytest.raises(ValueError, match="idle_close_s"):
+        ShardSink(parse_config(json.dumps({"acts": {"root": str(tmp_path),
+                                                    "idle_close_s": -1}}))["acts"])
+
+
 def test_a_trailing_newline_is_not_a_name():
     with pytest.raises(ValueError, match="not a valid name"):
         check_name("acts\n", "dataset")

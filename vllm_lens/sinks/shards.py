@@ -5,8 +5,13 @@ Examples are queued per dataset and written a shard at a time (``rows_per_shard`
 ``max_shard_bytes``, options of the sink's entry in ``VLLM_LENS_SINKS``), and at the latest
 ``flush_s`` seconds (default 10) after the oldest queued one arrived, when the front end
 asks (``vllm_lens.flush_sinks``), and when the worker exits. At most ``max_open_datasets``
-(default 16) datasets are open at once (the least recently written is flushed and closed to
-open another), which bounds the rows queued in memory. An example is in the dataset once its
+(default 16) datasets are open at once, which bounds the rows queued in memory. To open
+another, the least recently written is flushed and closed; on a sink open to HTTP clients
+(``"clients": true``) only a dataset with nothing queued and no write for ``idle_close_s``
+(default 300) is, and a write to a new dataset when none is idle is refused (``CapacityError``
+naming the option): a client rotating over many names then cannot make every request flush
+and reopen datasets (re-reading their index) between engine steps, and an open dataset keeps
+its written keys in memory for as long as it is in use. An example is in the dataset once its
 key is in ``index.jsonl``; the receipt says whether that was so when the request finished
 (``durable``; only then does it name the shard and offset). A shard that cannot be written
 (a full disk) fails the request whose write triggered it, with the keys it took down with it
@@ -24,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_lens.errors import DatasetConflictError
+from vllm_lens.errors import CapacityError, DatasetConflictError
 from vllm_lens.shard_writer import VERSION_FIELDS, ShardWriter, jsonable
 from vllm_lens.sinks import Example
 from vllm_lens.sinks.config import SinkConfig
@@ -33,7 +38,7 @@ __all__ = ["ShardSink"]
 
 logger = logging.getLogger(__name__)
 
-_OPTIONS = ("rows_per_shard", "max_shard_bytes", "flush_s", "max_open_datasets")
+_OPTIONS = ("rows_per_shard", "max_shard_bytes", "flush_s", "max_open_datasets", "idle_close_s")
 
 
 class ShardSink:
@@ -50,6 +55,9 @@ class ShardSink:
         self.max_shard_bytes = _option(config, "max_shard_bytes", int, 1 << 30, 1)
         self.flush_s = _option(config, "flush_s", float, 10.0, 0)
         self.max_open_datasets = _option(config, "max_open_datasets", int, 16, 1)
+        self.idle_close_s = _option(config, "idle_close_s", float, 300.0, 0)
+        self._last_write: dict[str, float] = {}
+        """Dataset -> when it was last written (its writer is open)."""
         self._writers: dict[str, ShardWriter] = {}
         """Open datasets, least recently written first (at most ``max_open_datasets``: the
         queued rows in memory are bounded by that many shards)."""
@@ -65,6 +73,7 @@ class ShardSink:
         with self._lock:
             writer = self._writer(dataset, example.settings)
             self._writers[dataset] = self._writers.pop(dataset)  # most recently written
+            self._last_write[dataset] = time.monotonic()
             try:
                 shard, offset = writer.add(example.key, example.rows, example.positions,
                                            example.prompt_token_ids, example.token_ids,
@@ -102,7 +111,7 @@ class ShardSink:
                         f"{jsonable(settings.get(field))!r}; write these to another dataset")
             return writer
         while len(self._writers) >= self.max_open_datasets:
-            oldest = next(iter(self._writers))
+            oldest = self._closable(dataset)
             try:
                 self._writers[oldest].flush()
             except Exception as exc:  # noqa: BLE001 - reported at the next flush
@@ -110,6 +119,7 @@ class ShardSink:
                 continue
             self._writers.pop(oldest).close()
             self._oldest.pop(oldest, None)
+            self._last_write.pop(oldest, None)
         path = self.root / dataset
         try:
             writer = ShardWriter(path, settings, rows_per_shard=self.rows_per_shard,
@@ -127,10 +137,30 @@ class ShardSink:
         self._writers[dataset] = writer
         return writer
 
+    def _closable(self, newcomer: str) -> str:
+        """The open dataset to close so that ``newcomer`` can open: the least recently
+        written; on a sink open to clients, the least recently written idle one, or a
+        ``CapacityError`` for the newcomer when every open dataset is in use."""
+        if not self.config.clients:
+            return next(iter(self._writers))
+        now = time.monotonic()
+        for dataset, writer in self._writers.items():  # least recently written first
+            if (not writer.pending_keys
+                    and now - self._last_write.get(dataset, 0.0) >= self.idle_close_s):
+                return dataset
+        raise CapacityError(
+            f"sink {self.config.name!r} has {len(self._writers)} datasets open, its "
+            f"max_open_datasets, each written in the last {self.idle_close_s:g} s or with "
+            f"examples queued; dataset {newcomer!r} was not opened and this example not "
+            "written. Write to a dataset that is open, retry later, or the operator may raise "
+            "the sink's max_open_datasets or lower its idle_close_s",
+            setting=f"VLLM_LENS_SINKS[{self.config.name!r}].max_open_datasets")
+
     def _abandon(self, dataset: str, exc: BaseException) -> str:
         """Drop ``dataset``'s writer after a failed shard write; returns the message."""
         writer = self._writers.pop(dataset)
         self._oldest.pop(dataset, None)
+        self._last_write.pop(dataset, None)
         dropped = writer.abandon()
         message = (f"sink {self.config.name!r} could not write a shard of dataset {dataset!r} "
                    f"({type(exc).__name__}: {exc}); the {len(dropped)} example(s) queued for "

@@ -1,0 +1,167 @@
+"""SAEs read from each layout compute what the library that wrote them computes: sae-lens'
+own ``SAE.load_from_disk(...).encode/decode`` for its architectures, sparsify's own
+``SparseCoder.encode/decode``, and sae-lens' JumpReLU as it loads Gemma Scope; bad files are
+refused naming the file and field."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vllm_lens.saes import LAYOUTS, SAEFormatError, load_sae
+
+
+def _sae_lens(tmp_path, architecture: str, **cfg_fields):
+    """A sae-lens SAE with random weights (some features active, some not), saved."""
+    from sae_lens.saes.sae import SAE as SaeLensSAE
+    from sae_lens import JumpReLUSAEConfig, StandardSAEConfig, TopKSAEConfig
+
+    config = {"standard": StandardSAEConfig, "jumprelu": JumpReLUSAEConfig,
+              "topk": TopKSAEConfig}[architecture]
+    hook = cfg_fields.pop("hook_name", "blocks.2.hook_resid_post")
+    cfg = config(d_in=16, d_sae=64, dtype="float32", device="cpu", **cfg_fields)
+    sae = SaeLensSAE.get_sae_class_for_architecture(cfg.architecture())(cfg)
+    sae.cfg.metadata.hook_name = hook
+    g = torch.Generator().manual_seed(len(architecture))
+    with torch.no_grad():
+        for name, param in sae.named_parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.5)
+        if architecture == "jumprelu":
+            sae.threshold.copy_(torch.rand(64, generator=g))
+    path = tmp_path / architecture
+    sae.save_model(path)
+    return path, SaeLensSAE.load_from_disk(path)
+
+
+def _rows(n=12, dtype=torch.float32):
+    return (torch.randn(n, 16, generator=torch.Generator().manual_seed(0)) * 2).to(dtype)
+
+
+@pytest.mark.parametrize("architecture, fields", [
+    ("standard", {}), ("standard", {"apply_b_dec_to_input": False}), ("jumprelu", {}),
+    ("topk", {"k": 8}), ("topk", {"k": 8, "rescale_acts_by_decoder_norm": True}),
+])
+def test_sae_lens_architectures_encode_and_decode_as_sae_lens(tmp_path, architecture, fields):
+    path, reference = _sae_lens(tmp_path, architecture, **fields)
+    sae = load_sae(path)
+    assert (sae.layout, sae.architecture, sae.point, sae.layer) == (
+        "sae-lens", architecture, "resid_post", 2)
+    x = _rows()
+    with torch.no_grad():
+        expected = reference.encode(x)
+        features = sae.encode(x)
+        torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
+        assert (features > 0).any() and (features == 0).any()
+        torch.testing.assert_close(sae.decode(features), reference.decode(expected),
+                                   rtol=1e-5, atol=1e-5)
+        # bfloat16 rows with a float32 SAE: cast up, as sae-lens does with the same rows.
+        half = x.to(torch.bfloat16)
+        torch.testing.assert_close(sae.encode(half), reference.encode(half.float()))
+
+
+def test_top_features_are_the_largest_activations_descending_and_padded(tmp_path):
+    path, reference = _sae_lens(tmp_path, "jumprelu")
+    sae = load_sae(path)
+    x = _rows()
+    with torch.no_grad():
+        dense = reference.encode(x)
+        out = sae.top_features(x, 40, reconstruction=True)
+        reconstructed = reference.decode(dense)
+    assert out["indices"].dtype == torch.int32 and out["values"].dtype == torch.float32
+    for row in range(x.shape[0]):
+        active = int((dense[row] > 0).sum())
+        assert int(out["l0"][row]) == active
+        values, indices = out["values"][row], out["indices"][row]
+        if active < 40:  # fewer active than asked: padded with -1 / 0 at the end
+            assert (indices[active:] == -1).all() and (values[active:] == 0).all()
+        kept = min(active, 40)
+        assert torch.equal(values[:kept], dense[row].sort(descending=True).values[:kept])
+        torch.testing.assert_close(dense[row][indices[:kept].long()], values[:kept])
+    nmse = (x - reconstructed).pow(2).sum(-1) / x.pow(2).sum(-1)
+    torch.testing.assert_close(out["nmse"], nmse)
+    with pytest.raises(ValueError, match="top_k must be between 1 and d_sae=64"):
+        sae.top_features(x, 65)
+
+
+def test_hook_z_saes_read_flattened_heads(tmp_path):
+    path, reference = _sae_lens(tmp_path, "standard", hook_name="blocks.0.attn.hook_z",
+                                reshape_activations="hook_z")
+    sae = load_sae(path)
+    assert (sae.point, sae.layer) == ("attn_z", 0)
+    x = _rows()  # 4 heads of 4: sae-lens takes [n, heads, d_head], vllm-lens' rows flat
+    with torch.no_grad():
+        torch.testing.assert_close(sae.encode(x), reference.encode(x.view(-1, 4, 4)))
+
+
+def test_sparsify_saes_encode_and_decode_as_sparsify(tmp_path):
+    from sparsify import SparseCoder, SparseCoderConfig
+    from sparsify.utils import eager_decode
+
+    torch.manual_seed(1)
+    reference = SparseCoder(16, SparseCoderConfig(num_latents=64, k=8), device="cpu")
+    with torch.no_grad():
+        reference.b_dec.copy_(torch.randn(16) * 0.3)
+        reference.encoder.bias.copy_(torch.randn(64) * 0.3)
+    reference.save_to_disk(tmp_path / "layers.3")
+    sae = load_sae(tmp_path / "layers.3")  # sparsify's folder name says the layer
+    assert (sae.layout, sae.architecture, sae.k, sae.point, sae.layer) == (
+        "sparsify", "topk", 8, "resid_post", 3)
+    x = _rows()
+    with torch.no_grad():
+        top = reference.encode(x)
+        dense = torch.zeros(x.shape[0], 64).scatter_(-1, top.top_indices, top.top_acts)
+        torch.testing.assert_close(sae.encode(x), dense, rtol=1e-5, atol=1e-5)
+        # SparseCoder.decode, with its eager kernel (its Triton one needs a GPU driver).
+        decoded = eager_decode(top.top_indices, top.top_acts, reference.W_dec.mT)
+        torch.testing.assert_close(sae.decode(dense), decoded + reference.b_dec,
+                                   rtol=1e-5, atol=1e-5)
+    assert load_sae(tmp_path / "layers.3", "blocks.5.hook_mlp_out").point == "mlp_out"
+
+
+def test_gemma_scope_params_read_as_sae_lens_loads_them(tmp_path):
+    """sae-lens loads Gemma Scope's params.npz as a JumpReLU SAE that does not subtract b_dec
+    from its input: the same weights saved that way compute the same features."""
+    path, _ = _sae_lens(tmp_path, "jumprelu", apply_b_dec_to_input=False)
+    from sae_lens.saes.sae import SAE as SaeLensSAE
+
+    reference = SaeLensSAE.load_from_disk(path)
+    weights = {k: v.detach().numpy() for k, v in reference.state_dict().items()}
+    (tmp_path / "gs").mkdir()
+    np.savez(tmp_path / "gs" / "params.npz", **weights)
+    with pytest.raises(SAEFormatError, match="does not say where it reads"):
+        load_sae(tmp_path / "gs")
+    sae = load_sae(tmp_path / "gs", "blocks.2.hook_resid_post")
+    assert (sae.layout, sae.architecture, sae.apply_b_dec_to_input) == (
+        "gemma-scope", "jumprelu", False)
+    x = _rows()
+    with torch.no_grad():
+        torch.testing.assert_close(sae.encode(x), reference.encode(x))
+
+
+def test_files_that_are_not_an_sae_are_refused_by_name(tmp_path):
+    with pytest.raises(SAEFormatError, match="holds no SAE layout") as info:
+        load_sae(tmp_path)
+    for layout, files in LAYOUTS.items():
+        assert layout in str(info.value) and all(f in str(info.value) for f in files)
+    path, _ = _sae_lens(tmp_path, "standard")
+    cfg = json.loads((path / "cfg.json").read_text())
+    for field, value, problem in [
+            ("normalize_activations", "layer_norm", "normalize_activations='layer_norm'"),
+            ("architecture", "batchtopk", "save it for inference"),
+            ("architecture", "gated", "architecture 'gated'"),
+            ("d_sae", 65, "d_sae=65 but the weights have 64")]:
+        (path / "cfg.json").write_text(json.dumps({**cfg, field: value}))
+        with pytest.raises(SAEFormatError, match=problem):
+            load_sae(path)
+    (path / "cfg.json").write_text(json.dumps(cfg))
+    with pytest.raises(SAEFormatError, match="'blocks.2.hook_nowhere'"):
+        load_sae(path, "blocks.2.hook_nowhere")
+    with pytest.raises(SAEFormatError, match="names no layer"):
+        load_sae(path, "hook_resid_post")
+    save_file({"W_enc": torch.zeros(16, 64)}, str(path / "sae_weights.safetensors"))
+    with pytest.raises(SAEFormatError, match="lacks b_enc, W_dec, b_dec"):
+        load_sae(path)

@@ -1,0 +1,61 @@
+"""Sparse autoencoders beside the taps: read the layouts the field ships SAEs in (sae-lens,
+EleutherAI sparsify, Gemma Scope) into one record, and compute their features (runs in: any
+process; the worker that serves features loads them itself).
+
+>>> from vllm_lens.saes import LAYOUTS
+>>> sorted(LAYOUTS)
+['gemma-scope', 'sae-lens', 'sparsify']
+
+Serving features per request (``output_sae_features``), steering and clamping by feature, and
+the operator's registry of named SAEs build on this module (issue 29: not yet in the engine).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from vllm_lens.points import resolve
+from vllm_lens.saes.formats import LAYOUTS, SAEFormatError, detect_layout, read_sae
+from vllm_lens.saes.model import ARCHITECTURES, SAE
+
+__all__ = ["ARCHITECTURES", "LAYOUTS", "SAE", "SAEFormatError", "detect_layout", "load_sae"]
+
+_SPARSIFY_LAYER = re.compile(r"layers[._](\d+)$")
+
+
+def load_sae(path: str | Path, hook_point: str | None = None) -> SAE:
+    """Read the SAE in directory ``path`` and resolve where it reads.
+
+    Args:
+        path: a directory in one of ``LAYOUTS``.
+        hook_point: where it reads, as a TransformerLens-style name with its layer
+            (``"blocks.12.hook_resid_post"``, ``"blocks.3.attn.hook_z"``); overrides what the
+            files say. Needed for Gemma Scope's ``params.npz``; for a sparsify SAE in a folder
+            named ``layers.N`` (how sparsify saves them) it defaults to ``N``'s residual stream
+            output, ``blocks.N.hook_resid_post``.
+
+    Returns:
+        The ``SAE`` on the CPU in its own dtype, with ``point`` and ``layer`` set.
+
+    Raises:
+        SAEFormatError: the directory holds no layout read here, its files disagree or use a
+            flag that is not honoured, or its hook point is missing or not a tap point.
+    """
+    path = Path(path)
+    sae = read_sae(path)
+    name = hook_point or sae.hook_name
+    if name is None and sae.layout == "sparsify" and (m := _SPARSIFY_LAYER.search(path.name)):
+        name = f"blocks.{m.group(1)}.hook_resid_post"
+    if name is None:
+        raise SAEFormatError(f"{path} ({sae.layout}) does not say where it reads; pass "
+                             "hook_point='blocks.<layer>.hook_<point>'")
+    try:
+        point, layer = resolve(name)
+    except KeyError as exc:
+        raise SAEFormatError(f"{path}: hook point {name!r}: {exc.args[0]}") from None
+    if layer is None:
+        raise SAEFormatError(f"{path}: hook point {name!r} names no layer; use "
+                             f"'blocks.<layer>.hook_{point}'")
+    sae.hook_name, sae.point, sae.layer = name, point, layer
+    return sae

@@ -1,0 +1,175 @@
+"""Reading sparse autoencoders from the layouts the field ships them in, without importing
+the libraries that wrote them (runs in: whichever process loads an SAE).
+
+``LAYOUTS``, recognised by the files in the directory:
+
+- ``sae-lens``: ``cfg.json`` + ``sae_weights.safetensors`` (sae-lens' ``SAE.save_model``):
+  architectures ``standard``, ``jumprelu``, ``topk`` (a BatchTopK SAE saved for inference is
+  a ``jumprelu`` file); the hook point is the cfg's ``metadata.hook_name`` (or ``hook_name``).
+  Flags read and honoured: ``apply_b_dec_to_input``, ``rescale_acts_by_decoder_norm``,
+  ``reshape_activations`` (``hook_z``: rows are flattened heads, as vllm-lens' ``attn_z``
+  rows are once flattened); ``normalize_activations`` other than ``none`` is refused by name,
+  as is any architecture sae-lens has that is not listed here.
+- ``sparsify`` (EleutherAI): ``cfg.json`` + ``sae.safetensors`` (``encoder.weight
+  [d_sae, d_in]``, ``encoder.bias``, ``W_dec [d_sae, d_in]``, ``b_dec``), TopK with the cfg's
+  ``k``, ``b_dec`` subtracted from the input; ``groupmax`` activations, transcoders and skip
+  connections are refused. Its hook point is not in its files: the caller names it.
+- ``gemma-scope``: ``params.npz`` (``W_enc``, ``W_dec``, ``b_enc``, ``b_dec``, ``threshold``),
+  JumpReLU without ``b_dec`` subtracted from the input; the caller names the hook point.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_lens.saes.model import SAE
+
+__all__ = ["LAYOUTS", "SAEFormatError", "detect_layout", "read_sae"]
+
+LAYOUTS = {
+    "sae-lens": ("cfg.json", "sae_weights.safetensors"),
+    "sparsify": ("cfg.json", "sae.safetensors"),
+    "gemma-scope": ("params.npz",),
+}
+
+
+class SAEFormatError(ValueError):
+    """A directory that does not hold an SAE vllm-lens can read, or one whose files
+    disagree; the message names the file and field."""
+
+
+def detect_layout(path: Path) -> str:
+    """Which of ``LAYOUTS`` the directory ``path`` holds."""
+    if not path.is_dir():
+        raise SAEFormatError(f"{path} is not a directory holding an SAE")
+    for layout, files in LAYOUTS.items():
+        if all((path / name).is_file() for name in files):
+            return layout
+    listing = "; ".join(f"{layout}: {' + '.join(files)}" for layout, files in LAYOUTS.items())
+    raise SAEFormatError(f"{path} holds no SAE layout vllm-lens reads ({listing})")
+
+
+def read_sae(path: str | Path) -> SAE:
+    """The SAE in directory ``path`` (any of ``LAYOUTS``), on the CPU, in its own dtype."""
+    path = Path(path)
+    layout = detect_layout(path)
+    try:
+        return _READERS[layout](path)
+    except SAEFormatError:
+        raise
+    except (KeyError, ValueError, TypeError, OSError) as exc:
+        raise SAEFormatError(f"{path} ({layout}): {type(exc).__name__}: {exc}") from None
+
+
+def _json(path: Path) -> Mapping[str, Any]:
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SAEFormatError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(cfg, Mapping):
+        raise SAEFormatError(f"{path} is not a JSON object")
+    return cfg
+
+
+def _safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path), device="cpu")
+
+
+def _need(tensors: Mapping[str, torch.Tensor], names: tuple[str, ...], where: Path
+          ) -> list[torch.Tensor]:
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise SAEFormatError(f"{where} lacks {', '.join(missing)} (it has "
+                             f"{', '.join(sorted(tensors)) or 'nothing'})")
+    return [tensors[n] for n in names]
+
+
+def _read_sae_lens(path: Path) -> SAE:
+    cfg = _json(path / "cfg.json")
+    where = path / "cfg.json"
+    architecture = cfg.get("architecture", "standard")
+    if architecture == "batchtopk":
+        raise SAEFormatError(f"{where}: architecture 'batchtopk' is a training checkpoint; "
+                             "save it for inference with sae-lens (which writes it as "
+                             "'jumprelu' with its threshold) and load that")
+    if architecture not in ("standard", "jumprelu", "topk"):
+        raise SAEFormatError(f"{where}: architecture {architecture!r} is not one vllm-lens "
+                             "serves (standard, jumprelu, topk)")
+    norm = cfg.get("normalize_activations") or "none"
+    if norm != "none":
+        raise SAEFormatError(f"{where}: normalize_activations={norm!r} is not supported (only "
+                             "'none'); fold the normalization into the weights first")
+    reshape = cfg.get("reshape_activations") or "none"
+    if reshape not in ("none", "hook_z"):
+        raise SAEFormatError(f"{where}: reshape_activations={reshape!r} is not supported")
+    for flag in ("hook_head_index",):
+        if cfg.get(flag) is not None:
+            raise SAEFormatError(f"{where}: {flag}={cfg[flag]!r} is not supported")
+    if (cfg.get("activation_fn_kwargs") or {}).get("signed"):
+        raise SAEFormatError(f"{where}: signed activations are not supported")
+    tensors = _safetensors(path / "sae_weights.safetensors")
+    W_enc, b_enc, W_dec, b_dec = _need(tensors, ("W_enc", "b_enc", "W_dec", "b_dec"),
+                                       path / "sae_weights.safetensors")
+    threshold = None
+    if architecture == "jumprelu":
+        (threshold,) = _need(tensors, ("threshold",), path / "sae_weights.safetensors")
+    metadata = cfg.get("metadata") or {}
+    sae = SAE(architecture=architecture, W_enc=W_enc, b_enc=b_enc, W_dec=W_dec, b_dec=b_dec,
+              layout="sae-lens", threshold=threshold,
+              k=cfg.get("k") if architecture == "topk" else None,
+              apply_b_dec_to_input=bool(cfg.get("apply_b_dec_to_input", True)),
+              rescale_acts_by_decoder_norm=bool(cfg.get("rescale_acts_by_decoder_norm",
+                                                        False)),
+              hook_name=metadata.get("hook_name") or cfg.get("hook_name"))
+    for field in ("d_in", "d_sae"):
+        if field in cfg and cfg[field] != getattr(sae, field):
+            raise SAEFormatError(f"{where}: {field}={cfg[field]} but the weights have "
+                                 f"{getattr(sae, field)}")
+    return sae
+
+
+def _read_sparsify(path: Path) -> SAE:
+    cfg = _json(path / "cfg.json")
+    where = path / "cfg.json"
+    for flag in ("transcode", "skip_connection"):
+        if cfg.get(flag):
+            raise SAEFormatError(f"{where}: {flag}=true (a transcoder or skip connection) is "
+                                 "not an SAE vllm-lens serves")
+    activation = cfg.get("activation", "topk")
+    if activation != "topk":
+        raise SAEFormatError(f"{where}: activation={activation!r} is not supported (topk)")
+    if cfg.get("multi_topk"):
+        raise SAEFormatError(f"{where}: multi_topk=true is not supported")
+    weights = path / "sae.safetensors"
+    tensors = _safetensors(weights)
+    encoder, W_dec = _need(tensors, ("encoder.weight", "W_dec"), weights)
+    b_enc = tensors.get("encoder.bias", torch.zeros(encoder.shape[0], dtype=encoder.dtype))
+    b_dec = tensors.get("b_dec", torch.zeros(encoder.shape[1], dtype=encoder.dtype))
+    sae = SAE(architecture="topk", W_enc=encoder.T.contiguous(), b_enc=b_enc, W_dec=W_dec,
+              b_dec=b_dec, layout="sparsify", k=cfg.get("k"), apply_b_dec_to_input=True)
+    if "d_in" in cfg and cfg["d_in"] != sae.d_in:
+        raise SAEFormatError(f"{where}: d_in={cfg['d_in']} but the weights have {sae.d_in}")
+    return sae
+
+
+def _read_gemma_scope(path: Path) -> SAE:
+    import numpy as np
+
+    where = path / "params.npz"
+    with np.load(where) as data:
+        tensors = {name: torch.from_numpy(np.array(data[name])) for name in data.files}
+    W_enc, W_dec, b_enc, b_dec, threshold = _need(
+        tensors, ("W_enc", "W_dec", "b_enc", "b_dec", "threshold"), where)
+    return SAE(architecture="jumprelu", W_enc=W_enc, b_enc=b_enc, W_dec=W_dec, b_dec=b_dec,
+               layout="gemma-scope", threshold=threshold, apply_b_dec_to_input=False)
+
+
+_READERS = {"sae-lens": _read_sae_lens, "sparsify": _read_sparsify,
+            "gemma-scope": _read_gemma_scope}

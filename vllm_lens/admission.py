@@ -32,6 +32,7 @@ from vllm_lens.spec import (
     CAPTURE_KEY,
     HOOKS_KEY,
     QK_KEY,
+    SAE_KEY,
     CaptureSpec,
     LensRequest,
     ModelFacts,
@@ -56,9 +57,9 @@ def _lengths(facts: ModelFacts, prompt_len: int | None,
 
 
 def capture_bound(spec: CaptureSpec, facts: ModelFacts, prompt_len: int | None,
-                  max_tokens: int | None) -> tuple[int, int]:
+                  max_tokens: int | None, row_bytes: int | None = None) -> tuple[int, int]:
     """(rows, bytes): the most rows one sample of a request holds on a worker at once, all
-    layers together, and their size."""
+    layers together, and their size (``row_bytes``: one row's, if not the signal's own)."""
     lengths = _lengths(facts, prompt_len, max_tokens)
     if isinstance(spec.positions, tuple):
         rows = min(len(spec.positions), lengths["all"])
@@ -66,8 +67,17 @@ def capture_bound(spec: CaptureSpec, facts: ModelFacts, prompt_len: int | None,
         selector = parse_selector(spec.positions)
         assert selector is not None, spec.positions  # validated by spec
         rows = selector.held_bound(lengths[selector.base])
-    itemsize = _ITEMSIZE.get(facts.dtype, 4)
-    return rows, len(spec.layers) * rows * facts.row_width(spec.signal) * itemsize
+    if row_bytes is None:
+        row_bytes = facts.row_width(spec.signal) * _ITEMSIZE.get(facts.dtype, 4)
+    return rows, len(spec.layers) * rows * row_bytes
+
+
+def sae_bounds(lens: LensRequest, facts: ModelFacts, prompt_len: int | None,
+               max_tokens: int | None) -> list[tuple[int, int]]:
+    """``capture_bound`` of each SAE feature entry: its rows hold ``width`` float32 values
+    (the top features, not the SAE's input)."""
+    return [capture_bound(s.capture(), facts, prompt_len, max_tokens, row_bytes=4 * s.width)
+            for s in lens.saes]
 
 
 def capture_reservation(lens: LensRequest, facts: ModelFacts, prompt_len: int | None,
@@ -75,7 +85,8 @@ def capture_reservation(lens: LensRequest, facts: ModelFacts, prompt_len: int | 
     """Bytes a worker reserves for one sample of ``lens`` when it first runs: what its
     captures together can hold at once (``capture_bound``), so that a worker admits only
     requests whose rows all fit beside the others' (``VLLM_LENS_WORKER_MAX_BYTES``)."""
-    return sum(capture_bound(spec, facts, prompt_len, max_tokens)[1] for spec in lens.captures)
+    return (sum(capture_bound(spec, facts, prompt_len, max_tokens)[1] for spec in lens.captures)
+            + sum(size for _, size in sae_bounds(lens, facts, prompt_len, max_tokens)))
 
 
 def check_capture_size(specs: CaptureSpec | Sequence[CaptureSpec], facts: ModelFacts,
@@ -110,6 +121,14 @@ def check_admission(lens: LensRequest, facts: ModelFacts, prompt_len: int | None
     """Refuse ``lens`` if its captures (together) or a row-bounded named hook are too large."""
     if lens.captures:
         check_capture_size(lens.captures, facts, prompt_len, max_tokens, n, request_id)
+    if lens.saes:  # counted together with the captures, against the same cap
+        total = capture_reservation(lens, facts, prompt_len, max_tokens) * max(1, n)
+        if total > envs.max_capture_bytes():
+            raise LensRequestError(
+                SAE_KEY, f"its top features and captures could hold up to {total:,} bytes, "
+                f"above this server's VLLM_LENS_MAX_CAPTURE_BYTES "
+                f"({envs.max_capture_bytes():,}); select fewer positions or a smaller top_k, "
+                "or lower max_tokens", request_id=request_id)
     if not any(h.name for h in lens.hooks):
         return
     from vllm_lens import named_hooks

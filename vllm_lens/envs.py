@@ -4,6 +4,8 @@
 - ``VLLM_LENS_WORKER_MAX_BYTES``: budget of captured rows held on each worker, running and
   waiting for their fetch (default 4 GiB); rows that would exceed it are refused and their
   request fails (rows already held are never dropped to make room).
+- ``VLLM_LENS_SAE_MAX_BYTES``: weights of the SAEs one worker keeps loaded (default 4 GiB);
+  the least recently used that no request holds is unloaded to load another.
 - ``VLLM_LENS_FINISHED_TTL_S``: seconds a finished request's rows wait for their fetch before
   the worker drops them (default 600): covers aborted requests and front ends that went away.
 - ``VLLM_LENS_HTTP_STORE_MAX_BYTES``: capacity of the OpenAI server's store behind the binary
@@ -59,7 +61,7 @@ __all__ = [
     "allow_persistent_hooks", "allow_pickled_hooks", "allow_steering_routes", "disabled",
     "finished_ttl_s", "hook_results_max", "http_store_max_bytes", "http_store_ttl_s",
     "max_capture_bytes", "max_concurrent_sweeps", "max_decoded_bytes", "max_hooks", "max_request_bytes",
-    "max_steering_vectors", "max_sweep_cells",
+    "max_steering_vectors", "max_sweep_cells", "sae_max_bytes",
     "shm_handoff", "steering_presets_path", "test_faults", "worker_max_bytes",
 ]
 
@@ -110,6 +112,10 @@ def hook_results_max() -> int:
 
 def worker_max_bytes() -> int:
     return int(os.environ.get("VLLM_LENS_WORKER_MAX_BYTES", str(4 << 30)))
+
+
+def sae_max_bytes() -> int:
+    return int(os.environ.get("VLLM_LENS_SAE_MAX_BYTES", str(4 << 30)))
 
 
 def finished_ttl_s() -> float:

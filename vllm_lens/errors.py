@@ -13,8 +13,8 @@ Split by who is to blame, like vLLM's own ``vllm/exceptions.py``::
     │   │                              500); the engine and every other request carry on
     │   ├── SinkConflictError          the sink refused the request's example: it conflicts
     │   │                              with what its dataset holds (HTTP 409)
-    │   └── WorkerCapacityError        a worker's shared budget had no room when the request
-    │                                  first ran: it ran without lens work (HTTP 503)
+    │   └── WorkerCapacityError        a worker's shared budget had no room for the request's
+    │                                  captures or its sink example (HTTP 503)
     ├── CapacityError              a budget every client shares is full: this request's
     │                              results are refused, nobody else's dropped (HTTP 503)
     ├── DatasetConflictError(ValueError)  an example that conflicts with its dataset (its key
@@ -109,10 +109,11 @@ class CapacityError(LensError):
 
 
 class WorkerCapacityError(LensExecutionError):
-    """A budget that a worker shares between clients had no room for this request when it
-    first ran there (its capture's reservation of ``VLLM_LENS_WORKER_MAX_BYTES``, a capture
-    sink's open datasets): the request ran without its lens work and nobody else's was
-    dropped for it; retry later.
+    """A budget that a worker shares between clients had no room for this request: its
+    capture's reservation of ``VLLM_LENS_WORKER_MAX_BYTES`` when it first ran (it then ran
+    with its steering and hooks but without its captures), or a capture sink's open datasets
+    when its example was to be written. Nobody else's rows or datasets were dropped for it;
+    retry later.
 
     Attributes:
         setting: the setting that sizes the budget.

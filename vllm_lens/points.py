@@ -80,6 +80,19 @@ ATTENTION_SIGNALS = ("attn_q", "attn_k")
 SHARDED = ("attn_q", "attn_k", "attn_z", "mlp_post")
 
 
+#: The signal of an SAE's feature capture: ``sae:<ident>:<point>`` (``spec.saes``).
+SAE_PREFIX = "sae:"
+
+
+def base_signal(signal: str) -> str:
+    """The tap point an SAE feature capture reads, or ``signal`` itself.
+
+    >>> base_signal("sae:0123abcd:resid_post"), base_signal("attn_out")
+    ('resid_post', 'attn_out')
+    """
+    return signal.rsplit(":", 1)[1] if signal.startswith(SAE_PREFIX) else signal
+
+
 def shard_dim(signal: str) -> int:
     """The dimension (from the end) along which a sharded signal's parts join."""
     return -1 if signal == "mlp_post" else -2
@@ -128,12 +141,14 @@ def hook_site(point: str, *, split: bool) -> str:
 def tap_key(signal: str, *, split: bool) -> str:
     """Which tap call reads ``signal``: its site, except that ``attn_z`` is read after the
     attention kernel ran (``"attn_z"``) and Q/K before (``"attn"``)."""
+    signal = base_signal(signal)
     return "attn_z" if signal == "attn_z" else site_of(signal, split=split)
 
 
 def operands(signal: str, a, b):
     """The tensors whose sum is ``signal``'s value, from a tap's two (``(q, k)`` at the
     ``attn`` site): ``(a, b)``, ``(a, None)`` or ``(b, None)``."""
+    signal = base_signal(signal)
     if signal == "attn_k":
         return b, None
     if signal == RESIDUAL_SIGNAL or (signal in POINTS and POINTS[signal].with_residual):

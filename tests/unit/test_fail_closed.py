@@ -232,17 +232,24 @@ def test_capture_reservations_refuse_the_newcomer_and_come_back_when_records_go(
     first = table.lookup("r1", lens("k1", 60))
     steered_only = table.lookup("r0", lens("k0", 0))  # no capture: reserves nothing
     assert first.error is None and steered_only.error is None and table.reserved_bytes == 60
-    late = table.lookup("r2", lens("k2", 41))  # 60 + 41 > 100: the newcomer fails at once
-    assert "could hold up to 41 bytes" in late.error
-    assert "reserved 60 of VLLM_LENS_WORKER_MAX_BYTES (100 bytes)" in late.error
-    assert first.error is None and table.reserved_bytes == 60  # the running one keeps its share
-    assert table.lookup("r3", lens("k3", 40)).error is None and table.reserved_bytes == 100
+    late = table.lookup("r2", lens("k2", 41))  # 60 + 41 > 100: the newcomer is refused
+    assert "could hold up to 41 bytes" in late.refused and late.error is None
+    assert "reserved 60 of VLLM_LENS_WORKER_MAX_BYTES (100 bytes)" in late.refused
+    assert late.capacity == "VLLM_LENS_WORKER_MAX_BYTES"
+    # It runs without its captures (its steering and hooks still run) and reserves nothing.
+    assert late.running_lens.reserve_bytes == 41 and not late.running_lens.captures
+    assert first.refused is None and first.running_lens is first.lens
+    assert table.reserved_bytes == 60  # the running one keeps its share
+    assert table.lookup("r3", lens("k3", 40)).refused is None and table.reserved_bytes == 100
     table.finish_gone(live={"r3"})  # finished, not yet fetched: its rows are still held
     assert table.reserved_bytes == 100
     table.pop("k1")  # fetched: its reservation comes back
-    assert table.lookup("r4", lens("k4", 60)).error is None and table.reserved_bytes == 100
-    # A failed request's rows are discarded, so its reservation comes back too.
+    assert table.lookup("r4", lens("k4", 60)).refused is None and table.reserved_bytes == 100
+    # A failed record keeps its share until it is fetched or expires: every rank counts the
+    # same records, whichever rank the failure happened on.
     table.records["r4"].fail("boom", "capture")
+    assert table.reserved_bytes == 100
+    table.pop("k4")
     assert table.reserved_bytes == 40
 
 

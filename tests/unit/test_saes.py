@@ -165,3 +165,90 @@ def test_files_that_are_not_an_sae_are_refused_by_name(tmp_path):
     save_file({"W_enc": torch.zeros(16, 64)}, str(path / "sae_weights.safetensors"))
     with pytest.raises(SAEFormatError, match="lacks b_enc, W_dec, b_dec"):
         load_sae(path)
+
+
+def test_a_worker_keeps_saes_within_its_budget_and_never_unloads_a_held_one(tmp_path):
+    from vllm_lens.worker.saes import SAERegistry
+
+    paths = [_sae_lens(tmp_path / f"s{i}", "standard")[0] for i in range(3)]
+    size = load_sae(paths[0]).nbytes  # 16 x 64 encoder and decoder, float32
+    registry = SAERegistry(max_bytes=2 * size)
+    cpu = torch.device("cpu")
+    first = registry.load(str(paths[0]), None, cpu, held=set())
+    assert registry.load(str(paths[0]), None, cpu, held=set()) is first  # loaded once
+    registry.load(str(paths[1]), None, cpu, held=set())
+    # A third: the least recently used one no request holds is unloaded for it.
+    registry.load(str(paths[2]), None, cpu, held={registry.key(str(paths[0]), None)})
+    assert registry.get(str(paths[0]), None) is first and registry.get(str(paths[1]), None) is None
+    held = {registry.key(str(p), None) for p in (paths[0], paths[2])}
+    with pytest.raises(ValueError, match="VLLM_LENS_SAE_MAX_BYTES"):
+        registry.load(str(paths[1]), None, cpu, held=held)
+    assert len(registry) == 2 and registry.nbytes == 2 * size
+    # A rank that does not capture the SAE's layer describes it without keeping it.
+    other = SAERegistry(max_bytes=2 * size)
+    info = other.describe(str(paths[1]), None, cpu, held=set(), wanted=lambda sae: False)
+    assert (info["d_in"], info["d_sae"], info["point"], info["layer"]) == (16, 64, "resid_post", 2)
+    assert len(other) == 0
+    assert other.describe(str(paths[1]), None, cpu, set(), lambda sae: False) is info
+
+
+def test_sae_feature_requests_parse_travel_and_are_admitted_by_size():
+    from vllm_lens.admission import capture_reservation, check_admission
+    from vllm_lens.errors import LensRequestError
+    from vllm_lens.spec import LensRequest, ModelFacts, parse_extra_args
+
+    facts = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=128,
+                       max_model_len=1024, mapped=True)
+    info = {"path": "/saes/a", "point": "resid_post", "layer": 2, "d_in": 128, "d_sae": 512}
+    asked = []
+
+    def describe(sae, hook_point):
+        asked.append((sae, hook_point))
+        return info
+
+    _, lens = parse_extra_args({"output_sae_features": json.dumps(
+        {"sae": "a", "top_k": 8, "positions": "generated", "reconstruction": True})},
+        lambda: facts, saes=describe)
+    (spec,) = lens.saes
+    assert asked == [("a", None)] and (spec.layer, spec.point, spec.width) == (2, "resid_post", 18)
+    assert LensRequest.from_payload(lens.to_payload()).saes == lens.saes
+    (capture,) = lens.sae_captures
+    assert capture.signal.startswith("sae:") and capture.signal.endswith(":resid_post")
+    assert capture.layers == (2,) and lens.captures == ()
+    # Reserved and admitted as 18 float32 values per generated position, not 128.
+    assert capture_reservation(lens, facts, prompt_len=10, max_tokens=100) == 100 * 18 * 4
+    check_admission(lens, facts, 10, 100, 1)
+    with pytest.raises(LensRequestError, match="not yet written to a capture sink or streamed"):
+        parse_extra_args({"output_sae_features": {"sae": "a"}, "output_residual_stream": [1],
+                          "stream_activations": True}, lambda: facts, saes=describe)
+    with pytest.raises(LensRequestError, match="served to offline engines") as refused:
+        parse_extra_args({"output_sae_features": {"sae": "a"}}, lambda: facts)
+    assert refused.value.field == "output_sae_features.sae"
+
+
+def test_configs_from_before_sae_lens_6_read_as_sae_lens_reads_them(tmp_path):
+    """A 4.x/5.x cfg (no metadata; hook_point; activation_fn_str) is a TopK SAE when its
+    activation is topk, as sae-lens itself loads it."""
+    from sae_lens.saes.sae import SAE as SaeLensSAE
+
+    path, _ = _sae_lens(tmp_path, "standard")
+    cfg = json.loads((path / "cfg.json").read_text())
+    old = {k: v for k, v in cfg.items() if k not in ("metadata", "architecture")}
+    old.update(hook_point="blocks.2.hook_resid_post", activation_fn_str="topk",
+               activation_fn_kwargs={"k": 4}, sae_lens_training_version="4.0.0")
+    (path / "cfg.json").write_text(json.dumps(old))
+    reference = SaeLensSAE.load_from_disk(path)
+    sae = load_sae(path)
+    assert (sae.architecture, sae.k, sae.point, sae.layer) == ("topk", 4, "resid_post", 2)
+    x = _rows()
+    with torch.no_grad():
+        expected = reference.encode(x)
+        assert int((expected > 0).sum(-1).max()) <= 4
+        torch.testing.assert_close(sae.encode(x), expected, rtol=1e-5, atol=1e-5)
+    (path / "cfg.json").write_text(json.dumps({**old, "activation_fn_str": "tanh-relu"}))
+    with pytest.raises(SAEFormatError, match="activation_fn='tanh-relu' is not supported"):
+        load_sae(path)
+    (path / "cfg.json").write_text(json.dumps(cfg))
+    (path / "sae_weights.safetensors").write_bytes(b"\x00" * 40)  # damaged
+    with pytest.raises(SAEFormatError, match="sae_weights|safetensors|Error"):
+        load_sae(path)

@@ -172,6 +172,32 @@ def merge_rank_payloads(
     return tensor, ordered[0][0]["positions"]
 
 
+def sae_features(lens: LensRequest,
+                 parts: Mapping[str, Sequence[tuple[Mapping[str, Any], torch.Tensor]]]
+                 ) -> list[dict[str, Any]]:
+    """``sae_features`` of one completion, parallel to ``output_sae_features``: per entry the
+    positions read and, per position, the top features' ``indices`` (int32, -1 where fewer
+    were active) and ``values`` (float32), descending; with ``reconstruction`` also ``nmse``
+    and ``l0``. The workers sent ``[1, n, width]`` rows (``worker.capture``)."""
+    out = []
+    for spec in lens.saes:
+        found = parts.get(spec.signal)
+        if found:
+            tensor, positions = merge_rank_payloads(found)
+            rows = tensor[0].float()
+        else:  # no position selected
+            rows, positions = torch.empty(0, spec.width), torch.empty(0, dtype=torch.int64)
+        k = spec.top_k
+        entry: dict[str, Any] = {
+            "sae": spec.sae, "layer": spec.layer, "point": spec.point, "positions": positions,
+            "indices": rows[:, :k].to(torch.int32), "values": rows[:, k:2 * k].contiguous()}
+        if spec.reconstruction:
+            entry["nmse"] = rows[:, 2 * k].contiguous()
+            entry["l0"] = rows[:, 2 * k + 1].to(torch.int32)
+        out.append(entry)
+    return out
+
+
 def join_rows(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Lay the ``activations`` of consecutive streamed outputs end to end: tensors of rows
     along positions (``[n_layers, n_rows, ...]``: dim 1; position lists: dim 0); other
@@ -260,6 +286,9 @@ class LensSession:
         """What ``steering_presets`` lists for each preset (computed at registration)."""
         self.model_names: tuple[str, ...] = ()
         """The served model's path or name and served names (set by the engine methods)."""
+        self.describe_sae: Any = None
+        """``(sae, hook_point) -> description``: loads an SAE on the workers (``spec.saes``);
+        set for offline engines, ``None`` where SAE features are not served yet."""
 
     @staticmethod
     def of(engine: object) -> LensSession:
@@ -303,7 +332,7 @@ class LensSession:
             rest, lens = reused
         else:
             rest, lens = parse_extra_args(params.extra_args, self._facts, request_id=request_id,
-                                          presets=self.presets)
+                                          presets=self.presets, saes=self.describe_sae)
         if lens is None:
             return params, None
         if lens.stream and params.n != 1:
@@ -329,12 +358,13 @@ class LensSession:
         facts = self._facts()
         check_admission(lens, facts, prompt_length(prompt), params.max_tokens, params.n,
                         request_id)
-        if lens.captures:
+        if lens.captures or lens.saes:
             lens = dataclasses.replace(lens, reserve_bytes=capture_reservation(
                 lens, facts, prompt_length(prompt), params.max_tokens))
         engine_params = params.clone()
         engine_params.extra_args = {**rest, PAYLOAD_KEY: lens.to_payload()}
-        if lens.hooks or any(c.wants_prompt_rows() for c in lens.captures):
+        if lens.hooks or any(c.wants_prompt_rows()
+                             for c in (*lens.captures, *lens.sae_captures)):
             # Prompt tokens served from the prefix cache never run through the layers.
             engine_params.skip_reading_prefix_cache = True
         self.in_flight[request_id] = lens
@@ -443,7 +473,7 @@ class LensSession:
                     error = next(filter(None, (
                         _missing_rows(c.layers, mine.get(c.signal), c.signal in signals_seen,
                                       tp if c.signal in SHARDED else 1)
-                        for c in lens.captures)), None)
+                        for c in (*lens.captures, *lens.sae_captures))), None)
             if error is not None:
                 if failed in capacity:
                     found["lens_error"] = WorkerCapacityError(
@@ -455,6 +485,8 @@ class LensSession:
                     found["capture_receipt"] = None
                 elif lens.captures:
                     found["activations"] = None
+                if lens.saes:
+                    found["sae_features"] = None
                 if lens.hooks:
                     found["hook_results"], found["hook_error"] = None, None
                 if gated:
@@ -467,6 +499,9 @@ class LensSession:
             elif lens.captures:
                 mine = next((v for k, v in captures.items() if k.startswith(prefix)), {})
                 found["activations"] = self._activations(lens, mine)
+            if lens.saes:
+                mine = next((v for k, v in captures.items() if k.startswith(prefix)), {})
+                found["sae_features"] = sae_features(lens, mine)
             if lens.hooks:
                 stages = next((v for k, v in hooks.items() if k.startswith(prefix)), [])
                 found["hook_results"], found["hook_error"] = merge_hook_results(stages)

@@ -47,6 +47,8 @@ def _wrap_render_and_add(original):
             return original(self, prompts, params, *args, **kwargs)
         engine = self.llm_engine
         session = LensSession.of(engine)
+        if session.describe_sae is None:
+            session.describe_sae = _sae_describer(engine)
         prompts = list(prompts)  # engine inputs, tokenized: admission needs their lengths
         parsed: dict[int, tuple[Any, Any]] = {}
         for index, p in enumerate(params):
@@ -57,7 +59,8 @@ def _wrap_render_and_add(original):
             try:
                 if id(p) not in parsed:
                     _, lens = parse_extra_args(p.extra_args, lambda: session.facts,
-                                                presets=session.presets)
+                                                presets=session.presets,
+                                                saes=session.describe_sae)
                     parsed[id(p)] = (dict(p.extra_args), lens)
                 lens = parsed[id(p)][1]
                 if lens is not None and index < len(prompts):
@@ -73,6 +76,21 @@ def _wrap_render_and_add(original):
             session.parsed_by_params = {}
 
     return render_and_add
+
+
+def _sae_describer(engine: LLMEngine):
+    """``spec.saes``' describe for this engine: its workers load the SAE (once; a loaded one
+    is shared) and say what it is."""
+
+    def describe(sae: str, hook_point: str | None) -> dict[str, Any]:
+        answers = [a for a in engine.collective_rpc("lens_load_sae", args=(sae, hook_point))
+                   if a is not None]
+        problem = next((a["error"] for a in answers if a.get("error")), None)
+        if problem is not None or not answers:
+            raise ValueError(problem or "no worker could load it")
+        return answers[0]
+
+    return describe
 
 
 def _wrap_add_request(original):

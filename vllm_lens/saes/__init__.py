@@ -13,13 +13,18 @@ the operator's registry of named SAEs build on this module (issue 29: not yet in
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from vllm_lens.points import resolve
 from vllm_lens.saes.formats import LAYOUTS, SAEFormatError, detect_layout, read_sae
 from vllm_lens.saes.model import ARCHITECTURES, SAE
 
-__all__ = ["ARCHITECTURES", "LAYOUTS", "SAE", "SAEFormatError", "detect_layout", "load_sae"]
+__all__ = ["ARCHITECTURES", "LAYOUTS", "SAE", "SAEFormatError", "detect_layout", "load_sae",
+           "to_sparse"]
 
 _SPARSIFY_LAYER = re.compile(r"layers[._](\d+)$")
 
@@ -59,3 +64,19 @@ def load_sae(path: str | Path, hook_point: str | None = None) -> SAE:
                              f"'blocks.<layer>.hook_{point}'")
     sae.hook_name, sae.point, sae.layer = name, point, layer
     return sae
+
+
+def to_sparse(entry: Mapping[str, Any], d_sae: int) -> torch.Tensor:
+    """One ``sae_features`` entry as a ``torch.sparse_coo_tensor`` ``[n, d_sae]`` (the top
+    features of each position; the padding, index -1, left out).
+
+    >>> entry = {"indices": torch.tensor([[3, -1], [0, 2]], dtype=torch.int32),
+    ...          "values": torch.tensor([[0.5, 0.0], [1.0, 0.25]])}
+    >>> to_sparse(entry, 4).to_dense()
+    tensor([[0.0000, 0.0000, 0.0000, 0.5000],
+            [1.0000, 0.0000, 0.2500, 0.0000]])
+    """
+    indices, values = entry["indices"].long(), entry["values"]
+    rows, slots = torch.nonzero(indices >= 0, as_tuple=True)
+    return torch.sparse_coo_tensor(torch.stack([rows, indices[rows, slots]]),
+                                   values[rows, slots], (indices.shape[0], d_sae)).coalesce()

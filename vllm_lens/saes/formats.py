@@ -62,7 +62,7 @@ def read_sae(path: str | Path) -> SAE:
         return _READERS[layout](path)
     except SAEFormatError:
         raise
-    except (KeyError, ValueError, TypeError, OSError) as exc:
+    except Exception as exc:  # a damaged file (safetensors, zip ...) fails its request alone
         raise SAEFormatError(f"{path} ({layout}): {type(exc).__name__}: {exc}") from None
 
 
@@ -91,9 +91,35 @@ def _need(tensors: Mapping[str, torch.Tensor], names: tuple[str, ...], where: Pa
     return [tensors[n] for n in names]
 
 
+def _pre_6_0(cfg: Mapping[str, Any], where: Path) -> dict[str, Any]:
+    """A cfg written before sae-lens 6.0 (no ``metadata``) read as sae-lens 6 reads it: its
+    ``hook_point``, and ``activation_fn_str`` ``topk`` with ``activation_fn_kwargs.k`` a TopK
+    SAE; any activation other than ``relu`` and ``topk`` is refused by name."""
+    new = dict(cfg)
+    if "hook_point" in new:
+        new.setdefault("hook_name", new.pop("hook_point"))
+    if "hook_point_head_index" in new:
+        new.setdefault("hook_head_index", new.pop("hook_point_head_index"))
+    activation = new.pop("activation_fn_str", new.pop("activation_fn", "relu")) or "relu"
+    if activation not in ("relu", "topk"):
+        raise SAEFormatError(f"{where}: activation_fn={activation!r} is not supported (relu, "
+                             "topk)")
+    k = (new.get("activation_fn_kwargs") or {}).get("k")
+    if activation == "topk":
+        if k is None:
+            raise SAEFormatError(f"{where}: activation_fn 'topk' without activation_fn_kwargs.k")
+        new["architecture"], new["k"] = "topk", k
+    if isinstance(new.get("normalize_activations"), bool):
+        new["normalize_activations"] = ("expected_average_only_in"
+                                        if new["normalize_activations"] else "none")
+    return new
+
+
 def _read_sae_lens(path: Path) -> SAE:
-    cfg = _json(path / "cfg.json")
     where = path / "cfg.json"
+    cfg = _json(where)
+    if "metadata" not in cfg:  # written before sae-lens 6.0
+        cfg = _pre_6_0(cfg, where)
     architecture = cfg.get("architecture", "standard")
     if architecture == "batchtopk":
         raise SAEFormatError(f"{where}: architecture 'batchtopk' is a training checkpoint; "
@@ -109,9 +135,14 @@ def _read_sae_lens(path: Path) -> SAE:
     reshape = cfg.get("reshape_activations") or "none"
     if reshape not in ("none", "hook_z"):
         raise SAEFormatError(f"{where}: reshape_activations={reshape!r} is not supported")
+    metadata = cfg.get("metadata") or {}
     for flag in ("hook_head_index",):
-        if cfg.get(flag) is not None:
-            raise SAEFormatError(f"{where}: {flag}={cfg[flag]!r} is not supported")
+        value = cfg.get(flag, metadata.get(flag))
+        if value is not None:
+            raise SAEFormatError(f"{where}: {flag}={value!r} (one head's SAE) is not supported")
+    if cfg.get("finetuning_scaling_factor"):
+        raise SAEFormatError(f"{where}: finetuning_scaling_factor=true is not supported; fold "
+                             "the scaling factor into W_dec first")
     if (cfg.get("activation_fn_kwargs") or {}).get("signed"):
         raise SAEFormatError(f"{where}: signed activations are not supported")
     tensors = _safetensors(path / "sae_weights.safetensors")
@@ -120,7 +151,10 @@ def _read_sae_lens(path: Path) -> SAE:
     threshold = None
     if architecture == "jumprelu":
         (threshold,) = _need(tensors, ("threshold",), path / "sae_weights.safetensors")
-    metadata = cfg.get("metadata") or {}
+    scaling = tensors.get("scaling_factor")
+    if scaling is not None and not bool((scaling == 1).all()):
+        raise SAEFormatError(f"{path / 'sae_weights.safetensors'}: a scaling_factor other than "
+                             "1 is not supported; fold it into W_dec first")
     sae = SAE(architecture=architecture, W_enc=W_enc, b_enc=b_enc, W_dec=W_dec, b_dec=b_dec,
               layout="sae-lens", threshold=threshold,
               k=cfg.get("k") if architecture == "topk" else None,

@@ -17,6 +17,7 @@ bfloat16 rows cast up, never the other way round.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -89,19 +90,25 @@ class SAE:
             self.W_enc, self.b_enc, self.W_dec, self.b_dec,
             *(() if self.threshold is None else (self.threshold,))))
 
-    def to(self, device: torch.device | str) -> SAE:
-        """The same SAE with its tensors on ``device``."""
-        move = {name: getattr(self, name).to(device) for name in
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> SAE:
+        """The same SAE with its tensors on ``device`` (and in ``dtype``, if given)."""
+        move = {name: getattr(self, name).to(device, dtype) for name in
                 ("W_enc", "b_enc", "W_dec", "b_dec")}
         if self.threshold is not None:
-            move["threshold"] = self.threshold.to(device)
-        return SAE(**{**self.__dict__, **move})
+            move["threshold"] = self.threshold.to(device, dtype)
+        return dataclasses.replace(self, **move)
 
     # -- arithmetic ---------------------------------------------------------------------------
     def _weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        names = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")
-        return {n: None if getattr(self, n) is None else getattr(self, n).to(dtype)
-                for n in names}
+        """The weights in ``dtype``: its own, or a copy made once (rows wider than the SAE)."""
+        if dtype == self.dtype:
+            names = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")
+            return {n: getattr(self, n) for n in names}
+        cache = self.__dict__.setdefault("_cast", {})
+        if dtype not in cache:
+            cache[dtype] = {n: None if getattr(self, n) is None else getattr(self, n).to(dtype)
+                            for n in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")}
+        return cache[dtype]
 
     def compute_dtype(self, rows: torch.Tensor) -> torch.dtype:
         """The wider of the SAE's and the rows' dtypes."""

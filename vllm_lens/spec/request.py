@@ -31,6 +31,7 @@ from vllm_lens.spec.keys import (
     PAYLOAD_KEY,
     PAYLOAD_VERSION,
     QK_KEY,
+    SAE_KEY,
     SINK_KEY,
     STEER_KEY,
     STREAM_KEY,
@@ -38,6 +39,7 @@ from vllm_lens.spec.keys import (
     TRANSPORTS,
 )
 from vllm_lens.spec.outputs import parse_sink, parse_stream
+from vllm_lens.spec.saes import Describe, SAEFeatureSpec, parse_sae_features
 from vllm_lens.spec.steering import SteerSpec, parse_steering_key, steering_digest
 
 
@@ -59,6 +61,8 @@ class LensRequest:
     """Where the workers write the captured rows instead of returning them."""
     stream: bool = False
     """Rows travel with every streamed output, not only the last."""
+    saes: tuple[SAEFeatureSpec, ...] = ()
+    """SAE features (``output_sae_features``), each read at its SAE's point and layer."""
     reserve_bytes: int = 0
     """The most captured bytes one sample of the request can hold on a worker at once
     (``admission.capture_reservation``), set by the front end after admission, never read
@@ -69,6 +73,11 @@ class LensRequest:
     def captures(self) -> tuple[CaptureSpec, ...]:
         """Every capture of the request: the residual stream's (if any) and the points'."""
         return self.points if self.capture is None else (self.capture, *self.points)
+
+    @functools.cached_property
+    def sae_captures(self) -> tuple[CaptureSpec, ...]:
+        """The captures the workers run for the SAE features (``SAEFeatureSpec.capture``)."""
+        return tuple(s.capture() for s in self.saes)
 
     @property
     def qk_layers(self) -> tuple[int, ...]:
@@ -127,6 +136,8 @@ class LensRequest:
             payload["sink"] = self.sink.to_payload()
         if self.stream:
             payload["stream"] = True
+        if self.saes:
+            payload["saes"] = [s.to_payload() for s in self.saes]
         if self.reserve_bytes:
             payload["reserve"] = self.reserve_bytes
         return payload
@@ -148,11 +159,13 @@ class LensRequest:
                    fault=None if fault is None else str(fault), points=points,
                    sink=None if sink is None else SinkSpec.from_payload(sink),
                    stream=bool(payload.get("stream", False)),
+                   saes=tuple(SAEFeatureSpec.from_payload(d) for d in payload.get("saes", ())),
                    reserve_bytes=int(payload.get("reserve", 0)))
 
 
 #: The keys that ask for lens work (the others only say how to return it).
-_WORK_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, SINK_KEY, STREAM_KEY)
+_WORK_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, SINK_KEY, STREAM_KEY,
+              SAE_KEY)
 
 
 def _asks_nothing(value: Any) -> bool:
@@ -186,12 +199,15 @@ def parse_extra_args(
     *,
     request_id: str | None = None,
     presets: Mapping[str, tuple[SteerSpec, ...]] | None = None,
+    saes: Describe | None = None,
 ) -> tuple[dict[str, Any], LensRequest | None]:
     """Split ``extra_args`` into (the caller's other keys, the validated lens request).
 
     ``facts`` is called only when a lens key is present, so plain requests never ask the
     workers anything. Returns the non-lens keys untouched and ``None`` when no lens key is set.
     ``presets``: the engine's named steering presets, which ``"preset:<name>"`` selects.
+    ``saes``: loads an SAE on the workers and describes it (``spec.saes``); without it,
+    ``output_sae_features`` is refused.
 
     Raises:
         LensRequestError: a lens key is malformed, misspelt, or unusable on this model.
@@ -219,13 +235,17 @@ def parse_extra_args(
     raw_hooks = rest.pop(HOOKS_KEY, None)
     raw_sink = rest.pop(SINK_KEY, None)
     raw_stream = rest.pop(STREAM_KEY, None)
+    raw_saes = rest.pop(SAE_KEY, None)
+    if raw_saes is False:
+        raw_saes = None
     fault = parse_fault(rest.pop(faults.FAULT_KEY, None), request_id)
     if raw_capture is False:
         raw_capture = None
     if raw_qk is False:
         raw_qk = None
     asked = [(k, v) for k, v in ((CAPTURE_KEY, raw_capture), (ACTIVATIONS_KEY, raw_points),
-                                 (QK_KEY, raw_qk), (STEER_KEY, raw_steer), (HOOKS_KEY, raw_hooks))
+                                 (QK_KEY, raw_qk), (STEER_KEY, raw_steer), (HOOKS_KEY, raw_hooks),
+                                 (SAE_KEY, raw_saes))
              if v is not None]
     if not asked:
         for key, value in ((SINK_KEY, raw_sink), (STREAM_KEY, raw_stream)):
@@ -246,8 +266,14 @@ def parse_extra_args(
     captures = points if capture is None else (capture, *points)
     sink = None if raw_sink is None else parse_sink(raw_sink, captures, facts, request_id)
     stream = parse_stream(raw_stream, captures, sink, facts, request_id)
+    features = () if raw_saes is None else parse_sae_features(raw_saes, facts, saes, request_id)
+    if features and (sink is not None or stream):
+        raise LensRequestError(SAE_KEY, f"is not yet written to a capture sink or streamed; "
+                               f"drop {SINK_KEY if sink is not None else STREAM_KEY}",
+                               request_id=request_id)
     return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
-                             fault=fault, points=points, sink=sink, stream=stream)
+                             fault=fault, points=points, sink=sink, stream=stream,
+                             saes=features)
 
 
 def reuse_parsed(
@@ -257,7 +283,7 @@ def reuse_parsed(
     ``lens`` was parsed from (``parsed_from``): the same spec under a fresh key. ``None`` if
     they differ."""
     own = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, SINK_KEY, STREAM_KEY,
-           faults.FAULT_KEY)
+           SAE_KEY, faults.FAULT_KEY)
     extra_args = extra_args or {}
     if any(extra_args.get(k) != parsed_from.get(k) for k in own) or PAYLOAD_KEY in extra_args:
         return None

@@ -20,7 +20,7 @@ from vllm_lens.positions import ROLLING_SLACK
 from vllm_lens.worker.plan import CaptureGroup
 from vllm_lens.worker.store import Entry
 
-__all__ = ["assemble", "capture_layer"]
+__all__ = ["assemble", "capture_layer", "encode_top_features"]
 
 
 def capture_layer(group: CaptureGroup, index: int, a: torch.Tensor,
@@ -28,17 +28,19 @@ def capture_layer(group: CaptureGroup, index: int, a: torch.Tensor,
     """Write ``group``'s signal (from a tap's two tensors, see ``points.operands``) at its
     rows into ``group.staging[index]``."""
     hidden, residual = operands(group.signal, a, b)
-    if group.staging is None:
-        group.staging = torch.empty(
-            (len(group.layers), group.n_rows, *hidden.shape[1:]), dtype=hidden.dtype,
-            pin_memory=hidden.device.type != "cpu")
-    dest = group.staging[index]
     rows = group.rows
     if isinstance(rows, slice):
         picked, extra = hidden[rows], None if residual is None else residual[rows]
     else:
         picked = hidden.index_select(0, rows)
         extra = None if residual is None else residual.index_select(0, rows)
+    if group.sae is not None:  # only the SAE's top features leave the device
+        picked, extra = encode_top_features(group.sae, picked, extra), None
+    if group.staging is None:
+        group.staging = torch.empty(
+            (len(group.layers), group.n_rows, *picked.shape[1:]), dtype=picked.dtype,
+            pin_memory=hidden.device.type != "cpu")
+    dest = group.staging[index]
     group.filled.add(index)
     last = len(group.filled) == len(group.layers)
     if hidden.device.type == "cpu":
@@ -54,6 +56,29 @@ def capture_layer(group: CaptureGroup, index: int, a: torch.Tensor,
         group.ready = torch.Event(device=hidden.device)
         group.ready.record()
         group.complete = True
+
+
+def encode_top_features(sae: Any, rows: torch.Tensor, extra: torch.Tensor | None
+                        ) -> torch.Tensor:
+    """``[n, width]`` float32 per row of ``rows`` (+ ``extra``): the top features'
+    indices, their values, and with reconstruction the NMSE and L0 (``spec.saes``)."""
+    model, top_k, reconstruction = sae
+    x = (rows if extra is None else rows + extra).flatten(1)  # attn_z: heads flattened
+    # Rows a chunk at a time: the dense [rows, d_sae] activations stay near 64 MiB each.
+    per_chunk = max(1, _SAE_CHUNK_BYTES // (4 * model.d_sae))
+    out = []
+    for chunk in x.split(per_chunk):
+        found = model.top_features(chunk, top_k, reconstruction=reconstruction)
+        parts = [found["indices"].to(torch.float32), found["values"]]
+        if reconstruction:
+            parts += [found["nmse"][:, None], found["l0"][:, None].to(torch.float32)]
+        out.append(torch.cat(parts, dim=1))
+    if not out:
+        return x.new_zeros((0, 2 * top_k + (2 if reconstruction else 0)), dtype=torch.float32)
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
+_SAE_CHUNK_BYTES = 64 << 20
 
 
 def assemble(entry: Entry, valid_len: int) -> dict[str, Any]:

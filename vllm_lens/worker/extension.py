@@ -12,7 +12,7 @@ from typing import Any
 
 from vllm_lens import envs, faults, handoff, wire
 from vllm_lens.errors import CapacityError, DatasetConflictError
-from vllm_lens.points import SHARDED
+from vllm_lens.points import SHARDED, base_signal
 from vllm_lens.spec import HookSpec
 from vllm_lens.worker.attention_taps import attention_meta
 from vllm_lens.worker.capture import assemble
@@ -184,6 +184,25 @@ class LensWorkerExtension:
                 _runtime.store.pop(key)
                 _runtime.pop_records(key)
 
+    def lens_load_sae(self, path: str, hook_point: str | None = None) -> dict[str, Any]:
+        """Load the SAE in directory ``path`` on this rank, if it captures the SAE's layer
+        (once: a loaded one is shared), and describe it (``spec.saes``; never the weights);
+        ``{"error": ...}`` if it cannot be read or kept."""
+        if _runtime is None:
+            return {"error": "this worker serves no lens requests (unsupported engine)"}
+        runtime = _runtime
+        held = {runtime.saes.key(s.path, s.hook_point)
+                for record in runtime.requests.records.values() for s in record.lens.saes}
+        device = next(runtime.runner.get_model().parameters()).device
+        try:
+            return runtime.saes.describe(path, hook_point, device, held,
+                                         wanted=lambda sae: sae.layer in runtime.capture_layers,
+                                         dtype=runtime.runner.model_config.dtype)
+        except (ValueError, OSError) as exc:
+            return {"error": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - e.g. out of device memory: refuse, serve on
+            return {"error": f"it could not be loaded on this worker: {describe(exc)}"}
+
     def lens_stats(self) -> dict[str, int]:
         """What this rank holds for lens requests (for tests and monitoring): captured
         ``entries`` and their host ``bytes``, request ``records`` and the ``device_bytes`` of
@@ -252,9 +271,9 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
     entries = runtime.store.pop(key)
     for req_id, record in records.items():
         faults.check(record.lens.fault, "fetch")
-        if record.error is not None:
-            out[req_id] = {"error": record.error}
-            if record.capacity is not None:
+        if record.error is not None or record.refused is not None:
+            out[req_id] = {"error": record.error or record.refused}
+            if record.error is None and record.capacity is not None:
                 out[req_id]["capacity"] = record.capacity
             continue
         out[req_id] = {"held": True}  # the request's lens work ran here (steering, hooks)
@@ -265,8 +284,8 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
             out[req_id]["gates"] = pack_gates(record.gates, valid)
         # The signals whose rows this rank kept (if any position was selected): a front end
         # that hears from no such rank knows rows were lost, not merely unselected.
-        seen = [c.signal for c in record.lens.captures
-                if (runtime.shard_layers if c.signal in SHARDED
+        seen = [c.signal for c in (*record.lens.captures, *record.lens.sae_captures)
+                if (runtime.shard_layers if base_signal(c.signal) in SHARDED
                     else runtime.capture_layers).intersection(c.layers)]
         if seen:
             out[req_id]["seen"] = seen

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_lens.points import SHARDED, tap_key
+from vllm_lens.points import SHARDED, base_signal, tap_key
 from vllm_lens.positions import Selector, parse_selector
 from vllm_lens.spec import CaptureSpec, LensRequest
 
@@ -92,6 +92,9 @@ class CaptureGroup:
     """On an accelerator: a ``torch.Event`` recorded after the last layer's copy to the host."""
     failed: bool = False
     """A layer's capture raised: later layers skip the group and nothing is filed."""
+    sae: Any = None
+    """For an SAE feature capture (``points.SAE_PREFIX``): ``(SAE on the device, top_k,
+    reconstruction)``; its rows are encoded and only the top features staged."""
 
 
 def select_rows(spec: CaptureSpec, pos0: int, n_rows: int, n_prompt: int) -> np.ndarray:
@@ -184,9 +187,9 @@ class StepPlan:
         by_layers: dict[tuple[str, tuple[int, ...]],
                         list[tuple[RequestSlice, CaptureSpec, np.ndarray]]] = {}
         for s in slices:
-            for spec in s.lens.captures:
-                layers = _local_layers(
-                    spec.layers, shard_layers if spec.signal in SHARDED else capture_layers)
+            for spec in (*s.lens.captures, *s.lens.sae_captures):
+                sharded = base_signal(spec.signal) in SHARDED
+                layers = _local_layers(spec.layers, shard_layers if sharded else capture_layers)
                 offsets = select_rows(spec, s.pos0, s.end - s.start, s.n_prompt)
                 if layers and offsets.size:
                     by_layers.setdefault((spec.signal, layers), []).append((s, spec, offsets))

@@ -16,6 +16,8 @@ positions are captured again and ``capture.assemble`` keeps one row per position
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Container
@@ -52,8 +54,20 @@ class RequestRecord:
     step, reported at fetch (``steering_gates``)."""
     error: str | None = None
     """The first failure of the lens path for this request (its message)."""
+    refused: str | None = None
+    """Why its captures were refused when it first ran (a full capture budget): it runs with
+    its steering and hooks only (its cached KV stays what its salt says), and fails with
+    this message at fetch."""
     capacity: str | None = None
-    """Set with ``error`` when the failure is a full shared budget: the setting that sizes it."""
+    """With ``refused``: the setting that sizes the full budget."""
+
+    @functools.cached_property
+    def running_lens(self) -> LensRequest:
+        """What runs for it: the request, without its captures if they were refused (which
+        happens before its first step, so this never changes once read)."""
+        if self.refused is None:
+            return self.lens
+        return dataclasses.replace(self.lens, capture=None, points=(), saes=())
     finished_at: float | None = None
 
     @property
@@ -71,9 +85,11 @@ class RequestTable:
 
     A request with captures reserves its ``LensRequest.reserve_bytes`` (the most its rows can
     take at once) from ``max_bytes`` when its record is created, until the record is removed
-    or fails; one that does not fit beside the others' reservations fails at once, so a
-    worker's capture budget never fails a request that is already running. Every rank sees the
-    same requests in the same order and decides alike."""
+    (fetched, released, expired; a failed one too, so that every rank counts the same
+    records); one that does not fit beside the others' reservations has its captures refused
+    at once (``RequestRecord.refused``), so a worker's capture budget never fails a request
+    that is already running. Every rank sees the same requests in the same order and decides
+    alike."""
 
     finished_ttl_s: float
     max_bytes: int = 1 << 62
@@ -92,8 +108,8 @@ class RequestTable:
 
     @property
     def reserved_bytes(self) -> int:
-        """Capture bytes reserved by the records that have not failed."""
-        return sum(r.lens.reserve_bytes for r in self.records.values() if r.error is None)
+        """Capture bytes reserved by the records held (those refused reserve nothing)."""
+        return sum(r.lens.reserve_bytes for r in self.records.values() if r.refused is None)
 
     def lookup(self, req_id: str, payload: Any) -> RequestRecord | None:
         """The record of a scheduled request, created on its first step; ``None`` for a
@@ -114,15 +130,15 @@ class RequestTable:
         reserved = self.reserved_bytes
         if lens.reserve_bytes and reserved + lens.reserve_bytes > self.max_bytes:
             holders = sum(1 for r in self.records.values()
-                          if r.error is None and r.lens.reserve_bytes)
+                          if r.refused is None and r.lens.reserve_bytes)
             record = self.records[req_id] = RequestRecord(req_id, lens)
-            record.error = (
+            record.refused = (
                 f"vllm-lens refused its capture: it could hold up to {lens.reserve_bytes:,} "
                 f"bytes on this worker, and the {holders} request(s) held here have reserved "
                 f"{reserved:,} of VLLM_LENS_WORKER_MAX_BYTES ({self.max_bytes:,} bytes); it "
-                "ran without lens work, and nobody else's rows were dropped for it. Retry "
-                "later, capture fewer layers or positions (or lower max_tokens), or raise the "
-                "setting")
+                "ran without its captures (its steering and hooks ran), and nobody else's "
+                "rows were dropped for it. Retry later, capture fewer layers or positions (or "
+                "lower max_tokens), or raise the setting")
             record.capacity = "VLLM_LENS_WORKER_MAX_BYTES"
             return record
         record = self.records[req_id] = RequestRecord(req_id, lens)

@@ -23,7 +23,7 @@ import torch
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from vllm_lens import envs, faults
-from vllm_lens.points import hook_site
+from vllm_lens.points import SAE_PREFIX, hook_site
 from vllm_lens.spec import HookSpec
 from vllm_lens.worker.attention_taps import AttentionTaps
 from vllm_lens.worker.capture import capture_layer
@@ -39,6 +39,7 @@ from vllm_lens.worker.steer import (
     phase_boundary,
     prepare,
 )
+from vllm_lens.worker.saes import SAERegistry
 from vllm_lens.worker.store import CaptureStore
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class LensRuntime:
         """The model's layers add to the stream themselves (``points``: split layouts)."""
         self.store = CaptureStore(envs.worker_max_bytes(), envs.finished_ttl_s())
         self.requests = RequestTable(envs.finished_ttl_s(), envs.worker_max_bytes())
+        self.saes = SAERegistry(envs.sae_max_bytes())
         self.params = ParameterSource(runner.get_model(), tp_size)
         self.persistent_specs: tuple[HookSpec, ...] = ()
         self.persistent_results: OrderedDict[str, HookState] = OrderedDict()
@@ -267,7 +269,8 @@ class LensRuntime:
                                            states, sched.n_prompt))
             if record is not None:
                 slices.append(RequestSlice(
-                    req_id=sched.req_id, lens=record.lens, start=sched.start, end=sched.end,
+                    req_id=sched.req_id, lens=record.running_lens, start=sched.start,
+                    end=sched.end,
                     pos0=sched.pos0, n_prompt=sched.n_prompt,
                 ))
         if len(self.store):
@@ -288,6 +291,8 @@ class LensRuntime:
                 (layer, hook_site(run.point, split=self.split)) for call in hook_calls for state in call.states
                 for run in state.runs for layer in run.layers)
         for group in plan.groups:
+            if group.signal.startswith(SAE_PREFIX):
+                self._attach_sae(plan, group)
             self.store.stage(group)
         steered = []
         for s in slices:
@@ -301,6 +306,21 @@ class LensRuntime:
         else:
             self._steer_layout, self._steer_groups = (), {}
         return plan
+
+    def _attach_sae(self, plan: StepPlan, group) -> None:
+        """Give an SAE feature capture group its SAE (loaded when the front end admitted the
+        request); without it the group's requests fail, and nothing is captured for them."""
+        owner = group.owners[0]
+        spec = next(s for s in plan.slice_by_req[owner.req_id].lens.saes
+                    if s.signal == group.signal)
+        sae = self.saes.get(spec.path, spec.hook_point)
+        if sae is None:
+            group.failed = True
+            self._fail([o.req_id for o in group.owners],
+                       f"SAE {spec.sae!r} is not loaded on this worker (unloaded for another "
+                       "since the request was admitted?)", "sae")
+            return
+        group.sae = (sae, spec.top_k, spec.reconstruction)
 
     def _steering_for(self, steered: list[tuple[RequestSlice, list[PreparedSteer]]],
                       device: torch.device) -> dict[tuple[int, str], SteerGroup]:

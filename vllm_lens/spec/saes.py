@@ -1,0 +1,164 @@
+"""SAE features: ``output_sae_features`` -> ``SAEFeatureSpec`` (which SAE, which positions,
+how many features per position) (runs in: front end; decoded again in workers from the
+payload).
+
+A request names an SAE by the directory it is in (offline: the caller owns the process). The
+front end asks the workers to load it (``describe``: they answer its layout, width and hook
+point) before the request is admitted, so a bad SAE fails here, naming the field, and the
+forward pass never waits on a disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_lens import points as tap_points
+from vllm_lens.errors import LensRequestError
+from vllm_lens.spec.capture import CaptureSpec, parse_positions
+from vllm_lens.spec.facts import ModelFacts
+from vllm_lens.spec.fields import check_site, json_value
+from vllm_lens.spec.keys import SAE_KEY
+
+__all__ = ["SAEFeatureSpec", "parse_sae_features"]
+
+_FIELDS = ("sae", "hook_point", "positions", "top_k", "reconstruction")
+#: What ``describe`` answers for an SAE: its layout, architecture, ``d_in``, ``d_sae``,
+#: ``point``, ``layer`` and ``hook_name``.
+Describe = Callable[[str, "str | None"], Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class SAEFeatureSpec:
+    """One entry of ``output_sae_features``: an SAE (loaded on the workers) read at its own
+    point and layer."""
+
+    sae: str
+    """The SAE as the request named it."""
+    path: str
+    hook_point: str | None
+    """The caller's override of where it reads, or ``None`` (its files say)."""
+    point: str
+    layer: int
+    d_sae: int
+    top_k: int = 32
+    positions: str | tuple[int, ...] = "all"
+    reconstruction: bool = False
+
+    @property
+    def width(self) -> int:
+        """Values per position on the worker: ``top_k`` indices, ``top_k`` values, and with
+        ``reconstruction`` the NMSE and L0."""
+        return 2 * self.top_k + (2 if self.reconstruction else 0)
+
+    @property
+    def signal(self) -> str:
+        digest = hashlib.sha1(repr((self.path, self.hook_point, self.top_k,
+                                    self.reconstruction)).encode()).hexdigest()[:12]
+        return f"{tap_points.SAE_PREFIX}{digest}:{self.point}"
+
+    def capture(self) -> CaptureSpec:
+        """The capture the workers run for it: its layer's rows at its positions."""
+        return CaptureSpec(layers=(self.layer,), positions=self.positions, signal=self.signal)
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"sae": self.sae, "path": self.path, "hook_point": self.hook_point,
+                "point": self.point, "layer": self.layer, "d_sae": self.d_sae,
+                "top_k": self.top_k, "reconstruction": self.reconstruction,
+                "positions": self.positions if isinstance(self.positions, str)
+                else list(self.positions)}
+
+    @classmethod
+    def from_payload(cls, d: Mapping[str, Any]) -> SAEFeatureSpec:
+        positions = d["positions"]
+        return cls(sae=str(d["sae"]), path=str(d["path"]), hook_point=d.get("hook_point"),
+                   point=str(d["point"]), layer=int(d["layer"]), d_sae=int(d["d_sae"]),
+                   top_k=int(d["top_k"]), reconstruction=bool(d["reconstruction"]),
+                   positions=positions if isinstance(positions, str) else tuple(positions))
+
+
+def parse_sae_features(raw: Any, facts: ModelFacts, describe: Describe | None,
+                       request_id: str | None) -> tuple[SAEFeatureSpec, ...]:
+    """``output_sae_features``: one ``{"sae", "positions", "top_k", "reconstruction",
+    "hook_point"}`` or a list of them."""
+    raw = json_value(raw, SAE_KEY, request_id)
+    items = raw if isinstance(raw, list) else [raw]
+    if not items:
+        raise LensRequestError(SAE_KEY, "an empty list asks for nothing", request_id=request_id)
+    specs: list[SAEFeatureSpec] = []
+    for i, item in enumerate(items):
+        field = SAE_KEY if not isinstance(raw, list) else f"{SAE_KEY}[{i}]"
+        specs.append(_parse_one(item, facts, describe, field, request_id))
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        if spec.signal in seen:
+            raise LensRequestError(f"{SAE_KEY}[{i}]", f"asks for the same SAE, top_k and "
+                                   f"reconstruction as entry {seen[spec.signal]}; merge their "
+                                   "positions into one entry", request_id=request_id)
+        seen[spec.signal] = i
+    return tuple(specs)
+
+
+def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: str,
+               request_id: str | None) -> SAEFeatureSpec:
+    if not isinstance(item, Mapping):
+        raise LensRequestError(field, 'expected {"sae": <directory>, "positions", "top_k", '
+                               f'"reconstruction", "hook_point"}}, got {type(item).__name__}',
+                               request_id=request_id)
+    unknown = [k for k in item if k not in _FIELDS]
+    if unknown:
+        raise LensRequestError(f"{field}.{unknown[0]}", "unknown field; allowed fields are "
+                               f"{', '.join(_FIELDS)}", request_id=request_id)
+    name = item.get("sae")
+    if not isinstance(name, str) or not name:
+        raise LensRequestError(f"{field}.sae", "missing: the directory holding the SAE",
+                               request_id=request_id)
+    hook_point = item.get("hook_point")
+    if hook_point is not None and not isinstance(hook_point, str):
+        raise LensRequestError(f"{field}.hook_point", "a name such as "
+                               "'blocks.3.hook_resid_post'", request_id=request_id)
+    if describe is None:
+        raise LensRequestError(f"{field}.sae", "SAE features are served to offline engines "
+                               "(LLM) in this version; over HTTP and through AsyncLLM they are "
+                               "not yet", request_id=request_id)
+    try:
+        info = describe(name, hook_point)
+    except (ValueError, OSError) as exc:
+        raise LensRequestError(f"{field}.sae", str(exc), request_id=request_id) from None
+    point, layer = str(info["point"]), int(info["layer"])
+    if layer >= facts.n_layers:
+        raise LensRequestError(f"{field}.sae", f"reads layer {layer}, but the model has "
+                               f"{facts.n_layers} layers", request_id=request_id)
+    check_site(point, facts, f"{field}.sae", request_id)
+    width = facts.row_width(point)
+    if int(info["d_in"]) != width:
+        raise LensRequestError(f"{field}.sae", f"reads {point} rows of {info['d_in']} values, "
+                               f"but this model's {point} rows have {width}",
+                               request_id=request_id)
+    if point in tap_points.SHARDED and facts.tp_size > 1:
+        raise LensRequestError(f"{field}.sae", f"reads {point}, which is split across tensor-"
+                               "parallel ranks; SAEs at such points are not served under TP "
+                               "yet", request_id=request_id)
+    d_sae = int(info["d_sae"])
+    if d_sae >= 1 << 24:
+        raise LensRequestError(f"{field}.sae", f"has {d_sae:,} features; feature indices "
+                               "travel as float32, exact below 2**24 (16,777,216)",
+                               request_id=request_id)
+    top_k = item.get("top_k", min(32, d_sae))
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= d_sae:
+        raise LensRequestError(f"{field}.top_k", f"must be an integer from 1 to the SAE's "
+                               f"d_sae ({d_sae}), got {top_k!r} (default: 32, or d_sae if "
+                               "smaller)", request_id=request_id)
+    reconstruction = item.get("reconstruction", False)
+    if reconstruction in ("true", "false"):
+        reconstruction = reconstruction == "true"
+    if not isinstance(reconstruction, bool):
+        raise LensRequestError(f"{field}.reconstruction", "true or false",
+                               request_id=request_id)
+    positions = parse_positions(item.get("positions", "all"), facts, f"{field}.positions",
+                                request_id)
+    return SAEFeatureSpec(sae=name, path=str(info["path"]), hook_point=hook_point, point=point,
+                          layer=layer, d_sae=d_sae, top_k=top_k, positions=positions,
+                          reconstruction=reconstruction)

@@ -1,0 +1,120 @@
+"""The SAEs loaded on this worker, shared by every request that names one (runs in: worker).
+
+The front end asks for an SAE before it admits a request that reads it (``lens_load_sae``),
+so loading (reading the files, moving the weights to the model's device) never happens in a
+forward pass. An SAE whose files changed since it was read (their modification times) is read
+again at the next such request. The weights kept are bounded by ``VLLM_LENS_SAE_MAX_BYTES``: to load another,
+the least recently used SAE that no request holds is unloaded; if that is not enough the
+load is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Container
+from typing import Any
+
+import torch
+
+from vllm_lens.saes import SAE, load_sae
+
+__all__ = ["SAERegistry"]
+
+Key = tuple[str, "str | None"]
+
+
+class SAERegistry:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._loaded: OrderedDict[Key, SAE] = OrderedDict()
+        """(real path, hook point override) -> the SAE on the device, least recently used
+        first."""
+        self._stamps: dict[Key, tuple[int, ...]] = {}
+        """Modification times of each read SAE's files, when it was read."""
+        self._elsewhere: dict[Key, dict[str, Any]] = {}
+        """Descriptions of SAEs read here but kept by other ranks (their layer is not
+        captured here), so that they are read once, not at every request."""
+
+    @staticmethod
+    def key(path: str, hook_point: str | None) -> Key:
+        return os.path.realpath(path), hook_point
+
+    @property
+    def nbytes(self) -> int:
+        return sum(sae.nbytes for sae in self._loaded.values())
+
+    def __len__(self) -> int:
+        return len(self._loaded)
+
+    def get(self, path: str, hook_point: str | None) -> SAE | None:
+        sae = self._loaded.get(self.key(path, hook_point))
+        if sae is not None:
+            self._loaded.move_to_end(self.key(path, hook_point))
+        return sae
+
+    def describe(self, path: str, hook_point: str | None, device: torch.device,
+                 held: Container[Key], wanted: Callable[[SAE], bool],
+                 dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """``load`` it (or only read it, if not ``wanted`` here) and describe it."""
+        key = self.key(path, hook_point)
+        if key in self._stamps and self._stamps[key] != _stamp(key[0]):  # changed on disk
+            if key in self._loaded and key in held:
+                raise ValueError("its files changed while running requests read the copy "
+                                 "loaded before; retry when they finish")
+            self._loaded.pop(key, None)
+            self._elsewhere.pop(key, None)
+        if key in self._elsewhere:
+            return self._elsewhere[key]
+        sae = self.load(path, hook_point, device, held, wanted, dtype)
+        description = describe(sae, path)
+        if key not in self._loaded:
+            self._elsewhere[key] = description
+        return description
+
+    def load(self, path: str, hook_point: str | None, device: torch.device,
+             held: Container[Key], wanted: Callable[[SAE], bool] = lambda sae: True,
+             dtype: torch.dtype | None = None) -> SAE:
+        """The SAE at ``path`` on ``device``, loaded once. ``held``: keys running requests
+        read (never unloaded). An SAE ``wanted`` says no to is read and described but not
+        kept (a rank that does not capture its layer). ``dtype``: the rows' dtype; an SAE
+        narrower than it is kept widened once (and counted so), wider ones as they are."""
+        key = self.key(path, hook_point)
+        found = self.get(path, hook_point)
+        if found is not None:
+            return found
+        stamp = _stamp(key[0])
+        sae = load_sae(key[0], hook_point)
+        self._stamps[key] = stamp
+        if not wanted(sae):
+            return sae
+        if dtype is not None and torch.promote_types(sae.dtype, dtype) != sae.dtype:
+            sae = sae.to("cpu", torch.promote_types(sae.dtype, dtype))
+        if sae.nbytes > self.max_bytes:
+            raise ValueError(f"its weights take {sae.nbytes:,} bytes, more than "
+                             f"VLLM_LENS_SAE_MAX_BYTES ({self.max_bytes:,})")
+        for other in [k for k in self._loaded if k not in held]:
+            if self.nbytes + sae.nbytes <= self.max_bytes:
+                break
+            del self._loaded[other]
+        if self.nbytes + sae.nbytes > self.max_bytes:
+            raise ValueError(f"the SAEs running requests read take {self.nbytes:,} bytes of "
+                             f"VLLM_LENS_SAE_MAX_BYTES ({self.max_bytes:,}); {sae.nbytes:,} "
+                             "more do not fit: retry when they finish, or raise the setting")
+        self._loaded[key] = sae = sae.to(device)
+        return sae
+
+
+def _stamp(directory: str) -> tuple[int, ...]:
+    try:
+        return tuple(sorted(entry.stat().st_mtime_ns for entry in os.scandir(directory)))
+    except OSError:
+        return ()
+
+
+def describe(sae: SAE, path: str) -> dict[str, Any]:
+    """What the front end checks a request against (never the weights)."""
+    return {"path": os.path.realpath(path), "layout": sae.layout,
+            "architecture": sae.architecture, "d_in": sae.d_in, "d_sae": sae.d_sae,
+            "point": sae.point, "layer": sae.layer, "hook_name": sae.hook_name,
+            "dtype": str(sae.dtype).removeprefix("torch.")}

@@ -1,6 +1,8 @@
 """The OpenAI-compatible server: activations and steering over HTTP equal the offline engine's."""
 
 import base64
+import json
+import time
 
 import httpx
 import numpy as np
@@ -341,10 +343,12 @@ def test_operator_settings_pickled_hooks_and_a_full_binary_store(tiny_path):
     from tests.integration.server import running_server
     from vllm_lens import Hook
 
-    env = {"VLLM_LENS_ALLOW_PICKLED_HOOKS": "1", "VLLM_LENS_HTTP_STORE_MAX_BYTES": str(48 << 10)}
+    env = {"VLLM_LENS_ALLOW_PICKLED_HOOKS": "1", "VLLM_LENS_HTTP_STORE_MAX_BYTES": str(48 << 10),
+           "VLLM_LENS_WORKER_MAX_BYTES": str(64 << 10)}
     with running_server(tiny_path, "--enforce-eager", env=env) as server, \
             LensClient(server.base_url) as c:
         _full_store_refuses_the_newcomer(server.base_url)
+        _full_worker_budget_refuses_the_newcomer(server.base_url)
         result = c.generate(PROMPT, max_tokens=3, ignore_eos=True,
                             hooks=[Hook(_pickled_hook, [1])])
         assert result.hook_results == {"0": {"n": len(result.prompt_token_ids) + 2}}
@@ -365,6 +369,25 @@ def test_operator_settings_pickled_hooks_and_a_full_binary_store(tiny_path):
         assert info.value.status == 500 and "broken on purpose" in info.value.message
         assert info.value.param == "apply_hooks"
         assert c.generate(PROMPT, max_tokens=2).text is not None  # still serving, same connection
+
+
+def _full_worker_budget_refuses_the_newcomer(base: str) -> None:
+    """Two samples of one request, each reserving ~48 KiB of a 64 KiB worker budget: the
+    second sample's captures are refused when it first runs (503 naming the setting); the
+    same capture with one sample is served, and the worker holds nothing afterwards."""
+    body = {"prompt": "The capital of France is a city", "max_tokens": 40, "temperature": 1.0,
+            "ignore_eos": True, "n": 2,
+            "vllm_xargs": {"output_residual_stream": json.dumps([0, 1])}}
+    r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 503, r.text[:500]
+    err = r.json()["error"]
+    assert err["param"] == "VLLM_LENS_WORKER_MAX_BYTES", err
+    assert "refused its capture" in err["message"] and "steering and hooks ran" in err["message"]
+    one = httpx.post(base + "/v1/completions", json={**body, "n": 1}, timeout=120)
+    assert one.status_code == 200, one.text[:300]
+    time.sleep(1.2)  # the route caches the workers' stats for about a second
+    stats = httpx.get(base + "/v1/lens/stats").json()
+    assert stats["workers"][0]["bytes"] == 0 and stats["workers"][0]["records"] == 0, stats
 
 
 def _full_store_refuses_the_newcomer(base: str) -> None:

@@ -49,7 +49,7 @@ __all__ = [
 
 #: What vllm-lens attaches to ``RequestOutput`` and ``CompletionOutput``.
 OUTPUT_FIELDS = ("activations", "hook_results", "hook_error", "lens_error", "capture_receipt",
-                 "steering_gates")
+                 "steering_gates", "sae_features")
 
 
 def install_output_fields() -> None:

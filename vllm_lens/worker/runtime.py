@@ -292,7 +292,11 @@ class LensRuntime:
                 for run in state.runs for layer in run.layers)
         for group in plan.groups:
             if group.signal.startswith(SAE_PREFIX):
-                self._attach_sae(plan, group)
+                try:
+                    self._attach_sae(plan, group)
+                except Exception as exc:  # its requests fail, not the step
+                    group.failed = True
+                    self._fail([o.req_id for o in group.owners], exc, "sae")
             self.store.stage(group)
         steered = []
         for s in slices:
@@ -313,7 +317,7 @@ class LensRuntime:
         owner = group.owners[0]
         spec = next(s for s in plan.slice_by_req[owner.req_id].lens.saes
                     if s.signal == group.signal)
-        sae = self.saes.get(spec.path, spec.hook_point)
+        sae = self.saes.get(spec.path, spec.hook_point, resolved=True)
         if sae is None:
             group.failed = True
             self._fail([o.req_id for o in group.owners],

@@ -47,10 +47,13 @@ class SAERegistry:
     def __len__(self) -> int:
         return len(self._loaded)
 
-    def get(self, path: str, hook_point: str | None) -> SAE | None:
-        sae = self._loaded.get(self.key(path, hook_point))
+    def get(self, path: str, hook_point: str | None, *, resolved: bool = False) -> SAE | None:
+        """The loaded SAE, or ``None``. ``resolved``: ``path`` is already the real path (as
+        the description gives it), so no file system call is made (each step asks)."""
+        key = (path, hook_point) if resolved else self.key(path, hook_point)
+        sae = self._loaded.get(key)
         if sae is not None:
-            self._loaded.move_to_end(self.key(path, hook_point))
+            self._loaded.move_to_end(key)
         return sae
 
     def describe(self, path: str, hook_point: str | None, device: torch.device,

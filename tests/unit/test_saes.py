@@ -224,6 +224,14 @@ def test_sae_feature_requests_parse_travel_and_are_admitted_by_size():
     with pytest.raises(LensRequestError, match="served to offline engines") as refused:
         parse_extra_args({"output_sae_features": {"sae": "a"}}, lambda: facts)
     assert refused.value.field == "output_sae_features.sae"
+    import dataclasses
+
+    from vllm_lens.errors import UnsupportedConfigError
+
+    for parallel in ({"tp_size": 2}, {"pp_size": 2}):
+        with pytest.raises(UnsupportedConfigError, match="not yet proven under tensor or "):
+            parse_extra_args({"output_sae_features": {"sae": "a"}},
+                             lambda: dataclasses.replace(facts, **parallel), saes=describe)
 
 
 def test_configs_from_before_sae_lens_6_read_as_sae_lens_reads_them(tmp_path):

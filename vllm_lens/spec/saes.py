@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_lens import points as tap_points
-from vllm_lens.errors import LensRequestError
+from vllm_lens.errors import LensRequestError, UnsupportedConfigError
 from vllm_lens.spec.capture import CaptureSpec, parse_positions
 from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import check_site, json_value
@@ -137,10 +137,11 @@ def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: s
         raise LensRequestError(f"{field}.sae", f"reads {point} rows of {info['d_in']} values, "
                                f"but this model's {point} rows have {width}",
                                request_id=request_id)
-    if point in tap_points.SHARDED and facts.tp_size > 1:
-        raise LensRequestError(f"{field}.sae", f"reads {point}, which is split across tensor-"
-                               "parallel ranks; SAEs at such points are not served under TP "
-                               "yet", request_id=request_id)
+    if facts.tp_size > 1 or facts.pp_size > 1:
+        raise UnsupportedConfigError(
+            SAE_KEY, f"SAE features are not yet proven under tensor or pipeline parallelism "
+            f"(tensor_parallel_size={facts.tp_size}, pipeline_parallel_size={facts.pp_size}); "
+            "they are served on one rank", request_id=request_id)
     d_sae = int(info["d_sae"])
     if d_sae >= 1 << 24:
         raise LensRequestError(f"{field}.sae", f"has {d_sae:,} features; feature indices "

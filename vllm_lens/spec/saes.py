@@ -119,6 +119,11 @@ def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: s
     if hook_point is not None and not isinstance(hook_point, str):
         raise LensRequestError(f"{field}.hook_point", "a name such as "
                                "'blocks.3.hook_resid_post'", request_id=request_id)
+    if facts.tp_size > 1 or facts.pp_size > 1:
+        raise UnsupportedConfigError(
+            SAE_KEY, f"SAE features are not yet proven under tensor or pipeline parallelism "
+            f"(tensor_parallel_size={facts.tp_size}, pipeline_parallel_size={facts.pp_size}); "
+            "they are served on one rank", request_id=request_id)
     if describe is None:
         raise LensRequestError(f"{field}.sae", "SAE features are served to offline engines "
                                "(LLM) in this version; over HTTP and through AsyncLLM they are "
@@ -137,11 +142,6 @@ def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: s
         raise LensRequestError(f"{field}.sae", f"reads {point} rows of {info['d_in']} values, "
                                f"but this model's {point} rows have {width}",
                                request_id=request_id)
-    if facts.tp_size > 1 or facts.pp_size > 1:
-        raise UnsupportedConfigError(
-            SAE_KEY, f"SAE features are not yet proven under tensor or pipeline parallelism "
-            f"(tensor_parallel_size={facts.tp_size}, pipeline_parallel_size={facts.pp_size}); "
-            "they are served on one rank", request_id=request_id)
     d_sae = int(info["d_sae"])
     if d_sae >= 1 << 24:
         raise LensRequestError(f"{field}.sae", f"has {d_sae:,} features; feature indices "

@@ -260,3 +260,25 @@ def test_configs_from_before_sae_lens_6_read_as_sae_lens_reads_them(tmp_path):
     (path / "sae_weights.safetensors").write_bytes(b"\x00" * 40)  # damaged
     with pytest.raises(SAEFormatError, match="sae_weights|safetensors|Error"):
         load_sae(path)
+
+
+def test_the_tap_encodes_in_chunks_with_the_same_result(tmp_path, monkeypatch):
+    """``worker.capture.encode_top_features`` packs indices, values, NMSE and L0 per row,
+    a chunk of rows at a time; chunking changes nothing."""
+    from vllm_lens.worker import capture
+
+    path, _ = _sae_lens(tmp_path, "jumprelu")
+    sae = load_sae(path)
+    x = _rows(50)
+    whole = capture.encode_top_features((sae, 8, True), x, None)
+    monkeypatch.setattr(capture, "_SAE_CHUNK_BYTES", 4 * 64 * 7)  # 7 rows a chunk
+    chunked = capture.encode_top_features((sae, 8, True), x, None)
+    assert chunked.shape == (50, 18) and torch.equal(chunked[:, :8], whole[:, :8])
+    torch.testing.assert_close(chunked, whole)  # (matmuls of other sizes round differently)
+    # A point read from a tap's two tensors (the stream plus the residual) is their sum.
+    halves = capture.encode_top_features((sae, 8, True), x / 2, x / 2)
+    torch.testing.assert_close(halves, whole)
+    found = sae.top_features(x, 8, reconstruction=True)
+    assert torch.equal(whole[:, :8].to(torch.int32), found["indices"])
+    assert torch.equal(whole[:, 8:16], found["values"])
+    assert torch.equal(whole[:, 16], found["nmse"]) and torch.equal(whole[:, 17].int(), found["l0"])

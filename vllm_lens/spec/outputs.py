@@ -14,6 +14,7 @@ from vllm_lens.sinks.config import configured as configured_sinks
 from vllm_lens.sinks.config import serves_http as sinks_serve_http
 from vllm_lens.spec.capture import CaptureSpec
 from vllm_lens.spec.facts import ModelFacts
+from vllm_lens.spec.fields import refuse_parallel
 from vllm_lens.spec.keys import ACTIVATIONS_KEY, CAPTURE_KEY, QK_KEY, SINK_KEY, STREAM_KEY
 
 
@@ -93,11 +94,8 @@ def parse_stream(raw: Any, captures: tuple[CaptureSpec, ...], sink: SinkSpec | N
     if sink is not None:
         raise LensRequestError(STREAM_KEY, f"cannot be combined with {SINK_KEY} (the rows go "
                                "to the sink, not to the caller)", request_id=request_id)
-    if facts.tp_size > 1 or facts.pp_size > 1:
-        raise UnsupportedConfigError(
-            STREAM_KEY, f"is not yet proven under tensor or pipeline parallelism "
-            f"(tensor_parallel_size={facts.tp_size}, pipeline_parallel_size={facts.pp_size}); "
-            "the rows come with the final output without it", request_id=request_id)
+    refuse_parallel(STREAM_KEY, facts, "the rows come with the final output without it",
+                    request_id)
     for c in captures:
         if c.reduce is not None:
             raise LensRequestError(STREAM_KEY, f"streams rows as they are computed, but "

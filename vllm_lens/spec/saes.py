@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_lens import points as tap_points
-from vllm_lens.errors import LensRequestError, UnsupportedConfigError
+from vllm_lens.errors import LensRequestError
 from vllm_lens.spec.capture import CaptureSpec, parse_positions
 from vllm_lens.spec.facts import ModelFacts
-from vllm_lens.spec.fields import check_site, json_value
+from vllm_lens.spec.fields import check_site, json_value, refuse_parallel
 from vllm_lens.spec.keys import SAE_KEY
 
 __all__ = ["SAEFeatureSpec", "parse_sae_features"]
@@ -119,11 +119,7 @@ def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: s
     if hook_point is not None and not isinstance(hook_point, str):
         raise LensRequestError(f"{field}.hook_point", "a name such as "
                                "'blocks.3.hook_resid_post'", request_id=request_id)
-    if facts.tp_size > 1 or facts.pp_size > 1:
-        raise UnsupportedConfigError(
-            SAE_KEY, f"SAE features are not yet proven under tensor or pipeline parallelism "
-            f"(tensor_parallel_size={facts.tp_size}, pipeline_parallel_size={facts.pp_size}); "
-            "they are served on one rank", request_id=request_id)
+    refuse_parallel(SAE_KEY, facts, "SAE features are served on one rank", request_id)
     if describe is None:
         raise LensRequestError(f"{field}.sae", "SAE features are served to offline engines "
                                "(LLM) in this version; over HTTP and through AsyncLLM they are "

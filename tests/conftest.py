@@ -11,12 +11,18 @@ os.environ.setdefault("VLLM_LENS_TEST_FAULTS", "1")
 
 def _give_each_xdist_worker_its_own_cores() -> None:
     """vLLM's CPU worker pins its OpenMP threads to the cores ``VLLM_CPU_OMP_THREADS_BIND``
-    names; by default ("auto") that is every core but one kept for the front end, on a
-    2-core machine core 0 alone. Everything the worker starts inherits the pinning, Inductor's
-    compiler processes included, so with two pytest-xdist workers both workers' engines
-    compiled and ran on core 0 while core 1 sat idle (measured: 2026-11-25). Each xdist
-    worker gets its own share of the cores instead. A value set by the caller wins, and the
-    tests that need two ranks (TP/PP/DP) set their own for the engines they start."""
+    names; by default ("auto") that is every allowed core but one kept for the front end, on
+    a 2-core machine core 0 alone. Everything the worker starts inherits the pinning,
+    Inductor's compiler processes included, so with two pytest-xdist workers both workers'
+    engines compiled and ran on core 0 while core 1 sat idle (measured: 2026-11-25).
+
+    Each xdist worker therefore keeps to its own share of the cores: the process's CPU
+    affinity, which every engine, server and script it starts inherits, and with which
+    vLLM's "auto" binding picks that share (when only one core is allowed vLLM binds to it
+    and keeps none back). The share is not put in ``VLLM_CPU_OMP_THREADS_BIND`` itself:
+    vLLM hashes that variable into its compile cache key, so the two workers would compile
+    every configuration separately instead of reusing each other's graphs. A binding set by
+    the caller wins, and the tests that need two ranks (TP/PP/DP) set their own."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     n_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if not worker.startswith("gw") or n_workers < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
@@ -27,7 +33,8 @@ def _give_each_xdist_worker_its_own_cores() -> None:
     share = len(cores) // n_workers
     index = int(worker.removeprefix("gw")) % n_workers
     mine = cores[index * share:(index + 1) * share]
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
+    os.sched_setaffinity(0, mine)
+    os.environ.setdefault("OMP_NUM_THREADS", str(len(mine)))
 
 
 _give_each_xdist_worker_its_own_cores()

@@ -129,3 +129,10 @@ def generate_without_plugin(model: str, prompts: list[str], max_tokens: int,
 
 #: ``lens_stats`` of a worker that holds nothing for any request.
 IDLE = {"entries": 0, "bytes": 0, "records": 0, "device_bytes": 0}
+
+
+def held(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each rank's ``lens_stats`` without the SAEs it keeps loaded (``saes``, ``sae_bytes``:
+    shared by requests, kept after they finish): what it holds for requests, to compare with
+    ``IDLE``."""
+    return [{k: v for k, v in s.items() if k not in ("saes", "sae_bytes")} for s in stats]

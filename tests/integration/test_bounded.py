@@ -14,7 +14,7 @@ import torch
 import zstandard
 from vllm import SamplingParams
 
-from tests.integration.engines import IDLE, env, running_llm
+from tests.integration.engines import IDLE, held, env, running_llm
 from vllm_lens import (
     LensExecutionError,
     LensRequestError,
@@ -48,7 +48,7 @@ def test_offline_admission_refuses_before_anything_runs(tiny_llm, monkeypatch):
         tiny_llm.generate(["Hello"], _capture(max_tokens=2, n=16))
     out = tiny_llm.generate([LONG], _capture(positions="prompt[-4:]", max_tokens=8))[0]
     assert out.activations["residual_stream"].shape == (4, 4, 128)
-    assert tiny_llm.collective_rpc("lens_stats") == [IDLE]
+    assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +73,13 @@ def test_worker_budget_fails_the_request_that_exceeds_it_alone(small_budget_llm)
     assert isinstance(big.lens_error, LensExecutionError) and big.activations is None
     assert "VLLM_LENS_WORKER_MAX_BYTES (65,536 bytes" in str(big.lens_error)
     assert steered.lens_error is None and plain.lens_error is None
-    assert llm.collective_rpc("lens_stats") == [IDLE]
+    assert held(llm.collective_rpc("lens_stats")) == [IDLE]
     # The budget is for rows held at once: fetched rows give it back, so batch after batch
     # that fits is served in full.
     for _ in range(3):
         outs = llm.generate(["Hello there"] * 6, _capture(max_tokens=2))
         assert [o.lens_error for o in outs] == [None] * 6
-        assert llm.collective_rpc("lens_stats") == [IDLE]
+        assert held(llm.collective_rpc("lens_stats")) == [IDLE]
 
 
 def test_worker_budget_refuses_the_newcomer_not_the_running_request(small_budget_llm):
@@ -98,7 +98,7 @@ def test_worker_budget_refuses_the_newcomer_not_the_running_request(small_budget
     assert "refused its capture" in message and "nobody else's rows were dropped" in message
     assert "VLLM_LENS_WORKER_MAX_BYTES (65,536 bytes)" in message
     assert list(second.outputs[0].token_ids) == list(first.outputs[0].token_ids)  # still ran
-    assert llm.collective_rpc("lens_stats") == [IDLE]
+    assert held(llm.collective_rpc("lens_stats")) == [IDLE]
     # Fetched, the first gave its share back: the same request is admitted again.
     (again,) = llm.generate([prompt], _capture(max_tokens=4))
     assert again.lens_error is None

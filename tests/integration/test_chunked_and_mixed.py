@@ -5,7 +5,7 @@ import torch
 from vllm import SamplingParams
 
 from tests.integration.conftest import TINY_CHUNKED
-from tests.integration.engines import IDLE, generate_without_plugin
+from tests.integration.engines import IDLE, held, generate_without_plugin
 from tests.integration.reference import max_relative_error
 
 # 6 to ~60 tokens: most prompts span several 16-token prefill chunks.
@@ -97,7 +97,7 @@ def test_bad_input_fails_alone_and_engine_keeps_serving(tiny_llm, extra, field):
     good = SamplingParams(max_tokens=2, temperature=0, extra_args={"output_residual_stream": [1]})
     out = tiny_llm.generate([PROMPTS[0]], good)[0]
     assert out.activations["residual_stream"].shape[0] == 1
-    assert tiny_llm.collective_rpc("lens_stats") == [IDLE]
+    assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
 
 
 def test_n_greater_than_one_gives_each_completion_its_own_rows(tiny_llm):

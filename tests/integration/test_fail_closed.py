@@ -7,7 +7,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from tests.integration.engines import IDLE, running_llm
+from tests.integration.engines import IDLE, held, running_llm
 from tests.integration.reference import max_relative_error
 from vllm_lens import (
     LensExecutionError,
@@ -74,7 +74,7 @@ def test_a_failing_steering_build_leaves_the_steps_other_steered_requests_steere
     unsteered = tiny_llm.generate([PROMPTS[1]], CLEAN)[0].activations["residual_stream"][1]
     n = min(len(unsteered), rows.shape[1])
     assert max_relative_error(rows[0, :n], unsteered[:n]) > 0.1  # the steering is there
-    assert tiny_llm.collective_rpc("lens_stats") == [IDLE]
+    assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
 
 
 def test_a_failure_outside_the_per_request_stages_fails_the_steps_lens_requests(tiny_llm,
@@ -106,7 +106,7 @@ def _assert_clean_and_serving(tiny_llm, tiny_ref, clean):
     assert again.activations["residual_stream"].shape[:2] == (
         2, len(again.prompt_token_ids) + 5)
     assert set(again.hook_results["0"]["scores"]) == {"2"}
-    assert tiny_llm.collective_rpc("lens_stats") == [IDLE]
+    assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -166,7 +166,7 @@ def test_hooks_are_refused_with_speculative_decoding_capture_and_steering_are_ex
         assert a.shape == b.shape
         assert torch.equal(out.activations["positions"], ref.activations["positions"])
         assert max_relative_error(a, b) <= 1e-4
-    assert stats == [IDLE]
+    assert held(stats) == [IDLE]
 
 
 def _accepted_drafts(llm) -> float:
@@ -193,7 +193,7 @@ def test_preempted_requests_keep_one_row_per_position(tiny_path, tiny_llm):
                           if m.name == "vllm:num_preemptions")
         stats = llm.collective_rpc("lens_stats")
     assert preemptions > 0  # the test exercises recomputation
-    assert stats == [IDLE]
+    assert held(stats) == [IDLE]
     for out, ref in zip(got, expected):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         n_rows = len(out.prompt_token_ids) + 159

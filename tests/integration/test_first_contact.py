@@ -5,7 +5,7 @@ runs, naming its index in the caller's list; outputs that asked for nothing have
 import pytest
 from vllm import SamplingParams
 
-from tests.integration.engines import IDLE
+from tests.integration.engines import IDLE, held
 from vllm_lens import LensRequestError
 
 GOOD = SamplingParams(max_tokens=2, temperature=0, extra_args={"output_residual_stream": [0]})
@@ -18,7 +18,7 @@ def test_a_bad_request_fails_the_whole_call_naming_its_index(tiny_llm):
         tiny_llm.generate(["Hello", "World", "Again"], [GOOD, GOOD, BAD])
     assert info.value.index == 2
     assert not tiny_llm.llm_engine.has_unfinished_requests()  # nothing runs half-way
-    assert tiny_llm.collective_rpc("lens_stats") == [IDLE]
+    assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
     conversation = [{"role": "user", "content": "Hi"}]
     with pytest.raises(LensRequestError, match=r"request 1 of this call"):
         tiny_llm.chat([conversation, conversation], [GOOD, BAD])

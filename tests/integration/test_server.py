@@ -12,7 +12,7 @@ import torch
 import zstandard
 from vllm import SamplingParams
 
-from tests.integration.engines import IDLE
+from tests.integration.engines import IDLE, held
 from tests.integration.reference import max_relative_error
 from vllm_lens import SteeringVector, decode_activations
 from vllm_lens.client import AsyncLensClient, LensClient, LensHTTPError
@@ -265,7 +265,7 @@ def test_soak_200_concurrent_mixed_requests_with_disconnects(smol_server):
     assert report.failures == [], report.failures[:5]
     assert report.checked == report.requests - report.disconnects == 180
     assert report.store_left == {"entries": 0, "bytes": 0}
-    assert all(w == IDLE for w in report.workers_left), report.workers_left
+    assert held(report.workers_left) == [IDLE] * len(report.workers_left), report.workers_left
     assert report.rss_end - report.rss_start < 200 << 20
 
 
@@ -285,7 +285,7 @@ def test_unfetched_binary_handles_expire(smol_server):
     assert stats["store"] == {"entries": 0, "bytes": 0}
     url = f"/v1/lens/activations/{unfetched[0]['choices'][0]['activations']['handle']}"
     assert httpx.get(base + url).status_code == 404
-    assert all(w == IDLE for w in stats["workers"])
+    assert held(stats["workers"]) == [IDLE] * len(stats["workers"])
 
 
 def _pickled_hook(ctx, hidden):

@@ -203,15 +203,39 @@ class LensWorkerExtension:
         except Exception as exc:  # noqa: BLE001 - e.g. out of device memory: refuse, serve on
             return {"error": f"it could not be loaded on this worker: {describe(exc)}"}
 
+    def lens_sae_slice(self, path: str, hook_point: str | None, features: list[int]) -> Any:
+        """``wire`` bytes of some features of an SAE this rank keeps (``lens_load_sae``
+        first), for steering by feature: their decoder rows ``W_dec`` and encoder columns
+        (``W_enc``, ``b_enc``, ``threshold``), its ``b_dec`` and ``apply_b_dec_to_input``;
+        ``None`` where it is not kept here; ``{"error": ...}`` for a feature it lacks."""
+        import torch
+
+        if _runtime is None:
+            return None
+        sae = _runtime.saes.get(path, hook_point)
+        if sae is None:
+            return None
+        if not all(0 <= f < sae.d_sae for f in features):
+            return {"error": f"features must be 0 to {sae.d_sae - 1}"}
+        index = torch.as_tensor(features, dtype=torch.long, device=sae.W_dec.device)
+        return wire.dumps({
+            "W_dec": sae.W_dec[index].cpu(), "W_enc": sae.W_enc[:, index].cpu(),
+            "b_enc": sae.b_enc[index].cpu(), "b_dec": sae.b_dec.cpu(),
+            "threshold": None if sae.threshold is None else sae.threshold[index].cpu(),
+            "apply_b_dec_to_input": sae.apply_b_dec_to_input})
+
     def lens_stats(self) -> dict[str, int]:
         """What this rank holds for lens requests (for tests and monitoring): captured
         ``entries`` and their host ``bytes``, request ``records`` and the ``device_bytes`` of
-        their steering vectors."""
+        their steering vectors; and the SAEs it keeps loaded (``saes``) and their weights'
+        ``sae_bytes`` (``VLLM_LENS_SAE_MAX_BYTES``)."""
         if _runtime is None:
-            return {"entries": 0, "bytes": 0, "records": 0, "device_bytes": 0}
+            return {"entries": 0, "bytes": 0, "records": 0, "device_bytes": 0, "saes": 0,
+                    "sae_bytes": 0}
         _runtime.settle(wait=True)
         return {"entries": len(_runtime.store), "bytes": _runtime.store.nbytes,
-                "records": len(_runtime.requests), "device_bytes": _runtime.requests.device_bytes}
+                "records": len(_runtime.requests), "device_bytes": _runtime.requests.device_bytes,
+                "saes": len(_runtime.saes), "sae_bytes": _runtime.saes.nbytes}
 
     # -- persistent hooks ------------------------------------------------------------------------
     def lens_register_hooks(self, payloads: list[dict[str, Any]]) -> None:

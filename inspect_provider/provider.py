@@ -8,7 +8,8 @@ changes:
   ``apply_steering_vectors`` (live ``SteeringVector`` objects, dicts or wire strings) — are
   encoded into ``vllm_xargs`` the way the server expects; ``lora_request`` (a ``LoRARequest``
   or an adapter name) selects that adapter, which vLLM's server does by the request's model;
-- the response's activations become ``ModelOutput.metadata["activations"]``: decoded torch
+- the response's activations become ``ModelOutput.metadata["activations"]`` (and SAE
+  features, ``output_sae_features``, ``metadata["sae_features"]``): decoded torch
   tensors (``residual_stream``, ``positions``) plus ``prompt_token_ids`` and
   ``completion_token_ids`` — of the first choice; with ``num_choices > 1``,
   ``metadata["choice_activations"]`` lists every choice's. With ``"activations_transport":
@@ -35,7 +36,11 @@ from inspect_ai.model._model_call import ModelCall
 from inspect_ai.model._providers.vllm import VLLMAPI
 from openai import APIStatusError
 
-from vllm_lens.activations import decode_activations, is_binary_descriptor
+from vllm_lens.activations import (
+    decode_activations,
+    decode_json_tensors,
+    is_binary_descriptor,
+)
 from vllm_lens.client import AsyncLensClient, LensHTTPError, encode_xargs
 from vllm_lens.spec import LENS_KEYS
 
@@ -63,10 +68,17 @@ class VLLMLensAPI(VLLMAPI):
         response = call.response or {}
         choices = response.get("choices") or []
         found = [await self._activations_of(choice, response) for choice in choices]
+        extra: dict[str, Any] = {}
         if any(acts is not None for acts in found):
-            extra: dict[str, Any] = {"activations": found[0]}
+            extra["activations"] = found[0]
             if len(found) > 1:
                 extra["choice_activations"] = found
+        features = [decode_json_tensors(choice.get("sae_features")) for choice in choices]
+        if any(f is not None for f in features):
+            extra["sae_features"] = features[0]
+            if len(features) > 1:
+                extra["choice_sae_features"] = features
+        if extra:
             output.metadata = {**(output.metadata or {}), **extra}
         _slim_logged_call(call)
 
@@ -124,14 +136,23 @@ def _with_lens_body(config: GenerateConfig) -> tuple[GenerateConfig, bool]:
     return config.model_copy(update={"extra_body": extra_body}), has_lens
 
 
+def _summary(value: Any) -> Any:
+    """A tensor record's shape and dtype (its data left out of the log); other values kept."""
+    if isinstance(value, dict) and "shape" in value:
+        return {"shape": value.get("shape"), "dtype": value.get("dtype"), "data": "<omitted>"}
+    return value
+
+
 def _slim_logged_call(call: ModelCall) -> None:
     """Replace tensors in the logged response by their shape and elide long lens values."""
     for choice in (call.response or {}).get("choices") or []:
         encoded = choice.get("activations")
         if isinstance(encoded, dict) and not is_binary_descriptor(encoded):
-            choice["activations"] = {
-                k: {"shape": v.get("shape"), "dtype": v.get("dtype"), "data": "<omitted>"}
-                if isinstance(v, dict) else v for k, v in encoded.items()}
+            choice["activations"] = {k: _summary(v) for k, v in encoded.items()}
+        if isinstance(choice.get("sae_features"), list):
+            choice["sae_features"] = [{k: _summary(v) for k, v in entry.items()}
+                                      if isinstance(entry, dict) else entry
+                                      for entry in choice["sae_features"]]
     xargs = ((call.request or {}).get("extra_body") or {}).get("vllm_xargs") or {}
     for key, value in xargs.items():
         if isinstance(value, str) and len(value) > _LOGGED_VALUE_MAX_CHARS:

@@ -37,6 +37,7 @@ from vllm_lens.spec import (
     HOOKS_KEY,
     PRESET_PREFIX,
     QK_KEY,
+    SAE_KEY,
     SINK_KEY,
     STEER_KEY,
     STREAM_KEY,
@@ -83,6 +84,10 @@ class LensResult:
     """Where the rows went, for a request with ``capture_sink=`` (``vllm_lens.sinks``)."""
     steering_gates: dict[str, Any] | None = None
     """``{"<vector index>": {"positions", "gates"}}`` for conditional steering vectors."""
+    sae_features: list[dict[str, Any]] | None = None
+    """For requests with ``sae_features=``: per SAE asked for, ``{"sae", "layer", "point",
+    "positions", "indices", "values"}`` (and ``"nmse"``, ``"l0"`` with reconstruction), on
+    the last result of each choice (``vllm_lens.saes.to_sparse`` makes a sparse tensor)."""
     delta: str = ""
     choices: list[LensResult] = field(default_factory=list, repr=False)
 
@@ -117,9 +122,11 @@ class _Protocol:
             lens[CAPTURE_KEY] = capture
         elif capture_layers is not None:
             lens[CAPTURE_KEY] = capture_layers
-        for key in (ACTIVATIONS_KEY, QK_KEY, SINK_KEY, STREAM_KEY):  # lens keys by name
+        for key in (ACTIVATIONS_KEY, QK_KEY, SINK_KEY, STREAM_KEY, SAE_KEY):  # by name
             if openai_kwargs.get(key) is not None:
                 lens[key] = openai_kwargs.pop(key)
+        if openai_kwargs.get("sae_features") is not None:
+            lens[SAE_KEY] = openai_kwargs.pop("sae_features")
         if steering_vectors is not None:
             lens[STEER_KEY] = steering_vectors
         if hooks is not None:
@@ -158,6 +165,10 @@ class _Protocol:
 
     def presets_steps(self) -> _Steps:
         response = yield self.request("GET", "/v1/steering")
+        return _json_or_raise(response)["data"]
+
+    def saes_steps(self) -> _Steps:
+        response = yield self.request("GET", "/v1/lens/saes")
         return _json_or_raise(response)["data"]
 
     def activations_steps(self, payload: Any) -> _Steps:
@@ -207,6 +218,8 @@ class _StreamState:
                 or previous.hook_results,
                 steering_gates=decode_json_tensors(choice.get("steering_gates"))
                 or previous.steering_gates,
+                sae_features=decode_json_tensors(choice.get("sae_features"))
+                or previous.sae_features,
             )
             self.by_index[index] = result
             out.append((result, choice.get("activations")))
@@ -233,8 +246,9 @@ class LensClient:
                  hooks: Any = None, stream: bool = False, transport: str = "json",
                  **openai_kwargs: Any) -> Any:
         """``/v1/completions``. Returns a ``LensResult`` or, with ``stream=True``, an iterator
-        of partial ones. ``output_activations=``, ``output_qk=``, ``capture_sink=`` and
-        ``stream_activations=`` are sent as those lens keys; other ``openai_kwargs`` go into
+        of partial ones. ``output_activations=``, ``output_qk=``, ``capture_sink=``,
+        ``stream_activations=`` and ``sae_features=`` (``output_sae_features``: SAEs the
+        server registered, by name) are sent as those lens keys; other ``openai_kwargs`` go into
         the request body (``n``, ``seed``, ...)."""
         return self._run("/v1/completions", "prompt", prompt, stream, dict(
             max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
@@ -299,6 +313,11 @@ class LensClient:
         """The server's named steering presets (select one with ``"preset:<name>"`` in
         ``steering_vectors``)."""
         return self._drive(self._protocol.presets_steps())
+
+    def saes(self) -> list[dict[str, Any]]:
+        """The SAEs the server serves by name (``sae_features={"sae": name, ...}``): name,
+        layout, architecture, hook point, ``d_in``, ``d_sae``."""
+        return self._drive(self._protocol.saes_steps())
 
     def register_steering(self, name: str, vectors: Any, model: str | None = None) -> Any:
         """Register a preset (needs the operator's ``VLLM_LENS_ALLOW_STEERING_ROUTES=1``)."""
@@ -419,6 +438,9 @@ class AsyncLensClient:
 
     async def steering_presets(self) -> list[dict[str, Any]]:
         return await self._drive(self._protocol.presets_steps())
+
+    async def saes(self) -> list[dict[str, Any]]:
+        return await self._drive(self._protocol.saes_steps())
 
     async def register_steering(self, name: str, vectors: Any, model: str | None = None) -> Any:
         return await self._drive(self._protocol.hooks_steps(
@@ -552,6 +574,7 @@ def _choice_result(choice: dict[str, Any], data: dict[str, Any]) -> LensResult:
         hook_results=decode_json_tensors(choice.get("hook_results")),
         capture_receipt=choice.get("capture_receipt"),
         steering_gates=decode_json_tensors(choice.get("steering_gates")),
+        sae_features=decode_json_tensors(choice.get("sae_features")),
     )
 
 

@@ -6,6 +6,9 @@
   request fails (rows already held are never dropped to make room).
 - ``VLLM_LENS_SAE_MAX_BYTES``: weights of the SAEs one worker keeps loaded (default 4 GiB);
   the least recently used that no request holds is unloaded to load another.
+- ``VLLM_LENS_SAES``: path of a JSON file of named SAEs (``{name: path}`` or ``{name:
+  {"path", "hook_point"}}``) the OpenAI server registers before it serves; over HTTP
+  requests may name only these (``frontend.sae_names``).
 - ``VLLM_LENS_FINISHED_TTL_S``: seconds a finished request's rows wait for their fetch before
   the worker drops them (default 600): covers aborted requests and front ends that went away.
 - ``VLLM_LENS_HTTP_STORE_MAX_BYTES``: capacity of the OpenAI server's store behind the binary
@@ -104,6 +107,10 @@ def max_hooks() -> int:
 
 def steering_presets_path() -> str | None:
     return os.environ.get("VLLM_LENS_STEERING_PRESETS") or None
+
+
+def saes_path() -> str | None:
+    return os.environ.get("VLLM_LENS_SAES") or None
 
 
 def hook_results_max() -> int:

@@ -7,8 +7,9 @@ each worker — possibly several times per process).
   and ``AsyncLLM`` validate lens requests and collate activations (``frontend.offline``,
   ``frontend.async_engine``); steered and hooked requests get a prefix-cache salt
   (``frontend.prefix_cache``); ``LLM`` and ``AsyncLLM`` get the persistent-hook and
-  steering-preset methods and ``patching_sweep`` (``frontend.persistent_hooks``,
-  ``frontend.presets``, ``frontend.patching``); in a process that builds vLLM's OpenAI server,
+  steering-preset methods, ``register_sae`` / ``registered_saes`` and ``patching_sweep``
+  (``frontend.persistent_hooks``, ``frontend.presets``, ``frontend.sae_names``,
+  ``frontend.patching``); in a process that builds vLLM's OpenAI server,
   the server's completions and chat endpoints return activations, and the ``/v1/lens/*``,
   ``/v1/hooks/*`` and ``/v1/steering*`` routes are added (``frontend.server``,
   ``frontend.steering_routes``, ``frontend.patching``);
@@ -34,6 +35,7 @@ def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group (see pyproject.toml)."""
     if envs.disabled():
         return
+    from vllm_lens import engine_core_rpc
     from vllm_lens.frontend import (
         async_engine,
         collate,
@@ -43,8 +45,8 @@ def register() -> None:
         persistent_hooks,
         prefix_cache,
         presets,
+        sae_names,
     )
-    from vllm_lens import engine_core_rpc
     from vllm_lens.worker import taps
 
     engine_args.install()
@@ -55,6 +57,7 @@ def register() -> None:
     engine_core_rpc.install()
     persistent_hooks.install()
     presets.install()
+    sae_names.install()
     patching.install()
     taps.install_model_hook()
     # The API server imports its app builder before it creates the engine (which loads the

@@ -101,8 +101,8 @@ class _Budget:
         self.what = what
         self.check_shape = check_shape
 
-    def take(self, nbytes: int, shape: list[int], dtype: str) -> None:
-        if self.check_shape is not None:
+    def take(self, nbytes: int, shape: list[int], dtype: str, *, check: bool = True) -> None:
+        if check and self.check_shape is not None:
             self.check_shape(shape)
         if nbytes > self.left:
             raise WireError(
@@ -132,6 +132,25 @@ def decode_limit(max_bytes: int, what: str = "this request",
         yield
     finally:
         _budget.reset(token)
+
+
+@contextlib.contextmanager
+def trusted() -> Iterator[None]:
+    """Decode inside the block without the active ``decode_limit``: for tensors from this
+    deployment's own processes (an SAE's rows from a worker), charged with ``reserve``."""
+    token = _budget.set(None)
+    try:
+        yield
+    finally:
+        _budget.reset(token)
+
+
+def reserve(nbytes: int, shape: list[int], dtype: str) -> None:
+    """Charge a tensor about to be built from trusted parts (an SAE's decoder rows a request
+    selects) against the active ``decode_limit``, before it is built."""
+    budget = _budget.get()
+    if budget is not None:
+        budget.take(nbytes, shape, dtype, check=False)  # its shape is the deployment's
 
 
 def charge(blob: bytes) -> None:

@@ -53,14 +53,28 @@ def server_preset() -> SteeringVector:
 
 
 @pytest.fixture(scope="session")
-def smol_server(smollm2_path, tmp_path_factory):
+def smol_sae(tmp_path_factory):
+    """(directory, sae-lens ``SAE``): a random 512-feature JumpReLU SAE on SmolLM2's layer-10
+    residual stream, saved by sae-lens; the test server serves it as ``smol-l10``."""
+    from tests.integration.saes import saved_sae
+
+    path = tmp_path_factory.mktemp("saes") / "smol-l10"
+    return path, saved_sae(path, "jumprelu", "blocks.10.hook_resid_post", d_in=576)
+
+
+@pytest.fixture(scope="session")
+def smol_server(smollm2_path, tmp_path_factory, smol_sae):
     """SmolLM2 behind vLLM's OpenAI server (compiled mode, like ``smol_llm``), with the
-    steering preset ``calm`` registered from a file at start-up."""
+    steering preset ``calm`` and the SAE ``smol-l10`` (``smol_sae``) registered from files
+    at start-up."""
     from tests.integration.server import running_server
 
     presets = tmp_path_factory.mktemp("presets") / "presets.json"
     presets.write_text(json.dumps({"calm": {
         "model": "SmolLM2-135M-Instruct", "vectors": [server_preset().model_dump(mode="json")]}}))
-    env = {**SERVER_ENV, "VLLM_LENS_STEERING_PRESETS": str(presets)}
+    saes = presets.with_name("saes.json")
+    saes.write_text(json.dumps({"smol-l10": str(smol_sae[0])}))
+    env = {**SERVER_ENV, "VLLM_LENS_STEERING_PRESETS": str(presets),
+           "VLLM_LENS_SAES": str(saes)}
     with running_server(smollm2_path, env=env) as server:
         yield server

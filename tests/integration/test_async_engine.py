@@ -9,7 +9,7 @@ from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
 from tests.integration.conftest import TINY_CHUNKED
-from tests.integration.engines import IDLE, running_async_llm
+from tests.integration.engines import IDLE, held, running_async_llm
 
 PROMPTS = [
     "Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi.",
@@ -79,12 +79,12 @@ def test_aborted_request_leaves_nothing_behind(async_engine):
         await gen.aclose()
         for _ in range(100):
             stats = await engine.collective_rpc("lens_stats")
-            if stats == [IDLE]:
+            if held(stats) == [IDLE]:
                 return stats
             await asyncio.sleep(0.05)
         return stats
 
-    assert run(abandon()) == [IDLE]
+    assert held(run(abandon())) == [IDLE]
 
 
 def test_bad_input_fails_alone(async_engine):
@@ -180,13 +180,13 @@ def test_idle_engine_holds_nothing_after_200_mixed_requests_with_aborts(async_en
         results = await asyncio.gather(*[one(i) for i in range(200)])
         for _ in range(100):
             stats = await engine.collective_rpc("lens_stats")
-            if stats == [IDLE]:
+            if held(stats) == [IDLE]:
                 break
             await asyncio.sleep(0.05)
         return results, stats
 
     results, stats = run(everything())
-    assert stats == [IDLE]
+    assert held(stats) == [IDLE]
     faulty = {i for i in range(200) if "lens_test_fault" in kinds[i % len(kinds)]}
     for i, result in enumerate(results):
         if i % 10 == 9:
@@ -284,7 +284,7 @@ def test_streamed_generated_rows_and_bad_streams(async_engine):
         run(_final(engine, PROMPTS[0], SamplingParams(
             max_tokens=2, n=2, extra_args={"output_residual_stream": [1],
                                            "stream_activations": True}), "bad-n"))
-    assert run(engine.collective_rpc("lens_stats"))[0] == IDLE
+    assert held(run(engine.collective_rpc("lens_stats"))) == [IDLE]
 
 
 def test_pipelined_worker_call_answers_on_an_idle_and_on_a_busy_engine(async_engine):
@@ -314,7 +314,39 @@ def test_pipelined_worker_call_answers_on_an_idle_and_on_a_busy_engine(async_eng
         return idle, busy + [last], first, rest
 
     idle, busy, first, rest = run(go())
-    assert idle == run(engine.collective_rpc("lens_stats")) and idle[0] == IDLE
+    assert idle == run(engine.collective_rpc("lens_stats")) and held(idle) == [IDLE]
     assert all(len(answer) == len(idle) and isinstance(answer[0], dict) for answer in busy)
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "length"
     assert len(first.outputs[0].token_ids) + sum(len(o.outputs[0].token_ids) for o in rest) == 400
+
+
+def test_sae_features_by_directory_and_by_registered_name(async_engine, tiny_llm, tmp_path):
+    """An ``AsyncLLM`` outside the server (its caller owns the process) reads an SAE by
+    directory or by a name ``register_sae`` gave it, with the same features the offline
+    engine returns; a directory that holds no SAE is refused naming the field."""
+    from tests.integration.saes import saved_sae
+    from vllm_lens import LensRequestError
+
+    engine, run = async_engine
+    saved_sae(tmp_path / "sae", "topk", "blocks.1.hook_resid_post", k=8)
+
+    def sp(sae):
+        return SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={
+            "output_sae_features": {"sae": sae, "top_k": 8, "reconstruction": True}})
+
+    by_path = run(_final(engine, PROMPTS[0], sp(str(tmp_path / "sae")), "sae-path"))
+    run(engine.register_sae("topk-1", str(tmp_path / "sae")))
+    by_name = run(_final(engine, PROMPTS[0], sp("topk-1"), "sae-name"))
+    offline = tiny_llm.generate([PROMPTS[0]], sp(str(tmp_path / "sae")))[0]
+    assert by_name.sae_features[0]["sae"] == "topk-1"
+    for out in (by_path, by_name):
+        assert out.outputs[0].token_ids == offline.outputs[0].token_ids
+        for key in ("positions", "indices", "l0"):
+            assert out.sae_features[0][key].tolist() == offline.sae_features[0][key].tolist()
+        for key in ("values", "nmse"):
+            torch.testing.assert_close(out.sae_features[0][key], offline.sae_features[0][key],
+                                       rtol=1e-5, atol=1e-6)
+    with pytest.raises(LensRequestError) as bad:
+        run(_final(engine, PROMPTS[0], sp(str(tmp_path / "nothing")), "sae-bad"))
+    assert bad.value.field == "output_sae_features.sae"
+    assert held(run(engine.collective_rpc("lens_stats"))) == [IDLE]

@@ -48,6 +48,20 @@ def test_activations_through_inspect_equal_offline(model, smol_llm):
                               offline.activations["residual_stream"]) <= 1e-5
 
 
+def test_sae_features_through_inspect_equal_offline(model, smol_llm, smol_sae):
+    """The server's named SAE (``VLLM_LENS_SAES``) through Inspect, in the output's
+    metadata; offline names the same SAE by its directory."""
+    output = _generate(model, {"output_sae_features": {"sae": "smol-l10", "top_k": 8}})
+    (found,) = output.metadata["sae_features"]
+    offline = smol_llm.chat(MESSAGES, SamplingParams(max_tokens=6, temperature=0, extra_args={
+        "output_sae_features": {"sae": str(smol_sae[0]), "top_k": 8}}))[0]
+    (expected,) = offline.sae_features
+    assert found["sae"] == "smol-l10" and found["layer"] == 10
+    assert found["positions"].tolist() == expected["positions"].tolist()
+    assert found["indices"].shape == (len(expected["positions"]), 8)
+    torch.testing.assert_close(found["values"], expected["values"], rtol=1e-3, atol=1e-3)
+
+
 def test_binary_transport_through_inspect_is_fetched_and_freed(model, smol_server):
     import httpx
 

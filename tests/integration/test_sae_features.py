@@ -11,39 +11,20 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from tests.integration.engines import IDLE
+from tests.integration.engines import IDLE, held
+from tests.integration.saes import saved_sae
 from vllm_lens import LensRequestError
 
 PROMPT = "Once upon a time in a quiet village by the sea, an old fisherman mended his nets."
-
-
-def _saved_sae(path, architecture: str, hook: str, d_in: int = 128, **fields):
-    """A sae-lens SAE with random weights at ``hook``, saved to ``path``; returns it."""
-    from sae_lens import JumpReLUSAEConfig, StandardSAEConfig, TopKSAEConfig
-    from sae_lens.saes.sae import SAE
-
-    config = {"standard": StandardSAEConfig, "jumprelu": JumpReLUSAEConfig,
-              "topk": TopKSAEConfig}[architecture]
-    cfg = config(d_in=d_in, d_sae=512, dtype="float32", device="cpu", **fields)
-    sae = SAE.get_sae_class_for_architecture(cfg.architecture())(cfg)
-    sae.cfg.metadata.hook_name = hook
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for param in sae.parameters():
-            param.copy_(torch.randn(param.shape, generator=g) * 0.1)
-        if architecture == "jumprelu":
-            sae.threshold.copy_(torch.rand(512, generator=g) * 0.05)
-    sae.save_model(path)
-    return SAE.load_from_disk(path)
 
 
 @pytest.fixture(scope="module")
 def saes(tmp_path_factory):
     root = tmp_path_factory.mktemp("saes")
     return {
-        "resid": (root / "resid", _saved_sae(root / "resid", "jumprelu",
+        "resid": (root / "resid", saved_sae(root / "resid", "jumprelu",
                                              "blocks.2.hook_resid_post")),
-        "mlp": (root / "mlp", _saved_sae(root / "mlp", "topk", "blocks.1.hook_mlp_out", k=16)),
+        "mlp": (root / "mlp", saved_sae(root / "mlp", "topk", "blocks.1.hook_mlp_out", k=16)),
     }
 
 
@@ -93,7 +74,7 @@ def test_features_equal_sae_lens_on_transformers_rows(tiny_llm, tiny_ref, saes):
     torch.testing.assert_close(second["values"], values * (values > 0), rtol=1e-4, atol=1e-5)
     active = values > 0
     assert torch.equal(second["indices"][active], indices[active].to(torch.int32))
-    assert tiny_llm.collective_rpc("lens_stats") == [IDLE]
+    assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
 
 
 def test_bad_saes_are_refused_by_field_before_anything_runs(tiny_llm, saes, tmp_path):
@@ -115,7 +96,7 @@ def test_bad_saes_are_refused_by_field_before_anything_runs(tiny_llm, saes, tmp_
             ask(value)
         assert info.value.field == field, (value, info.value)
     wide = tmp_path / "wide"
-    _saved_sae(wide, "standard", "blocks.1.hook_resid_post", d_in=64)
+    saved_sae(wide, "standard", "blocks.1.hook_resid_post", d_in=64)
     with pytest.raises(LensRequestError, match="rows of 64 values, but this model's"):
         ask({"sae": str(wide)})
     cfg = json.loads((wide / "cfg.json").read_text())
@@ -125,14 +106,14 @@ def test_bad_saes_are_refused_by_field_before_anything_runs(tiny_llm, saes, tmp_
     assert not tiny_llm.llm_engine.has_unfinished_requests()
     (out,) = ask({"sae": resid_path, "top_k": 4, "positions": "last_prompt"})
     assert out.sae_features[0]["indices"].shape == (1, 4)
-    assert tiny_llm.collective_rpc("lens_stats") == [IDLE]
+    assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
 
 
 def test_features_in_compiled_mode_on_smollm2_equal_sae_lens(smol_llm, smol_ref, tmp_path):
     """vLLM's default compiled mode, the trained model: a 4x-wide JumpReLU SAE at layer 10.
     Rows equal transformers' to ~1e-4, so values are compared with that tolerance and each
     returned feature's value with sae-lens' value of the same feature."""
-    sae = _saved_sae(tmp_path / "smol", "jumprelu", "blocks.10.hook_resid_post", d_in=576)
+    sae = saved_sae(tmp_path / "smol", "jumprelu", "blocks.10.hook_resid_post", d_in=576)
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={
         "output_sae_features": {"sae": str(tmp_path / "smol"), "top_k": 16}})
     out = smol_llm.generate(["The capital of France is"], sp)[0]
@@ -151,19 +132,220 @@ def test_features_in_compiled_mode_on_smollm2_equal_sae_lens(smol_llm, smol_ref,
     torch.testing.assert_close(found["values"][active], picked[active], rtol=1e-3, atol=1e-3)
 
 
-def test_over_http_sae_features_are_refused_naming_the_field(smol_server, tmp_path):
-    """Not served over HTTP yet (a client must never make the server open a path; the
-    operator's registry of named SAEs is to come): 400 naming the field, before anything
-    is scheduled; the server serves on."""
+def _expected_top(sae, rows, k):
+    with torch.no_grad():
+        dense = sae.encode(rows)
+    return dense, dense.topk(k)
+
+
+def test_registered_name_offline_and_its_listing(tiny_llm, tiny_ref, saes, tmp_path):
+    """``llm.register_sae`` checks the SAE against the model and lists it (never its path);
+    requests then name it."""
+    resid_path, resid = saes["resid"]
+    listed = tiny_llm.register_sae("resid-2", str(resid_path))
+    assert listed == {"name": "resid-2", "layout": "sae-lens", "architecture": "jumprelu",
+                      "hook_name": "blocks.2.hook_resid_post", "point": "resid_post",
+                      "layer": 2, "d_in": 128, "d_sae": 512, "dtype": "float32"}
+    assert tiny_llm.registered_saes() == [listed]
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, extra_args={
+        "output_sae_features": {"sae": "resid-2", "top_k": 8, "positions": "last_prompt"}})
+    out = tiny_llm.generate([PROMPT], sp)[0]
+    (found,) = out.sae_features
+    assert found["sae"] == "resid-2"
+    rows = tiny_ref.points(list(out.prompt_token_ids))[("resid_post", 2)][-1:]
+    _, top = _expected_top(resid, rows, 8)
+    kept = int((top.values > 0).sum())
+    assert found["indices"][0, :kept].tolist() == top.indices[0, :kept].tolist()
+    torch.testing.assert_close(found["values"][0, :kept], top.values[0, :kept], rtol=1e-4,
+                               atol=1e-5)
+    saved_sae(tmp_path / "narrow", "standard", "blocks.1.hook_resid_post", d_in=64)
+    with pytest.raises(LensRequestError) as bad:
+        tiny_llm.register_sae("narrow", str(tmp_path / "narrow"))
+    assert bad.value.field == "path" and "rows of 64 values" in str(bad.value)
+    with pytest.raises(LensRequestError) as bad:
+        tiny_llm.register_sae("../x", str(resid_path))
+    assert bad.value.field == "name"
+    with pytest.raises(LensRequestError) as bad:
+        tiny_llm.register_sae("nothing", str(tmp_path / "missing"))
+    assert bad.value.field == "path" and "not a directory" in str(bad.value)
+    assert [s["name"] for s in tiny_llm.registered_saes()] == ["resid-2"]
+    assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
+
+
+def test_over_http_only_registered_names_are_served(smol_server, smol_ref, smol_sae, tmp_path):
+    """The operator's ``VLLM_LENS_SAES`` is listed by ``GET /v1/lens/saes`` (no paths); a
+    request naming it gets ``sae_features`` per choice (JSON and binary transports, streamed
+    or not, through ``LensClient``) equal to sae-lens on transformers' rows; a path or an
+    unknown name is refused, 400 naming the field, before anything runs; the server serves
+    on."""
     import httpx
 
-    _saved_sae(tmp_path / "smol", "standard", "blocks.3.hook_resid_post", d_in=576)
-    body = {"prompt": "Hello", "max_tokens": 2,
-            "vllm_xargs": {"output_sae_features": json.dumps({"sae": str(tmp_path / "smol")})}}
-    r = httpx.post(smol_server.base_url + "/v1/completions", json=body, timeout=60)
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == "output_sae_features.sae"
-    assert "offline engines" in r.json()["error"]["message"]
+    from vllm_lens.client import LensClient
+
+    path, sae = smol_sae
+    listing = httpx.get(smol_server.base_url + "/v1/lens/saes", timeout=60).json()["data"]
+    assert listing == [{"name": "smol-l10", "layout": "sae-lens", "architecture": "jumprelu",
+                        "hook_name": "blocks.10.hook_resid_post", "point": "resid_post",
+                        "layer": 10, "d_in": 576, "d_sae": 512, "dtype": "float32"}]
+    assert str(path) not in json.dumps(listing)
+    ask = {"sae": "smol-l10", "top_k": 16, "reconstruction": True}
+    with LensClient(smol_server.base_url) as client:
+        assert client.saes() == listing
+        r = client.generate("The capital of France is", max_tokens=4, sae_features=ask)
+        binary = client.generate("The capital of France is", max_tokens=4, sae_features=ask,
+                                 capture_layers=[10], transport="binary")
+        *_, streamed = client.generate("The capital of France is", max_tokens=4,
+                                       sae_features=ask, stream=True)
+    ids = r.prompt_token_ids + r.token_ids
+    rows = smol_ref.points(ids[:-1])[("resid_post", 10)]
+    (found,) = r.sae_features
+    assert (found["sae"], found["layer"], found["point"]) == ("smol-l10", 10, "resid_post")
+    assert found["positions"].tolist() == list(range(len(ids) - 1))
+    dense, top = _expected_top(sae, rows, 16)
+    torch.testing.assert_close(found["values"], top.values * (top.values > 0), rtol=1e-3,
+                               atol=1e-3)
+    assert found["l0"].tolist() == (dense > 0).sum(-1).tolist()
+    for other in (binary.sae_features[0], streamed.sae_features[0]):
+        for key in ("positions", "indices", "values", "nmse", "l0"):
+            torch.testing.assert_close(other[key], found[key])
+    assert binary.activations["residual_stream"].shape[1] == len(ids) - 1
+
+    def refused(value):
+        body = {"prompt": "Hello", "max_tokens": 2,
+                "vllm_xargs": {"output_sae_features": json.dumps(value)}}
+        return httpx.post(smol_server.base_url + "/v1/completions", json=body, timeout=60)
+
+    loaded = httpx.get(smol_server.base_url + "/v1/lens/stats", timeout=60).json()["workers"]
+    for value, words in (({"sae": str(path)}, "cannot name a path"),
+                         ({"sae": "smol-l10", "hook_point": "blocks.3.hook_resid_post"},
+                          "cannot move it"),
+                         ({"sae": "smol-l11"}, "smol-l10"),
+                         ({"sae": "smol-l10", "top_k": 513}, "d_sae (512)")):
+        answer = refused(value)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"].startswith("output_sae_features."), answer.text
+        assert words in answer.json()["error"]["message"]
+        assert str(path) not in answer.text
+    after = httpx.get(smol_server.base_url + "/v1/lens/stats", timeout=60).json()["workers"]
+    assert [w["saes"] for w in after] == [w["saes"] for w in loaded]  # nothing more loaded
     ok = httpx.post(smol_server.base_url + "/v1/completions", timeout=60,
                     json={"prompt": "Hello", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_steering_by_a_named_feature_over_http_equals_offline(smol_server, smol_llm, smol_sae):
+    """Over HTTP a client steers by the server's named SAE; offline the same steering vector
+    built from sae-lens' ``W_dec`` gives the same tokens."""
+    from vllm_lens import SteeringVector
+    from vllm_lens.client import LensClient, LensHTTPError
+
+    W_dec = smol_sae[1].W_dec.detach()
+    with LensClient(smol_server.base_url) as client:
+        steered = client.generate("The capital of France is", max_tokens=8, steering_vectors=[
+            {"sae": "smol-l10", "feature": 21, "scale": 12.0, "phase": "decode"}])
+        with pytest.raises(LensHTTPError) as bad:
+            client.generate("Hi", max_tokens=2, steering_vectors=[
+                {"sae": str(smol_sae[0]), "feature": 21, "scale": 12.0}])
+    assert bad.value.status == 400 and bad.value.param == "apply_steering_vectors[0].sae"
+    offline = smol_llm.generate(["The capital of France is"], SamplingParams(
+        max_tokens=8, temperature=0, extra_args={"apply_steering_vectors": [SteeringVector(
+            activations=W_dec[21:22], layer_indices=[10], scale=12.0, phase="decode")]}))[0]
+    assert steered.token_ids == list(offline.outputs[0].token_ids)
+    plain = smol_llm.generate(["The capital of France is"], SamplingParams(
+        max_tokens=8, temperature=0))[0]
+    assert steered.token_ids != list(plain.outputs[0].token_ids)  # it steered
+
+
+def test_steering_by_feature_adds_the_decoder_row_like_a_steering_vector(tiny_llm, saes):
+    """``{"sae", "feature", "scale"}`` steers exactly as the steering vector ``scale *
+    W_dec[feature]`` (sae-lens' own ``W_dec``) at the SAE's layer and point: same tokens, same
+    rows downstream; several features sum; bad features are refused by field."""
+    from vllm_lens import SteeringVector
+
+    path, sae = saes["resid"]
+    W_dec = sae.W_dec.detach()
+
+    def run(vectors):
+        sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args={
+            "apply_steering_vectors": vectors, "output_residual_stream": [3]})
+        out = tiny_llm.generate([PROMPT], sp)[0]
+        assert out.lens_error is None
+        return out.outputs[0].token_ids, out.activations["residual_stream"]
+
+    plain = tiny_llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0,
+                                                       ignore_eos=True))[0].outputs[0].token_ids
+    for item, vector, scale in (
+            ({"sae": str(path), "feature": 11, "scale": 40.0}, W_dec[11:12], 40.0),
+            ({"sae": str(path), "feature": [3, 9], "scale": [30.0, -20.0]},
+             (30.0 * W_dec[3] - 20.0 * W_dec[9])[None], 1.0)):
+        tokens, rows = run([item])
+        expected_tokens, expected_rows = run([SteeringVector(
+            activations=vector, layer_indices=[2], hook_point="resid_post", scale=scale)])
+        assert tokens == expected_tokens
+        torch.testing.assert_close(rows, expected_rows, rtol=1e-5, atol=1e-5)
+        assert tokens != plain
+    with pytest.raises(LensRequestError) as bad:
+        run([{"sae": str(path), "feature": 512, "scale": 1.0}])
+    assert bad.value.field == "apply_steering_vectors[0].feature"
+    assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
+
+
+def test_clamping_features_equals_transformers_with_the_same_edit(tiny_llm, tiny_ref, saes):
+    """``{"sae", "feature", "clamp"}``: at every steered row the features are computed from
+    the stream (sae-lens' ``encode``) and ``(clamp - f) @ W_dec[features]`` is added, the
+    SAE's error term kept; tokens and the rows of the next layer equal transformers with that
+    edit in a hook (prompt and generated positions; chunked prefill); ``phase`` and
+    positions apply as for any steering vector."""
+    from vllm_lens import SteeringVector
+
+    path, sae = saes["resid"]
+    features, targets = [11, 300], [6.0, 0.0]
+    index = torch.tensor(features)
+    W = sae.W_dec.detach()[index]
+    ids = tiny_llm.get_tokenizer().encode(PROMPT)
+
+    def clamping(keep):
+        def edit(x):
+            with torch.no_grad():
+                delta = (torch.tensor(targets) - sae.encode(x)[:, index]) @ W
+            rows = torch.tensor([keep(p) for p in range(x.shape[0])])
+            return x + delta * rows[:, None]
+        return edit
+
+    def run(**fields):
+        sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args={
+            "apply_steering_vectors": [{"sae": str(path), "feature": features,
+                                        "clamp": targets, **fields}],
+            "output_residual_stream": [3]})
+        out = tiny_llm.generate([{"prompt_token_ids": ids}], sp)[0]
+        assert out.lens_error is None
+        return out
+
+    plain = tiny_llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+    out = run()
+    edits = {("resid_post", 2): clamping(lambda p: True)}
+    assert list(out.outputs[0].token_ids) == tiny_ref.point_greedy(ids, 8, edits)
+    assert list(out.outputs[0].token_ids) != list(plain)
+    every = ids + list(out.outputs[0].token_ids)
+    expected = tiny_ref.points(every[:-1], edits)[("resid_post", 3)]
+    torch.testing.assert_close(out.activations["residual_stream"][0], expected, rtol=1e-4,
+                               atol=1e-4)
+    n = len(ids)
+    decode_only = run(phase="decode")
+    assert list(decode_only.outputs[0].token_ids) == tiny_ref.point_greedy(
+        ids, 8, {("resid_post", 2): clamping(lambda p: p >= n)})
+    chosen = [2, 5, n + 1]
+    at_positions = run(position_indices=chosen)
+    assert list(at_positions.outputs[0].token_ids) == tiny_ref.point_greedy(
+        ids, 8, {("resid_post", 2): clamping(lambda p: p in chosen)})
+    # With a plain vector at another layer in the same request (one steering group per site).
+    push = torch.randn(128, generator=torch.Generator().manual_seed(4)) * 2
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args={
+        "apply_steering_vectors": [
+            {"sae": str(path), "feature": features, "clamp": targets},
+            SteeringVector(activations=push[None], layer_indices=[1])]})
+    mixed = tiny_llm.generate([{"prompt_token_ids": ids}], sp)[0]
+    assert list(mixed.outputs[0].token_ids) == tiny_ref.point_greedy(ids, 8, {
+        ("resid_post", 1): lambda x: x + push, **edits})
+    assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]

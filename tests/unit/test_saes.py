@@ -221,9 +221,13 @@ def test_sae_feature_requests_parse_travel_and_are_admitted_by_size():
     with pytest.raises(LensRequestError, match="not yet written to a capture sink or streamed"):
         parse_extra_args({"output_sae_features": {"sae": "a"}, "output_residual_stream": [1],
                           "stream_activations": True}, lambda: facts, saes=describe)
-    with pytest.raises(LensRequestError, match="served to offline engines") as refused:
+    with pytest.raises(LensRequestError, match="does not serve SAE features") as refused:
         parse_extra_args({"output_sae_features": {"sae": "a"}}, lambda: facts)
     assert refused.value.field == "output_sae_features.sae"
+    with pytest.raises(LensRequestError, match="at most 8 SAEs") as refused:
+        parse_extra_args({"output_sae_features": [{"sae": str(i)} for i in range(9)]},
+                         lambda: facts, saes=describe)
+    assert refused.value.field == "output_sae_features"
     import dataclasses
 
     from vllm_lens.errors import UnsupportedConfigError
@@ -282,3 +286,150 @@ def test_the_tap_encodes_in_chunks_with_the_same_result(tmp_path, monkeypatch):
     assert torch.equal(whole[:, :8].to(torch.int32), found["indices"])
     assert torch.equal(whole[:, 8:16], found["values"])
     assert torch.equal(whole[:, 16], found["nmse"]) and torch.equal(whole[:, 17].int(), found["l0"])
+
+
+def test_sae_references_name_what_an_async_front_end_describes_first():
+    from vllm_lens.spec.saes import MAX_SAE_ENTRIES, sae_references
+
+    raw = json.dumps([{"sae": "a"}, {"sae": "b", "hook_point": "blocks.1.hook_mlp_out"},
+                      {"sae": "a"}, {"sae": 3}, "junk", {"sae": "c", "hook_point": 4}])
+    assert sae_references(raw) == [("a", None), ("b", "blocks.1.hook_mlp_out")]
+    assert sae_references({"sae": "x"}) == [("x", None)]
+    assert sae_references("{not json") == []
+    many = [{"sae": str(i)} for i in range(MAX_SAE_ENTRIES + 5)]
+    assert len(sae_references(many)) == MAX_SAE_ENTRIES
+
+
+def test_the_operators_sae_file_names_paths_and_hook_points(tmp_path):
+    from vllm_lens.frontend.sae_names import read_sae_file
+
+    good = tmp_path / "saes.json"
+    good.write_text(json.dumps({"a": "/saes/a", "b": {"path": "/saes/b",
+                                                      "hook_point": "blocks.3.hook_resid_post"}}))
+    assert read_sae_file(str(good)) == {"a": ("/saes/a", None),
+                                        "b": ("/saes/b", "blocks.3.hook_resid_post")}
+    for content, words in (("[1]", "JSON object"), ("{", "cannot read"),
+                           ('{"a": {"path": "/x", "layer": 3}}', "unknown field 'layer'"),
+                           ('{"a": 3}', "must be a path")):
+        good.write_text(content)
+        with pytest.raises(ValueError, match=words) as bad:
+            read_sae_file(str(good))
+        assert "VLLM_LENS_SAES" in str(bad.value)
+
+
+def test_steering_by_feature_becomes_the_decoder_rows_as_a_steering_vector():
+    from vllm_lens import wire
+    from vllm_lens.errors import LensRequestError
+    from vllm_lens.spec import ModelFacts, parse_extra_args
+    from vllm_lens.spec.sae_steering import steering_sae_references
+
+    facts = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=16,
+                       max_model_len=64, mapped=True)
+    W_dec = torch.randn(32, 16, generator=torch.Generator().manual_seed(3))
+
+    W_enc, b_enc = W_dec.T * 0.5, torch.zeros(32)
+    architecture = ["jumprelu"]
+
+    class Lookup:
+        def __call__(self, sae, hook_point):
+            return {"path": "/saes/a", "point": "resid_post", "layer": 2, "d_in": 16,
+                    "d_sae": 32, "architecture": architecture[0]}
+
+        def sae_slice(self, sae, hook_point, features):
+            index = list(features)
+            return {"W_dec": W_dec[index], "W_enc": W_enc[:, index], "b_enc": b_enc[index],
+                    "b_dec": torch.zeros(16), "threshold": torch.full((len(index),), 0.1),
+                    "apply_b_dec_to_input": False}
+
+    def steer(*items):
+        _, lens = parse_extra_args({"apply_steering_vectors": json.dumps(list(items))},
+                                   lambda: facts, saes=Lookup())
+        return lens.steer
+
+    (one,) = steer({"sae": "a", "feature": 5, "scale": 4.0, "phase": "decode"})
+    assert (one.layers, one.point, one.mode, one.phase, one.scale) == ((2,), "resid_post",
+                                                                       "add", "decode", 4.0)
+    assert torch.equal(wire.loads(one.vectors), W_dec[5:6])  # the row as stored
+    (two,) = steer({"sae": "a", "feature": [1, 7], "scale": [2.0, -1.0],
+                    "position_indices": [3, 1]})
+    assert two.positions == (1, 3) and two.scale == 1.0
+    expected = 2.0 * W_dec[1] - W_dec[7]
+    torch.testing.assert_close(wire.loads(two.vectors), expected.expand(1, 2, 16))
+    assert steering_sae_references(json.dumps([{"sae": "a", "feature": 5}, "preset:x",
+                                               {"sae": "a", "feature": [1, 7]}])) == [
+        ("a", None, (5,)), ("a", None, (1, 7))]
+    (clamp,) = steer({"sae": "a", "feature": [4, 2], "clamp": [0.0, 5.0],
+                      "position_indices": [7]})
+    assert clamp.mode == "clamp" and clamp.clamp.targets == (0.0, 5.0)
+    assert clamp.positions == (7,) and clamp.clamp.architecture == "jumprelu"
+    assert torch.equal(wire.loads(clamp.vectors), W_dec[[4, 2]])
+    assert torch.equal(wire.loads(clamp.clamp.encoder)["W_enc"], W_enc[:, [4, 2]])
+    from vllm_lens.spec import LensRequest
+    _, lens = parse_extra_args({"apply_steering_vectors": [{"sae": "a", "feature": 4,
+                                                             "clamp": 2.0}]},
+                               lambda: facts, saes=Lookup())
+    assert LensRequest.from_payload(lens.to_payload()).steer == lens.steer
+    with pytest.raises(LensRequestError, match="only clamp or replacement") as bad:
+        steer({"sae": "a", "feature": 4, "clamp": 2.0}, {"sae": "a", "feature": 5, "clamp": 0.0})
+    assert bad.value.field == "apply_steering_vectors[1]"
+    from vllm_lens import SteeringVector
+
+    replace = SteeringVector(activations=torch.zeros(1, 16), layer_indices=[2], mode="replace")
+    with pytest.raises(LensRequestError, match="only clamp or replacement"):
+        parse_extra_args({"apply_steering_vectors": [
+            replace, {"sae": "a", "feature": 4, "clamp": 2.0}]}, lambda: facts, saes=Lookup())
+    assert len(steer({"sae": "a", "feature": 4, "clamp": 2.0},
+                     {"sae": "a", "feature": 4, "scale": 2.0})) == 2  # a clamp and an addition
+    architecture[0] = "topk"
+    with pytest.raises(LensRequestError, match="standard and jumprelu"):
+        steer({"sae": "a", "feature": 1, "clamp": 3.0})
+    architecture[0] = "jumprelu"
+    for item, field, words in (
+            ({"sae": "a", "feature": 32}, ".feature", "0 to 31"),
+            ({"sae": "a", "feature": [1, 1]}, ".feature", "twice"),
+            ({"sae": "a", "feature": 1, "clamp": 3.0, "scale": 2.0}, ".clamp", "not both"),
+            ({"sae": "a", "feature": [1, 2], "scale": [1.0]}, ".scale", "list of 2"),
+            ({"sae": "a", "feature": 1, "phase": "later"}, ".phase", "'decode'"),
+            ({"sae": "a", "feature": 1, "layers": [1]}, ".layers", "unknown field")):
+        with pytest.raises(LensRequestError, match=words) as bad:
+            steer(item)
+        assert bad.value.field == "apply_steering_vectors[0]" + field
+    with pytest.raises(LensRequestError, match="does not steer by SAE feature"):
+        parse_extra_args({"apply_steering_vectors": [{"sae": "a", "feature": 1}]},
+                         lambda: facts)
+
+
+def test_a_clamp_sets_the_features_and_keeps_the_error_term():
+    """The worker's clamp (``worker.steer``) adds ``(targets - f) @ W_dec[features]`` with
+    ``f`` sae-lens' own encode of the full SAE: the SAE cut down to the clamped features'
+    columns computes exactly their activations."""
+    from sae_lens import JumpReLUSAEConfig
+    from sae_lens.saes.sae import SAE as SaeLensSAE
+
+    from vllm_lens import wire
+    from vllm_lens.spec.steering import ClampSpec, SteerSpec
+    from vllm_lens.worker.steer import prepare
+
+    g = torch.Generator().manual_seed(5)
+    reference = SaeLensSAE.get_sae_class_for_architecture("jumprelu")(
+        JumpReLUSAEConfig(d_in=16, d_sae=64, dtype="float32", device="cpu"))
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+        reference.threshold.copy_(torch.rand(64, generator=g) * 0.05)
+    features, targets = [3, 40], [2.5, 0.0]
+    index = torch.tensor(features)
+    encoder = {"W_enc": reference.W_enc[:, index].detach(), "b_enc": reference.b_enc[index].detach(),
+               "b_dec": reference.b_dec.detach(), "threshold": reference.threshold[index].detach(),
+               "apply_b_dec_to_input": reference.cfg.apply_b_dec_to_input}
+    spec = SteerSpec(layers=(0,), vectors=wire.dumps(reference.W_dec[index].detach()), scale=1.0,
+                     norm_match=False, positions=None, mode="clamp",
+                     clamp=ClampSpec("jumprelu", tuple(targets), wire.dumps(encoder)))
+    prepared = prepare(spec, torch.device("cpu"), torch.float32)
+    stream = torch.randn(6, 16, generator=g) * 3
+    with torch.no_grad():
+        before = reference.encode(stream)
+        delta = prepared.clamp.delta(stream)
+    assert (before[:, index] > 0).any()  # some rows have the features active
+    torch.testing.assert_close(delta, (torch.tensor(targets) - before[:, index])
+                               @ reference.W_dec[index].detach())

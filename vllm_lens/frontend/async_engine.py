@@ -26,6 +26,7 @@ from vllm_lens.frontend import response_scope
 from vllm_lens.frontend.collate import LensSession, discard_unread, facts_from_describe
 from vllm_lens.frontend.partial_fetch import PartialFetcher
 from vllm_lens.frontend.rpc import all_workers, pipelined
+from vllm_lens.frontend.sae_names import async_describer
 from vllm_lens.sinks.config import serves_http
 from vllm_lens.spec import ModelFacts, asks_for_work
 
@@ -60,8 +61,12 @@ def _wrap_generate(original):
             _refuse_off_route(target)
         parsed = None if scope is None or scope.parsed is None else (scope.parsed_from,
                                                                       scope.parsed)
+        saes = None
+        if parsed is None:  # the server describes its requests' SAEs when it validates them
+            saes = await async_describer(self, getattr(target, "extra_args", None),
+                                         paths=not serves_http())
         try:
-            engine_params, lens = session.prepare(target, request_id, prompt, parsed)
+            engine_params, lens = session.prepare(target, request_id, prompt, parsed, saes)
         except LensRequestError as exc:
             if scope is not None:
                 scope.refused = exc  # the server answers 400, also for a stream

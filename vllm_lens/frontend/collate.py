@@ -288,7 +288,11 @@ class LensSession:
         """The served model's path or name and served names (set by the engine methods)."""
         self.describe_sae: Any = None
         """``(sae, hook_point) -> description``: loads an SAE on the workers (``spec.saes``);
-        set for offline engines, ``None`` where SAE features are not served yet."""
+        set for offline engines (an ``AsyncLLM`` describes each request's SAEs first and
+        passes its own to ``prepare``)."""
+        self.sae_names: dict[str, tuple[str, str | None, dict[str, Any]]] = {}
+        """Registered SAEs (``frontend.sae_names``): name -> (directory, hook point, the
+        workers' description)."""
 
     @staticmethod
     def of(engine: object) -> LensSession:
@@ -306,14 +310,15 @@ class LensSession:
         )
 
     def prepare(self, params: Any, request_id: str, prompt: Any = None,
-                parsed: tuple[Mapping[str, Any], LensRequest] | None = None
-                ) -> tuple[Any, LensRequest | None]:
+                parsed: tuple[Mapping[str, Any], LensRequest] | None = None,
+                saes: Any = None) -> tuple[Any, LensRequest | None]:
         """Validate ``params``' lens keys; return (params for the engine, lens request or None).
 
         A capture is admitted only if what it can hold fits ``VLLM_LENS_MAX_CAPTURE_BYTES``
         (``prompt``, the engine's input, gives the prompt length where it is tokenized).
         ``parsed``: (``vllm_xargs``, the ``LensRequest`` parsed from them) when the server
-        validated this request already; it is reused if the values are the same.
+        validated this request already; it is reused if the values are the same. ``saes``:
+        the describe for the SAEs it names, instead of ``describe_sae``.
 
         The caller's object is never mutated: a request with lens keys gets a clone whose
         ``extra_args`` carry the validated payload instead of the user's keys.
@@ -332,7 +337,8 @@ class LensSession:
             rest, lens = reused
         else:
             rest, lens = parse_extra_args(params.extra_args, self._facts, request_id=request_id,
-                                          presets=self.presets, saes=self.describe_sae)
+                                          presets=self.presets,
+                                          saes=saes if saes is not None else self.describe_sae)
         if lens is None:
             return params, None
         if lens.stream and params.n != 1:

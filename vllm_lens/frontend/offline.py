@@ -23,6 +23,7 @@ from vllm_lens.frontend.collate import (
     facts_from_describe,
     prompt_length,
 )
+from vllm_lens.frontend.sae_names import offline_describer
 from vllm_lens.spec import has_lens_keys, parse_extra_args
 
 __all__ = ["install"]
@@ -48,7 +49,7 @@ def _wrap_render_and_add(original):
         engine = self.llm_engine
         session = LensSession.of(engine)
         if session.describe_sae is None:
-            session.describe_sae = _sae_describer(engine)
+            session.describe_sae = offline_describer(engine)
         prompts = list(prompts)  # engine inputs, tokenized: admission needs their lengths
         parsed: dict[int, tuple[Any, Any]] = {}
         for index, p in enumerate(params):
@@ -78,24 +79,11 @@ def _wrap_render_and_add(original):
     return render_and_add
 
 
-def _sae_describer(engine: LLMEngine):
-    """``spec.saes``' describe for this engine: its workers load the SAE (once; a loaded one
-    is shared) and say what it is."""
-
-    def describe(sae: str, hook_point: str | None) -> dict[str, Any]:
-        answers = [a for a in engine.collective_rpc("lens_load_sae", args=(sae, hook_point))
-                   if a is not None]
-        problem = next((a["error"] for a in answers if a.get("error")), None)
-        if problem is not None or not answers:
-            raise ValueError(problem or "no worker could load it")
-        return answers[0]
-
-    return describe
-
-
 def _wrap_add_request(original):
     def add_request(self: LLMEngine, request_id: str, prompt: Any, params: Any, *args, **kwargs):
         session = LensSession.of(self)
+        if session.describe_sae is None:
+            session.describe_sae = offline_describer(self)
         target = prompt.sampling_params if isinstance(prompt, EngineCoreRequest) else params
         if session.needs_facts(target):
             session.facts = facts_from_describe(self.collective_rpc("lens_describe"))

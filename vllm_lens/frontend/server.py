@@ -42,7 +42,10 @@ import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+from vllm.entrypoints.serve.exception_handling.error_response import (
+    create_error_response,
+)
+from vllm.logger import init_logger
 
 from vllm_lens import envs, wire
 from vllm_lens._patching import wrap_attribute
@@ -63,13 +66,14 @@ from vllm_lens.errors import (
     SinkRefusedError,
     WorkerCapacityError,
 )
-from vllm_lens.frontend.async_engine import OFF_ROUTE, model_facts
 from vllm_lens.frontend import patching, steering_routes
+from vllm_lens.frontend.async_engine import OFF_ROUTE, model_facts
+from vllm_lens.frontend.blob_store import BlobStore
 from vllm_lens.frontend.collate import LensSession, join_rows
 from vllm_lens.frontend.http_io import json_object, read_bounded
-from vllm_lens.frontend.blob_store import BlobStore
-from vllm_lens.frontend.rpc import all_workers
 from vllm_lens.frontend.response_scope import ResponseScope
+from vllm_lens.frontend.rpc import all_workers
+from vllm_lens.frontend.sae_names import async_describer, register_sae_file
 from vllm_lens.hooks import HookError
 from vllm_lens.sinks.config import mark_http_process
 from vllm_lens.spec import (
@@ -145,6 +149,9 @@ def _wrap_init_app_state(original):
         await original(engine_client, state, args, *rest, **kwargs)
         await steering_routes.register_preset_file(  # before serving
             engine_client, getattr(args, "api_server_count", None))
+        names = await register_sae_file(engine_client)
+        if names:
+            logger.info("vllm-lens: serving SAEs %s", ", ".join(names))
 
     return init_app_state
 
@@ -301,14 +308,15 @@ async def _validate(
         total += size
     facts = await model_facts(engine) if has_lens_keys(xargs) else None
     presets = dict(LensSession.of(engine).presets)
+    saes = await async_describer(engine, xargs, paths=False)  # a client names, never opens
     if total > _PARSE_INLINE_BYTES or xargs.get(STEER_KEY) is not None:
         # Tensors are decompressed on a worker thread (never the event loop), a few requests
         # at a time (each up to VLLM_LENS_MAX_DECODED_BYTES).
         async with _parse_slots():
             _, lens = await asyncio.to_thread(parse_extra_args, xargs, lambda: facts,
-                                              presets=presets)
+                                              presets=presets, saes=saes)
     else:
-        _, lens = parse_extra_args(xargs, lambda: facts, presets=presets)
+        _, lens = parse_extra_args(xargs, lambda: facts, presets=presets, saes=saes)
     if lens is None:
         return None
     encode = _encode_binary if xargs.get(TRANSPORT_KEY) == "binary" else activations_to_json
@@ -348,6 +356,8 @@ def _encode_results(results: Mapping[str, Any],
         fields["capture_receipt"] = results["capture_receipt"]
     if results.get("steering_gates") is not None:
         fields["steering_gates"] = hook_results_to_json(results["steering_gates"])
+    if results.get("sae_features") is not None:  # sparse: JSON in both transports
+        fields["sae_features"] = hook_results_to_json(results["sae_features"])
     return fields
 
 
@@ -433,6 +443,7 @@ def _chunk_header(item: str) -> dict[str, Any] | None:
 
 
 _router = APIRouter()
+logger = init_logger(__name__)
 
 
 def _not_found(handle: str) -> JSONResponse:
@@ -481,6 +492,14 @@ async def delete_activations(handle: str) -> Response:
     if not store().delete(handle):
         return _not_found(handle)
     return JSONResponse({"deleted": handle})
+
+
+@_router.get("/v1/lens/saes")
+async def list_saes(raw_request: Request) -> JSONResponse:
+    """The SAEs requests may name (``VLLM_LENS_SAES``): name, layout, architecture, hook
+    point, widths and dtype; never a path or weights."""
+    saes = await raw_request.app.state.engine_client.registered_saes()
+    return JSONResponse({"object": "list", "data": saes})
 
 
 @_router.get("/v1/lens/stats")

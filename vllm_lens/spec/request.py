@@ -206,8 +206,9 @@ def parse_extra_args(
     ``facts`` is called only when a lens key is present, so plain requests never ask the
     workers anything. Returns the non-lens keys untouched and ``None`` when no lens key is set.
     ``presets``: the engine's named steering presets, which ``"preset:<name>"`` selects.
-    ``saes``: loads an SAE on the workers and describes it (``spec.saes``); without it,
-    ``output_sae_features`` is refused.
+    ``saes``: loads an SAE on the workers and describes it (``spec.saes``), with
+    ``sae_slice`` for steering by feature (``spec.sae_steering``); without it,
+    ``output_sae_features`` and steering by feature are refused.
 
     Raises:
         LensRequestError: a lens key is malformed, misspelt, or unusable on this model.
@@ -261,7 +262,7 @@ def parse_extra_args(
     if raw_qk is not None:
         points = (*points, *parse_qk(raw_qk, facts, request_id))
     steer = () if raw_steer is None else parse_steering_key(raw_steer, facts, request_id,
-                                                          presets or {})
+                                                          presets or {}, saes=saes)
     hooks = () if raw_hooks is None else parse_hooks(raw_hooks, facts, request_id)
     captures = points if capture is None else (capture, *points)
     sink = None if raw_sink is None else parse_sink(raw_sink, captures, facts, request_id)

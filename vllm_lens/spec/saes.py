@@ -2,10 +2,13 @@
 how many features per position) (runs in: front end; decoded again in workers from the
 payload).
 
-A request names an SAE by the directory it is in (offline: the caller owns the process). The
-front end asks the workers to load it (``describe``: they answer its layout, width and hook
-point) before the request is admitted, so a bad SAE fails here, naming the field, and the
-forward pass never waits on a disk.
+A request names an SAE by a name registered with the front end (``frontend.sae_names``:
+``llm.register_sae``, the operator's ``VLLM_LENS_SAES``) or, where the caller owns the
+process (offline engines), by the directory it is in. The front end asks the workers to load
+it (``describe``: they answer its layout, width and hook point) before the request is
+admitted, so a bad SAE fails here, naming the field, and the forward pass never waits on a
+disk. An asynchronous front end describes the SAEs a request names first
+(``sae_references``), then parses it.
 """
 
 from __future__ import annotations
@@ -22,9 +25,13 @@ from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import check_site, json_value, refuse_parallel
 from vllm_lens.spec.keys import SAE_KEY
 
-__all__ = ["SAEFeatureSpec", "parse_sae_features"]
+__all__ = ["MAX_SAE_ENTRIES", "SAEFeatureSpec", "check_description", "parse_sae_features",
+           "sae_references"]
 
 _FIELDS = ("sae", "hook_point", "positions", "top_k", "reconstruction")
+#: Entries of one request's ``output_sae_features`` (each encodes every selected row with its
+#: SAE in the shared forward pass).
+MAX_SAE_ENTRIES = 8
 #: What ``describe`` answers for an SAE: its layout, architecture, ``d_in``, ``d_sae``,
 #: ``point``, ``layer`` and ``hook_name``.
 Describe = Callable[[str, "str | None"], Mapping[str, Any]]
@@ -87,6 +94,9 @@ def parse_sae_features(raw: Any, facts: ModelFacts, describe: Describe | None,
     items = raw if isinstance(raw, list) else [raw]
     if not items:
         raise LensRequestError(SAE_KEY, "an empty list asks for nothing", request_id=request_id)
+    if len(items) > MAX_SAE_ENTRIES:
+        raise LensRequestError(SAE_KEY, f"has {len(items)} entries; at most {MAX_SAE_ENTRIES} "
+                               "SAEs are read per request", request_id=request_id)
     specs: list[SAEFeatureSpec] = []
     for i, item in enumerate(items):
         field = SAE_KEY if not isinstance(raw, list) else f"{SAE_KEY}[{i}]"
@@ -101,10 +111,52 @@ def parse_sae_features(raw: Any, facts: ModelFacts, describe: Describe | None,
     return tuple(specs)
 
 
+def sae_references(raw: Any) -> list[tuple[str, str | None]]:
+    """The ``(sae, hook_point)`` pairs an ``output_sae_features`` value names, without
+    checking anything else (``parse_sae_features`` does, with their descriptions): what an
+    asynchronous front end describes before it parses. Malformed values give no pairs (the
+    parse names the problem), and at most ``MAX_SAE_ENTRIES`` are read."""
+    try:
+        raw = json_value(raw, SAE_KEY, None)
+    except LensRequestError:
+        return []
+    items = raw if isinstance(raw, list) else [raw]
+    found: list[tuple[str, str | None]] = []
+    for item in items[:MAX_SAE_ENTRIES]:
+        if not isinstance(item, Mapping):
+            continue
+        name, hook_point = item.get("sae"), item.get("hook_point")
+        if (isinstance(name, str) and name and (hook_point is None or isinstance(hook_point, str))
+                and (name, hook_point) not in found):
+            found.append((name, hook_point))
+    return found
+
+
+def check_description(info: Mapping[str, Any], facts: ModelFacts, field: str,
+                      request_id: str | None = None) -> tuple[str, int, int]:
+    """An SAE's description checked against the served model: it reads a layer and point the
+    model has, rows of that point's width, and its feature indices are exact in float32.
+    Returns (point, layer, d_sae)."""
+    point, layer = str(info["point"]), int(info["layer"])
+    if layer >= facts.n_layers:
+        raise LensRequestError(field, f"reads layer {layer}, but the model has "
+                               f"{facts.n_layers} layers", request_id=request_id)
+    check_site(point, facts, field, request_id)
+    width = facts.row_width(point)
+    if int(info["d_in"]) != width:
+        raise LensRequestError(field, f"reads {point} rows of {info['d_in']} values, but this "
+                               f"model's {point} rows have {width}", request_id=request_id)
+    d_sae = int(info["d_sae"])
+    if d_sae >= 1 << 24:
+        raise LensRequestError(field, f"has {d_sae:,} features; feature indices travel as "
+                               "float32, exact below 2**24 (16,777,216)", request_id=request_id)
+    return point, layer, d_sae
+
+
 def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: str,
                request_id: str | None) -> SAEFeatureSpec:
     if not isinstance(item, Mapping):
-        raise LensRequestError(field, 'expected {"sae": <directory>, "positions", "top_k", '
+        raise LensRequestError(field, 'expected {"sae": <name or directory>, "positions", "top_k", '
                                f'"reconstruction", "hook_point"}}, got {type(item).__name__}',
                                request_id=request_id)
     unknown = [k for k in item if k not in _FIELDS]
@@ -113,36 +165,22 @@ def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: s
                                f"{', '.join(_FIELDS)}", request_id=request_id)
     name = item.get("sae")
     if not isinstance(name, str) or not name:
-        raise LensRequestError(f"{field}.sae", "missing: the directory holding the SAE",
-                               request_id=request_id)
+        raise LensRequestError(f"{field}.sae", "missing: a registered SAE's name (offline, "
+                               "also the directory holding one)", request_id=request_id)
     hook_point = item.get("hook_point")
     if hook_point is not None and not isinstance(hook_point, str):
         raise LensRequestError(f"{field}.hook_point", "a name such as "
                                "'blocks.3.hook_resid_post'", request_id=request_id)
     refuse_parallel(SAE_KEY, facts, "SAE features are served on one rank", request_id)
     if describe is None:
-        raise LensRequestError(f"{field}.sae", "SAE features are served to offline engines "
-                               "(LLM) in this version; over HTTP and through AsyncLLM they are "
-                               "not yet", request_id=request_id)
+        raise LensRequestError(f"{field}.sae", "this engine does not serve SAE features here "
+                               "(no SAE could be described for this request)",
+                               request_id=request_id)
     try:
         info = describe(name, hook_point)
     except (ValueError, OSError) as exc:
         raise LensRequestError(f"{field}.sae", str(exc), request_id=request_id) from None
-    point, layer = str(info["point"]), int(info["layer"])
-    if layer >= facts.n_layers:
-        raise LensRequestError(f"{field}.sae", f"reads layer {layer}, but the model has "
-                               f"{facts.n_layers} layers", request_id=request_id)
-    check_site(point, facts, f"{field}.sae", request_id)
-    width = facts.row_width(point)
-    if int(info["d_in"]) != width:
-        raise LensRequestError(f"{field}.sae", f"reads {point} rows of {info['d_in']} values, "
-                               f"but this model's {point} rows have {width}",
-                               request_id=request_id)
-    d_sae = int(info["d_sae"])
-    if d_sae >= 1 << 24:
-        raise LensRequestError(f"{field}.sae", f"has {d_sae:,} features; feature indices "
-                               "travel as float32, exact below 2**24 (16,777,216)",
-                               request_id=request_id)
+    point, layer, d_sae = check_description(info, facts, f"{field}.sae", request_id)
     top_k = item.get("top_k", min(32, d_sae))
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= d_sae:
         raise LensRequestError(f"{field}.top_k", f"must be an integer from 1 to the SAE's "

@@ -49,6 +49,30 @@ class GateSpec:
 
 
 @dataclass(frozen=True)
+class ClampSpec:
+    """Clamping SAE features (``spec.sae_steering``): at each steered row the features are
+    computed from the stream before any steering at that site, and ``(targets - f) @ W_dec``
+    is added (the SAE's error term kept). The vector's ``vectors`` are the features' decoder
+    rows ``[k, d_in]``; ``encoder`` their encoder columns."""
+
+    architecture: str
+    """``standard`` or ``jumprelu`` (a feature's activation depends on its column alone)."""
+    targets: tuple[float, ...]
+    encoder: bytes
+    """``wire.dumps`` of ``{"W_enc" [d_in, k], "b_enc" [k], "b_dec" [d_in], "threshold" [k]
+    or None, "apply_b_dec_to_input"}``."""
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"architecture": self.architecture, "targets": list(self.targets),
+                "encoder": self.encoder}
+
+    @classmethod
+    def from_payload(cls, d: Mapping[str, Any]) -> ClampSpec:
+        return cls(architecture=str(d["architecture"]),
+                   targets=tuple(float(t) for t in d["targets"]), encoder=bytes(d["encoder"]))
+
+
+@dataclass(frozen=True)
 class SteerSpec:
     """One validated steering vector, in the form that travels to the workers."""
 
@@ -63,11 +87,14 @@ class SteerSpec:
     point: str = "resid_post"
     """The tap point the vectors are added at (``points.STEERABLE``)."""
     mode: str = "add"
-    """``add`` or ``replace`` (the stream at those rows becomes the vector)."""
+    """``add``, ``replace`` (the stream at those rows becomes the vector) or ``clamp``
+    (SAE features set to targets: ``clamp``)."""
     phase: str = "all"
     """``all``, ``prefill`` (prompt positions) or ``decode`` (generated positions)."""
     condition: GateSpec | None = None
     """Per-token gate of the addition, computed in the same forward pass."""
+    clamp: ClampSpec | None = None
+    """For ``mode="clamp"``: the features' encoder and targets."""
 
     def to_payload(self) -> dict[str, Any]:
         return {
@@ -76,6 +103,7 @@ class SteerSpec:
             "positions": None if self.positions is None else list(self.positions),
             "mode": self.mode, "phase": self.phase,
             "condition": None if self.condition is None else self.condition.to_payload(),
+            "clamp": None if self.clamp is None else self.clamp.to_payload(),
         }
 
     @classmethod
@@ -89,6 +117,7 @@ class SteerSpec:
             phase=str(d.get("phase", "all")),
             condition=None if d.get("condition") is None else GateSpec.from_payload(
                 d["condition"]),
+            clamp=None if d.get("clamp") is None else ClampSpec.from_payload(d["clamp"]),
         )
 
     def digest_into(self, digest: Any) -> None:
@@ -98,6 +127,9 @@ class SteerSpec:
         digest.update(self.vectors)
         if self.condition is not None:
             digest.update(repr(dataclasses.astuple(self.condition)).encode())
+        if self.clamp is not None:
+            digest.update(repr((self.clamp.architecture, self.clamp.targets)).encode())
+            digest.update(self.clamp.encoder)
 
 
 def steering_digest(specs: Sequence[SteerSpec]) -> str | None:
@@ -111,7 +143,11 @@ def steering_digest(specs: Sequence[SteerSpec]) -> str | None:
 
 def parse_steering_key(raw: Any, facts: ModelFacts, request_id: str | None,
                     presets: Mapping[str, tuple[SteerSpec, ...]] | None = None,
-                    field: str = STEER_KEY) -> tuple[SteerSpec, ...]:
+                    field: str = STEER_KEY, saes: Any = None) -> tuple[SteerSpec, ...]:
+    """``apply_steering_vectors``: vectors, ``"preset:<name>"`` and steering by SAE feature
+    (``spec.sae_steering``; ``saes`` describes the SAEs, as for ``output_sae_features``)."""
+    from vllm_lens.spec.sae_steering import is_feature_item, parse_feature_steering
+    from vllm_lens.spec.saes import MAX_SAE_ENTRIES
     from vllm_lens.steering import SteeringVector
 
     if isinstance(raw, str):
@@ -136,10 +172,20 @@ def parse_steering_key(raw: Any, facts: ModelFacts, request_id: str | None,
                               "VLLM_LENS_MAX_DECODED_BYTES (one request's steering tensors)",
                               functools.partial(_check_steering_shape, facts))
     most = envs.max_steering_vectors()
+    by_feature = 0
     with limit:
         for i, item in enumerate(raw):
             where = f"{field}[{i}]"
-            if isinstance(item, str) and item.startswith(PRESET_PREFIX):
+            if is_feature_item(item):
+                by_feature += 1
+                if by_feature > MAX_SAE_ENTRIES:
+                    raise LensRequestError(where, f"steers by SAE feature beyond the "
+                                           f"{MAX_SAE_ENTRIES} such items a request may carry; "
+                                           "list several features in one item",
+                                           request_id=request_id)
+                _check_count(len(specs) + 1, most, where, request_id)
+                specs.append(parse_feature_steering(item, facts, saes, where, request_id))
+            elif isinstance(item, str) and item.startswith(PRESET_PREFIX):
                 found = _preset(item, presets, where, request_id)
                 _check_count(len(specs) + len(found), most, where, request_id)
                 for spec in found:  # a preset's tensors count as the request's own
@@ -149,7 +195,30 @@ def parse_steering_key(raw: Any, facts: ModelFacts, request_id: str | None,
                 _check_count(len(specs) + 1, most, where, request_id)
                 specs.append(_parse_one_vector(item, facts, where, request_id))
     _check_replacements_apart(specs, facts, field, request_id)
+    _check_clamps_alone(specs, facts, field, request_id)
     return tuple(specs)
+
+
+def _check_clamps_alone(specs: Sequence[SteerSpec], facts: ModelFacts, field: str,
+                        request_id: str | None) -> None:
+    """A clamp reads its features before anything at its site is written, so another clamp
+    or a replacement at the same (layer, site) would make its targets an accident of order:
+    one clamp per site (it may list several features), and none where a vector replaces."""
+    seen: dict[tuple[int, str], int] = {}
+    for i, spec in enumerate(specs):
+        if spec.mode not in ("clamp", "replace"):
+            continue
+        for layer in spec.layers:
+            where = (layer, tap_points.site_of(spec.point, split=facts.split))
+            other = seen.get(where)
+            if other is not None and "clamp" in (spec.mode, specs[other].mode):
+                raise LensRequestError(
+                    f"{field}[{i}]", f"{spec.mode}s at layer {layer}'s {where[1]} site, where "
+                    f"{field}[{other}] {specs[other].mode}s too; a clamp must be the only "
+                    "clamp or replacement at its site (list several features in one clamp)",
+                    request_id=request_id)
+            if other is None or spec.mode == "clamp":
+                seen[where] = i
 
 
 def _check_count(count: int, most: int, where: str, request_id: str | None) -> None:

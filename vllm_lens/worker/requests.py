@@ -72,7 +72,8 @@ class RequestRecord:
 
     @property
     def device_bytes(self) -> int:
-        return sum(p.vectors.numel() * p.vectors.element_size() for p in self.steer or ())
+        return sum(p.clamp.sae.nbytes if p.clamp is not None
+                   else p.vectors.numel() * p.vectors.element_size() for p in self.steer or ())
 
     def fail(self, exc: BaseException | str, stage: str) -> None:
         if self.error is None:

@@ -19,11 +19,12 @@ import torch
 
 from vllm_lens import faults, wire
 from vllm_lens.points import POINTS, site_of
+from vllm_lens.saes import SAE
 from vllm_lens.spec import SteerSpec
 from vllm_lens.worker.plan import RequestSlice, device_index
 
 __all__ = [
-    "GateSlot", "PreparedSteer", "SteerGroup", "apply_steering", "build_steer_groups",
+    "GateSlot", "PreparedClamp", "PreparedSteer", "SteerGroup", "apply_steering", "build_steer_groups",
     "pack_gates", "phase_boundary", "prepare",
 ]
 
@@ -40,9 +41,44 @@ class PreparedSteer:
     position_rows: np.ndarray | None  # row of ``vectors[:, j]`` for each sorted position
     probe: torch.Tensor | None = None
     """The condition's probe (float32, on the device), for a gated vector."""
+    clamp: PreparedClamp | None = None
+
+
+@dataclass(frozen=True)
+class PreparedClamp:
+    """Clamped SAE features: the SAE cut down to them (their encoder columns and decoder
+    rows: a standard or JumpReLU feature's activation depends on its column alone)."""
+
+    sae: SAE
+    targets: torch.Tensor
+
+    def delta(self, stream: torch.Tensor) -> torch.Tensor:
+        """``(targets - f(stream)) @ W_dec`` for rows ``stream`` ``[n, d_in]``, in the wider of
+        the SAE's and the rows' dtypes."""
+        features = self.sae.encode(stream)
+        return (self.targets.to(features.dtype) - features) @ self.sae.W_dec.to(features.dtype)
+
+
+def _prepare_clamp(spec: SteerSpec, device: torch.device, dtype: torch.dtype) -> PreparedClamp:
+    parts = wire.loads(spec.clamp.encoder)  # type: ignore[union-attr]
+    sae = SAE(architecture=spec.clamp.architecture,  # type: ignore[union-attr]
+              W_enc=parts["W_enc"], b_enc=parts["b_enc"], W_dec=wire.loads(spec.vectors),
+              b_dec=parts["b_dec"], layout="slice", threshold=parts["threshold"],
+              apply_b_dec_to_input=bool(parts["apply_b_dec_to_input"]))
+    wide = torch.promote_types(sae.dtype, dtype)
+    targets = torch.tensor(spec.clamp.targets, dtype=wide)  # type: ignore[union-attr]
+    return PreparedClamp(sae.to(device, wide), targets.to(device))
 
 
 def prepare(spec: SteerSpec, device: torch.device, dtype: torch.dtype) -> PreparedSteer:
+    if spec.clamp is not None:
+        clamp = _prepare_clamp(spec, device, dtype)
+        positions = None
+        if spec.positions is not None:
+            positions = np.sort(np.asarray(spec.positions, dtype=np.int64))
+        return PreparedSteer(spec, clamp.sae.W_dec, positions,
+                             None if positions is None else np.arange(positions.size),
+                             clamp=clamp)
     vectors = wire.loads(spec.vectors).to(device=device, dtype=torch.float32)
     if spec.norm_match:
         vectors = vectors / vectors.norm(dim=-1, keepdim=True)
@@ -107,6 +143,9 @@ class SteerGroup:
     replaced: list[tuple[torch.Tensor, torch.Tensor, bool]] = field(default_factory=list)
     """(rows, values, whether the point is ``hidden + residual``) for ``replace`` vectors,
     written before any addition."""
+    clamped: list[tuple[torch.Tensor, PreparedClamp, bool]] = field(default_factory=list)
+    """(rows, clamp, whether the point is ``hidden + residual``) for clamped SAE features,
+    read before anything here is written."""
     req_ids: list[str] = field(default_factory=list)
     """The requests steered here (they fail together if this layer's steering raises)."""
 
@@ -141,6 +180,10 @@ def build_steer_groups(
             for i, layer in enumerate(p.spec.layers):
                 where = (layer, site_of(point.name, split=split))
                 _owned(groups, where, s.req_id)
+                if p.clamp is not None:
+                    groups[where].clamped.append(
+                        (device_index(rows, device), p.clamp, point.with_residual))
+                    continue
                 vecs = _vectors_for(p, i, vector_rows, offsets.size)
                 if gate is not None:
                     row_lists, deltas = gated.setdefault(where, ([], []))
@@ -165,7 +208,8 @@ def build_steer_groups(
         for (where, _), (rows, vector) in flat.items():
             row_lists, deltas = plain.setdefault(where, ([], []))
             row_lists.append(rows)
-            deltas.append(vector.to(prepared[0].vectors.dtype).expand(rows.size, -1))
+            dtype = next(p.vectors.dtype for p in prepared if p.clamp is None)
+            deltas.append(vector.to(dtype).expand(rows.size, -1))
     for where, parts in plain.items():
         groups[where].rows, groups[where].delta = _joined(*parts, device)
     for where, parts in gated.items():
@@ -218,10 +262,17 @@ def _vectors_for(p: PreparedSteer, i: int, vector_rows: np.ndarray | None, n: in
 
 
 def apply_steering(group: SteerGroup, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
-    """Read this site's gates, write its replacements into ``hidden``, then add its steering,
-    in place (norms taken after the replacements, before any addition)."""
+    """Read this site's gates and clamped features, write its replacements into ``hidden``,
+    then add its steering, in place (norms taken after the replacements, before any
+    addition)."""
     for gate in group.conditions:
         gate.compute(hidden, residual)
+    clamp_deltas = []
+    for rows, clamp, with_residual in group.clamped:
+        stream = hidden.index_select(0, rows)
+        if with_residual and residual is not None:
+            stream = stream + residual.index_select(0, rows)
+        clamp_deltas.append((rows, clamp.delta(stream).to(hidden.dtype)))
     for rows, values, with_residual in group.replaced:
         if with_residual and residual is not None:
             values = values - residual.index_select(0, rows)
@@ -237,7 +288,7 @@ def apply_steering(group: SteerGroup, hidden: torch.Tensor, residual: torch.Tens
             norm_deltas.append((rows, (scale * norms * unit.float()).to(hidden.dtype)))
     if group.rows is not None:
         hidden.index_add_(0, group.rows, group.delta)
-    for rows, delta in norm_deltas:
+    for rows, delta in (*norm_deltas, *clamp_deltas):
         hidden.index_add_(0, rows, delta)
     if group.gated:
         values = (group.gated[0].values if len(group.gated) == 1

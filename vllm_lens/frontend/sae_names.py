@@ -1,0 +1,272 @@
+"""Named SAEs: the SAEs a front end serves by name, and how a request's ``sae`` becomes the
+description the workers give of it (runs in: front end).
+
+Adds to ``vllm.LLM`` and ``AsyncLLM`` (``frontend.engine_methods``)::
+
+    register_sae(name, path, hook_point=None) -> description
+    registered_saes() -> [{"name", "layout", "architecture", "hook_name", "point", "layer",
+                           "d_in", "d_sae", "dtype"}]
+
+Registering asks the workers to read the SAE (``lens_load_sae``), checks it against the
+served model as a request would, and keeps its description; the weights stay with the
+workers, within ``VLLM_LENS_SAE_MAX_BYTES`` (the least recently used unloaded first, read
+again when a request names it). The OpenAI server registers the SAEs of ``VLLM_LENS_SAES``
+(a JSON file: ``{name: path}`` or ``{name: {"path": ..., "hook_point": ...}}``) before it
+serves, and fails to start on a bad one; ``GET /v1/lens/saes`` lists them.
+
+A request's ``"sae"`` is a registered name; where the caller owns the process (an offline
+``LLM``, an ``AsyncLLM`` outside the server) it may also be a directory. Over HTTP a client
+never makes the server open a path: anything but a registered name is refused, naming the
+field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_lens import envs, wire
+from vllm_lens.errors import LensRequestError
+from vllm_lens.frontend.collate import LensSession, facts_from_describe
+from vllm_lens.frontend.engine_methods import Steps, install_methods
+from vllm_lens.frontend.rpc import all_workers
+from vllm_lens.spec.keys import SAE_KEY, STEER_KEY
+from vllm_lens.spec.sae_steering import steering_sae_references
+from vllm_lens.spec.saes import Describe, check_description, sae_references
+
+__all__ = ["METHODS", "async_describer", "install", "offline_describer", "read_sae_file"]
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+#: What ``registered_saes`` lists of a description (never a path on the server's disk).
+_LISTED = ("layout", "architecture", "hook_name", "point", "layer", "d_in", "d_sae", "dtype")
+
+
+def _register(session: LensSession, name: Any, path: Any, hook_point: Any = None) -> Steps:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise LensRequestError("name", f"{name!r} is not an SAE name (1 to 64 letters, digits, "
+                               "'.', '_' or '-', starting with a letter or digit)")
+    if not isinstance(path, (str, Path)) or not str(path):
+        raise LensRequestError("path", "the directory holding the SAE")
+    if hook_point is not None and not isinstance(hook_point, str):
+        raise LensRequestError("hook_point", "a name such as 'blocks.3.hook_resid_post'")
+    if session.facts is None:
+        session.facts = facts_from_describe((yield "lens_describe", ()))
+    try:
+        info = answer((yield "lens_load_sae", (str(path), hook_point)))
+    except ValueError as exc:
+        raise LensRequestError("path", str(exc)) from None
+    check_description(info, session.facts, "path")
+    session.sae_names[name] = (info["path"], hook_point, info)  # registered again: replaced
+    return _listing(name, info)
+
+
+def _list(session: LensSession) -> Steps:
+    return [_listing(name, info) for name, (_, _, info) in sorted(session.sae_names.items())]
+    yield  # a generator that asks the workers nothing
+
+
+def _listing(name: str, info: Mapping[str, Any]) -> dict[str, Any]:
+    return {"name": name, **{k: info.get(k) for k in _LISTED}}
+
+
+def answer(answers: list[Any]) -> dict[str, Any]:
+    """The workers' answers to ``lens_load_sae`` -> the SAE's description (ranks that do not
+    keep it answer too: ``worker.saes``); a problem any rank had raises ``ValueError``."""
+    answers = [a for a in answers if a is not None]
+    problem = next((a["error"] for a in answers if a.get("error")), None)
+    if problem is not None or not answers:
+        raise ValueError(problem or "no worker could load it")
+    return answers[0]
+
+
+def _resolve(session: LensSession, sae: str, hook_point: str | None,
+             paths: bool) -> tuple[str, str | None]:
+    """(directory, hook point) of what a request names: a registered name first, then (if
+    ``paths``) a directory."""
+    named = session.sae_names.get(sae)
+    if named is not None:
+        if not paths and hook_point is not None and hook_point != named[1]:
+            # Each hook point is another copy of the weights on the workers: over HTTP an SAE
+            # reads where the operator registered it.
+            raise ValueError(f"{sae!r} is served at its registered hook point "
+                             f"({named[1] or named[2].get('hook_name')}); a client cannot "
+                             "move it (hook_point)")
+        return named[0], hook_point if hook_point is not None else named[1]
+    if not paths:
+        names = ", ".join(sorted(session.sae_names)[:20]) or "none are registered"
+        raise ValueError(f"{sae!r} is not an SAE this server serves (names: {names}; "
+                         "GET /v1/lens/saes lists them, the operator registers them in "
+                         "VLLM_LENS_SAES); a client cannot name a path")
+    return sae, hook_point
+
+
+def sae_slice(answers: list[Any]) -> dict[str, Any]:
+    """The workers' answers to ``lens_sae_slice`` -> some features' decoder rows and encoder
+    columns (the rank that keeps the SAE answers); a problem raises ``ValueError``."""
+    for found in answers:
+        if isinstance(found, dict):
+            raise ValueError(found["error"])
+        if found is not None:
+            return wire.loads(found)
+    raise ValueError("no worker keeps it loaded (retry the request)")
+
+
+class _OfflineLookup:
+    """``spec.saes``' describe for an offline engine (``LLMEngine``): a registered name or a
+    directory, loaded by the workers (once; a loaded one is shared); ``sae_slice`` for
+    steering by feature."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._session = LensSession.of(engine)
+
+    def __call__(self, sae: str, hook_point: str | None) -> dict[str, Any]:
+        path, point = _resolve(self._session, sae, hook_point, paths=True)
+        return answer(self._engine.collective_rpc("lens_load_sae", args=(path, point)))
+
+    def sae_slice(self, sae: str, hook_point: str | None,
+                  features: tuple[int, ...]) -> dict[str, Any]:
+        path, point = _resolve(self._session, sae, hook_point, paths=True)
+        info = answer(self._engine.collective_rpc("lens_load_sae", args=(path, point)))
+        return sae_slice(self._engine.collective_rpc(
+            "lens_sae_slice", args=(info["path"], point, list(features))))
+
+
+def offline_describer(engine: Any) -> Describe:
+    return _OfflineLookup(engine)
+
+
+class _Described:
+    """What an asynchronous front end fetched for one request before parsing it: each SAE's
+    description (or the problem), and the rows and columns its steering by feature selects."""
+
+    def __init__(self) -> None:
+        self.found: dict[tuple[str, str | None], dict[str, Any] | Exception] = {}
+        self.slices: dict[tuple[str, str | None, tuple[int, ...]],
+                          dict[str, Any] | Exception] = {}
+
+    def __call__(self, sae: str, hook_point: str | None) -> dict[str, Any]:
+        return _value(self.found.get((sae, hook_point)))
+
+    def sae_slice(self, sae: str, hook_point: str | None,
+                  features: tuple[int, ...]) -> dict[str, Any]:
+        return _value(self.slices.get((sae, hook_point, features)))
+
+
+def _value(value: Any) -> Any:
+    if value is None:
+        raise ValueError("it was not described before the request was checked")
+    if isinstance(value, Exception):
+        raise value
+    return value
+
+
+async def async_describer(engine: Any, extra_args: Mapping[str, Any] | None,
+                          paths: bool) -> Describe | None:
+    """``spec.saes``' describe for an ``AsyncLLM``: the SAEs ``extra_args`` name (features to
+    read, features to steer by) are described and their slices fetched first, then the
+    parse looks them up. ``paths``: directories are accepted (not over HTTP). ``None`` when
+    the request names no SAE."""
+    if not extra_args:
+        return None
+    reads = sae_references(extra_args.get(SAE_KEY)) if extra_args.get(SAE_KEY) else []
+    steers = (steering_sae_references(extra_args.get(STEER_KEY))
+              if extra_args.get(STEER_KEY) is not None else [])
+    if not reads and not steers:
+        return None
+    session = LensSession.of(engine)
+    facts = session.facts
+    if facts is not None and (facts.tp_size > 1 or facts.pp_size > 1):
+        return None  # refused by the parse (``refuse_parallel``) before anything is loaded
+    described = _Described()
+    # At most MAX_SAE_ENTRIES of each kind: a bounded number of worker calls per request.
+    for sae, hook_point in [*reads, *((s, h) for s, h, _ in steers)]:
+        if (sae, hook_point) in described.found:
+            continue
+        path = sae
+        try:
+            path, point = _resolve(session, sae, hook_point, paths)
+            described.found[sae, hook_point] = answer(await all_workers(
+                engine, "lens_load_sae", (path, point)))
+        except ValueError as exc:
+            described.found[sae, hook_point] = _scrubbed(exc, sae, path, paths)
+    for sae, hook_point, features in steers:
+        info = described.found[sae, hook_point]
+        if isinstance(info, Exception):
+            continue
+        point = _resolve(session, sae, hook_point, paths)[1]
+        try:
+            described.slices[sae, hook_point, features] = sae_slice(await all_workers(
+                engine, "lens_sae_slice", (info["path"], point, list(features))))
+        except ValueError as exc:
+            described.slices[sae, hook_point, features] = _scrubbed(exc, sae, info["path"],
+                                                                    paths)
+    return described
+
+
+def _scrubbed(exc: ValueError, name: str, path: str, paths: bool) -> ValueError:
+    """``exc`` with the server's directory of a named SAE replaced by its name (a client that
+    may not name paths is not told them either)."""
+    if paths or name == path:
+        return exc
+    message = str(exc)
+    for where in {os.path.realpath(path), path}:
+        message = message.replace(where, f"<SAE {name}>")
+    return ValueError(message)
+
+
+def read_sae_file(path: str) -> dict[str, tuple[str, str | None]]:
+    """The SAEs of a ``VLLM_LENS_SAES`` file: ``{name: path}`` or ``{name: {"path": ...,
+    "hook_point": ...}}``; returns name -> (path, hook point)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"VLLM_LENS_SAES: cannot read {path}: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"VLLM_LENS_SAES: {path} must hold a JSON object of name -> path")
+    out: dict[str, tuple[str, str | None]] = {}
+    for name, value in data.items():
+        if isinstance(value, Mapping):
+            unknown = sorted(set(value) - {"path", "hook_point"})
+            if unknown or not isinstance(value.get("path"), str):
+                raise ValueError(f"VLLM_LENS_SAES ({path}): {name!r} must be a path or "
+                                 '{"path": ..., "hook_point": ...}' +
+                                 (f" (unknown field {unknown[0]!r})" if unknown else ""))
+            out[name] = (value["path"], value.get("hook_point"))
+        elif isinstance(value, str):
+            out[name] = (value, None)
+        else:
+            raise ValueError(f"VLLM_LENS_SAES ({path}): {name!r} must be a path or "
+                             '{"path": ..., "hook_point": ...}')
+    return out
+
+
+async def register_sae_file(engine: Any) -> list[str]:
+    """Register every SAE of ``VLLM_LENS_SAES`` on ``engine`` (an ``AsyncLLM``); one that
+    cannot be read or does not fit the model stops the server from starting, naming it.
+    Returns the names registered."""
+    path = envs.saes_path()
+    if path is None:
+        return []
+    names = []
+    for name, (directory, hook_point) in read_sae_file(path).items():
+        try:
+            await engine.register_sae(name, directory, hook_point)
+        except (LensRequestError, ValueError) as exc:
+            raise ValueError(f"VLLM_LENS_SAES ({path}): SAE {name!r}: {exc}") from None
+        names.append(name)
+    return names
+
+
+#: name -> generator function(session, *args); the public method names on LLM / AsyncLLM.
+METHODS = {"register_sae": _register, "registered_saes": _list}
+
+
+def install() -> None:
+    install_methods(METHODS, "vllm_lens.frontend.sae_names")

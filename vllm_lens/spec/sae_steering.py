@@ -1,0 +1,183 @@
+"""Steering by SAE feature: an ``apply_steering_vectors`` item ``{"sae", "feature", "scale"}``
+or ``{"sae", "feature", "clamp"}`` -> a ``SteerSpec`` at the SAE's point and layer (runs in:
+front end).
+
+``scale`` adds ``scale * W_dec[feature]`` (the row as stored): an ordinary steering vector
+made from the decoder rows, so positions, phases and the prefix-cache salt (the vector's
+bytes) work as they do for vectors a client sends. Several features may be listed
+(``"feature": [i, j]``, ``"scale"`` a number or a list); the vector is then
+``sum_j scale_j * W_dec[j]`` computed in float32.
+
+``clamp`` sets each listed feature to its target at every steered row: the worker computes
+the features ``f`` from the stream before any steering at that site and adds
+``(clamp - f) @ W_dec[features]``, keeping the SAE's error term (``worker.steer``). It ships
+the features' encoder columns with the request, so it is served for SAEs whose features each
+depend on their own column (``standard``, ``jumprelu``); a TopK SAE's clamp is refused.
+
+The rows and columns come from the workers that loaded the SAE (``describe.sae_slice``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from vllm_lens import wire
+from vllm_lens.errors import LensRequestError
+from vllm_lens.spec.facts import ModelFacts
+from vllm_lens.spec.fields import (
+    parse_write_point,
+    position_rule,
+    refuse_parallel,
+    sorted_indices,
+)
+from vllm_lens.spec.saes import MAX_SAE_ENTRIES, Describe, check_description
+from vllm_lens.spec.steering import ClampSpec, SteerSpec
+
+__all__ = ["MAX_FEATURES", "is_feature_item", "parse_feature_steering",
+           "steering_sae_references"]
+
+_FIELDS = ("sae", "hook_point", "feature", "scale", "clamp", "position_indices", "phase")
+#: Features one steering item may list.
+MAX_FEATURES = 64
+
+
+def is_feature_item(item: Any) -> bool:
+    """An ``apply_steering_vectors`` item that steers by SAE feature."""
+    return isinstance(item, Mapping) and "sae" in item
+
+
+def steering_sae_references(raw: Any) -> list[tuple[str, str | None, tuple[int, ...]]]:
+    """The ``(sae, hook_point, features)`` an ``apply_steering_vectors`` value steers by,
+    without checking anything else: what an asynchronous front end fetches decoder rows for
+    before it parses. Malformed items give nothing (the parse names the problem); at most
+    ``MAX_SAE_ENTRIES`` are read."""
+    if isinstance(raw, str):
+        if '"sae"' not in raw or not raw.lstrip().startswith("["):
+            return []
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return []
+    items = raw if isinstance(raw, (list, tuple)) else [raw]
+    found: list[tuple[str, str | None, tuple[int, ...]]] = []
+    for item in items:
+        if not is_feature_item(item):
+            continue
+        name, hook_point, features = item.get("sae"), item.get("hook_point"), item.get("feature")
+        features = [features] if isinstance(features, int) else features
+        if (isinstance(name, str) and (hook_point is None or isinstance(hook_point, str))
+                and isinstance(features, list) and 0 < len(features) <= MAX_FEATURES
+                and all(isinstance(f, int) and not isinstance(f, bool) for f in features)):
+            ref = (name, hook_point, tuple(features))
+            if ref not in found:
+                found.append(ref)
+        if len(found) == MAX_SAE_ENTRIES:
+            break
+    return found
+
+
+def parse_feature_steering(item: Mapping[str, Any], facts: ModelFacts, describe: Describe | None,
+                           where: str, request_id: str | None) -> SteerSpec:
+    """One steering-by-feature item as the steering vector it adds."""
+    unknown = [k for k in item if k not in _FIELDS]
+    if unknown:
+        raise LensRequestError(f"{where}.{unknown[0]}", "unknown field; steering by SAE feature "
+                               f"takes {', '.join(_FIELDS)}", request_id=request_id)
+    name, hook_point = item.get("sae"), item.get("hook_point")
+    if not isinstance(name, str) or not name:
+        raise LensRequestError(f"{where}.sae", "a registered SAE's name (offline, also the "
+                               "directory holding one)", request_id=request_id)
+    if hook_point is not None and not isinstance(hook_point, str):
+        raise LensRequestError(f"{where}.hook_point", "a name such as "
+                               "'blocks.3.hook_resid_post'", request_id=request_id)
+    clamping = item.get("clamp") is not None
+    if clamping and item.get("scale") is not None:
+        raise LensRequestError(f"{where}.clamp", "give \"scale\" (add the decoder rows) or "
+                               "\"clamp\" (set the features), not both", request_id=request_id)
+    features = item.get("feature")
+    features = [features] if isinstance(features, int) and not isinstance(features, bool) \
+        else features
+    if (not isinstance(features, list) or not 0 < len(features) <= MAX_FEATURES
+            or not all(isinstance(f, int) and not isinstance(f, bool) for f in features)):
+        raise LensRequestError(f"{where}.feature", f"a feature index or a list of 1 to "
+                               f"{MAX_FEATURES} of them", request_id=request_id)
+    if len(set(features)) != len(features):
+        raise LensRequestError(f"{where}.feature", "lists a feature twice",
+                               request_id=request_id)
+    if clamping:
+        scales = _scales(item["clamp"], len(features), f"{where}.clamp", request_id)
+    else:
+        scales = _scales(item.get("scale", 1.0), len(features), f"{where}.scale", request_id)
+    phase = item.get("phase", "all")
+    if phase not in ("all", "prefill", "decode"):
+        raise LensRequestError(f"{where}.phase", "'all', 'prefill' or 'decode'",
+                               request_id=request_id)
+    refuse_parallel(f"{where}.sae", facts, "steering by SAE feature runs on one rank",
+                    request_id)
+    slice_of = getattr(describe, "sae_slice", None)
+    if describe is None or slice_of is None:
+        raise LensRequestError(f"{where}.sae", "this engine does not steer by SAE feature here "
+                               "(no SAE could be described for this request)",
+                               request_id=request_id)
+    try:
+        info = describe(name, hook_point)
+    except (ValueError, OSError) as exc:
+        raise LensRequestError(f"{where}.sae", str(exc), request_id=request_id) from None
+    point, layer, d_sae = check_description(info, facts, f"{where}.sae", request_id)
+    if clamping and info.get("architecture") not in ("standard", "jumprelu"):
+        raise LensRequestError(f"{where}.clamp", f"a {info.get('architecture')} SAE's feature "
+                               "depends on every other feature's activation; clamping is "
+                               "served for standard and jumprelu SAEs", request_id=request_id)
+    bad = next((f for f in features if not 0 <= f < d_sae), None)
+    if bad is not None:
+        raise LensRequestError(f"{where}.feature", f"{bad} is not a feature of this SAE "
+                               f"(0 to {d_sae - 1})", request_id=request_id)
+    point = parse_write_point(point, facts, f"{where}.sae", request_id)
+    positions = item.get("position_indices")
+    if positions is not None:
+        positions = sorted_indices(positions, f"{where}.position_indices",
+                                   position_rule(facts), request_id)
+    width = facts.row_width(point)
+    k = len(features)
+    # What the request brings to the workers, charged before it is built: a clamp's decoder
+    # rows and encoder columns (and biases); a scale's vector (3D with positions).
+    shape = ([2 * k + 3, width] if clamping else
+             [1, width] if positions is None else [1, len(positions), width])
+    try:
+        wire.reserve(4 * math.prod(shape), shape, "float32")
+        with wire.trusted():
+            found = slice_of(name, hook_point, tuple(features))
+    except (ValueError, OSError) as exc:  # WireError included
+        raise LensRequestError(f"{where}.sae", str(exc), request_id=request_id) from None
+    rows = found["W_dec"]
+    common = dict(layers=(layer,), norm_match=False, point=point, phase=phase,
+                  positions=None if positions is None else tuple(positions))
+    if clamping:
+        encoder = {k: found[k] for k in ("W_enc", "b_enc", "b_dec", "threshold",
+                                         "apply_b_dec_to_input")}
+        return SteerSpec(vectors=wire.dumps(rows), scale=1.0, mode="clamp", **common,
+                         clamp=ClampSpec(architecture=str(info["architecture"]),
+                                         targets=tuple(scales), encoder=wire.dumps(encoder)))
+    if len(features) == 1:  # the row as stored, scaled on the worker like any vector
+        vector, scale = rows[:1], scales[0]
+    else:
+        vector = (torch.tensor(scales, dtype=torch.float32)[:, None] * rows.float()).sum(
+            0, keepdim=True)
+        scale = 1.0
+    if positions is not None:
+        vector = vector[:, None, :].expand(1, len(positions), width).contiguous()
+    return SteerSpec(vectors=wire.dumps(vector), scale=scale, **common)
+
+
+def _scales(raw: Any, n: int, field: str, request_id: str | None) -> list[float]:
+    values = raw if isinstance(raw, list) else [raw] * n
+    if len(values) != n or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                   and math.isfinite(v) for v in values):
+        raise LensRequestError(field, f"a finite number, or a list of {n} (one per feature)",
+                               request_id=request_id)
+    return [float(v) for v in values]

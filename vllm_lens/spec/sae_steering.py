@@ -35,7 +35,7 @@ from vllm_lens.spec.fields import (
     refuse_parallel,
     sorted_indices,
 )
-from vllm_lens.spec.saes import MAX_SAE_ENTRIES, Describe, check_description
+from vllm_lens.spec.saes import MAX_SAE_ENTRIES, Describe, described
 from vllm_lens.spec.steering import ClampSpec, SteerSpec
 
 __all__ = ["MAX_FEATURES", "is_feature_item", "parse_feature_steering",
@@ -120,15 +120,9 @@ def parse_feature_steering(item: Mapping[str, Any], facts: ModelFacts, describe:
     refuse_parallel(f"{where}.sae", facts, "steering by SAE feature runs on one rank",
                     request_id)
     slice_of = getattr(describe, "sae_slice", None)
-    if describe is None or slice_of is None:
-        raise LensRequestError(f"{where}.sae", "this engine does not steer by SAE feature here "
-                               "(no SAE could be described for this request)",
-                               request_id=request_id)
-    try:
-        info = describe(name, hook_point)
-    except (ValueError, OSError) as exc:
-        raise LensRequestError(f"{where}.sae", str(exc), request_id=request_id) from None
-    point, layer, d_sae = check_description(info, facts, f"{where}.sae", request_id)
+    info, point, layer, d_sae = described(describe if slice_of is not None else None, name,
+                                          hook_point, facts, f"{where}.sae",
+                                          "steer by SAE feature", request_id)
     if clamping and info.get("architecture") not in ("standard", "jumprelu"):
         raise LensRequestError(f"{where}.clamp", f"a {info.get('architecture')} SAE's feature "
                                "depends on every other feature's activation; clamping is "

@@ -25,8 +25,8 @@ from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import check_site, json_value, refuse_parallel
 from vllm_lens.spec.keys import SAE_KEY
 
-__all__ = ["MAX_SAE_ENTRIES", "SAEFeatureSpec", "check_description", "parse_sae_features",
-           "sae_references"]
+__all__ = ["MAX_SAE_ENTRIES", "SAEFeatureSpec", "check_description", "described",
+           "parse_sae_features", "sae_references"]
 
 _FIELDS = ("sae", "hook_point", "positions", "top_k", "reconstruction")
 #: Entries of one request's ``output_sae_features`` (each encodes every selected row with its
@@ -153,6 +153,22 @@ def check_description(info: Mapping[str, Any], facts: ModelFacts, field: str,
     return point, layer, d_sae
 
 
+def described(describe: Describe | None, name: str, hook_point: str | None, facts: ModelFacts,
+              field: str, what: str, request_id: str | None
+              ) -> tuple[Mapping[str, Any], str, int, int]:
+    """The SAE a request names, described by the workers and checked against the model:
+    (description, point, layer, d_sae); every problem a ``LensRequestError`` naming
+    ``field``. ``what``: what the engine would do with it (for the error without ``describe``)."""
+    if describe is None:
+        raise LensRequestError(field, f"this engine does not {what} here (no SAE could be "
+                               "described for this request)", request_id=request_id)
+    try:
+        info = describe(name, hook_point)
+    except (ValueError, OSError) as exc:
+        raise LensRequestError(field, str(exc), request_id=request_id) from None
+    return (info, *check_description(info, facts, field, request_id))
+
+
 def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: str,
                request_id: str | None) -> SAEFeatureSpec:
     if not isinstance(item, Mapping):
@@ -172,15 +188,8 @@ def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: s
         raise LensRequestError(f"{field}.hook_point", "a name such as "
                                "'blocks.3.hook_resid_post'", request_id=request_id)
     refuse_parallel(SAE_KEY, facts, "SAE features are served on one rank", request_id)
-    if describe is None:
-        raise LensRequestError(f"{field}.sae", "this engine does not serve SAE features here "
-                               "(no SAE could be described for this request)",
-                               request_id=request_id)
-    try:
-        info = describe(name, hook_point)
-    except (ValueError, OSError) as exc:
-        raise LensRequestError(f"{field}.sae", str(exc), request_id=request_id) from None
-    point, layer, d_sae = check_description(info, facts, f"{field}.sae", request_id)
+    info, point, layer, d_sae = described(describe, name, hook_point, facts, f"{field}.sae",
+                                          "serve SAE features", request_id)
     top_k = item.get("top_k", min(32, d_sae))
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= d_sae:
         raise LensRequestError(f"{field}.top_k", f"must be an integer from 1 to the SAE's "

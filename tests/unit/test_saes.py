@@ -433,3 +433,30 @@ def test_a_clamp_sets_the_features_and_keeps_the_error_term():
     assert (before[:, index] > 0).any()  # some rows have the features active
     torch.testing.assert_close(delta, (torch.tensor(targets) - before[:, index])
                                @ reference.W_dec[index].detach())
+
+
+def test_a_clamp_on_a_bfloat16_stream_computes_in_float32_and_writes_bfloat16():
+    """A bfloat16 model with a float32 SAE: the clamp reads the rows cast up (never the SAE
+    down), and the site's ``apply_steering`` adds the delta in the stream's dtype, on the
+    chosen rows only."""
+    from vllm_lens import wire
+    from vllm_lens.spec.steering import ClampSpec, SteerSpec
+    from vllm_lens.worker.steer import SteerGroup, apply_steering, prepare
+
+    g = torch.Generator().manual_seed(9)
+    W_enc, W_dec = torch.randn(16, 2, generator=g), torch.randn(2, 16, generator=g)
+    encoder = {"W_enc": W_enc, "b_enc": torch.zeros(2), "b_dec": torch.zeros(16),
+               "threshold": None, "apply_b_dec_to_input": False}
+    spec = SteerSpec(layers=(0,), vectors=wire.dumps(W_dec), scale=1.0, norm_match=False,
+                     positions=None, mode="clamp",
+                     clamp=ClampSpec("standard", (1.0, 0.0), wire.dumps(encoder)))
+    prepared = prepare(spec, torch.device("cpu"), torch.bfloat16)
+    assert prepared.clamp.sae.dtype == torch.float32
+    hidden = (torch.randn(4, 16, generator=g) * 2).to(torch.bfloat16)
+    before = hidden.clone()
+    rows = torch.tensor([1, 3])
+    apply_steering(SteerGroup(clamped=[(rows, prepared.clamp, False)]), hidden, None)
+    f = (before[rows].float() @ W_enc).relu()
+    expected = (before[rows].float() + (torch.tensor([1.0, 0.0]) - f) @ W_dec).to(torch.bfloat16)
+    torch.testing.assert_close(hidden[rows], expected, rtol=1e-2, atol=1e-2)
+    assert torch.equal(hidden[[0, 2]], before[[0, 2]])

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from vllm_lens import points as tap_points
 from vllm_lens import wire
 from vllm_lens.errors import LensRequestError
 from vllm_lens.spec.facts import ModelFacts
@@ -38,7 +39,7 @@ from vllm_lens.spec.fields import (
 from vllm_lens.spec.saes import MAX_SAE_ENTRIES, Describe, described
 from vllm_lens.spec.steering import ClampSpec, SteerSpec
 
-__all__ = ["MAX_FEATURES", "is_feature_item", "parse_feature_steering",
+__all__ = ["MAX_FEATURES", "check_clamps_alone", "is_feature_item", "parse_feature_steering",
            "steering_sae_references"]
 
 _FIELDS = ("sae", "hook_point", "feature", "scale", "clamp", "position_indices", "phase")
@@ -175,3 +176,26 @@ def _scales(raw: Any, n: int, field: str, request_id: str | None) -> list[float]
         raise LensRequestError(field, f"a finite number, or a list of {n} (one per feature)",
                                request_id=request_id)
     return [float(v) for v in values]
+
+
+def check_clamps_alone(specs: Sequence[SteerSpec], facts: ModelFacts, field: str,
+                        request_id: str | None) -> None:
+    """A clamp reads its features before anything at its site is written, so another clamp
+    or a replacement at the same (layer, site) would make its targets an accident of order:
+    one clamp per site (it may list several features), and none where a vector replaces."""
+    seen: dict[tuple[int, str], int] = {}
+    for i, spec in enumerate(specs):
+        if spec.mode not in ("clamp", "replace"):
+            continue
+        for layer in spec.layers:
+            where = (layer, tap_points.site_of(spec.point, split=facts.split))
+            other = seen.get(where)
+            if other is not None and "clamp" in (spec.mode, specs[other].mode):
+                raise LensRequestError(
+                    f"{field}[{i}]", f"{spec.mode}s at layer {layer}'s {where[1]} site, where "
+                    f"{field}[{other}] {specs[other].mode}s too; a clamp must be the only "
+                    "clamp or replacement at its site (list several features in one clamp)",
+                    request_id=request_id)
+            if other is None or spec.mode == "clamp":
+                seen[where] = i
+

@@ -146,7 +146,11 @@ def parse_steering_key(raw: Any, facts: ModelFacts, request_id: str | None,
                     field: str = STEER_KEY, saes: Any = None) -> tuple[SteerSpec, ...]:
     """``apply_steering_vectors``: vectors, ``"preset:<name>"`` and steering by SAE feature
     (``spec.sae_steering``; ``saes`` describes the SAEs, as for ``output_sae_features``)."""
-    from vllm_lens.spec.sae_steering import is_feature_item, parse_feature_steering
+    from vllm_lens.spec.sae_steering import (
+        check_clamps_alone,
+        is_feature_item,
+        parse_feature_steering,
+    )
     from vllm_lens.spec.saes import MAX_SAE_ENTRIES
     from vllm_lens.steering import SteeringVector
 
@@ -195,30 +199,8 @@ def parse_steering_key(raw: Any, facts: ModelFacts, request_id: str | None,
                 _check_count(len(specs) + 1, most, where, request_id)
                 specs.append(_parse_one_vector(item, facts, where, request_id))
     _check_replacements_apart(specs, facts, field, request_id)
-    _check_clamps_alone(specs, facts, field, request_id)
+    check_clamps_alone(specs, facts, field, request_id)
     return tuple(specs)
-
-
-def _check_clamps_alone(specs: Sequence[SteerSpec], facts: ModelFacts, field: str,
-                        request_id: str | None) -> None:
-    """A clamp reads its features before anything at its site is written, so another clamp
-    or a replacement at the same (layer, site) would make its targets an accident of order:
-    one clamp per site (it may list several features), and none where a vector replaces."""
-    seen: dict[tuple[int, str], int] = {}
-    for i, spec in enumerate(specs):
-        if spec.mode not in ("clamp", "replace"):
-            continue
-        for layer in spec.layers:
-            where = (layer, tap_points.site_of(spec.point, split=facts.split))
-            other = seen.get(where)
-            if other is not None and "clamp" in (spec.mode, specs[other].mode):
-                raise LensRequestError(
-                    f"{field}[{i}]", f"{spec.mode}s at layer {layer}'s {where[1]} site, where "
-                    f"{field}[{other}] {specs[other].mode}s too; a clamp must be the only "
-                    "clamp or replacement at its site (list several features in one clamp)",
-                    request_id=request_id)
-            if other is None or spec.mode == "clamp":
-                seen[where] = i
 
 
 def _check_count(count: int, most: int, where: str, request_id: str | None) -> None:

@@ -22,14 +22,13 @@ field.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from vllm_lens import envs, wire
 from vllm_lens.errors import LensRequestError
@@ -175,9 +174,8 @@ async def async_describer(engine: Any, extra_args: Mapping[str, Any] | None,
     the request names no SAE."""
     if not extra_args:
         return None
-    reads = sae_references(extra_args.get(SAE_KEY)) if extra_args.get(SAE_KEY) else []
-    steers = (steering_sae_references(extra_args.get(STEER_KEY))
-              if extra_args.get(STEER_KEY) is not None else [])
+    reads = await _off_the_loop(sae_references, extra_args.get(SAE_KEY))
+    steers = await _off_the_loop(steering_sae_references, extra_args.get(STEER_KEY))
     if not reads and not steers:
         return None
     session = LensSession.of(engine)
@@ -208,6 +206,19 @@ async def async_describer(engine: Any, extra_args: Mapping[str, Any] | None,
             described.slices[sae, hook_point, features] = _scrubbed(exc, sae, info["path"],
                                                                     paths)
     return described
+
+
+#: Lens values longer than this are scanned for SAE names on a thread, never the event loop.
+_SCAN_INLINE_CHARS = 64 << 10
+
+
+async def _off_the_loop(scan: Any, raw: Any) -> list[Any]:
+    """``scan(raw)``; a long JSON string (steering vectors run to megabytes) on a thread."""
+    if raw is None or raw is False:
+        return []
+    if isinstance(raw, str) and len(raw) > _SCAN_INLINE_CHARS:
+        return await asyncio.to_thread(scan, raw)
+    return scan(raw)
 
 
 def _scrubbed(exc: ValueError, name: str, path: str, paths: bool) -> ValueError:

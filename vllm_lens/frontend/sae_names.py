@@ -131,10 +131,10 @@ class _OfflineLookup:
 
     def sae_slice(self, sae: str, hook_point: str | None,
                   features: tuple[int, ...]) -> dict[str, Any]:
+        # Called right after ``__call__`` loaded it, in the same parse (nothing runs between).
         path, point = _resolve(self._session, sae, hook_point, paths=True)
-        info = answer(self._engine.collective_rpc("lens_load_sae", args=(path, point)))
         return sae_slice(self._engine.collective_rpc(
-            "lens_sae_slice", args=(info["path"], point, list(features))))
+            "lens_sae_slice", args=(path, point, list(features))))
 
 
 def offline_describer(engine: Any) -> Describe:

@@ -24,8 +24,8 @@ from vllm_lens.spec import SteerSpec
 from vllm_lens.worker.plan import RequestSlice, device_index
 
 __all__ = [
-    "GateSlot", "PreparedClamp", "PreparedSteer", "SteerGroup", "apply_steering", "build_steer_groups",
-    "pack_gates", "phase_boundary", "prepare",
+    "GateSlot", "PreparedClamp", "PreparedSteer", "SteerGroup", "apply_steering",
+    "build_steer_groups", "pack_gates", "phase_boundary", "prepare",
 ]
 
 

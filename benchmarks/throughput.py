@@ -24,10 +24,13 @@ Cases: plain requests, captures (1 layer; all layers; all layers at the last pro
 only; ``attn_out`` at one layer; Q/K of one layer; every tap point at every layer at the last
 prompt token), steering (1 layer with one shared vector or a distinct vector per request; every
 layer; 256 requests each with its own vector at every layer; a replacement at one position;
-a conditional vector gated by a probe read 5 layers earlier), each with ``--prompts`` greedy
+a conditional vector gated by a probe read 5 layers earlier), SAE features (one 16x-wide
+JumpReLU SAE with random weights, d_sae = 9216, at layer 15: its top 32 features at every
+position; steering by one of its features; clamping one), each with ``--prompts`` greedy
 requests of ``--tokens`` generated tokens; and plain requests one at a time (batch 1), where
 the plugin's fixed per-step cost weighs most.
-Results go to stdout as a Markdown table (paste into benchmarks/RESULTS.md).
+Results go to stdout as a Markdown table (paste into benchmarks/RESULTS.md), with the bytes of
+rows and features each request brought back per position (captures and SAE features).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -102,7 +106,51 @@ CASES: dict[str, tuple[int | None, Callable[[int], Any]]] = {
         "apply_steering_vectors": [_replacement(i, 15, 5)]}),
     "conditional steering at 1 layer": (None, lambda i: {
         "apply_steering_vectors": [_gated(i, 15, 10)]}),
+    # One 16x-wide SAE (``_save_sae``) at layer 15's resid_post; ``SAE`` is its directory.
+    "SAE features at 1 layer, top 32, all positions": (None, lambda i: {
+        "output_sae_features": {"sae": SAE, "top_k": 32}}),
+    "steer by 1 SAE feature": (None, lambda i: {
+        "apply_steering_vectors": [{"sae": SAE, "feature": 7, "scale": 4.0}]}),
+    "clamp 1 SAE feature": (None, lambda i: {
+        "apply_steering_vectors": [{"sae": SAE, "feature": 7, "clamp": 2.0}]}),
 }
+#: The SAE cases' directory (set in the child from ``--child``'s config).
+SAE = ""
+D_SAE = 16 * HIDDEN
+
+
+def _save_sae(path: str) -> None:
+    """A JumpReLU SAE with random weights in sae-lens' layout (d_sae = 9216 for SmolLM2's 576),
+    saved by sae-lens itself (the test extra)."""
+    import torch
+    from sae_lens import JumpReLUSAEConfig
+    from sae_lens.saes.sae import SAE as SaeLensSAE
+
+    cfg = JumpReLUSAEConfig(d_in=HIDDEN, d_sae=D_SAE, dtype="float32", device="cpu")
+    sae = SaeLensSAE.get_sae_class_for_architecture(cfg.architecture())(cfg)
+    sae.cfg.metadata.hook_name = "blocks.15.hook_resid_post"
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in sae.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.05)
+        sae.threshold.copy_(torch.rand(D_SAE, generator=g) * 0.05)
+    sae.save_model(path)
+
+
+def _returned_bytes(out: Any) -> int:
+    """Bytes of the rows and features a finished request brought back."""
+    import torch
+
+    def size(value: Any) -> int:
+        if isinstance(value, torch.Tensor):
+            return value.numel() * value.element_size()
+        if isinstance(value, dict):
+            return sum(size(v) for v in value.values())
+        if isinstance(value, list):
+            return sum(size(v) for v in value)
+        return 0
+
+    return size(getattr(out, "activations", None)) + size(getattr(out, "sae_features", None))
 
 
 def _prompts(n: int) -> list[str]:
@@ -119,6 +167,8 @@ def serve_engine(cfg: dict) -> None:
 
     from vllm_lens.demo_models import smollm2_dir
 
+    global SAE
+    SAE = cfg["sae"]
     spent: dict[str, float] = {} if cfg["disabled"] else time_plugin_code()
     llm = LLM(str(smollm2_dir()), dtype="float32", max_model_len=1024, seed=0,
               kv_cache_memory_bytes=1 << 30, enforce_eager=cfg["eager"])
@@ -126,6 +176,9 @@ def serve_engine(cfg: dict) -> None:
     # included, runs with the tap handler attached (as on a server that has seen lens traffic).
     llm.generate(_prompts(8), SamplingParams(
         max_tokens=8, extra_args=None if cfg["disabled"] else {"output_residual_stream": [0]}))
+    if SAE and not cfg["disabled"]:  # loads it on the worker (once, as a server would)
+        llm.generate(_prompts(1), SamplingParams(max_tokens=2, extra_args={
+            "output_sae_features": {"sae": SAE}}))
     print("READY", flush=True)
     for line in sys.stdin:
         batch, extra_for = CASES[line.strip()]
@@ -140,7 +193,9 @@ def serve_engine(cfg: dict) -> None:
         outs = llm.generate(prompts, sps, use_tqdm=False)
         elapsed = time.perf_counter() - start
         tps = sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
-        print(f"RESULT {tps} {sum(spent.values()) / elapsed}", flush=True)
+        rows = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
+        per_row = sum(_returned_bytes(o) for o in outs) / rows
+        print(f"RESULT {tps} {sum(spent.values()) / elapsed} {per_row}", flush=True)
 
 
 class _Engine(ChildEngine):
@@ -149,10 +204,11 @@ class _Engine(ChildEngine):
     def __init__(self, cfg: dict, disabled: bool) -> None:
         super().__init__(__file__, cfg, disabled)
 
-    def run(self, case: str) -> tuple[float, float]:
-        """(tokens/s, share of the time spent in vllm-lens) of one run of ``case``."""
-        tps, share = self.ask(case).split()
-        return float(tps), float(share)
+    def run(self, case: str) -> tuple[float, float, float]:
+        """(tokens/s, share of the time spent in vllm-lens, bytes returned per position) of
+        one run of ``case``."""
+        tps, share, per_row = self.ask(case).split()
+        return float(tps), float(share), float(per_row)
 
 
 def measure_mode(cfg: dict, cases: list[str], rounds: int) -> dict[str, dict[str, float]]:
@@ -161,21 +217,23 @@ def measure_mode(cfg: dict, cases: list[str], rounds: int) -> dict[str, dict[str
         ratios: dict[str, list[float]] = {c: [] for c in cases}
         speeds: dict[str, list[float]] = {c: [] for c in cases}
         shares: dict[str, list[float]] = {c: [] for c in cases}
+        returned: dict[str, float] = {}
         for r in range(rounds):
             for case in cases:
                 if r % 2 == 0:
-                    (base, _), (tps, share) = plain.run(case), lens.run(case)
+                    (base, *_), (tps, share, per_row) = plain.run(case), lens.run(case)
                 else:
-                    (tps, share), (base, _) = lens.run(case), plain.run(case)
+                    (tps, share, per_row), (base, *_) = lens.run(case), plain.run(case)
                 ratios[case].append(tps / base)
                 speeds[case].append(tps)
                 shares[case].append(share)
+                returned[case] = per_row
     finally:
         plain.close()
         lens.close()
     return {c: {"median": statistics.median(ratios[c]), "low": min(ratios[c]),
                 "high": max(ratios[c]), "tps": statistics.median(speeds[c]),
-                "share": statistics.median(shares[c])} for c in cases}
+                "share": statistics.median(shares[c]), "bytes": returned[c]} for c in cases}
 
 
 def main() -> None:
@@ -194,8 +252,13 @@ def main() -> None:
         return
 
     rows = []
+    sae_dir = tempfile.TemporaryDirectory(prefix="vllm_lens_bench_sae_")
+    sae = ""
+    if any("SAE" in case for case in args.cases):
+        sae = sae_dir.name
+        _save_sae(sae)
     for mode in args.modes:
-        cfg = dict(eager=mode == "eager", prompts=args.prompts, tokens=args.tokens)
+        cfg = dict(eager=mode == "eager", prompts=args.prompts, tokens=args.tokens, sae=sae)
         for case, r in measure_mode(cfg, args.cases, args.rounds).items():
             rows.append((mode, case, r))
             print(f"{mode:8} {case:34} {r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f}) "
@@ -204,11 +267,12 @@ def main() -> None:
     print(f"\n{args.prompts} prompts x {args.tokens} generated tokens (batch-1 case: one "
           f"prompt), greedy, {args.rounds} paired rounds\n")
     print("| mode | case | plugin tokens/s | ratio to plain vLLM (median) | lowest | highest | "
-          "time in vllm-lens |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+          "time in vllm-lens | bytes returned per position |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for mode, case, r in rows:
         print(f"| {mode} | {case} | {r['tps']:.1f} | {r['median']:.3f} | {r['low']:.3f} | "
-              f"{r['high']:.3f} | {r['share']:.2%} |")
+              f"{r['high']:.3f} | {r['share']:.2%} | {r['bytes']:.0f} |")
+    sae_dir.cleanup()
 
 
 if __name__ == "__main__":

@@ -87,7 +87,9 @@ class LensResult:
     sae_features: list[dict[str, Any]] | None = None
     """For requests with ``sae_features=``: per SAE asked for, ``{"sae", "layer", "point",
     "positions", "indices", "values"}`` (and ``"nmse"``, ``"l0"`` with reconstruction), on
-    the last result of each choice (``vllm_lens.saes.to_sparse`` makes a sparse tensor)."""
+    the last result of each choice or, with ``stream_activations=True``, like
+    ``activations``: the positions computed since the previous result
+    (``vllm_lens.saes.to_sparse`` makes a sparse tensor)."""
     delta: str = ""
     choices: list[LensResult] = field(default_factory=list, repr=False)
 
@@ -218,8 +220,7 @@ class _StreamState:
                 or previous.hook_results,
                 steering_gates=decode_json_tensors(choice.get("steering_gates"))
                 or previous.steering_gates,
-                sae_features=decode_json_tensors(choice.get("sae_features"))
-                or previous.sae_features,
+                sae_features=decode_json_tensors(choice.get("sae_features")),
             )
             self.by_index[index] = result
             out.append((result, choice.get("activations")))

@@ -69,6 +69,8 @@ def pack_tensor(tensor: torch.Tensor, compress: bool = True) -> dict[str, Any]:
     ``compress=False`` keeps the raw bytes (``"compression": None``)."""
     name = dtype_name(tensor.dtype)
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:  # one element of a row: "contiguous" to torch
+        flat = flat.clone(memory_format=torch.contiguous_format)
     raw = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b""
     return {
         _TENSOR_TAG: True,

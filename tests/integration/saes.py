@@ -23,3 +23,38 @@ def saved_sae(path, architecture: str, hook: str, d_in: int = 128, **fields):
             sae.threshold.copy_(torch.rand(512, generator=g) * 0.05)
     sae.save_model(path)
     return SAE.load_from_disk(path)
+
+
+def check_features_and_clamp(llm, ref, path, sae, prompt: str) -> None:
+    """On ``llm`` (any parallel layout): the features of ``sae`` (a jumprelu at
+    ``blocks.2.hook_resid_post``, saved at ``path``) equal sae-lens' ``encode`` on
+    transformers' rows, and clamping two of its features gives transformers' tokens with the
+    same edit in a hook."""
+    from vllm import SamplingParams
+
+    ids = llm.get_tokenizer().encode(prompt)
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
+        "output_sae_features": {"sae": str(path), "top_k": 16, "reconstruction": True}})
+    out = llm.generate([{"prompt_token_ids": ids}], sp)[0]
+    assert out.lens_error is None
+    every = ids + list(out.outputs[0].token_ids)
+    (found,) = out.sae_features
+    with torch.no_grad():
+        dense = sae.encode(ref.points(every[:-1])[("resid_post", 2)])
+    assert found["positions"].tolist() == list(range(len(every) - 1))
+    assert found["l0"].tolist() == (dense > 0).sum(-1).tolist()
+    top = dense.topk(16)
+    torch.testing.assert_close(found["values"], top.values * (top.values > 0), rtol=1e-4,
+                               atol=1e-4)
+    features, targets = torch.tensor([11, 300]), torch.tensor([6.0, 0.0])
+
+    def clamp(x):
+        with torch.no_grad():
+            return x + (targets - sae.encode(x)[:, features]) @ sae.W_dec[features]
+
+    clamped = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, extra_args={"apply_steering_vectors": [
+            {"sae": str(path), "feature": features.tolist(), "clamp": targets.tolist()}]}))[0]
+    assert clamped.lens_error is None
+    assert list(clamped.outputs[0].token_ids) == ref.point_greedy(
+        ids, 6, {("resid_post", 2): clamp})

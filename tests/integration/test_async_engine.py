@@ -323,7 +323,9 @@ def test_pipelined_worker_call_answers_on_an_idle_and_on_a_busy_engine(async_eng
 def test_sae_features_by_directory_and_by_registered_name(async_engine, tiny_llm, tmp_path):
     """An ``AsyncLLM`` outside the server (its caller owns the process) reads an SAE by
     directory or by a name ``register_sae`` gave it, with the same features the offline
-    engine returns; a directory that holds no SAE is refused naming the field."""
+    engine returns, also streamed (``stream_activations``: each output the features of the
+    positions computed since the previous one); a directory that holds no SAE is refused
+    naming the field."""
     from tests.integration.saes import saved_sae
     from vllm_lens import LensRequestError
 
@@ -346,6 +348,21 @@ def test_sae_features_by_directory_and_by_registered_name(async_engine, tiny_llm
         for key in ("values", "nmse"):
             torch.testing.assert_close(out.sae_features[0][key], offline.sae_features[0][key],
                                        rtol=1e-5, atol=1e-6)
+    streamed = sp("topk-1")
+    streamed.extra_args["stream_activations"] = True
+    streamed.output_kind = RequestOutputKind.DELTA
+
+    async def stream():
+        return [out async for out in engine.generate(PROMPTS[0], streamed, "sae-stream")]
+
+    outs = run(stream())
+    assert len(outs) == 4 and all(len(o.sae_features) == 1 for o in outs)
+    # The first output brings the prompt's positions, each later one the positions computed
+    # since: laid end to end, the whole request's features.
+    assert outs[0].sae_features[0]["positions"].numel() == len(outs[0].prompt_token_ids)
+    for key in ("positions", "indices", "values", "nmse", "l0"):
+        joined = torch.cat([o.sae_features[0][key] for o in outs])
+        torch.testing.assert_close(joined, by_name.sae_features[0][key], rtol=1e-5, atol=1e-6)
     with pytest.raises(LensRequestError) as bad:
         run(_final(engine, PROMPTS[0], sp(str(tmp_path / "nothing")), "sae-bad"))
     assert bad.value.field == "output_sae_features.sae"

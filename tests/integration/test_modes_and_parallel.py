@@ -13,6 +13,7 @@ from vllm import SamplingParams
 
 from tests.integration.engines import env, running_llm
 from tests.integration.reference import max_relative_error
+from tests.integration.saes import check_features_and_clamp, saved_sae
 from vllm_lens import Hook, NamedHook, SteeringVector
 from vllm_lens.errors import UnsupportedConfigError
 
@@ -131,6 +132,13 @@ def _assert_same_as_reference(outs, ref_outs, tol):
 
 
 @pytest.fixture(scope="module")
+def resid_sae(tmp_path_factory):
+    """A random jumprelu SAE at layer 2's resid_post (the PP test's second stage)."""
+    path = tmp_path_factory.mktemp("sae") / "resid"
+    return path, saved_sae(path, "jumprelu", "blocks.2.hook_resid_post")
+
+
+@pytest.fixture(scope="module")
 def reference(tiny_llm):
     captured, steered, points = _run(tiny_llm)
     unsteered = tiny_llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0,
@@ -177,7 +185,7 @@ def _assert_extract_stops_at_the_sink_refusal(llm, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch):
+def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch, tiny_ref, resid_sae):
     with env(**TWO_WORKERS), running_llm(tiny_path, tensor_parallel_size=2,
                                          enforce_eager=True) as llm:
         outs = _run(llm)
@@ -186,6 +194,7 @@ def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch):
         hooked = llm.generate(PROMPTS, HOOKED)
         vocab = llm.llm_engine.model_config.get_vocab_size()
         _assert_inline_handoff_equals_shared_memory(llm, monkeypatch)
+        check_features_and_clamp(llm, tiny_ref, *resid_sae, PROMPTS[0])
     assert [d["tp_rank"] for d in describe] == [0, 1]
     _assert_hook_results(hooked, vocab)  # the parameter is gathered from both ranks
     for out, ref in zip(gated, reference[3]):
@@ -199,7 +208,8 @@ def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch):
 
 
 @pytest.mark.slow
-def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch, tmp_path):
+def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch, tmp_path, tiny_ref,
+                                        resid_sae):
     # vLLM 0.32's CPU runner supports PP only in compiled mode.
     with env(**TWO_WORKERS), running_llm(tiny_path, pipeline_parallel_size=2) as llm:
         _assert_extract_stops_at_the_sink_refusal(llm, monkeypatch, tmp_path)
@@ -216,6 +226,7 @@ def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch, tmp_
         hooked = llm.generate(PROMPTS, HOOKED)
         vocab = llm.llm_engine.model_config.get_vocab_size()
         _assert_inline_handoff_equals_shared_memory(llm, monkeypatch)
+        check_features_and_clamp(llm, tiny_ref, *resid_sae, PROMPTS[0])  # on the 2nd stage
     _assert_hook_results(hooked, vocab)
     assert [d["local_layers"] for d in describe] == [[0, 1], [2, 3]]
     for got, expected in zip(outs[:2], reference[:2]):

@@ -175,7 +175,7 @@ def test_registered_name_offline_and_its_listing(tiny_llm, tiny_ref, saes, tmp_p
 def test_over_http_only_registered_names_are_served(smol_server, smol_ref, smol_sae, tmp_path):
     """The operator's ``VLLM_LENS_SAES`` is listed by ``GET /v1/lens/saes`` (no paths); a
     request naming it gets ``sae_features`` per choice (JSON and binary transports, streamed
-    or not, through ``LensClient``) equal to sae-lens on transformers' rows; a path or an
+    or not, and with ``stream_activations`` chunk by chunk, through ``LensClient``) equal to sae-lens on transformers' rows; a path or an
     unknown name is refused, 400 naming the field, before anything runs; the server serves
     on."""
     import httpx
@@ -196,6 +196,9 @@ def test_over_http_only_registered_names_are_served(smol_server, smol_ref, smol_
                                  capture_layers=[10], transport="binary")
         *_, streamed = client.generate("The capital of France is", max_tokens=4,
                                        sae_features=ask, stream=True)
+        chunks = [c.sae_features for c in client.generate(
+            "The capital of France is", max_tokens=4, sae_features=ask, stream=True,
+            stream_activations=True) if c.sae_features is not None]
     ids = r.prompt_token_ids + r.token_ids
     rows = smol_ref.points(ids[:-1])[("resid_post", 10)]
     (found,) = r.sae_features
@@ -205,7 +208,11 @@ def test_over_http_only_registered_names_are_served(smol_server, smol_ref, smol_
     torch.testing.assert_close(found["values"], top.values * (top.values > 0), rtol=1e-3,
                                atol=1e-3)
     assert found["l0"].tolist() == (dense > 0).sum(-1).tolist()
-    for other in (binary.sae_features[0], streamed.sae_features[0]):
+    # Streamed rows: the prompt's positions with the first token, then the newer ones.
+    assert len(chunks) > 1 and len(chunks[0][0]["positions"]) == len(r.prompt_token_ids)
+    joined = {key: torch.cat([c[0][key] for c in chunks]) for key in found if key in (
+        "positions", "indices", "values", "nmse", "l0")}
+    for other in (binary.sae_features[0], streamed.sae_features[0], joined):
         for key in ("positions", "indices", "values", "nmse", "l0"):
             torch.testing.assert_close(other[key], found[key])
     assert binary.activations["residual_stream"].shape[1] == len(ids) - 1

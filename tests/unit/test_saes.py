@@ -192,7 +192,7 @@ def test_a_worker_keeps_saes_within_its_budget_and_never_unloads_a_held_one(tmp_
     assert other.describe(str(paths[1]), None, cpu, set(), lambda sae: False) is info
 
 
-def test_sae_feature_requests_parse_travel_and_are_admitted_by_size():
+def test_sae_feature_requests_parse_travel_and_are_admitted_by_size(monkeypatch, tmp_path):
     from vllm_lens.admission import capture_reservation, check_admission
     from vllm_lens.errors import LensRequestError
     from vllm_lens.spec import LensRequest, ModelFacts, parse_extra_args
@@ -218,8 +218,16 @@ def test_sae_feature_requests_parse_travel_and_are_admitted_by_size():
     # Reserved and admitted as 18 float32 values per generated position, not 128.
     assert capture_reservation(lens, facts, prompt_len=10, max_tokens=100) == 100 * 18 * 4
     check_admission(lens, facts, 10, 100, 1)
-    with pytest.raises(LensRequestError, match="not yet written to a capture sink or streamed"):
+    monkeypatch.setenv("VLLM_LENS_SINKS", json.dumps({"s": {"root": str(tmp_path)}}))
+    with pytest.raises(LensRequestError, match="not yet written to a capture sink"):
         parse_extra_args({"output_sae_features": {"sae": "a"}, "output_residual_stream": [1],
+                          "capture_sink": {"sink": "s", "dataset": "d", "key": "k"}},
+                         lambda: facts, saes=describe)
+    # Streamed alone (no dense capture); not from the end of the generation.
+    assert parse_extra_args({"output_sae_features": {"sae": "a"}, "stream_activations": True},
+                            lambda: facts, saes=describe)[1].stream
+    with pytest.raises(LensRequestError, match="counted from the end"):
+        parse_extra_args({"output_sae_features": {"sae": "a", "positions": "generated[-2:]"},
                           "stream_activations": True}, lambda: facts, saes=describe)
     with pytest.raises(LensRequestError, match="does not serve SAE features") as refused:
         parse_extra_args({"output_sae_features": {"sae": "a"}}, lambda: facts)
@@ -232,10 +240,16 @@ def test_sae_feature_requests_parse_travel_and_are_admitted_by_size():
 
     from vllm_lens.errors import UnsupportedConfigError
 
-    for parallel in ({"tp_size": 2}, {"pp_size": 2}):
-        with pytest.raises(UnsupportedConfigError, match="not yet proven under tensor or "):
-            parse_extra_args({"output_sae_features": {"sae": "a"}},
-                             lambda: dataclasses.replace(facts, **parallel), saes=describe)
+    for parallel in ({"tp_size": 2}, {"pp_size": 2}):  # served (tests/integration)
+        parse_extra_args({"output_sae_features": {"sae": "a"}},
+                         lambda: dataclasses.replace(facts, **parallel), saes=describe)
+    info.update(point="mlp_post", d_in=256)  # split across TP ranks: refused
+    with_mlp = dataclasses.replace(facts, sites=("pre", "post", "act"), d_mlp=256)
+    parse_extra_args({"output_sae_features": {"sae": "a"}}, lambda: with_mlp, saes=describe)
+    with pytest.raises(UnsupportedConfigError, match="splits across ranks") as refused:
+        parse_extra_args({"output_sae_features": {"sae": "a"}},
+                         lambda: dataclasses.replace(with_mlp, tp_size=2), saes=describe)
+    assert refused.value.field == "output_sae_features.sae"
 
 
 def test_configs_from_before_sae_lens_6_read_as_sae_lens_reads_them(tmp_path):

@@ -43,6 +43,11 @@ def test_large_tensor_and_nesting():
 def test_non_contiguous_input():
     t = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()
     assert torch.equal(wire.loads(wire.dumps(t)), t)
+    # One element of a wider row: torch calls it contiguous, yet its stride is the row's.
+    column = torch.arange(34, dtype=torch.float32).reshape(1, 34)[:, 32].contiguous()
+    assert column.stride() == (34,)
+    assert torch.equal(wire.loads(wire.dumps(column)), column)
+    assert torch.equal(wire.tensor_from_json(wire.tensor_to_json(column)), column)
 
 
 def test_readable_with_numpy_and_zstd_only():

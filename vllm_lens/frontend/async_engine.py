@@ -2,8 +2,8 @@
 
 The wrapper validates lens keys before the request enters the engine and, when the final
 output arrives, awaits the workers' buffers and attaches ``activations`` to it. A request with
-``stream_activations`` gets, on every output, the rows computed since the previous one
-(``lens_fetch_partial``, one RPC per step for all of them, which the engine does not wait
+``stream_activations`` gets, on every output, the rows (and SAE features) computed since the
+previous one (``lens_fetch_partial``, one RPC per step for all of them, which the engine does not wait
 for: ``partial_fetch``, ``engine_core_rpc``; the final
 output carries the rest), so that the outputs' rows laid end to end are the whole capture.
 A request that ends any other way (client gone, cancelled, failed) has its buffers released.
@@ -97,10 +97,10 @@ def _wrap_generate(original):
                     upto = len(out.prompt_token_ids or ()) + generated.get(0, 0) - 1
                     results = await _partial_fetcher(self).fetch(lens.key, {"": upto})
                     try:
-                        acts = session.attach_partial(out, lens, results)
+                        rows = session.attach_partial(out, lens, results)
                     finally:
                         discard_unread(results)
-                    response_scope.report_partial(request_id, acts)
+                    response_scope.report_partial(request_id, rows)
                 if out.finished:
                     session.forget([request_id])
                 if out.finished and lens.needs_fetch:

@@ -44,7 +44,7 @@ from vllm_lens.worker.hooks import decode_results
 
 __all__ = [
     "OUTPUT_FIELDS", "LensSession", "facts_from_describe", "install_output_fields",
-    "join_rows", "merge_hook_results", "merge_rank_payloads",
+    "join_features", "join_rows", "join_streamed", "merge_hook_results", "merge_rank_payloads",
 ]
 
 #: What vllm-lens attaches to ``RequestOutput`` and ``CompletionOutput``.
@@ -207,6 +207,29 @@ def join_rows(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if isinstance(first, torch.Tensor) and len(parts) > 1:
             dim = 0 if first.dim() == 1 else 1
             joined[name] = torch.cat([part[name] for part in parts], dim=dim)
+    return joined
+
+
+def join_features(parts: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """Lay the ``sae_features`` of consecutive streamed outputs end to end: per entry, every
+    per-position tensor (``positions``, ``indices``, ``values``, ``nmse``, ``l0``) along
+    positions."""
+    return [{name: torch.cat([part[i][name] for part in parts])
+             if isinstance(value, torch.Tensor) else value for name, value in entry.items()}
+            for i, entry in enumerate(parts[0])]
+
+
+def join_streamed(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Lay consecutive streamed results (``attach_partial``, then possibly a final one)
+    end to end: their ``activations`` (``join_rows``) and ``sae_features``
+    (``join_features``); the other fields from the last. A field the last one has as
+    ``None`` (the request failed) stays ``None``: nothing partial is returned."""
+    joined = dict(parts[-1])
+    for name, join in (("activations", join_rows), ("sae_features", join_features)):
+        found = [part[name] for part in parts if part.get(name) is not None]
+        failed = name in parts[-1] and parts[-1][name] is None
+        if found and not failed:
+            joined[name] = join(found)
     return joined
 
 
@@ -526,8 +549,9 @@ class LensSession:
     def attach_partial(self, output: RequestOutput, lens: LensRequest,
                        rank_results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """Attach the rows of a streamed request (n == 1) that ``lens_fetch_partial``
-        returned as ``activations`` of ``output`` and its completion: the rows computed since
-        the previous output, every captured signal present (with no rows if none are new).
+        returned to ``output`` and its completion: as ``activations`` the rows computed since
+        the previous output, every captured signal present (with no rows if none are new),
+        and as ``sae_features`` the features of those positions. Returns what it attached.
 
         Raises:
             LensExecutionError: a worker failed the request.
@@ -539,11 +563,15 @@ class LensSession:
                     raise LensExecutionError(found["error"], request_id=output.request_id)
                 for signal, sent in (found.get("captures") or {}).items():
                     parts.setdefault(signal, []).append(handoff.receive(sent))
-        acts = self._activations(lens, parts)
-        output.activations = acts
-        for completion in output.outputs:
-            completion.activations = acts
-        return acts
+        attached: dict[str, Any] = {}
+        if lens.captures:
+            attached["activations"] = self._activations(lens, parts)
+        if lens.saes:
+            attached["sae_features"] = sae_features(lens, parts)
+        for target in (output, *output.outputs):
+            for name, value in attached.items():
+                setattr(target, name, value)
+        return attached
 
     @staticmethod
     def fail_output(output: RequestOutput, lens: LensRequest, exc: BaseException) -> None:
@@ -553,6 +581,8 @@ class LensSession:
         fields = {"lens_error": error}
         if lens.captures:
             fields["activations"] = None
+        if lens.saes:
+            fields["sae_features"] = None
         if lens.hooks:
             fields["hook_results"] = fields["hook_error"] = None
         if any(s.condition is not None for s in lens.steer):

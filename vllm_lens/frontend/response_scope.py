@@ -62,12 +62,13 @@ def report(request_id: str, by_index: Mapping[int, Results]) -> None:
         scope.found[request_id] = dict(by_index)
 
 
-def report_partial(request_id: str, acts: Results) -> None:
-    """Record rows of a streamed request (``stream_activations``, n == 1) in the current
-    scope, if any; the server sends them with the next chunk of its choice."""
+def report_partial(request_id: str, rows: Results) -> None:
+    """Record rows of a streamed request (``stream_activations``, n == 1: its
+    ``activations`` and ``sae_features``) in the current scope, if any; the server sends
+    them with the next chunk of its choice."""
     scope = _current.get()
     if scope is not None:
-        scope.partial.setdefault(request_id, []).append(acts)
+        scope.partial.setdefault(request_id, []).append(rows)
 
 
 class ResponseScope:

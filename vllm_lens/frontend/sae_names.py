@@ -179,9 +179,6 @@ async def async_describer(engine: Any, extra_args: Mapping[str, Any] | None,
     if not reads and not steers:
         return None
     session = LensSession.of(engine)
-    facts = session.facts
-    if facts is not None and (facts.tp_size > 1 or facts.pp_size > 1):
-        return None  # refused by the parse (``refuse_parallel``) before anything is loaded
     described = _Described()
     # At most MAX_SAE_ENTRIES of each kind: a bounded number of worker calls per request.
     for sae, hook_point in [*reads, *((s, h) for s, h, _ in steers)]:

@@ -69,7 +69,7 @@ from vllm_lens.errors import (
 from vllm_lens.frontend import patching, steering_routes
 from vllm_lens.frontend.async_engine import OFF_ROUTE, model_facts
 from vllm_lens.frontend.blob_store import BlobStore
-from vllm_lens.frontend.collate import LensSession, join_rows
+from vllm_lens.frontend.collate import LensSession, join_streamed
 from vllm_lens.frontend.http_io import json_object, read_bounded
 from vllm_lens.frontend.response_scope import ResponseScope
 from vllm_lens.frontend.rpc import all_workers
@@ -372,9 +372,8 @@ def _with_partials(scope: ResponseScope, response_id: str, n: int) -> dict[int, 
     found = scope.by_choice(response_id, n)
     for index, results in found.items():
         early = scope.take_partial(response_id, index)
-        if early and results.get("activations") is not None:
-            found[index] = {**results, "activations": join_rows(
-                [*early, results["activations"]])}
+        if early:
+            found[index] = join_streamed([*early, results])
     return found
 
 
@@ -425,12 +424,15 @@ async def _with_rows(item: str, scope: ResponseScope, response_id: str,
     for choice in chunk.get("choices") or ():
         early = scope.take_partial(response_id, choice.get("index", 0))
         if early:
-            rows = join_rows(early)
-            if sum(t.numel() * t.element_size() for t in rows.values()
-                   if isinstance(t, torch.Tensor)) <= _ENCODE_INLINE_BYTES:
-                choice["activations"] = encode(rows)  # a token's rows: no thread hop
-            else:
-                choice["activations"] = await asyncio.to_thread(encode, rows)
+            joined = join_streamed(early)
+            if (rows := joined.get("activations")) is not None:
+                inline = sum(t.numel() * t.element_size() for t in rows.values()
+                             if isinstance(t, torch.Tensor)) <= _ENCODE_INLINE_BYTES
+                # A token's rows: no thread hop.
+                choice["activations"] = (encode(rows) if inline
+                                         else await asyncio.to_thread(encode, rows))
+            if joined.get("sae_features") is not None:  # a few top features per position
+                choice["sae_features"] = hook_results_to_json(joined["sae_features"])
             added = True
     return f"data: {json.dumps(chunk)}\n\n" if added else item
 

@@ -15,7 +15,7 @@ from vllm_lens.sinks.config import serves_http as sinks_serve_http
 from vllm_lens.spec.capture import CaptureSpec
 from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import refuse_parallel
-from vllm_lens.spec.keys import ACTIVATIONS_KEY, CAPTURE_KEY, QK_KEY, SINK_KEY, STREAM_KEY
+from vllm_lens.spec.keys import ACTIVATIONS_KEY, CAPTURE_KEY, QK_KEY, SAE_KEY, SINK_KEY, STREAM_KEY
 
 
 def parse_sink(raw: Any, captures: tuple[CaptureSpec, ...], facts: ModelFacts,
@@ -78,8 +78,8 @@ def parse_sink(raw: Any, captures: tuple[CaptureSpec, ...], facts: ModelFacts,
 
 def parse_stream(raw: Any, captures: tuple[CaptureSpec, ...], sink: SinkSpec | None,
                   facts: ModelFacts, request_id: str | None) -> bool:
-    """``stream_activations``: ``true`` streams each capture's rows as they are computed,
-    which needs their final positions to be known then (no reduction, no window counted
+    """``stream_activations``: ``true`` streams each capture's rows (and SAE features) as
+    they are computed, which needs their final positions to be known then (no reduction, no window counted
     from the end of the generation)."""
     # vllm_xargs carries JSON true as 1 (its values are str | int | float), or "true".
     if raw is None or (not isinstance(raw, float) and raw in (False, "false", "0")):
@@ -89,8 +89,8 @@ def parse_stream(raw: Any, captures: tuple[CaptureSpec, ...], sink: SinkSpec | N
                                request_id=request_id)
     if not captures:
         raise LensRequestError(STREAM_KEY, f"asks for captured rows, but the request captures "
-                               f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY} or {QK_KEY})",
-                               request_id=request_id)
+                               f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY}, {QK_KEY} or "
+                               f"{SAE_KEY})", request_id=request_id)
     if sink is not None:
         raise LensRequestError(STREAM_KEY, f"cannot be combined with {SINK_KEY} (the rows go "
                                "to the sink, not to the caller)", request_id=request_id)

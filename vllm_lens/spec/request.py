@@ -251,8 +251,9 @@ def parse_extra_args(
     if not asked:
         for key, value in ((SINK_KEY, raw_sink), (STREAM_KEY, raw_stream)):
             if value is not None and value not in (False, "false", "0"):
+                also = f", {SAE_KEY}" if key == STREAM_KEY else ""
                 raise LensRequestError(key, "asks for captured rows, but the request captures "
-                                       f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY} or "
+                                       f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY}{also} or "
                                        f"{QK_KEY})", request_id=request_id)
         return rest, None
     facts = facts()
@@ -266,12 +267,12 @@ def parse_extra_args(
     hooks = () if raw_hooks is None else parse_hooks(raw_hooks, facts, request_id)
     captures = points if capture is None else (capture, *points)
     sink = None if raw_sink is None else parse_sink(raw_sink, captures, facts, request_id)
-    stream = parse_stream(raw_stream, captures, sink, facts, request_id)
     features = () if raw_saes is None else parse_sae_features(raw_saes, facts, saes, request_id)
-    if features and (sink is not None or stream):
-        raise LensRequestError(SAE_KEY, f"is not yet written to a capture sink or streamed; "
-                               f"drop {SINK_KEY if sink is not None else STREAM_KEY}",
-                               request_id=request_id)
+    if features and sink is not None:
+        raise LensRequestError(SAE_KEY, f"is not yet written to a capture sink; drop "
+                               f"{SINK_KEY}", request_id=request_id)
+    stream = parse_stream(raw_stream, (*captures, *(f.capture() for f in features)), sink,
+                          facts, request_id)
     return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
                              fault=fault, points=points, sink=sink, stream=stream,
                              saes=features)

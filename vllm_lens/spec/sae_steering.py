@@ -33,7 +33,6 @@ from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import (
     parse_write_point,
     position_rule,
-    refuse_parallel,
     sorted_indices,
 )
 from vllm_lens.spec.saes import MAX_SAE_ENTRIES, Describe, described
@@ -118,8 +117,6 @@ def parse_feature_steering(item: Mapping[str, Any], facts: ModelFacts, describe:
     if phase not in ("all", "prefill", "decode"):
         raise LensRequestError(f"{where}.phase", "'all', 'prefill' or 'decode'",
                                request_id=request_id)
-    refuse_parallel(f"{where}.sae", facts, "steering by SAE feature runs on one rank",
-                    request_id)
     slice_of = getattr(describe, "sae_slice", None)
     info, point, layer, d_sae = described(describe if slice_of is not None else None, name,
                                           hook_point, facts, f"{where}.sae",

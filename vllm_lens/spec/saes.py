@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_lens import points as tap_points
-from vllm_lens.errors import LensRequestError
+from vllm_lens.errors import LensRequestError, UnsupportedConfigError
 from vllm_lens.spec.capture import CaptureSpec, parse_positions
 from vllm_lens.spec.facts import ModelFacts
-from vllm_lens.spec.fields import check_site, json_value, refuse_parallel
+from vllm_lens.spec.fields import check_site, json_value
 from vllm_lens.spec.keys import SAE_KEY
 
 __all__ = ["MAX_SAE_ENTRIES", "SAEFeatureSpec", "check_description", "described",
@@ -187,9 +187,15 @@ def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: s
     if hook_point is not None and not isinstance(hook_point, str):
         raise LensRequestError(f"{field}.hook_point", "a name such as "
                                "'blocks.3.hook_resid_post'", request_id=request_id)
-    refuse_parallel(SAE_KEY, facts, "SAE features are served on one rank", request_id)
     info, point, layer, d_sae = described(describe, name, hook_point, facts, f"{field}.sae",
                                           "serve SAE features", request_id)
+    if facts.tp_size > 1 and point in tap_points.SHARDED:
+        # Each rank holds a part of each row there; an SAE reads whole rows.
+        raise UnsupportedConfigError(
+            f"{field}.sae", f"reads {point}, which tensor parallelism splits across ranks "
+            f"(tensor_parallel_size={facts.tp_size}); under TP SAE features are served at "
+            "whole-row points (resid_pre, resid_mid, resid_post, attn_out, mlp_out)",
+            request_id=request_id)
     top_k = item.get("top_k", min(32, d_sae))
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= d_sae:
         raise LensRequestError(f"{field}.top_k", f"must be an integer from 1 to the SAE's "

@@ -252,17 +252,17 @@ def main() -> None:
         return
 
     rows = []
-    sae_dir = tempfile.TemporaryDirectory(prefix="vllm_lens_bench_sae_")
-    sae = ""
-    if any("SAE" in case for case in args.cases):
-        sae = sae_dir.name
-        _save_sae(sae)
-    for mode in args.modes:
-        cfg = dict(eager=mode == "eager", prompts=args.prompts, tokens=args.tokens, sae=sae)
-        for case, r in measure_mode(cfg, args.cases, args.rounds).items():
-            rows.append((mode, case, r))
-            print(f"{mode:8} {case:34} {r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f}) "
-                  f"in vllm-lens {r['share']:.2%}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="vllm_lens_bench_sae_") as sae_dir:
+        sae = ""
+        if any("SAE" in case for case in args.cases):
+            sae = sae_dir
+            _save_sae(sae)
+        for mode in args.modes:
+            cfg = dict(eager=mode == "eager", prompts=args.prompts, tokens=args.tokens, sae=sae)
+            for case, r in measure_mode(cfg, args.cases, args.rounds).items():
+                rows.append((mode, case, r))
+                print(f"{mode:8} {case:34} {r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f}) "
+                      f"in vllm-lens {r['share']:.2%}", file=sys.stderr, flush=True)
 
     print(f"\n{args.prompts} prompts x {args.tokens} generated tokens (batch-1 case: one "
           f"prompt), greedy, {args.rounds} paired rounds\n")
@@ -272,7 +272,6 @@ def main() -> None:
     for mode, case, r in rows:
         print(f"| {mode} | {case} | {r['tps']:.1f} | {r['median']:.3f} | {r['low']:.3f} | "
               f"{r['high']:.3f} | {r['share']:.2%} | {r['bytes']:.0f} |")
-    sae_dir.cleanup()
 
 
 if __name__ == "__main__":

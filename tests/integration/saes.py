@@ -25,11 +25,12 @@ def saved_sae(path, architecture: str, hook: str, d_in: int = 128, **fields):
     return SAE.load_from_disk(path)
 
 
-def check_features_and_clamp(llm, ref, path, sae, prompt: str) -> None:
+def check_features_and_clamp(llm, ref, path, sae, prompt: str, kept: list[int]) -> None:
     """On ``llm`` (any parallel layout): the features of ``sae`` (a jumprelu at
     ``blocks.2.hook_resid_post``, saved at ``path``) equal sae-lens' ``encode`` on
     transformers' rows, and clamping two of its features gives transformers' tokens with the
-    same edit in a hook."""
+    same edit in a hook (not the unsteered ones). ``kept``: the SAEs each worker then keeps
+    loaded (only where its layer's rows are captured)."""
     from vllm import SamplingParams
 
     ids = llm.get_tokenizer().encode(prompt)
@@ -58,3 +59,5 @@ def check_features_and_clamp(llm, ref, path, sae, prompt: str) -> None:
     assert clamped.lens_error is None
     assert list(clamped.outputs[0].token_ids) == ref.point_greedy(
         ids, 6, {("resid_post", 2): clamp})
+    assert list(clamped.outputs[0].token_ids) != ref.point_greedy(ids, 6, {})  # it mattered
+    assert [w["saes"] for w in llm.collective_rpc("lens_stats")] == kept

@@ -356,7 +356,7 @@ def test_sae_features_by_directory_and_by_registered_name(async_engine, tiny_llm
         return [out async for out in engine.generate(PROMPTS[0], streamed, "sae-stream")]
 
     outs = run(stream())
-    assert len(outs) == 4 and all(len(o.sae_features) == 1 for o in outs)
+    assert all(len(o.sae_features) == 1 for o in outs)
     # The first output brings the prompt's positions, each later one the positions computed
     # since: laid end to end, the whole request's features.
     assert outs[0].sae_features[0]["positions"].numel() == len(outs[0].prompt_token_ids)

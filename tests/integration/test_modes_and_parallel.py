@@ -194,7 +194,7 @@ def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch, tiny_r
         hooked = llm.generate(PROMPTS, HOOKED)
         vocab = llm.llm_engine.model_config.get_vocab_size()
         _assert_inline_handoff_equals_shared_memory(llm, monkeypatch)
-        check_features_and_clamp(llm, tiny_ref, *resid_sae, PROMPTS[0])
+        check_features_and_clamp(llm, tiny_ref, *resid_sae, PROMPTS[0], kept=[1, 0])
     assert [d["tp_rank"] for d in describe] == [0, 1]
     _assert_hook_results(hooked, vocab)  # the parameter is gathered from both ranks
     for out, ref in zip(gated, reference[3]):
@@ -226,7 +226,7 @@ def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch, tmp_
         hooked = llm.generate(PROMPTS, HOOKED)
         vocab = llm.llm_engine.model_config.get_vocab_size()
         _assert_inline_handoff_equals_shared_memory(llm, monkeypatch)
-        check_features_and_clamp(llm, tiny_ref, *resid_sae, PROMPTS[0])  # on the 2nd stage
+        check_features_and_clamp(llm, tiny_ref, *resid_sae, PROMPTS[0], kept=[0, 1])
     _assert_hook_results(hooked, vocab)
     assert [d["local_layers"] for d in describe] == [[0, 1], [2, 3]]
     for got, expected in zip(outs[:2], reference[:2]):

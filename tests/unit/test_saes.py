@@ -226,7 +226,8 @@ def test_sae_feature_requests_parse_travel_and_are_admitted_by_size(monkeypatch,
     # Streamed alone (no dense capture); not from the end of the generation.
     assert parse_extra_args({"output_sae_features": {"sae": "a"}, "stream_activations": True},
                             lambda: facts, saes=describe)[1].stream
-    with pytest.raises(LensRequestError, match="counted from the end"):
+    with pytest.raises(LensRequestError, match=r"output_sae_features entry 0 \(a\)'s "
+                       "positions 'generated.-2:.' are counted from the end"):
         parse_extra_args({"output_sae_features": {"sae": "a", "positions": "generated[-2:]"},
                           "stream_activations": True}, lambda: facts, saes=describe)
     with pytest.raises(LensRequestError, match="does not serve SAE features") as refused:
@@ -474,3 +475,36 @@ def test_a_clamp_on_a_bfloat16_stream_computes_in_float32_and_writes_bfloat16():
     expected = (before[rows].float() + (torch.tensor([1.0, 0.0]) - f) @ W_dec).to(torch.bfloat16)
     torch.testing.assert_close(hidden[rows], expected, rtol=1e-2, atol=1e-2)
     assert torch.equal(hidden[[0, 2]], before[[0, 2]])
+
+
+def test_streamed_parts_join_end_to_end_and_a_failed_end_returns_nothing():
+    """``join_streamed``: the rows and SAE features of consecutive streamed outputs (empty
+    ones included) laid along positions; other fields from the last; a final part that
+    failed (``None``) stays ``None``."""
+    from vllm_lens.frontend.collate import join_streamed
+
+    def part(positions, **extra):
+        n = len(positions)
+        return {"activations": {"residual_stream": torch.full((2, n, 3), float(n)),
+                                "positions": torch.tensor(positions, dtype=torch.int64)},
+                "sae_features": [{"sae": "a", "layer": 1, "point": "resid_post",
+                                  "positions": torch.tensor(positions, dtype=torch.int64),
+                                  "indices": torch.ones(n, 4, dtype=torch.int32),
+                                  "values": torch.rand(n, 4)}], **extra}
+
+    parts = [part([0, 1, 2]), part([]), part([3]), part([4], lens_error=None)]
+    joined = join_streamed(parts)
+    assert joined["activations"]["positions"].tolist() == [0, 1, 2, 3, 4]
+    assert joined["activations"]["residual_stream"].shape == (2, 5, 3)
+    (features,) = joined["sae_features"]
+    assert features["positions"].tolist() == [0, 1, 2, 3, 4] and features["sae"] == "a"
+    assert features["indices"].shape == (5, 4) and features["indices"].dtype == torch.int32
+    torch.testing.assert_close(features["values"],
+                               torch.cat([p["sae_features"][0]["values"] for p in parts]))
+    assert "lens_error" in joined
+    failed = join_streamed([part([0, 1]), {"activations": None, "sae_features": None,
+                                           "lens_error": RuntimeError("lost")}])
+    assert failed["activations"] is None and failed["sae_features"] is None
+    only_features = join_streamed([{"sae_features": p["sae_features"]} for p in parts[:3]])
+    assert "activations" not in only_features
+    assert only_features["sae_features"][0]["positions"].tolist() == [0, 1, 2, 3]

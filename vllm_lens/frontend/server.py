@@ -425,16 +425,25 @@ async def _with_rows(item: str, scope: ResponseScope, response_id: str,
         early = scope.take_partial(response_id, choice.get("index", 0))
         if early:
             joined = join_streamed(early)
-            if (rows := joined.get("activations")) is not None:
-                inline = sum(t.numel() * t.element_size() for t in rows.values()
-                             if isinstance(t, torch.Tensor)) <= _ENCODE_INLINE_BYTES
-                # A token's rows: no thread hop.
-                choice["activations"] = (encode(rows) if inline
-                                         else await asyncio.to_thread(encode, rows))
-            if joined.get("sae_features") is not None:  # a few top features per position
-                choice["sae_features"] = hook_results_to_json(joined["sae_features"])
+            for name, encoder in (("activations", encode),
+                                  ("sae_features", hook_results_to_json)):
+                if (value := joined.get(name)) is not None:
+                    # A token's rows: no thread hop; a long prompt's: off the event loop.
+                    choice[name] = (encoder(value) if _nbytes(value) <= _ENCODE_INLINE_BYTES
+                                    else await asyncio.to_thread(encoder, value))
             added = True
     return f"data: {json.dumps(chunk)}\n\n" if added else item
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of the tensors in ``value`` (a dict of them, or a list of such dicts)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, Mapping):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_nbytes(v) for v in value)
+    return 0
 
 
 def _chunk_header(item: str) -> dict[str, Any] | None:

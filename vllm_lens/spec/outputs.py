@@ -77,7 +77,8 @@ def parse_sink(raw: Any, captures: tuple[CaptureSpec, ...], facts: ModelFacts,
 
 
 def parse_stream(raw: Any, captures: tuple[CaptureSpec, ...], sink: SinkSpec | None,
-                  facts: ModelFacts, request_id: str | None) -> bool:
+                  facts: ModelFacts, request_id: str | None, saes: tuple[Any, ...] = ()
+                  ) -> bool:
     """``stream_activations``: ``true`` streams each capture's rows (and SAE features) as
     they are computed, which needs their final positions to be known then (no reduction, no window counted
     from the end of the generation)."""
@@ -87,25 +88,27 @@ def parse_stream(raw: Any, captures: tuple[CaptureSpec, ...], sink: SinkSpec | N
     if isinstance(raw, float) or raw not in (True, "true", "1"):
         raise LensRequestError(STREAM_KEY, f"must be true or false, got {raw!r}",
                                request_id=request_id)
-    if not captures:
+    if not captures and not saes:
         raise LensRequestError(STREAM_KEY, f"asks for captured rows, but the request captures "
-                               f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY}, {QK_KEY} or "
-                               f"{SAE_KEY})", request_id=request_id)
+                               f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY}, {SAE_KEY} or "
+                               f"{QK_KEY})", request_id=request_id)
     if sink is not None:
         raise LensRequestError(STREAM_KEY, f"cannot be combined with {SINK_KEY} (the rows go "
                                "to the sink, not to the caller)", request_id=request_id)
     refuse_parallel(STREAM_KEY, facts, "the rows come with the final output without it",
                     request_id)
-    for c in captures:
+    named = [(c.signal, c) for c in captures]
+    named += [(f"{SAE_KEY} entry {i} ({spec.sae})", spec.capture()) for i, spec in enumerate(saes)]
+    for label, c in named:
         if c.reduce is not None:
             raise LensRequestError(STREAM_KEY, f"streams rows as they are computed, but "
-                                   f"{c.signal} is reduced ({c.reduce!r}) over positions only "
+                                   f"{label} is reduced ({c.reduce!r}) over positions only "
                                    "known at the end; drop reduce", request_id=request_id)
         if isinstance(c.positions, str):
             selector = parse_selector(c.positions)
             if selector is not None and selector.needs_end:
                 raise LensRequestError(
-                    STREAM_KEY, f"streams rows as they are computed, but {c.signal}'s "
+                    STREAM_KEY, f"streams rows as they are computed, but {label}'s "
                     f"positions {c.positions!r} are counted from the end of the generation, "
                     "known only when it stops", request_id=request_id)
     return True

@@ -251,7 +251,7 @@ def parse_extra_args(
     if not asked:
         for key, value in ((SINK_KEY, raw_sink), (STREAM_KEY, raw_stream)):
             if value is not None and value not in (False, "false", "0"):
-                also = f", {SAE_KEY}" if key == STREAM_KEY else ""
+                also = f", {SAE_KEY}" if key == STREAM_KEY else ""  # (not yet in sinks)
                 raise LensRequestError(key, "asks for captured rows, but the request captures "
                                        f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY}{also} or "
                                        f"{QK_KEY})", request_id=request_id)
@@ -271,8 +271,7 @@ def parse_extra_args(
     if features and sink is not None:
         raise LensRequestError(SAE_KEY, f"is not yet written to a capture sink; drop "
                                f"{SINK_KEY}", request_id=request_id)
-    stream = parse_stream(raw_stream, (*captures, *(f.capture() for f in features)), sink,
-                          facts, request_id)
+    stream = parse_stream(raw_stream, captures, sink, facts, request_id, saes=features)
     return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
                              fault=fault, points=points, sink=sink, stream=stream,
                              saes=features)

@@ -135,13 +135,21 @@ def sae_references(raw: Any) -> list[tuple[str, str | None]]:
 def check_description(info: Mapping[str, Any], facts: ModelFacts, field: str,
                       request_id: str | None = None) -> tuple[str, int, int]:
     """An SAE's description checked against the served model: it reads a layer and point the
-    model has, rows of that point's width, and its feature indices are exact in float32.
+    model has (whole rows: not a point TP splits across ranks), rows of that point's width,
+    and its feature indices are exact in float32.
     Returns (point, layer, d_sae)."""
     point, layer = str(info["point"]), int(info["layer"])
     if layer >= facts.n_layers:
         raise LensRequestError(field, f"reads layer {layer}, but the model has "
                                f"{facts.n_layers} layers", request_id=request_id)
     check_site(point, facts, field, request_id)
+    if facts.tp_size > 1 and point in tap_points.SHARDED:
+        # Each rank holds a part of each row there; an SAE reads whole rows.
+        raise UnsupportedConfigError(
+            field, f"reads {point}, which tensor parallelism splits across ranks "
+            f"(tensor_parallel_size={facts.tp_size}); under TP SAEs are served at points "
+            "every rank holds whole (the residual stream, attn_out, mlp_out)",
+            request_id=request_id)
     width = facts.row_width(point)
     if int(info["d_in"]) != width:
         raise LensRequestError(field, f"reads {point} rows of {info['d_in']} values, but this "
@@ -189,13 +197,6 @@ def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: s
                                "'blocks.3.hook_resid_post'", request_id=request_id)
     info, point, layer, d_sae = described(describe, name, hook_point, facts, f"{field}.sae",
                                           "serve SAE features", request_id)
-    if facts.tp_size > 1 and point in tap_points.SHARDED:
-        # Each rank holds a part of each row there; an SAE reads whole rows.
-        raise UnsupportedConfigError(
-            f"{field}.sae", f"reads {point}, which tensor parallelism splits across ranks "
-            f"(tensor_parallel_size={facts.tp_size}); under TP SAE features are served at "
-            "whole-row points (resid_pre, resid_mid, resid_post, attn_out, mlp_out)",
-            request_id=request_id)
     top_k = item.get("top_k", min(32, d_sae))
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= d_sae:
         raise LensRequestError(f"{field}.top_k", f"must be an integer from 1 to the SAE's "

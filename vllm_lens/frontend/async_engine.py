@@ -3,9 +3,9 @@
 The wrapper validates lens keys before the request enters the engine and, when the final
 output arrives, awaits the workers' buffers and attaches ``activations`` to it. A request with
 ``stream_activations`` gets, on every output, the rows (and SAE features) computed since the
-previous one (``lens_fetch_partial``, one RPC per step for all of them, which the engine does not wait
-for: ``partial_fetch``, ``engine_core_rpc``; the final
-output carries the rest), so that the outputs' rows laid end to end are the whole capture.
+previous one (``lens_fetch_partial``, one RPC per step for all of them, which the engine does
+not wait for: ``partial_fetch``, ``engine_core_rpc``; the final output carries the rest), so
+that the outputs' rows laid end to end are the whole capture.
 A request that ends any other way (client gone, cancelled, failed) has its buffers released.
 """
 

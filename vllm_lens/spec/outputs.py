@@ -80,8 +80,8 @@ def parse_stream(raw: Any, captures: tuple[CaptureSpec, ...], sink: SinkSpec | N
                   facts: ModelFacts, request_id: str | None, saes: tuple[Any, ...] = ()
                   ) -> bool:
     """``stream_activations``: ``true`` streams each capture's rows (and SAE features) as
-    they are computed, which needs their final positions to be known then (no reduction, no window counted
-    from the end of the generation)."""
+    they are computed, which needs their final positions to be known then (no reduction, no
+    window counted from the end of the generation)."""
     # vllm_xargs carries JSON true as 1 (its values are str | int | float), or "true".
     if raw is None or (not isinstance(raw, float) and raw in (False, "false", "0")):
         return False

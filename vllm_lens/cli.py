@@ -3,8 +3,9 @@
 ``vllm-lens extract`` builds an activation dataset from a prompt file::
 
     vllm-lens extract --model M --input prompts.jsonl|DIR [--split NAME] --output acts/ \\
-        --layers 3,7|all [--points resid_post,attn_out] \\
+        [--layers 3,7|all] [--points resid_post,attn_out] [--sae DIR_OR_NAME --top-k 32] \\
         [--positions all|prompt|last_prompt|...] [--reduce mean|last] [--max-tokens 0] \\
+        [--format vllm-lens|sae-lens [--context-size 128]] \\
         [--server URL] [vLLM engine options: --dtype, -tp, ...]
 
 Input rows (``vllm_lens.prompt_files``: a JSONL, CSV or Parquet file, or a local Hugging Face
@@ -16,6 +17,12 @@ nothing grows with the dataset (the prompt file itself is read whole). A re-run 
 keys already written and refuses a dataset made with other settings (``extract.json`` keeps
 those the manifest does not). Bad input rows, and examples the engine refuses, are listed
 and make the command exit with status 1; the others are still extracted.
+
+``--sae`` (repeatable) also writes each SAE's top ``--top-k`` features per row (sparse
+columns beside the rows; with ``--sae`` alone, the features only). ``--format sae-lens``
+writes one point at one layer in sae-lens' cached-activations layout
+(``vllm_lens.sae_lens_cache``) at ``--output``, from a vllm-lens dataset kept in its
+``vllm-lens-rows`` folder (which resumes as usual).
 
 With ``--server URL`` the prompts run on a lens-enabled vLLM server instead (engine options
 are ignored): the rows come back over HTTP and are written here, a batch in flight at a time.
@@ -35,7 +42,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_lens.extract_output import capture_spec, fail, finish, prepare_output
+from vllm_lens.extract_output import (
+    SAE_LENS_ROWS, check_sae_lens_format, export_sae_lens, fail, finish, lens_spec,
+    prepare_output)
 
 __all__ = ["main"]
 
@@ -55,9 +64,22 @@ def _parser():
     extract.add_argument("--split", default=None,
                          help="with a dataset directory of several splits: the one to read")
     extract.add_argument("--output", required=True, type=Path, help="the dataset directory")
-    extract.add_argument("--layers", required=True, help="comma-separated layers, or all")
-    extract.add_argument("--points", default="resid_post",
+    extract.add_argument("--layers", default=None,
+                         help="comma-separated layers, or all (optional with --sae)")
+    extract.add_argument("--points", default=None,
                          help="comma-separated tap points (default: resid_post)")
+    extract.add_argument("--sae", action="append", default=None,
+                         help="an SAE whose top features to write per row (a directory; "
+                              "with --server a name the server registered); repeatable")
+    extract.add_argument("--top-k", type=int, default=32,
+                         help="with --sae: features kept per row (default 32)")
+    extract.add_argument("--sae-reconstruction", action="store_true",
+                         help="with --sae: also each row's NMSE and L0")
+    extract.add_argument("--format", choices=("vllm-lens", "sae-lens"), default="vllm-lens",
+                         help="sae-lens: one point at one layer in sae-lens' cached-"
+                              "activations layout (a Hugging Face dataset), to train SAEs on")
+    extract.add_argument("--context-size", type=int, default=128,
+                         help="with --format sae-lens: rows per context (default 128)")
     extract.add_argument("--positions", default="all",
                          help="a positions selector: all, prompt, last_prompt, prompt[-4:] ...")
     extract.add_argument("--reduce", choices=("mean", "last"), default=None)
@@ -77,7 +99,8 @@ def _parser():
 
 
 _OWN = ("command", "input", "split", "output", "layers", "points", "positions", "reduce",
-        "max_tokens", "batch_size", "rows_per_shard", "server", "api_key_env")
+        "max_tokens", "batch_size", "rows_per_shard", "server", "api_key_env", "sae", "top_k",
+        "sae_reconstruction", "format", "context_size")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -101,13 +124,23 @@ def extract(args: Any) -> int:
 
     if args.max_tokens < 0 or args.batch_size < 1:
         raise SystemExit("vllm-lens extract: --max-tokens must be >= 0, --batch-size >= 1")
-    output = args.output.resolve()
+    if args.layers is None and not args.sae:
+        raise SystemExit("vllm-lens extract: give --layers (and --points), or --sae")
+    if args.sae and args.reduce:
+        raise SystemExit("vllm-lens extract: --reduce cannot be combined with --sae (features "
+                         "are written per row)")
+    if args.sae and not 1 <= args.top_k:
+        raise SystemExit("vllm-lens extract: --top-k must be >= 1")
+    final = args.output.resolve()
+    output = final / SAE_LENS_ROWS if args.format == "sae-lens" else final
     try:
         check_name(output.name, "--output's directory")
     except ValueError as exc:
         raise SystemExit(f"vllm-lens extract: {exc}") from None
+    if args.layers is not None and args.points is None:
+        args.points = "resid_post"
     points = []
-    for name in (p.strip() for p in args.points.split(",") if p.strip()):
+    for name in (p.strip() for p in (args.points or "").split(",") if p.strip()):
         try:
             point, layer = resolve(name)
         except KeyError as exc:
@@ -116,8 +149,12 @@ def extract(args: Any) -> int:
             raise SystemExit(f"vllm-lens extract: --points: {name} names a layer; give "
                              "layers with --layers")
         points.append(point)
-    if not points:
+    if args.layers is not None and not points:
         raise SystemExit("vllm-lens extract: --points names no point")
+    if points and args.layers is None:
+        raise SystemExit("vllm-lens extract: --points needs --layers")
+    if args.format == "sae-lens":
+        check_sae_lens_format(args, points)
     if args.max_tokens == 0 and args.positions.strip().startswith("generated"):
         raise SystemExit("vllm-lens extract: --positions selects generated rows, but "
                          "--max-tokens 0 generates none")
@@ -127,16 +164,17 @@ def extract(args: Any) -> int:
     if args.server is not None:
         from vllm_lens.remote_extract import extract_remote
 
-        return extract_remote(args, examples, bad, output, points)
+        status = extract_remote(args, examples, bad, output, points)
+        return export_sae_lens(args, output, final, points, status)
     todo = prepare_output(args, examples, output, points)
     if not todo:
         print("vllm-lens extract: nothing to extract", file=sys.stderr)
-        return finish(bad)
+        return export_sae_lens(args, output, final, points, finish(bad))
     # The engine's workers write the rows themselves, through a sink of this job's own.
     os.environ["VLLM_LENS_SINKS"] = json.dumps({
         **_operator_sinks(), _SINK: {"kind": "safetensors", "root": str(output.parent),
                                      "rows_per_shard": args.rows_per_shard, "flush_s": 0}})
-    extra_args = {"output_activations": capture_spec(args, points)}
+    extra_args = lens_spec(args, points)
     sp = SamplingParams(temperature=0, max_tokens=max(args.max_tokens, 1),
                         extra_args=extra_args)
     llm = LLM(**{k: v for k, v in vars(args).items() if k not in _OWN})
@@ -144,7 +182,7 @@ def extract(args: Any) -> int:
         _Job(args, llm, sp, output).run(todo, bad)
     finally:
         llm.llm_engine.engine_core.shutdown()
-    return finish(bad)
+    return export_sae_lens(args, output, final, points, finish(bad))
 
 
 #: The sink ``extract`` adds to the engine's (named so that no operator's name can clash).

@@ -3,13 +3,17 @@
 Use::
 
     ds = vllm_lens.datasets.open("acts/my-dataset")
-    ex = ds.get("example-7")        # {"key", "prompt_token_ids", "positions", <point>: tensor}
+    ex = ds.get("example-7")        # {"key", "prompt_token_ids", "token_ids", "positions",
+                                    #  <point>: tensor}
     ex["resid_post"].shape          # [n_layers, n_rows, hidden]
     x = ds.tensor("resid_post", 12)   # every row at layer 12 (memory-mapped if one shard)
+    ex["sae_features"][0]["indices"]  # a dataset that read SAE features: as out.sae_features
+    ds.sae_tensor(0, "values")        # the first SAE's top values for every row
 
 The format (``vllm_lens.shard_writer``): ``manifest.json``, ``index.jsonl`` (one example per
 line: key, shard, offset, rows, positions, prompt token ids) and safetensors shards holding
-``"<point>/<layer>"`` tensors of ``[rows, *row_shape]``, the examples' rows one after the other.
+``"<point>/<layer>"`` tensors of ``[rows, *row_shape]``, the examples' rows one after the other,
+and per SAE read ``"sae.<i>.<field>"`` tensors of its sparse features at the same rows.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_lens.shard_writer import FORMAT, INDEX, MANIFEST, read_index, shard_name, tensor_name
+from vllm_lens.shard_writer import (
+    FORMAT, INDEX, MANIFEST, read_index, sae_column, sae_fields, shard_name, tensor_name)
 
 __all__ = ["ActivationDataset", "open"]
 
@@ -62,6 +67,9 @@ class ActivationDataset(torch.utils.data.Dataset):
                              f"{FORMAT!r}")
         self.points: tuple[str, ...] = tuple(self.manifest["points"])
         self.layers: tuple[int, ...] = tuple(int(x) for x in self.manifest["layers"])
+        self.saes: tuple[dict[str, Any], ...] = tuple(self.manifest.get("sae_features") or ())
+        """Per SAE the dataset read (``vllm-lens extract --sae``): ``sae`` (as the job named
+        it), ``point``, ``layer``, ``d_sae``, ``top_k``, ``reconstruction``."""
         self.entries, _, _ = read_index(self.root / INDEX)
         self._by_key = {entry["key"]: i for i, entry in enumerate(self.entries)}
         self._shards: dict[int, tuple[np.ndarray, dict[str, Any]]] = {}
@@ -81,6 +89,7 @@ class ActivationDataset(torch.utils.data.Dataset):
         out: dict[str, Any] = {
             "key": entry["key"],
             "prompt_token_ids": list(entry["prompt_token_ids"]),
+            "token_ids": list(entry.get("token_ids", ())),
             "positions": torch.tensor(entry["positions"], dtype=torch.int64),
         }
         lo, hi = entry["offset"], entry["offset"] + entry["rows"]
@@ -88,6 +97,13 @@ class ActivationDataset(torch.utils.data.Dataset):
             out[point] = torch.stack([
                 self._mapped(entry["shard"], tensor_name(point, layer))[lo:hi]
                 for layer in self.layers])
+        if self.saes:
+            out["sae_features"] = [
+                {"sae": spec["sae"], "layer": spec["layer"], "point": spec["point"],
+                 "positions": out["positions"],
+                 **{field: self._mapped(entry["shard"], sae_column(number, field))[lo:hi]
+                    for field in sae_fields(spec)}}
+                for number, spec in enumerate(self.saes)]
         return out
 
     def get(self, key: str) -> dict[str, Any]:
@@ -110,6 +126,23 @@ class ActivationDataset(torch.utils.data.Dataset):
         if not parts:
             dtype = getattr(torch, str(self.manifest["dtype"]))
             return torch.empty((0, *self.manifest["row_shapes"][point]), dtype=dtype)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def sae_tensor(self, number: int, field: str) -> torch.Tensor:
+        """One field (``indices``, ``values``; with reconstruction ``nmse``, ``l0``) of the
+        ``number``-th SAE's features, for every row of every example in index order (as
+        ``tensor``: memory-mapped if the dataset has one shard). ``vllm_lens.saes.to_sparse``
+        turns ``{"indices", "values"}`` into a sparse ``[rows, d_sae]`` tensor."""
+        if not 0 <= number < len(self.saes) or field not in sae_fields(self.saes[number]):
+            raise KeyError(f"the dataset holds {len(self.saes)} SAE(s), with fields "
+                           f"{[list(sae_fields(s)) for s in self.saes]}; not {field} of "
+                           f"SAE {number}")
+        name = sae_column(number, field)
+        parts = [self._mapped(shard, name)[:rows] for shard, rows in sorted(self._covered.items())]
+        if not parts:
+            width = (self.saes[number]["top_k"],) if field in ("indices", "values") else ()
+            dtype = torch.int32 if field in ("indices", "l0") else torch.float32
+            return torch.empty((0, *width), dtype=dtype)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def shard_tensors(self, point: str, layer: int) -> list[torch.Tensor]:

@@ -1,8 +1,10 @@
-"""An ``extract`` job's output directory and exit status, shared by the local engine path
-(``cli``) and the ``--server`` path (``remote_extract``) (runs in: the user's process).
+"""An ``extract`` job's request, output directory and exit status, shared by the local engine
+path (``cli``) and the ``--server`` path (``remote_extract``) (runs in: the user's process).
 
 A job records its settings beside the dataset (``extract.json``), refuses a dataset made with
 other settings or locked by another writer, and resumes by skipping the keys already written.
+With ``--format sae-lens`` the dataset is kept in ``SAE_LENS_ROWS`` inside ``--output`` and
+written out in sae-lens' layout (``vllm_lens.sae_lens_cache``) when the job ends.
 """
 
 from __future__ import annotations
@@ -47,14 +49,62 @@ def fail(bad: list[str], example: Any, exc: Any) -> None:
     print(f"vllm-lens extract: {bad[-1]}", file=sys.stderr)
 
 
-def capture_spec(args: Any, points: list[str]) -> dict[str, Any]:
-    """``output_activations`` for the job's points, layers, positions and reduction."""
-    layers: Any = True if args.layers.strip() == "all" else [
-        int(x) for x in args.layers.split(",") if x.strip()]
-    capture = {"layers": layers, "positions": args.positions}
+def lens_spec(args: Any, points: list[str]) -> dict[str, Any]:
+    """The job's lens keys: ``output_activations`` for its points, layers, positions and
+    reduction, and ``output_sae_features`` for its SAEs at the same positions."""
+    spec: dict[str, Any] = {}
+    if points:
+        layers: Any = True if args.layers.strip() == "all" else [
+            int(x) for x in args.layers.split(",") if x.strip()]
+        capture = {"layers": layers, "positions": args.positions}
+        if args.reduce:
+            capture["reduce"] = args.reduce
+        spec["output_activations"] = {point: capture for point in points}
+    if args.sae:
+        spec["output_sae_features"] = [
+            {"sae": sae, "top_k": args.top_k, "positions": args.positions,
+             "reconstruction": args.sae_reconstruction} for sae in args.sae]
+    return spec
+
+
+#: With ``--format sae-lens``: the folder inside ``--output`` that keeps the job's rows as a
+#: vllm-lens dataset (resumable; sae-lens reads ``--output`` itself).
+SAE_LENS_ROWS = "vllm-lens-rows"
+
+
+def check_sae_lens_format(args: Any, points: list[str]) -> None:
+    """``--format sae-lens`` writes the rows of one point at one layer, one per token."""
+    layers = [] if args.layers is None else [x for x in args.layers.split(",") if x.strip()]
+    if len(points) != 1 or len(layers) != 1 or layers[0].strip() == "all":
+        raise SystemExit("vllm-lens extract: --format sae-lens writes one point at one layer "
+                         "(sae-lens trains an SAE on one hook): give one of each in --points "
+                         "and --layers")
     if args.reduce:
-        capture["reduce"] = args.reduce
-    return {point: capture for point in points}
+        raise SystemExit("vllm-lens extract: --format sae-lens writes a row per token; drop "
+                         "--reduce")
+    if args.sae:
+        raise SystemExit("vllm-lens extract: --format sae-lens holds rows only; write SAE "
+                         "features (--sae) to a vllm-lens dataset")
+    if args.context_size < 1:
+        raise SystemExit("vllm-lens extract: --context-size must be >= 1")
+
+
+def export_sae_lens(args: Any, rows: Path, output: Path, points: list[str],
+                    status: int) -> int:
+    """With ``--format sae-lens``: write the dataset at ``rows`` to ``output`` in sae-lens'
+    layout; returns the job's exit status."""
+    if args.format != "sae-lens" or not (rows / "manifest.json").exists():
+        return status
+    from vllm_lens import datasets
+    from vllm_lens.sae_lens_cache import write_sae_lens_cache
+
+    made = write_sae_lens_cache(datasets.open(rows), output, args.context_size,
+                                point=points[0], layer=int(args.layers))
+    print(f"vllm-lens extract: {output}: sae-lens cached activations, hook "
+          f"{made['hook_name']}, {made['contexts']} contexts of {args.context_size} tokens "
+          f"(d_in {made['d_in']}, {made['dtype']}; {made['dropped']} rows after the last full "
+          f"context left out); the rows stay in {rows}", file=sys.stderr)
+    return status
 
 
 def not_written(examples: list[Any], output: Path) -> list[Any]:
@@ -77,8 +127,17 @@ def _check_same_job(manifest: dict[str, Any], args: Any, points: list[str]) -> N
     """Refuse, before the engine starts, to add to a dataset made with other settings."""
     mine = {"points": points, "positions": args.positions, "reduce": args.reduce,
             "model": args.model}
-    if args.layers.strip() != "all":
+    if args.layers is None:
+        mine["layers"] = []
+    elif args.layers.strip() != "all":
         mine["layers"] = sorted({int(x) for x in args.layers.split(",") if x.strip()})
+    found_saes = [(e.get("sae"), e.get("top_k"), e.get("reconstruction"))
+                  for e in manifest.get("sae_features") or ()]
+    my_saes = [(sae, args.top_k, args.sae_reconstruction) for sae in args.sae or ()]
+    if found_saes != my_saes:
+        raise SystemExit(f"vllm-lens extract: {args.output} holds a dataset made with SAEs "
+                         f"(sae, top_k, reconstruction) {found_saes!r}, not {my_saes!r}; "
+                         "write to another --output")
     for field, value in mine.items():
         if manifest.get(field) != value:
             raise SystemExit(f"vllm-lens extract: {args.output} holds a dataset made with "

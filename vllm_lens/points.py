@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "ATTENTION_SIGNALS", "POINTS", "QK_HOOK_POINT", "RESIDUAL_SIGNAL", "SHARDED", "SITES",
-    "STEERABLE", "Point", "hook_site", "operands", "resolve", "shard_dim", "site_of", "tap_key",
+    "STEERABLE", "Point", "hook_name", "hook_site", "operands", "resolve", "shard_dim",
+    "site_of", "tap_key",
 ]
 
 #: Where taps run, in the order a layer reaches them.
@@ -130,6 +131,17 @@ def resolve(name: str) -> tuple[str, int | None]:
                        "hook_<point>, blocks.<layer>.hook_<point>, pre_attn, post_attn, "
                        "post_block)")
     return text, layer
+
+
+def hook_name(point: str, layer: int) -> str:
+    """TransformerLens' (and so sae-lens') name of ``point`` at ``layer``.
+
+    >>> hook_name("resid_post", 12), hook_name("attn_z", 3), hook_name("mlp_post", 0)
+    ('blocks.12.hook_resid_post', 'blocks.3.attn.hook_z', 'blocks.0.mlp.hook_post')
+    """
+    inner = {"attn_z": "attn.hook_z", "attn_q": "attn.hook_q", "attn_k": "attn.hook_k",
+             "mlp_post": "mlp.hook_post"}.get(point, f"hook_{point}")
+    return f"blocks.{layer}.{inner}"
 
 
 def hook_site(point: str, *, split: bool) -> str:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_lens.extract_output import capture_spec, fail, finish, prepare_output
+from vllm_lens.extract_output import fail, finish, lens_spec, prepare_output
 from vllm_lens.client import AsyncLensClient
 from vllm_lens.shard_writer import ShardWriter
 
@@ -51,19 +51,23 @@ class _RemoteJob:
         self.args, self.output, self.points, self.model = args, output, points, model
         self.writer: Any = None
         self.fingerprint = "unknown"
+        self.d_sae: dict[str, int] = {}
+        """The width of each SAE the job reads, as the server lists it."""
 
     async def run(self, todo: list[Any], bad: list[str]) -> None:
         from tqdm import tqdm
 
-        capture = capture_spec(self.args, self.points)
+        spec = lens_spec(self.args, self.points)
         n_tokens, started = 0, time.monotonic()
         async with AsyncLensClient(self.args.server, model=self.model,
                                    api_key=os.environ.get(self.args.api_key_env)) as client:
+            if self.args.sae:
+                self.d_sae = {s["name"]: int(s["d_sae"]) for s in await client.saes()}
             with tqdm(total=len(todo), unit="ex", desc="extract", file=sys.stderr) as bar:
                 for lo in range(0, len(todo), self.args.batch_size):
                     batch = todo[lo:lo + self.args.batch_size]
                     results = await asyncio.gather(
-                        *(self._one(client, e, capture) for e in batch), return_exceptions=True)
+                        *(self._one(client, e, spec) for e in batch), return_exceptions=True)
                     for example, result in zip(batch, results):
                         if isinstance(result, BaseException):
                             fail(bad, example, result)
@@ -80,9 +84,10 @@ class _RemoteJob:
                                     written=f"{written / 2**20:.1f}MiB")
                     bar.update(len(batch))
 
-    async def _one(self, client: Any, example: Any, capture: dict[str, Any]) -> Any:
+    async def _one(self, client: Any, example: Any, spec: dict[str, Any]) -> Any:
         options = dict(max_tokens=max(self.args.max_tokens, 1), temperature=0.0,
-                       transport="binary", output_activations=capture)
+                       transport="binary", output_activations=spec.get("output_activations"),
+                       sae_features=spec.get("output_sae_features"))
         if example.prompt is not None:
             return await client.generate(example.prompt, **options)
         return await client.chat(example.messages, **options)
@@ -91,25 +96,42 @@ class _RemoteJob:
         acts = result.activations
         reduced = self.args.reduce is not None
         rows = {p: acts[p][:, None] if reduced else acts[p] for p in self.points}
+        found = result.sae_features or []
+        features = [{f: e[f] for f in ("indices", "values", "nmse", "l0") if f in e}
+                    for e in found]
+        positions = (acts[f"{self.points[0]}_positions"] if self.points
+                     else found[0]["positions"]).tolist()
+        if any(e["positions"].tolist() != positions for e in found):
+            raise ValueError("the server read the SAE features at other positions than the "
+                             "rows")
         if self.writer is None:
             self.fingerprint = result.raw.get("system_fingerprint") or "unknown"
-            self.writer = ShardWriter(self.output, self._manifest(rows),
+            self.writer = ShardWriter(self.output, self._manifest(rows, found),
                                       rows_per_shard=self.args.rows_per_shard, resume=True)
-        self.writer.add(example.key, rows, acts[f"{self.points[0]}_positions"].tolist(),
-                        result.prompt_token_ids or [],
-                        result.token_ids, reduced=reduced)
+        self.writer.add(example.key, rows, positions, result.prompt_token_ids or [],
+                        result.token_ids, reduced=reduced, sae_features=features)
 
-    def _manifest(self, rows: dict[str, Any]) -> dict[str, Any]:
-        first = rows[self.points[0]]
-        layers = (list(range(first.shape[0])) if self.args.layers.strip() == "all"
-                  else sorted({int(x) for x in self.args.layers.split(",") if x.strip()}))
-        return {
+    def _manifest(self, rows: dict[str, Any], saes: list[dict[str, Any]]) -> dict[str, Any]:
+        first = rows[self.points[0]] if self.points else None
+        if first is None:
+            layers = []
+        elif self.args.layers.strip() == "all":
+            layers = list(range(first.shape[0]))
+        else:
+            layers = sorted({int(x) for x in self.args.layers.split(",") if x.strip()})
+        manifest = {
             "model": self.model, "vllm_version": f"server {self.fingerprint}",
             "vllm_lens_version": _lens_version(), "points": self.points, "layers": layers,
-            "dtype": str(first.dtype).removeprefix("torch."),
+            "dtype": "float32" if first is None else str(first.dtype).removeprefix("torch."),
             "row_shapes": {p: list(rows[p].shape[2:]) for p in self.points},
             "positions": self.args.positions, "reduce": self.args.reduce,
         }
+        if saes:
+            manifest["sae_features"] = [
+                {"sae": e["sae"], "point": e["point"], "layer": e["layer"],
+                 "d_sae": self.d_sae.get(e["sae"]), "top_k": self.args.top_k,
+                 "reconstruction": self.args.sae_reconstruction} for e in saes]
+        return manifest
 
     def close(self) -> None:
         if self.writer is not None:

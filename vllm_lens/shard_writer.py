@@ -9,7 +9,12 @@ A dataset is a directory::
     index.jsonl              one line per example: key, shard, offset, rows, positions,
                              prompt token ids (appended after its shard is on disk)
     shard-00000.safetensors  per point and layer ``"<point>/<layer>"``: ``[rows, *row_shape]``,
-    shard-00001.safetensors  the examples' rows one after the other
+    shard-00001.safetensors  the examples' rows one after the other; per SAE read (the
+                             manifest's ``sae_features``, numbered from 0) its sparse features
+                             at the same rows, ``"sae.<i>.indices"`` int32 and
+                             ``"sae.<i>.values"`` float32 ``[rows, top_k]`` (-1 / 0 where
+                             fewer were active), with ``reconstruction`` also ``"sae.<i>.nmse"``
+                             float32 and ``"sae.<i>.l0"`` int32 ``[rows]``
 
 Every file appears under its final name only once complete (written beside it, synced, then
 renamed, and the directory synced), and an example enters the index only after the shard
@@ -35,8 +40,8 @@ import torch
 
 from vllm_lens.errors import DatasetConflictError
 
-__all__ = ["FORMAT", "INDEX", "MANIFEST", "VERSION_FIELDS", "ShardWriter", "jsonable",
-           "read_index", "shard_name", "tensor_name"]
+__all__ = ["FORMAT", "INDEX", "MANIFEST", "SAE_FIELDS", "VERSION_FIELDS", "ShardWriter",
+           "jsonable", "read_index", "sae_column", "sae_fields", "shard_name", "tensor_name"]
 
 FORMAT = "vllm-lens-activations/1"
 MANIFEST = "manifest.json"
@@ -53,6 +58,22 @@ def shard_name(number: int) -> str:
 def tensor_name(point: str, layer: int) -> str:
     """The name of one point's rows at one layer inside a shard."""
     return f"{point}/{layer}"
+
+
+#: The columns of one SAE's features, and their dtypes.
+SAE_FIELDS = {"indices": torch.int32, "values": torch.float32, "nmse": torch.float32,
+              "l0": torch.int32}
+
+
+def sae_column(number: int, field: str) -> str:
+    """The name of one field of the ``number``-th SAE's features inside a shard."""
+    return f"sae.{number}.{field}"
+
+
+def sae_fields(entry: Mapping[str, Any]) -> tuple[str, ...]:
+    """The fields a manifest's ``sae_features`` entry stores per row."""
+    return ("indices", "values", "nmse", "l0") if entry.get("reconstruction") else (
+        "indices", "values")
 
 
 def read_index(path: Path) -> tuple[list[dict[str, Any]], list[int], int]:
@@ -108,8 +129,10 @@ class ShardWriter:
         root: the dataset directory (created if missing).
         manifest: what the dataset holds: at least ``points`` (names), ``layers`` (ints),
             ``dtype`` (a torch dtype name) and ``row_shapes`` (point -> the shape of one row),
-            and anything else that describes it (model, positions spec ...); written on first
-            use, and on ``resume`` equal to the existing one but for the versions.
+            optionally ``sae_features`` (per SAE read: ``top_k``, ``reconstruction`` and what
+            names it), and anything else that describes it (model, positions spec ...);
+            written on first use, and on ``resume`` equal to the existing one but for the
+            versions. ``points`` may be empty when ``sae_features`` is not.
         rows_per_shard: a shard is written once this many rows are queued ...
         max_shard_bytes: ... or this many bytes (an example's rows never span two shards).
         resume: reopen an existing dataset and skip the keys its index has; otherwise an
@@ -128,6 +151,9 @@ class ShardWriter:
         self.layers: tuple[int, ...] = tuple(int(x) for x in self.manifest["layers"])
         self.dtype = getattr(torch, str(self.manifest["dtype"]))
         self.row_shapes = {p: tuple(self.manifest["row_shapes"][p]) for p in self.points}
+        self.saes: tuple[dict[str, Any], ...] = tuple(self.manifest.get("sae_features") or ())
+        if not self.points and not self.saes:
+            raise ValueError("a dataset holds at least one point or SAE")
         self.rows_per_shard = rows_per_shard
         self.max_shard_bytes = max_shard_bytes
         self.written: set[str] = set()
@@ -203,19 +229,29 @@ class ShardWriter:
             with path.open("rb") as f:
                 (size,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(size))
-            return int(header[tensor_name(self.points[0], self.layers[0])]["shape"][0])
+            return int(header[self._first_column]["shape"][0])
         except (OSError, ValueError, KeyError, struct.error):
             return -1
 
+    @property
+    def _first_column(self) -> str:
+        """A tensor every shard has, one row per example row."""
+        if self.points:
+            return tensor_name(self.points[0], self.layers[0])
+        return sae_column(0, "indices")
+
     def add(self, key: str, rows: Mapping[str, torch.Tensor], positions: Sequence[int],
             prompt_token_ids: Sequence[int] = (), token_ids: Sequence[int] = (), *,
-            reduced: bool = False) -> tuple[int, int]:
+            reduced: bool = False,
+            sae_features: Sequence[Mapping[str, torch.Tensor]] = ()) -> tuple[int, int]:
         """Queue one example: ``rows[point]`` is ``[n_layers, n_rows, *row_shape]`` (the
         manifest's layers, in order; the same ``n_rows`` for every point), ``positions`` the
         token positions of its rows (one per row; if ``reduced``, the positions reduced into
-        its one row), ``token_ids`` the generated tokens. Written when the shard fills up (or
-        at ``close``). Returns the shard and the row offset it will have there; a flush that
-        fails raises, and the example stays queued with the others."""
+        its one row), ``token_ids`` the generated tokens, ``sae_features`` one entry per
+        manifest ``sae_features`` entry (``indices`` / ``values`` ``[n_rows, top_k]``, and
+        ``nmse`` / ``l0`` ``[n_rows]`` with ``reconstruction``). Written when the shard fills
+        up (or at ``close``). Returns the shard and the row offset it will have there; a
+        flush that fails raises, and the example stays queued with the others."""
         if not isinstance(key, str) or not key:
             raise ValueError(f"example keys are non-empty strings, got {key!r}")
         if key in self.written or key in self._pending_keys:
@@ -223,8 +259,16 @@ class ShardWriter:
         missing = [point for point in self.points if point not in rows]
         if missing:
             raise ValueError(f"example {key!r} has no rows of {', '.join(missing)}")
-        first = rows[self.points[0]]
-        n_rows = int(first.shape[1]) if first.dim() > 1 else -1
+        if len(sae_features) != len(self.saes):
+            raise ValueError(f"example {key!r} has {len(sae_features)} SAE feature entries, "
+                             f"the dataset {len(self.saes)}")
+        if reduced and self.saes:
+            raise ValueError(f"example {key!r}: SAE features are per position, not reduced")
+        if self.points:
+            first = rows[self.points[0]]
+            n_rows = int(first.shape[1]) if first.dim() > 1 else -1
+        else:
+            n_rows = int(sae_features[0]["indices"].shape[0])
         if reduced and n_rows != 1:
             raise ValueError(f"example {key!r}: a reduced example has one row, not {n_rows}")
         if not reduced and len(positions) != n_rows:
@@ -237,6 +281,16 @@ class ShardWriter:
                 raise ValueError(f"example {key!r}: {point} has shape {tuple(t.shape)}, "
                                  f"expected {expected}")
             checked[point] = t.detach().to("cpu", self.dtype)
+        for number, (spec, entry) in enumerate(zip(self.saes, sae_features)):
+            for field in sae_fields(spec):
+                t = entry.get(field)
+                expected = (n_rows, int(spec["top_k"])) if field in ("indices", "values") \
+                    else (n_rows,)
+                if t is None or tuple(t.shape) != expected:
+                    raise ValueError(f"example {key!r}: SAE entry {number}'s {field} has "
+                                     f"shape {None if t is None else tuple(t.shape)}, "
+                                     f"expected {expected}")
+                checked[sae_column(number, field)] = t.detach().to("cpu", SAE_FIELDS[field])
         placed = (self._next_shard, self._pending_rows)
         entry = {"key": key, "rows": n_rows, "positions": [int(p) for p in positions],
                  "prompt_token_ids": [int(t) for t in prompt_token_ids],
@@ -282,6 +336,10 @@ class ShardWriter:
                 for i, layer in enumerate(self.layers):
                     parts = [rows[point][i] for _, rows in self._pending]
                     tensors[tensor_name(point, layer)] = torch.cat(parts).contiguous()
+            for i, spec in enumerate(self.saes):
+                for field in sae_fields(spec):
+                    name = sae_column(i, field)
+                    tensors[name] = torch.cat([rows[name] for _, rows in self._pending])
             save_file(tensors, tmp)
             del tensors
             _publish(tmp, path)

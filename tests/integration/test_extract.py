@@ -108,16 +108,40 @@ def tiny_ref_tokenizer(path):
 
 def test_extract_under_tensor_parallelism_equals_transformers(tmp_path, tiny_path, tiny_ref):
     """With -tp 2 the sink is written by TP rank 0, which holds the whole residual stream
-    (and ``attn_out``, what attention adds after its all-reduce). The points split across the
-    ranks are refused for sinks (``tests/unit/test_sinks.py``)."""
+    (and ``attn_out``, what attention adds after its all-reduce) and the SAE (``--sae``: its
+    top features per row, equal to sae-lens' encode of transformers' rows, prompt and
+    generated). The points split across the ranks are refused for sinks
+    (``tests/unit/test_sinks.py``)."""
+    from tests.integration.saes import saved_sae
+
+    sae_dir = tmp_path / "sae"
+    sae = saved_sae(sae_dir, "jumprelu", "blocks.2.hook_resid_post")
     source = tmp_path / "prompts.jsonl"
     source.write_text(json.dumps({"prompt": "The capital of France is", "key": "fr"}) + "\n")
     output = tmp_path / "acts"
     tp2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (CPU build)
-    done = run_extract(tiny_path, source, output, "--tensor-parallel-size", "2", env=tp2)
+    with_sae = ("--sae", str(sae_dir), "--top-k", "8", "--sae-reconstruction")
+    done = run_extract(tiny_path, source, output, "--tensor-parallel-size", "2",
+                       "--max-tokens", "3", *with_sae, env=tp2)
     assert done.returncode == 0, done.stderr[-3000:]
-    ex = datasets.open(output).get("fr")
-    expected = tiny_ref.points(ex["prompt_token_ids"])
+    ds = datasets.open(output)
+    ex = ds.get("fr")
+    ids = ex["prompt_token_ids"] + ex["token_ids"][:2]  # 3 generated, 2 run
+    assert ex["positions"].tolist() == list(range(len(ids)))
+    expected = tiny_ref.points(ids)
     for i, layer in enumerate((1, 3)):
         for point in ("resid_post", "attn_out"):
             assert max_relative_error(ex[point][i], expected[(point, layer)]) <= 1e-4
+    (features,) = ex["sae_features"]
+    assert ds.saes[0]["sae"] == str(sae_dir) and ds.saes[0]["layer"] == 2
+    with torch.no_grad():
+        dense = sae.encode(expected[("resid_post", 2)])
+    top = dense.topk(8)
+    torch.testing.assert_close(features["values"], top.values.clamp(min=0), rtol=1e-4, atol=1e-4)
+    assert features["l0"].tolist() == (dense > 0).sum(-1).tolist()
+    active = features["values"] > 0
+    assert torch.equal(features["indices"][active], top.indices.int()[active])
+    # Another top_k is another dataset: refused before any engine starts.
+    other = run_extract(tiny_path, source, output, "--max-tokens", "3", "--sae", str(sae_dir),
+                        "--top-k", "4", "--sae-reconstruction")
+    assert other.returncode != 0 and "made with SAEs" in other.stderr, other.stderr[-2000:]

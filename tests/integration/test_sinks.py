@@ -38,8 +38,20 @@ def _limit_file_size(pid):
 
 
 @pytest.fixture(scope="module")
-def sink_server(tiny_path, tmp_path_factory):
+def tiny_sae(tmp_path_factory):
+    """(directory, sae-lens ``SAE``): a random JumpReLU SAE on the tiny model's layer-2
+    residual stream; the sink server serves it as ``tiny-l2``."""
+    from tests.integration.saes import saved_sae
+
+    path = tmp_path_factory.mktemp("saes") / "tiny-l2"
+    return path, saved_sae(path, "jumprelu", "blocks.2.hook_resid_post")
+
+
+@pytest.fixture(scope="module")
+def sink_server(tiny_path, tmp_path_factory, tiny_sae):
     root = tmp_path_factory.mktemp("sinks")
+    saes = root / "saes.json"
+    saes.write_text(json.dumps({"tiny-l2": str(tiny_sae[0])}))
     sinks = {
         "open": {"root": str(root / "open"), "clients": True, "rows_per_shard": 4,
                  "flush_s": 0.2},
@@ -50,7 +62,8 @@ def sink_server(tiny_path, tmp_path_factory):
                 "idle_close_s": 3600, "rows_per_shard": 1},
     }
     with running_server(tiny_path, "--enforce-eager",
-                        env={"VLLM_LENS_SINKS": json.dumps(sinks)}) as server:
+                        env={"VLLM_LENS_SINKS": json.dumps(sinks),
+                             "VLLM_LENS_SAES": str(saes)}) as server:
         _limit_file_size(server.pid)
         yield server, root
 
@@ -239,3 +252,99 @@ def test_extract_against_a_server_equals_transformers(sink_server, tmp_path, tin
                 assert max_relative_error(ex[point][i], expected[(point, layer)]) <= 1e-4
     again = extract()
     assert "2 of 2 examples already written" in again.stderr, again.stderr[-3000:]
+
+
+def test_sae_features_are_written_beside_the_rows_or_alone(sink_server, tiny_sae, tiny_ref):
+    """A sink example holds each SAE's top features at the rows' positions (as the response
+    would have carried them: sae-lens' encode of transformers' rows), beside the rows or
+    alone; features at other positions than the rows are refused."""
+    server, root = sink_server
+    _, sae = tiny_sae
+    features = {"sae": "tiny-l2", "top_k": 8, "reconstruction": True}
+    capture = {"resid_post": {"layers": [1, 3]}}
+    with LensClient(server.base_url) as client:
+        returned = client.generate("The capital of France is", max_tokens=4,
+                                   sae_features=features)
+        for key, alone in (("both", False), ("alone", True)):
+            receipt = client.generate(
+                "The capital of France is", max_tokens=4, sae_features=features,
+                output_activations=None if alone else capture,
+                capture_sink={"sink": "open", "dataset": f"sae-{key}", "key": key})
+            assert receipt.sae_features is None and receipt.activations is None
+            n_rows = len(returned.prompt_token_ids) + 3
+            assert receipt.capture_receipt["rows"] == n_rows
+            assert receipt.capture_receipt["shapes"]["sae.0.indices"] == [n_rows, 8]
+            ds = _wait_for_keys(root / "open" / f"sae-{key}", [key])
+            (entry,) = ds.get(key)["sae_features"]
+            assert ds.saes == ({"sae": "tiny-l2", "point": "resid_post", "layer": 2,
+                                "d_sae": 512, "top_k": 8, "reconstruction": True},)
+            assert ds.manifest["points"] == ([] if alone else ["resid_post"])
+            for field in ("positions", "indices", "values", "nmse", "l0"):
+                assert torch.equal(entry[field], returned.sae_features[0][field]), field
+        refused = _post(server, output_activations=capture, capture_sink={
+            "sink": "open", "dataset": "sae-bad", "key": "k"},
+            output_sae_features={**features, "positions": "prompt"})
+    assert refused.status_code == 400 and "needs the rows' positions" in refused.text
+    ids = returned.prompt_token_ids + returned.token_ids[:-1]
+    with torch.no_grad():
+        dense = sae.encode(tiny_ref.points(ids)[("resid_post", 2)])
+    top = dense.topk(8)
+    torch.testing.assert_close(returned.sae_features[0]["values"], top.values.clamp(min=0),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_extract_against_a_server_writes_sae_features_and_sae_lens_caches(sink_server, tiny_sae,
+                                                                        tmp_path, tiny_ref):
+    """``extract --server --sae NAME`` writes the features the server computed (sae-lens'
+    encode of transformers' rows); ``--format sae-lens`` writes rows sae-lens' own
+    ``ActivationsStore`` reads back, in order, with their tokens."""
+    import subprocess
+    import sys
+
+    from sae_lens.training.activations_store import ActivationsStore
+
+    server, _ = sink_server
+    _, sae = tiny_sae
+    source = tmp_path / "prompts.jsonl"
+    prompts = ["The capital of France is", "Once upon a time in a quiet village",
+               "Name three colours of the rainbow"]
+    source.write_text("\n".join(json.dumps({"prompt": p}) for p in prompts) + "\n")
+
+    def extract(output, *flags):
+        done = subprocess.run(
+            [sys.executable, "-m", "vllm_lens.cli", "extract", "--server", server.base_url,
+             "--input", str(source), "--output", str(output), *flags],
+            capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    extract(tmp_path / "features", "--sae", "tiny-l2", "--top-k", "4")
+    ds = datasets.open(tmp_path / "features")
+    assert ds.manifest["points"] == [] and ds.saes[0]["d_sae"] == 512
+    every_row = []
+    for ex in ds:
+        ids = ex["prompt_token_ids"]
+        rows = tiny_ref.points(ids)[("resid_post", 2)]
+        every_row.append(rows)
+        with torch.no_grad():
+            top = sae.encode(rows).topk(4)
+        (entry,) = ex["sae_features"]
+        assert set(entry) == {"sae", "layer", "point", "positions", "indices", "values"}
+        torch.testing.assert_close(entry["values"], top.values.clamp(min=0), rtol=1e-4,
+                                   atol=1e-4)
+    cache = tmp_path / "cache"
+    done = extract(cache, "--layers", "2", "--points", "resid_post", "--format", "sae-lens",
+                   "--context-size", "5")
+    assert "hook blocks.2.hook_resid_post" in done.stderr
+    tokens = [t for ex in ds for t in ex["prompt_token_ids"]]
+    n = len(tokens) // 5
+    store = ActivationsStore(
+        model=None, dataset=None, streaming=False, hook_name="blocks.2.hook_resid_post",
+        hook_head_index=None, context_size=5, d_in=128, n_batches_in_buffer=2,
+        total_training_tokens=5 * n, store_batch_size_prompts=n, train_batch_size_tokens=5,
+        prepend_bos=False, normalize_activations="none", device=torch.device("cpu"),
+        dtype="float32", cached_activations_path=str(cache))
+    acts, ids = store.get_raw_llm_batch()
+    assert ids.tolist() == tokens[:5 * n]
+    torch.testing.assert_close(acts, torch.cat(every_row)[:5 * n], rtol=1e-4, atol=1e-4)
+    assert datasets.open(cache / "vllm-lens-rows").keys() == ds.keys()

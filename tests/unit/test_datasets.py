@@ -154,3 +154,63 @@ def test_bad_examples_and_reopening_without_resume_are_refused(tmp_path):
     w.close()
     with pytest.raises(FileNotFoundError, match="not an activation dataset"):
         datasets.open(tmp_path / "nowhere")
+
+
+def features(i, n_rows, top_k, reconstruction):
+    g = torch.Generator().manual_seed(100 + i)
+    found = {"indices": torch.randint(-1, 50, (n_rows, top_k), generator=g, dtype=torch.int32),
+             "values": torch.rand(n_rows, top_k, generator=g)}
+    if reconstruction:
+        found["nmse"] = torch.rand(n_rows, generator=g)
+        found["l0"] = torch.randint(0, 50, (n_rows,), generator=g, dtype=torch.int32)
+    return found
+
+
+SAES = [{"sae": "l1", "point": "resid_post", "layer": 1, "d_sae": 50, "top_k": 3,
+         "reconstruction": True},
+        {"sae": "l3", "point": "mlp_out", "layer": 3, "d_sae": 50, "top_k": 2,
+         "reconstruction": False}]
+
+
+@pytest.mark.parametrize("with_points", [True, False])
+def test_sae_features_are_written_beside_the_rows_and_read_back_per_example(tmp_path,
+                                                                            with_points):
+    manifest = {**MANIFEST, "sae_features": SAES}
+    if not with_points:
+        manifest = {**manifest, "points": [], "layers": [], "row_shapes": {}}
+    written = {}
+    with ShardWriter(tmp_path, manifest, rows_per_shard=5) as w:
+        for i in range(6):
+            n = 1 + i % 4
+            rows = example(i, n) if with_points else {}
+            saes = [features(i, n, 3, True), features(i, n, 2, False)]
+            written[f"ex{i}"] = (rows, saes)
+            w.add(f"ex{i}", rows, positions=range(n), sae_features=saes)
+        with pytest.raises(ValueError, match="SAE entry 1's indices has shape"):
+            w.add("bad", example(9, 2) if with_points else {}, positions=range(2),
+                  sae_features=[features(9, 2, 3, True), features(9, 3, 2, False)])
+        with pytest.raises(ValueError, match="1 SAE feature entries, the dataset 2"):
+            w.add("bad", example(9, 2) if with_points else {}, positions=range(2),
+                  sae_features=[features(9, 2, 3, True)])
+    ds = datasets.open(tmp_path)
+    assert ds.keys() == [f"ex{i}" for i in range(6)] and len(ds.saes) == 2
+    assert len(list(tmp_path.glob("shard-*.safetensors"))) > 1
+    for ex in ds:
+        rows, saes = written[ex["key"]]
+        first, second = ex["sae_features"]
+        assert (first["sae"], first["layer"], second["point"]) == ("l1", 1, "mlp_out")
+        assert set(second) == {"sae", "layer", "point", "positions", "indices", "values"}
+        for got, want in zip((first, second), saes):
+            assert torch.equal(got["positions"], ex["positions"])
+            for field, tensor in want.items():
+                assert got[field].dtype == tensor.dtype and torch.equal(got[field], tensor)
+        assert with_points == ("resid_post" in ex)
+    values = ds.sae_tensor(0, "values")
+    assert torch.equal(values, torch.cat([written[k][1][0]["values"] for k in ds.keys()]))
+    with pytest.raises(KeyError, match="not nmse of SAE 1"):
+        ds.sae_tensor(1, "nmse")
+    # A resumed writer of the same dataset keeps to its SAEs.
+    with ShardWriter(tmp_path, manifest, resume=True) as w:
+        w.add("more", example(7, 1) if with_points else {}, positions=[0],
+              sae_features=[features(7, 1, 3, True), features(7, 1, 2, False)])
+    assert datasets.open(tmp_path).keys()[-1] == "more"

@@ -219,9 +219,19 @@ def test_sae_feature_requests_parse_travel_and_are_admitted_by_size(monkeypatch,
     assert capture_reservation(lens, facts, prompt_len=10, max_tokens=100) == 100 * 18 * 4
     check_admission(lens, facts, 10, 100, 1)
     monkeypatch.setenv("VLLM_LENS_SINKS", json.dumps({"s": {"root": str(tmp_path)}}))
-    with pytest.raises(LensRequestError, match="not yet written to a capture sink"):
-        parse_extra_args({"output_sae_features": {"sae": "a"}, "output_residual_stream": [1],
-                          "capture_sink": {"sink": "s", "dataset": "d", "key": "k"}},
+    sink = {"sink": "s", "dataset": "d", "key": "k"}
+    # Written to a sink beside the rows (or alone), at the rows' positions, unreduced.
+    assert parse_extra_args({"output_sae_features": {"sae": "a"}, "output_residual_stream": [1],
+                             "capture_sink": sink}, lambda: facts, saes=describe)[1].sink
+    assert parse_extra_args({"output_sae_features": {"sae": "a", "positions": "prompt"},
+                             "capture_sink": sink}, lambda: facts, saes=describe)[1].saes
+    with pytest.raises(LensRequestError, match=r"entry 0 \(a\) needs the rows' positions"):
+        parse_extra_args({"output_sae_features": {"sae": "a", "positions": "prompt"},
+                          "output_residual_stream": [1], "capture_sink": sink},
+                         lambda: facts, saes=describe)
+    with pytest.raises(LensRequestError, match="resid_post is reduced"):
+        parse_extra_args({"output_sae_features": {"sae": "a"}, "capture_sink": sink,
+                          "output_activations": {"resid_post": {"layers": [1], "reduce": "mean"}}},
                          lambda: facts, saes=describe)
     # Streamed alone (no dense capture); not from the end of the generation.
     assert parse_extra_args({"output_sae_features": {"sae": "a"}, "stream_activations": True},
@@ -508,3 +518,160 @@ def test_streamed_parts_join_end_to_end_and_a_failed_end_returns_nothing():
     only_features = join_streamed([{"sae_features": p["sae_features"]} for p in parts[:3]])
     assert "activations" not in only_features
     assert only_features["sae_features"][0]["positions"].tolist() == [0, 1, 2, 3]
+
+
+#: An SAE the tests below steer by: 32 features of layer 2's resid_post in a 4-layer,
+#: 16-wide model.
+_FACTS = dict(model_class="LlamaForCausalLM", n_layers=4, hidden_size=16, max_model_len=64,
+              mapped=True)
+_INFO = {"path": "/saes/a", "point": "resid_post", "layer": 2, "d_in": 16, "d_sae": 32,
+         "architecture": "jumprelu"}
+
+
+def _slice(features):
+    """What a worker's ``lens_sae_slice`` selects of that SAE (random weights, seeded)."""
+    g = torch.Generator().manual_seed(11)
+    W_dec, W_enc = torch.randn(32, 16, generator=g), torch.randn(16, 32, generator=g)
+    index = list(features)
+    return {"W_dec": W_dec[index], "W_enc": W_enc[:, index], "b_enc": torch.zeros(len(index)),
+            "b_dec": torch.zeros(16), "threshold": torch.full((len(index),), 0.1),
+            "apply_b_dec_to_input": False}
+
+
+class _Lookup:
+    """``spec.saes``' describe for that SAE, as a front end would have it."""
+
+    def __call__(self, sae, hook_point):
+        return dict(_INFO)
+
+    def sae_slice(self, sae, hook_point, features):
+        return _slice(features)
+
+
+def test_presets_and_sweeps_describe_the_saes_they_steer_by_before_parsing():
+    """``steering_described``: the steps a preset's registration and a sweep take before
+    parsing steering vectors outside a request. They ask the workers for each named SAE and
+    the features it steers by, once; a directory is never opened where only names are
+    served (it is refused naming the field); plain vectors ask nothing."""
+    from vllm_lens import SteeringVector, wire
+    from vllm_lens.errors import LensRequestError
+    from vllm_lens.frontend.collate import LensSession
+    from vllm_lens.frontend.engine_methods import drive
+    from vllm_lens.frontend.sae_names import steering_described
+    from vllm_lens.spec import ModelFacts, parse_steering
+
+    facts = ModelFacts(**_FACTS)
+    calls = []
+
+    class Engine:  # the workers' answers to the two RPCs (``worker.saes``)
+        def collective_rpc(self, method, args):
+            calls.append((method, args))
+            if method == "lens_load_sae":
+                return [dict(_INFO)]
+            return [wire.dumps(_slice(args[2]))]
+
+    session = LensSession()
+    session.sae_names["a"] = ("/saes/a", None, dict(_INFO))
+    vectors = [{"sae": "a", "feature": [4, 2], "clamp": [0.0, 5.0]},
+               {"sae": "a", "feature": 5, "scale": 3.0}]
+    saes = drive(Engine(), steering_described(session, vectors, paths=False))
+    assert calls == [("lens_load_sae", ("/saes/a", None)),
+                     ("lens_sae_slice", ("/saes/a", None, [4, 2])),
+                     ("lens_sae_slice", ("/saes/a", None, [5]))]
+    clamp, scale = parse_steering(vectors, facts, "presets.p", saes)
+    assert (clamp.mode, clamp.layers, clamp.clamp.targets) == ("clamp", (2,), (0.0, 5.0))
+    assert torch.equal(wire.loads(clamp.vectors), _slice([4, 2])["W_dec"])
+    assert torch.equal(wire.loads(clamp.clamp.encoder)["W_enc"], _slice([4, 2])["W_enc"])
+    assert (scale.mode, scale.scale) == ("add", 3.0)
+    assert torch.equal(wire.loads(scale.vectors), _slice([5])["W_dec"])
+    calls.clear()
+    elsewhere = [{"sae": "/tmp/elsewhere", "feature": 1, "scale": 2.0}]
+    saes = drive(Engine(), steering_described(session, elsewhere, paths=False))
+    assert calls == []  # nothing was opened
+    with pytest.raises(LensRequestError, match="cannot name a path") as bad:
+        parse_steering(elsewhere, facts, "presets.p", saes)
+    assert bad.value.field == "presets.p[0].sae"
+    plain = [SteeringVector(activations=torch.ones(1, 16), layer_indices=[1])]
+    assert drive(Engine(), steering_described(session, plain, paths=False)) is None
+    assert calls == []
+    with pytest.raises(LensRequestError, match="does not steer by SAE feature") as bad:
+        parse_steering(vectors, facts, "corrupt")  # nothing described: refused by field
+    assert bad.value.field == "corrupt[0].sae"
+
+
+def test_a_presets_clamp_travels_with_the_request_and_counts_as_its_own(monkeypatch):
+    """A preset keeps the clamp it was registered with (decoder rows, encoder columns,
+    targets): a request selecting it carries the same spec, charged by decoded size (a
+    clamp's shapes are its SAE's, not a steering vector's, so six features in a 4-layer model
+    are fine), and its clamps count among the request's items steering by SAE feature."""
+    from vllm_lens.errors import LensRequestError
+    from vllm_lens.spec import ModelFacts, parse_extra_args, parse_steering
+    from vllm_lens.spec.saes import MAX_SAE_ENTRIES
+
+    facts = ModelFacts(**_FACTS)
+    held = parse_steering([{"sae": "a", "feature": [0, 1, 2, 3, 4, 5], "clamp": 1.0}], facts,
+                          "presets.p", _Lookup())
+    presets = {"p": held}
+    _, lens = parse_extra_args({"apply_steering_vectors": ["preset:p"]}, lambda: facts,
+                               presets=presets)
+    assert lens.steer == held
+    # Rows 6 x 16 (384 bytes) fit; with the encoder columns and biases (496 more) they do not.
+    monkeypatch.setenv("VLLM_LENS_MAX_DECODED_BYTES", "800")
+    with pytest.raises(LensRequestError, match="VLLM_LENS_MAX_DECODED_BYTES") as bad:
+        parse_extra_args({"apply_steering_vectors": ["preset:p"]}, lambda: facts,
+                         presets=presets)
+    assert bad.value.field == "apply_steering_vectors[0]"
+    monkeypatch.delenv("VLLM_LENS_MAX_DECODED_BYTES")
+    inline = [{"sae": "a", "feature": f, "scale": 1.0} for f in range(MAX_SAE_ENTRIES)]
+    _, lens = parse_extra_args({"apply_steering_vectors": inline}, lambda: facts,
+                               saes=_Lookup())
+    assert len(lens.steer) == MAX_SAE_ENTRIES
+    with pytest.raises(LensRequestError, match=f"beyond the {MAX_SAE_ENTRIES}") as bad:
+        parse_extra_args({"apply_steering_vectors": [*inline, "preset:p"]}, lambda: facts,
+                         presets=presets, saes=_Lookup())
+    assert bad.value.field == f"apply_steering_vectors[{MAX_SAE_ENTRIES}]"
+
+
+def test_a_sweeps_corruption_steers_by_feature_but_never_clamps_where_it_patches(
+        monkeypatch):
+    """A patching sweep's ``corrupt`` may steer by SAE feature: every variant carries the
+    item as given (its parse finds the SAE described beforehand), charged with the clamp's
+    encoder columns; a clamp at the (layer, site) the sweep writes its clean rows at would
+    meet a replacement in those cells, and is refused naming the field before anything
+    runs."""
+    from vllm_lens.errors import LensRequestError
+    from vllm_lens.frontend.patching import _plan
+    from vllm_lens.spec import ModelFacts
+
+    class Config:
+        logprobs_mode = "raw_logprobs"
+
+        def get_vocab_size(self):
+            return 100
+
+    facts = ModelFacts(**_FACTS)
+    corrupt = [{"sae": "a", "feature": [1, 2], "clamp": 0.0},
+               {"sae": "a", "feature": 5, "scale": 2.0}]
+
+    def plan(layers, items=corrupt, positions=(1,)):
+        clean = torch.ones(len(layers), len(positions), 16)
+        return _plan(facts, None, Config(), [1, 2, 3, 4], clean, list(layers),
+                     list(positions), {"prob": 7}, items, "resid_post", _Lookup())
+
+    found = plan([1, 3])
+    assert len(found.params) == 2 + 2
+    for params in found.params[1:]:
+        carried = params.extra_args["apply_steering_vectors"]
+        assert carried[:2] == corrupt
+    assert carried[2].mode == "replace" and carried[2].layer_indices == [3]
+    with pytest.raises(LensRequestError, match="only clamp or replacement at its site") as bad:
+        plan([1, 2])
+    assert bad.value.field == "corrupt[0].clamp"
+    assert len(plan([2], corrupt[1:]).params) == 3  # an addition beside a patch is fine
+    # Six features: rows 384 bytes and encoder 496 per variant; two cells need 1,760.
+    monkeypatch.setenv("VLLM_LENS_MAX_DECODED_BYTES", "1000")
+    six = [{"sae": "a", "feature": [0, 1, 2, 3, 4, 5], "clamp": 0.0}]
+    assert len(plan([1], six).params) == 3
+    with pytest.raises(LensRequestError, match="VLLM_LENS_MAX_DECODED_BYTES") as bad:
+        plan([1], six, positions=(1, 2))
+    assert bad.value.field == "corrupt"

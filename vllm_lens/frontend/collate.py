@@ -187,14 +187,7 @@ def sae_features(lens: LensRequest,
             rows = tensor[0].float()
         else:  # no position selected
             rows, positions = torch.empty(0, spec.width), torch.empty(0, dtype=torch.int64)
-        k = spec.top_k
-        entry: dict[str, Any] = {
-            "sae": spec.sae, "layer": spec.layer, "point": spec.point, "positions": positions,
-            "indices": rows[:, :k].to(torch.int32), "values": rows[:, k:2 * k].contiguous()}
-        if spec.reconstruction:
-            entry["nmse"] = rows[:, 2 * k].contiguous()
-            entry["l0"] = rows[:, 2 * k + 1].to(torch.int32)
-        out.append(entry)
+        out.append(spec.entry(rows, positions))
     return out
 
 
@@ -528,9 +521,10 @@ class LensSession:
             elif lens.captures:
                 mine = next((v for k, v in captures.items() if k.startswith(prefix)), {})
                 found["activations"] = self._activations(lens, mine)
-            if lens.saes:
+            if lens.saes:  # (a sink's receipt stands for them too)
                 mine = next((v for k, v in captures.items() if k.startswith(prefix)), {})
-                found["sae_features"] = sae_features(lens, mine)
+                found["sae_features"] = None if lens.sink is not None else sae_features(
+                    lens, mine)
             if lens.hooks:
                 stages = next((v for k, v in hooks.items() if k.startswith(prefix)), [])
                 found["hook_results"], found["hook_error"] = merge_hook_results(stages)

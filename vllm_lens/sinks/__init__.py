@@ -48,8 +48,15 @@ class Example:
     """The generated tokens (the last one has no rows: it was never run through the model)."""
     settings: Mapping[str, Any]
     """What a dataset of such examples holds, for its manifest: ``model``, ``points``,
-    ``layers``, ``dtype``, ``row_shapes``, ``positions`` (the selector), ``reduce``; examples
-    with other settings do not belong in the same dataset."""
+    ``layers``, ``dtype``, ``row_shapes``, ``positions`` (the selector), ``reduce`` and, if
+    it reads SAE features, ``sae_features`` (per SAE: ``sae``, ``point``, ``layer``,
+    ``d_sae``, ``top_k``, ``reconstruction``); examples with other settings do not belong in
+    the same dataset."""
+    sae_features: Sequence[Mapping[str, torch.Tensor]] = ()
+    """Per ``settings["sae_features"]`` entry, one value per row (the rows' positions; with
+    no point captured, the positions above): ``indices`` int32 ``[n_rows, top_k]`` (-1 where
+    fewer were active), ``values`` float32 ``[n_rows, top_k]``, and with ``reconstruction``
+    ``nmse`` float32 and ``l0`` int32 ``[n_rows]``."""
 
 
 class Sink(Protocol):

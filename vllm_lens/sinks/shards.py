@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_lens.errors import CapacityError, DatasetConflictError
-from vllm_lens.shard_writer import VERSION_FIELDS, ShardWriter, jsonable
+from vllm_lens.shard_writer import VERSION_FIELDS, ShardWriter, jsonable, sae_column
 from vllm_lens.sinks import Example
 from vllm_lens.sinks.config import SinkConfig
 
@@ -77,7 +77,8 @@ class ShardSink:
             try:
                 shard, offset = writer.add(example.key, example.rows, example.positions,
                                            example.prompt_token_ids, example.token_ids,
-                                           reduced=example.reduced)
+                                           reduced=example.reduced,
+                                           sae_features=example.sae_features)
             except ValueError:  # a bad example (duplicate key ...): nothing was queued
                 raise
             except Exception as exc:  # the shard it filled could not be written
@@ -88,14 +89,16 @@ class ShardSink:
                 self._oldest.pop(dataset, None)
             self._start_timer()
             durable = example.key in writer.written
-        first = next(iter(example.rows.values()))
+        shapes = {point: list(t.shape) for point, t in example.rows.items()}
+        shapes.update({f"{sae_column(i, name)}": list(t.shape)
+                       for i, entry in enumerate(example.sae_features)
+                       for name, t in entry.items()})
         # Where a queued example will land is known only once its shard is written.
         return {
             "sink": self.config.name, "dataset": dataset, "key": example.key,
             "shard": shard if durable else None, "offset": offset if durable else None,
-            "rows": int(first.shape[1]),
-            "shapes": {point: list(t.shape) for point, t in example.rows.items()},
-            "durable": durable,
+            "rows": len(example.positions) if not example.reduced else 1,
+            "shapes": shapes, "durable": durable,
         }
 
     def _writer(self, dataset: str, settings: Any) -> ShardWriter:

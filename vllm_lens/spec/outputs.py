@@ -19,14 +19,15 @@ from vllm_lens.spec.keys import ACTIVATIONS_KEY, CAPTURE_KEY, QK_KEY, SAE_KEY, S
 
 
 def parse_sink(raw: Any, captures: tuple[CaptureSpec, ...], facts: ModelFacts,
-                request_id: str | None) -> SinkSpec:
-    """``capture_sink``: a configured sink, a valid dataset name and key; the captures it
-    writes must form one example (the same layers, positions and reduction for every point),
-    and one worker must hold all of their rows."""
-    if not captures:
+               request_id: str | None, saes: tuple[Any, ...] = ()) -> SinkSpec:
+    """``capture_sink``: a configured sink, a valid dataset name and key; the captures and
+    SAE features it writes must form one example (the same layers, positions and reduction
+    for every point; features at the rows' positions, unreduced), and one worker must hold
+    all of their rows."""
+    if not captures and not saes:
         raise LensRequestError(SINK_KEY, f"asks for captured rows, but the request captures "
-                               f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY} or {QK_KEY})",
-                               request_id=request_id)
+                               f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY}, {SAE_KEY} or "
+                               f"{QK_KEY})", request_id=request_id)
     try:
         sinks = configured_sinks()
     except ValueError as exc:
@@ -49,14 +50,7 @@ def parse_sink(raw: Any, captures: tuple[CaptureSpec, ...], facts: ModelFacts,
     except (KeyError, ValueError, TypeError) as exc:
         raise LensRequestError(f"{SINK_KEY}.sink", f"sink {sink.sink!r} is misconfigured by "
                                f"the operator: {exc}", request_id=request_id) from None
-    first = captures[0]
-    for other in captures[1:]:
-        for name in ("layers", "positions", "reduce"):
-            if getattr(other, name) != getattr(first, name):
-                raise LensRequestError(
-                    SINK_KEY, f"writes one example per request, so every captured point needs "
-                    f"the same {name}: {first.signal} has {getattr(first, name)!r}, "
-                    f"{other.signal} {getattr(other, name)!r}", request_id=request_id)
+    _check_one_example(captures, saes, request_id)
     if facts.pp_size > 1:
         raise UnsupportedConfigError(
             SINK_KEY, f"is refused under pipeline parallelism (pipeline_parallel_size="
@@ -74,6 +68,34 @@ def parse_sink(raw: Any, captures: tuple[CaptureSpec, ...], facts: ModelFacts,
             f"(tensor_parallel_size={facts.tp_size}): their rows are split across the ranks "
             "and no rank writes the others'; return them instead", request_id=request_id)
     return sink
+
+
+def _check_one_example(captures: tuple[CaptureSpec, ...], saes: tuple[Any, ...],
+                       request_id: str | None) -> None:
+    """A sink example has one set of rows: every point at the same layers, positions and
+    reduction, and every SAE's features at those positions, one per row."""
+    first = captures[0] if captures else None
+    for other in captures[1:]:
+        for name in ("layers", "positions", "reduce"):
+            if getattr(other, name) != getattr(first, name):
+                raise LensRequestError(
+                    SINK_KEY, f"writes one example per request, so every captured point needs "
+                    f"the same {name}: {first.signal} has {getattr(first, name)!r}, "
+                    f"{other.signal} {getattr(other, name)!r}", request_id=request_id)
+    if not saes:
+        return
+    if first is not None and first.reduce is not None:
+        raise LensRequestError(
+            SINK_KEY, f"writes SAE features per position, but {first.signal} is reduced "
+            f"({first.reduce!r}) to one row; drop reduce, or write the features to another "
+            "dataset", request_id=request_id)
+    positions = first.positions if first is not None else saes[0].positions
+    for i, spec in enumerate(saes):
+        if spec.positions != positions:
+            raise LensRequestError(
+                SINK_KEY, f"writes one example per request, so {SAE_KEY} entry {i} "
+                f"({spec.sae}) needs the rows' positions {positions!r}, not "
+                f"{spec.positions!r}", request_id=request_id)
 
 
 def parse_stream(raw: Any, captures: tuple[CaptureSpec, ...], sink: SinkSpec | None,

@@ -251,10 +251,9 @@ def parse_extra_args(
     if not asked:
         for key, value in ((SINK_KEY, raw_sink), (STREAM_KEY, raw_stream)):
             if value is not None and value not in (False, "false", "0"):
-                also = f", {SAE_KEY}" if key == STREAM_KEY else ""  # (not yet in sinks)
                 raise LensRequestError(key, "asks for captured rows, but the request captures "
-                                       f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY}{also} or "
-                                       f"{QK_KEY})", request_id=request_id)
+                                       f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY}, "
+                                       f"{SAE_KEY} or {QK_KEY})", request_id=request_id)
         return rest, None
     facts = facts()
     check_engine(facts, asked[0][0], hooks=raw_hooks is not None, request_id=request_id)
@@ -266,11 +265,9 @@ def parse_extra_args(
                                                           presets or {}, saes=saes)
     hooks = () if raw_hooks is None else parse_hooks(raw_hooks, facts, request_id)
     captures = points if capture is None else (capture, *points)
-    sink = None if raw_sink is None else parse_sink(raw_sink, captures, facts, request_id)
     features = () if raw_saes is None else parse_sae_features(raw_saes, facts, saes, request_id)
-    if features and sink is not None:
-        raise LensRequestError(SAE_KEY, f"is not yet written to a capture sink; drop "
-                               f"{SINK_KEY}", request_id=request_id)
+    sink = None if raw_sink is None else parse_sink(raw_sink, captures, facts, request_id,
+                                                    saes=features)
     stream = parse_stream(raw_stream, captures, sink, facts, request_id, saes=features)
     return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
                              fault=fault, points=points, sink=sink, stream=stream,

@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from vllm_lens import points as tap_points
 from vllm_lens.errors import LensRequestError, UnsupportedConfigError
 from vllm_lens.spec.capture import CaptureSpec, parse_positions
@@ -69,6 +71,20 @@ class SAEFeatureSpec:
     def capture(self) -> CaptureSpec:
         """The capture the workers run for it: its layer's rows at its positions."""
         return CaptureSpec(layers=(self.layer,), positions=self.positions, signal=self.signal)
+
+    def entry(self, rows: Any, positions: Any) -> dict[str, Any]:
+        """One ``sae_features`` entry from the packed rows the workers computed (``[n, width]``
+        in float32, ``worker.plan``) and their positions: per position the top features'
+        ``indices`` (int32, -1 where fewer were active) and ``values`` (float32), descending;
+        with ``reconstruction`` also ``nmse`` (float32) and ``l0`` (int32)."""
+        k = self.top_k
+        found: dict[str, Any] = {
+            "sae": self.sae, "layer": self.layer, "point": self.point, "positions": positions,
+            "indices": rows[:, :k].to(torch.int32), "values": rows[:, k:2 * k].contiguous()}
+        if self.reconstruction:
+            found["nmse"] = rows[:, 2 * k].contiguous()
+            found["l0"] = rows[:, 2 * k + 1].to(torch.int32)
+        return found
 
     def to_payload(self) -> dict[str, Any]:
         return {"sae": self.sae, "path": self.path, "hook_point": self.hook_point,

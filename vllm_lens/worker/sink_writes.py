@@ -56,23 +56,32 @@ def _version(package: str) -> str:
 
 def write(lens: LensRequest, captures: Mapping[str, Mapping[str, Any]], model: str,
           prompt_token_ids: Sequence[int], token_ids: Sequence[int]) -> dict[str, Any]:
-    """Write one request's assembled captures (signal -> ``capture.assemble`` result) as one
-    example; returns the sink's receipt."""
+    """Write one request's assembled captures (signal -> ``capture.assemble`` result), SAE
+    features included, as one example; returns the sink's receipt."""
     assert lens.sink is not None
     specs = lens.captures
-    missing = [c.signal for c in specs if c.signal not in captures]
+    missing = [c.signal for c in (*specs, *lens.sae_captures) if c.signal not in captures]
     if missing:
         raise ValueError(f"no position of {', '.join(missing)} was selected: nothing was "
                          "written (a sink example needs rows)")
-    first = specs[0]
+    first = specs[0] if specs else lens.sae_captures[0]
     reduced = first.reduce is not None
     rows: dict[str, torch.Tensor] = {}
     for spec in specs:
         tensor = captures[spec.signal]["tensor"]
         rows[spec.signal] = tensor[:, None] if reduced else tensor
     positions = captures[first.signal]["positions"]
-    lead = rows[first.signal]
-    if lead.shape[1] == 0 or positions.numel() == 0:  # (a reduction over none: NaN rows)
+    features = []
+    for sae in lens.saes:
+        found = captures[sae.signal]
+        if not torch.equal(found["positions"], positions):  # (the parse made them equal)
+            raise ValueError(f"SAE {sae.sae}'s features were read at other positions than "
+                             "the rows: nothing was written")
+        entry = sae.entry(found["tensor"][0].float(), positions)
+        features.append({field: entry[field] for field in ("indices", "values", "nmse", "l0")
+                         if field in entry})
+    n_rows = positions.numel() if not specs else rows[first.signal].shape[1]
+    if n_rows == 0 or positions.numel() == 0:  # (a reduction over none: NaN rows)
         raise ValueError("no position was selected: nothing was written (a sink example "
                          "needs rows)")
     import vllm
@@ -82,16 +91,20 @@ def write(lens: LensRequest, captures: Mapping[str, Mapping[str, Any]], model: s
         "vllm_version": vllm.__version__,
         "vllm_lens_version": _version("vllm-lens"),
         "points": [c.signal for c in specs],
-        "layers": list(first.layers),
-        "dtype": str(lead.dtype).removeprefix("torch."),
+        "layers": list(first.layers) if specs else [],
+        "dtype": str(rows[first.signal].dtype).removeprefix("torch.") if specs else "float32",
         "row_shapes": {signal: list(t.shape[2:]) for signal, t in rows.items()},
         "positions": first.positions if isinstance(first.positions, str)
         else list(first.positions),
         "reduce": first.reduce,
     }
+    if lens.saes:
+        settings["sae_features"] = [
+            {"sae": s.sae, "point": s.point, "layer": s.layer, "d_sae": s.d_sae,
+             "top_k": s.top_k, "reconstruction": s.reconstruction} for s in lens.saes]
     example = Example(key=lens.sink.key, rows=rows, positions=positions.tolist(),
                       reduced=reduced, prompt_token_ids=list(prompt_token_ids),
-                      token_ids=list(token_ids), settings=settings)
+                      token_ids=list(token_ids), settings=settings, sae_features=features)
     return _sink(lens.sink.sink).write(lens.sink.dataset, example)
 
 

@@ -155,10 +155,11 @@ def reserve(nbytes: int, shape: list[int], dtype: str) -> None:
         budget.take(nbytes, shape, dtype, check=False)  # its shape is the deployment's
 
 
-def charge(blob: bytes) -> None:
+def charge(blob: bytes, *, check: bool = True) -> None:
     """Charge the tensors ``blob`` (from :func:`dumps`) declares against the active
     ``decode_limit`` without decompressing them: tensors validated earlier (a registered
-    preset) still count towards the request that uses them."""
+    preset) still count towards the request that uses them. ``check=False``: their shapes are
+    not vetted again (an SAE's rows and columns, whose shapes are the deployment's)."""
     budget = _budget.get()
     if budget is None:
         return
@@ -171,7 +172,7 @@ def charge(blob: bytes) -> None:
         item = stack.pop()
         if isinstance(item, dict) and item.get(_TENSOR_TAG) is True:
             _, shape, nbytes = _declared(item)
-            budget.take(nbytes, shape, item["dtype"])
+            budget.take(nbytes, shape, item["dtype"], check=check)
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, list):

@@ -52,6 +52,12 @@ def server_preset() -> SteeringVector:
                           phase="decode")
 
 
+#: The test server's preset ``focus``: steering by features of the SAE it serves
+#: (``smol-l10``), from the same presets file (registered after ``VLLM_LENS_SAES``).
+SERVER_FEATURE_PRESET = [{"sae": "smol-l10", "feature": 21, "scale": 12.0, "phase": "decode"},
+                         {"sae": "smol-l10", "feature": [5, 9], "clamp": [4.0, 0.0]}]
+
+
 @pytest.fixture(scope="session")
 def smol_sae(tmp_path_factory):
     """(directory, sae-lens ``SAE``): a random 512-feature JumpReLU SAE on SmolLM2's layer-10
@@ -65,13 +71,14 @@ def smol_sae(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smol_server(smollm2_path, tmp_path_factory, smol_sae):
     """SmolLM2 behind vLLM's OpenAI server (compiled mode, like ``smol_llm``), with the
-    steering preset ``calm`` and the SAE ``smol-l10`` (``smol_sae``) registered from files
-    at start-up."""
+    steering presets ``calm`` and ``focus`` (``SERVER_FEATURE_PRESET``) and the SAE
+    ``smol-l10`` (``smol_sae``) registered from files at start-up."""
     from tests.integration.server import running_server
 
     presets = tmp_path_factory.mktemp("presets") / "presets.json"
     presets.write_text(json.dumps({"calm": {
-        "model": "SmolLM2-135M-Instruct", "vectors": [server_preset().model_dump(mode="json")]}}))
+        "model": "SmolLM2-135M-Instruct", "vectors": [server_preset().model_dump(mode="json")]},
+        "focus": SERVER_FEATURE_PRESET}))
     saes = presets.with_name("saes.json")
     saes.write_text(json.dumps({"smol-l10": str(smol_sae[0])}))
     env = {**SERVER_ENV, "VLLM_LENS_STEERING_PRESETS": str(presets),

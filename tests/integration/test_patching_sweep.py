@@ -1,11 +1,13 @@
 """Activation-patching sweeps (``patching_sweep``): every cell equals transformers with hooks
-that add the same corruption and write the same clean row; bad sweeps fail alone."""
+that add the same corruption and write the same clean row (also a corruption steering by SAE
+feature); bad sweeps fail alone."""
 
 import math
 
 import pytest
 import torch
 
+from tests.integration.saes import saved_sae
 from tests.integration.test_steering import TINY_PROMPT, _direction, _prompt_ids
 from vllm_lens import LensRequestError, SteeringVector
 
@@ -69,6 +71,61 @@ def test_sweep_cells_equal_transformers_with_hooks(tiny_llm, tiny_ref):
     assert 0 < float(by_text["grid"][0, 0]) < 1
 
 
+def _logit_diff(ref, ids, edits, a, b):
+    with torch.no_grad(), ref.point_hooks(edits):
+        logits = ref.model(torch.tensor([ids])).logits[0, -1]
+    logprobs = torch.log_softmax(logits.float(), -1)
+    return float(logprobs[a] - logprobs[b])
+
+
+def test_a_sweep_corrupting_by_sae_feature_equals_transformers_with_hooks(tiny_llm, tiny_ref,
+                                                                          tmp_path):
+    """``corrupt`` may steer by SAE feature: a ``scale`` item sweeps exactly as the steering
+    vector its decoder row makes; a ``clamp`` item gives every cell of transformers with the
+    clamp and the patch in hooks; a clamp where the sweep patches is refused by field."""
+    path = tmp_path / "resid"
+    sae = saved_sae(path, "jumprelu", "blocks.2.hook_resid_post")
+    ids, positions, clean, _, _ = _setup(tiny_llm, tiny_ref)
+    a, b = 17, 42
+    sweep = (ids, clean, LAYERS, positions, {"logit_diff": [a, b]})
+    W_dec = sae.W_dec.detach()
+    by_feature = tiny_llm.patching_sweep(*sweep, corrupt=[
+        {"sae": str(path), "feature": 11, "scale": 40.0}])
+    by_vector = tiny_llm.patching_sweep(*sweep, corrupt=[
+        SteeringVector(activations=W_dec[11:12], layer_indices=[2], scale=40.0)])
+    torch.testing.assert_close(by_feature["grid"], by_vector["grid"], rtol=1e-5, atol=1e-5)
+    assert math.isclose(by_feature["corrupted"], by_vector["corrupted"], abs_tol=1e-5)
+    assert abs(by_feature["corrupted"] - by_feature["uncorrupted"]) > 1e-2
+
+    features, targets = torch.tensor([11, 300]), torch.tensor([6.0, 0.0])
+
+    def clamp(x):
+        with torch.no_grad():
+            return x + (targets - sae.encode(x)[:, features]) @ W_dec[features]
+
+    def write(position, row):
+        def edit(value):
+            value = value.clone()
+            value[position] = row
+            return value
+        return edit
+
+    item = {"sae": str(path), "feature": features.tolist(), "clamp": targets.tolist()}
+    clamped = tiny_llm.patching_sweep(*sweep, corrupt=[item])
+    expected = torch.tensor([[_logit_diff(tiny_ref, ids, {
+        ("resid_post", 2): clamp, ("resid_post", layer): write(p, clean[i, j])}, a, b)
+        for j, p in enumerate(positions)] for i, layer in enumerate(LAYERS)],
+        dtype=torch.float64)
+    torch.testing.assert_close(clamped["grid"], expected, rtol=1e-3, atol=1e-3)
+    corrupted = _logit_diff(tiny_ref, ids, {("resid_post", 2): clamp}, a, b)
+    assert math.isclose(clamped["corrupted"], corrupted, rel_tol=1e-3, abs_tol=1e-3)
+    assert abs(clamped["corrupted"] - clamped["uncorrupted"]) > 1e-2  # the clamp matters
+    with pytest.raises(LensRequestError, match="only clamp or replacement") as info:
+        tiny_llm.patching_sweep(ids, clean[:1], [2], positions, {"logit_diff": [a, b]},
+                                corrupt=[item])
+    assert info.value.field == "corrupt[0].clamp"
+
+
 @pytest.mark.parametrize(("kwargs", "field"), [
     (dict(layers=[0, 9]), "layers[1]"),
     (dict(positions=[1, 400]), "positions[1]"),
@@ -108,6 +165,30 @@ def test_sweep_over_http_equals_offline(smol_server, smol_llm):
             client.patching_sweep(ids, clean, [4, 20], [2, 999], {"prob": 5})
         assert info.value.status == 400 and info.value.param == "positions[1]"
         assert client.generate("Hello", max_tokens=2).text is not None  # serving on
+
+
+def test_a_sweep_over_http_corrupts_by_the_servers_named_sae(smol_server, smol_llm, smol_sae):
+    """Over HTTP a sweep's ``corrupt`` steers by features of an SAE the server serves by
+    name, with the grid of the same sweep offline by the SAE's directory; a directory sent
+    over HTTP is refused naming the field."""
+    from vllm_lens.client import LensClient, LensHTTPError
+
+    ids = _prompt_ids(smol_llm, "The Eiffel Tower is located in the city of")
+    clean = torch.randn(2, 2, 576, generator=torch.Generator().manual_seed(3)) * 5
+    sweep = (ids, clean, [4, 20], [2, len(ids) - 1], {"logit_diff": [12366, 5210]})
+    by_name = [{"sae": "smol-l10", "feature": 21, "scale": 30.0},
+               {"sae": "smol-l10", "feature": [5, 9], "clamp": [4.0, 0.0]}]
+    by_path = [{**item, "sae": str(smol_sae[0])} for item in by_name]
+    offline = smol_llm.patching_sweep(*sweep, corrupt=by_path)
+    assert abs(offline["corrupted"] - offline["uncorrupted"]) > 1e-2
+    with LensClient(smol_server.base_url) as client:
+        online = client.patching_sweep(*sweep, corrupt=by_name)
+        torch.testing.assert_close(online["grid"], offline["grid"], rtol=1e-4, atol=1e-4)
+        assert math.isclose(online["corrupted"], offline["corrupted"], abs_tol=1e-4)
+        with pytest.raises(LensHTTPError) as info:
+            client.patching_sweep(*sweep, corrupt=by_path)
+        assert info.value.status == 400 and info.value.param == "corrupt[0].sae"
+        assert "cannot name a path" in info.value.message
 
 
 def test_sweeps_past_the_cell_limit_are_refused_before_running(tiny_llm, monkeypatch):

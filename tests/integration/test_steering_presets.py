@@ -1,6 +1,6 @@
 """Named steering presets: registered by the operator (offline, from a file at server start,
 or through the opt-in routes), selected by clients with ``"preset:<name>"``, validated against
-the model when registered."""
+the model when registered; items steering by SAE feature are resolved then."""
 
 import json
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from tests.integration.conftest import server_preset
+from tests.integration.conftest import SERVER_FEATURE_PRESET, server_preset
+from tests.integration.saes import saved_sae
 from tests.integration.test_steering import _direction
 from vllm_lens import LensRequestError, SteeringVector
 from vllm_lens.client import LensClient, LensHTTPError
@@ -65,9 +66,41 @@ def test_bad_presets_are_refused_at_registration(tiny_llm, args, field, words):
     assert tiny_llm.steering_presets() == []
 
 
+def test_offline_presets_steer_by_sae_feature_as_the_same_items_inline(tiny_llm, tmp_path):
+    """A preset may hold items steering by SAE feature (``scale`` and ``clamp``), resolved
+    when it is registered: it steers as the same items given inline (not as no steering),
+    its clamp is still the only clamp at its site in a request selecting it, and a clamp the
+    SAE cannot serve is refused at registration naming the field."""
+    path = tmp_path / "resid"
+    saved_sae(path, "jumprelu", "blocks.2.hook_resid_post")
+    add = {"sae": str(path), "feature": 3, "scale": 30.0}
+    clamp = {"sae": str(path), "feature": [11, 300], "clamp": [6.0, 0.0]}
+    assert [(v["layers"], v["mode"], v["shape"])
+            for v in tiny_llm.register_steering("add", [add])["vectors"]] == [
+        ([2], "add", [1, 128])]
+    assert [(v["layers"], v["mode"], v["shape"])
+            for v in tiny_llm.register_steering("clamp", [clamp])["vectors"]] == [
+        ([2], "clamp", [2, 128])]
+    try:
+        plain = _tokens(tiny_llm, None)
+        assert _tokens(tiny_llm, ["preset:add"]) == _tokens(tiny_llm, [add]) != plain
+        assert _tokens(tiny_llm, ["preset:clamp"]) == _tokens(tiny_llm, [clamp]) != plain
+        with pytest.raises(LensRequestError, match="only clamp or replacement"):
+            _tokens(tiny_llm, ["preset:clamp", clamp])
+    finally:
+        tiny_llm.unregister_steering("add")
+        tiny_llm.unregister_steering("clamp")
+    saved_sae(tmp_path / "topk", "topk", "blocks.1.hook_resid_post", k=16)
+    with pytest.raises(LensRequestError, match="standard and jumprelu") as info:
+        tiny_llm.register_steering("topk", [{"sae": str(tmp_path / "topk"), "feature": 1,
+                                             "clamp": 2.0}])
+    assert info.value.field == "presets.topk[0].clamp"
+    assert tiny_llm.steering_presets() == []
+
+
 def test_server_preset_from_file_equals_its_vectors_sent_inline(smol_server):
     with LensClient(smol_server.base_url) as client:
-        (listed,) = client.steering_presets()
+        listed = {p["name"]: p for p in client.steering_presets()}["calm"]
         assert listed["name"] == "calm" and listed["model"] == "SmolLM2-135M-Instruct"
         assert listed["vectors"][0]["phase"] == "decode"
         by_name = client.generate(PROMPT, max_tokens=8, ignore_eos=True,
@@ -91,14 +124,45 @@ def test_server_preset_routes_register_validate_and_unregister(smol_server):
         assert info.value.status == 400 and info.value.param == "presets.thin[0].activations"
         client.register_steering("loud", [loud])
         try:
-            assert [p["name"] for p in client.steering_presets()] == ["calm", "loud"]
+            assert [p["name"] for p in client.steering_presets()] == ["calm", "focus", "loud"]
             assert client.generate(PROMPT, max_tokens=6, ignore_eos=True,
                                    steering_vectors="preset:loud").token_ids == \
                 client.generate(PROMPT, max_tokens=6, ignore_eos=True,
                                 steering_vectors=[loud]).token_ids
         finally:
             client.unregister_steering("loud")
-        assert [p["name"] for p in client.steering_presets()] == ["calm"]
+        assert [p["name"] for p in client.steering_presets()] == ["calm", "focus"]
+
+
+def test_server_presets_steer_by_the_features_of_its_named_saes(smol_server, smol_sae):
+    """The presets file may steer by the features of an SAE of ``VLLM_LENS_SAES`` (registered
+    first): the preset steers as the same items sent inline. So may a preset registered
+    through the routes, by the SAE's name only: a directory is refused naming the field, and
+    nothing is registered."""
+    focus = [{**SERVER_FEATURE_PRESET[0], "scale": 20.0}]
+    with LensClient(smol_server.base_url) as client:
+        listed = {p["name"]: p for p in client.steering_presets()}["focus"]
+        assert [(v["layers"], v["mode"], v["shape"]) for v in listed["vectors"]] == [
+            ([10], "add", [1, 576]), ([10], "clamp", [2, 576])]
+        by_name = client.generate(PROMPT, max_tokens=8, ignore_eos=True,
+                                  steering_vectors=["preset:focus"])
+        inline = client.generate(PROMPT, max_tokens=8, ignore_eos=True,
+                                 steering_vectors=SERVER_FEATURE_PRESET)
+        plain = client.generate(PROMPT, max_tokens=8, ignore_eos=True)
+        assert by_name.token_ids == inline.token_ids != plain.token_ids
+        client.register_steering("sharper", focus)
+        try:
+            assert client.generate(PROMPT, max_tokens=8, ignore_eos=True,
+                                   steering_vectors="preset:sharper").token_ids == \
+                client.generate(PROMPT, max_tokens=8, ignore_eos=True,
+                                steering_vectors=focus).token_ids
+        finally:
+            client.unregister_steering("sharper")
+        with pytest.raises(LensHTTPError) as info:
+            client.register_steering("far", [{**focus[0], "sae": str(smol_sae[0])}])
+        assert info.value.status == 400 and info.value.param == "presets.far[0].sae"
+        assert "cannot name a path" in info.value.message
+        assert [p["name"] for p in client.steering_presets()] == ["calm", "focus"]
 
 
 def test_server_with_a_preset_that_does_not_fit_the_model_does_not_start(tiny_path, tmp_path):

@@ -13,7 +13,7 @@ from typing import Any
 from vllm_lens.frontend.collate import LensSession
 from vllm_lens.frontend.rpc import all_workers
 
-__all__ = ["Steps", "install_methods"]
+__all__ = ["Steps", "drive", "drive_async", "install_methods"]
 
 #: One step: (worker RPC name, args); the RPC's per-rank results are sent back in.
 Steps = Generator[tuple[str, tuple[Any, ...]], list[Any], Any]
@@ -29,16 +29,31 @@ def _session(engine: Any) -> LensSession:
     return session
 
 
+def drive(engine: Any, steps: Steps) -> Any:
+    """Run ``steps`` on an offline engine (``LLMEngine``), each RPC by its
+    ``collective_rpc``; returns what they return."""
+    try:
+        rpc, rpc_args = next(steps)
+        while True:
+            rpc, rpc_args = steps.send(engine.collective_rpc(rpc, args=rpc_args))
+    except StopIteration as stop:
+        return stop.value
+
+
+async def drive_async(engine: Any, steps: Steps) -> Any:
+    """Run ``steps`` on an ``AsyncLLM``, each RPC on every worker of every engine."""
+    try:
+        rpc, rpc_args = next(steps)
+        while True:
+            rpc, rpc_args = steps.send(await all_workers(engine, rpc, tuple(rpc_args)))
+    except StopIteration as stop:
+        return stop.value
+
+
 def _sync_method(name: str, steps_fn: Callable[..., Steps], doc: str) -> Any:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         engine = self.llm_engine
-        steps = steps_fn(_session(engine), *args, **kwargs)
-        try:
-            rpc, rpc_args = next(steps)
-            while True:
-                rpc, rpc_args = steps.send(engine.collective_rpc(rpc, args=rpc_args))
-        except StopIteration as stop:
-            return stop.value
+        return drive(engine, steps_fn(_session(engine), *args, **kwargs))
 
     method.__name__ = name
     method.__doc__ = doc
@@ -47,13 +62,7 @@ def _sync_method(name: str, steps_fn: Callable[..., Steps], doc: str) -> Any:
 
 def _async_method(name: str, steps_fn: Callable[..., Steps], doc: str) -> Any:
     async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        steps = steps_fn(_session(self), *args, **kwargs)
-        try:
-            rpc, rpc_args = next(steps)
-            while True:
-                rpc, rpc_args = steps.send(await all_workers(self, rpc, tuple(rpc_args)))
-        except StopIteration as stop:
-            return stop.value
+        return await drive_async(self, steps_fn(_session(self), *args, **kwargs))
 
     method.__name__ = name
     method.__doc__ = doc

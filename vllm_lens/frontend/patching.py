@@ -7,7 +7,11 @@ to the OpenAI server (its JSON body has the same names; tensors as JSON tensor r
 
 Cell ``(i, j)`` is the prompt run with the ``corrupt`` steering vectors (e.g. noise added to
 the subject's embeddings: ``layer_indices=[-1]``) plus one ``mode="replace"`` vector writing
-``clean[i, j]`` over ``point`` of layer ``layers[i]`` at position ``positions[j]``. Every
+``clean[i, j]`` over ``point`` of layer ``layers[i]`` at position ``positions[j]``. A
+corrupting vector may steer by SAE feature (``{"sae", "feature", "scale" | "clamp"}``, as in
+``apply_steering_vectors``): its SAE is described and its rows and columns fetched once for
+all the variants (over HTTP, only SAEs the server serves by name); a clamp at a (layer, site)
+the sweep patches is refused, since a clamp must be the only write at its site. Every
 variant is an ordinary lens request of one forward pass over the prompt and one greedy token,
 and the metric is read from vLLM's logprobs of the metric's tokens at the last prompt position
 (``logprob_token_ids``; raw logprobs, so a difference of two is their logit difference):
@@ -39,11 +43,16 @@ from fastapi.responses import JSONResponse, Response
 from vllm import SamplingParams
 
 from vllm_lens import envs, wire
+from vllm_lens import points as tap_points
 from vllm_lens.errors import LensError, LensRequestError, UnsupportedConfigError
 from vllm_lens.frontend.collate import LensSession, facts_from_describe
+from vllm_lens.frontend.engine_methods import drive, drive_async
 from vllm_lens.frontend.http_io import error, read_bounded
 from vllm_lens.frontend import response_scope
-from vllm_lens.spec import ModelFacts, STEER_KEY, parse_steering
+from vllm_lens.frontend.sae_names import described_beforehand, steering_described
+from vllm_lens.sinks.config import serves_http
+from vllm_lens.spec import ModelFacts, STEER_KEY, SteerSpec, parse_steering
+from vllm_lens.spec.sae_steering import is_feature_item
 
 __all__ = ["install", "router"]
 
@@ -79,8 +88,10 @@ class _Plan:
 
 
 def _plan(facts: ModelFacts, tokenizer: Any, model_config: Any, prompt: Any, clean: Any,
-          layers: Any, positions: Any, metric: Any, corrupt: Any, point: Any) -> _Plan:
-    """Validate a sweep against the model and build its variants' sampling parameters."""
+          layers: Any, positions: Any, metric: Any, corrupt: Any, point: Any,
+          saes: Any = None) -> _Plan:
+    """Validate a sweep against the model and build its variants' sampling parameters.
+    ``saes``: the SAEs ``corrupt`` steers by, described beforehand (``steering_described``)."""
     from vllm_lens.steering import SteeringVector
 
     if model_config.logprobs_mode != "raw_logprobs":
@@ -113,11 +124,13 @@ def _plan(facts: ModelFacts, tokenizer: Any, model_config: Any, prompt: Any, cle
                                   hook_point=point)
     except ValueError as exc:
         raise LensRequestError("point", str(exc)) from None
-    parse_steering([writable], facts, "point")  # a point replacements may write, here
+    # A point replacements may write, here.
+    (written,) = parse_steering([writable], facts, "point")
     corrupt = [] if corrupt is None else (list(corrupt) if isinstance(corrupt, (list, tuple))
                                           else [corrupt])
     if corrupt:
-        specs = parse_steering(corrupt, facts, "corrupt")  # errors name the caller's field
+        specs = parse_steering(corrupt, facts, "corrupt", saes)  # errors name the caller's field
+        _check_clamps_unpatched(specs, layers, written.point, facts)
         if len(specs) + 1 > envs.max_steering_vectors():  # each cell adds its patch
             raise LensRequestError(
                 "corrupt", f"{len(specs)} corrupting vectors and each cell's patch come to "
@@ -149,17 +162,41 @@ def _plan(facts: ModelFacts, tokenizer: Any, model_config: Any, prompt: Any, cle
     return _Plan(ids, layers, positions, (kind, tokens), variants)
 
 
-def _decoded_bytes(spec: Any) -> int:
-    tensor = wire.loads(spec.vectors)
-    return tensor.numel() * tensor.element_size()
+def _check_clamps_unpatched(specs: Sequence[SteerSpec], layers: Sequence[int], point: str,
+                            facts: ModelFacts) -> None:
+    """A clamp must be the only clamp or replacement at its (layer, site)
+    (``spec.sae_steering.check_clamps_alone``): a corrupting clamp where the sweep writes its
+    clean rows would meet a replacement in every cell of that layer."""
+    patched = tap_points.site_of(point, split=facts.split)
+    for i, spec in enumerate(specs):
+        if spec.mode != "clamp" or tap_points.site_of(spec.point, split=facts.split) != patched:
+            continue
+        both = sorted(set(spec.layers) & set(layers))
+        if both:
+            raise LensRequestError(
+                f"corrupt[{i}].clamp", f"clamps features at layer {both[0]}'s {patched} site, "
+                f"where the sweep writes its clean rows ({point}); a clamp must be the only "
+                "clamp or replacement at its site: patch other layers, or another point")
+
+
+def _decoded_bytes(spec: SteerSpec) -> int:
+    """What one variant's copy of ``spec`` decodes to (a clamp's encoder columns included)."""
+    tensors = [wire.loads(spec.vectors)]
+    if spec.clamp is not None:
+        tensors += [t for t in wire.loads(spec.clamp.encoder).values()
+                    if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _live(item: Any) -> Any:
-    """A validated ``SteeringVector`` for one of the caller's forms of a vector."""
+    """A validated ``SteeringVector`` for one of the caller's forms of a vector; an item
+    steering by feature as it is (each variant's parse finds its SAE described beforehand)."""
     from vllm_lens.steering import SteeringVector
 
     if isinstance(item, SteeringVector):
         return item
+    if is_feature_item(item):
+        return dict(item)
     if isinstance(item, str):
         return SteeringVector.from_wire(item)
     return SteeringVector.model_validate(dict(item))
@@ -219,10 +256,12 @@ def _sync_sweep(self: Any, prompt: Any, clean: Any, layers: Any, positions: Any,
     session = LensSession.of(engine)
     if session.facts is None:
         session.facts = facts_from_describe(engine.collective_rpc("lens_describe"))
+    saes = drive(engine, steering_described(session, corrupt, paths=True))
     plan = _plan(session.facts, self.get_tokenizer(), engine.model_config, prompt, clean,
-                 layers, positions, metric, corrupt, point)
+                 layers, positions, metric, corrupt, point, saes)
     prompts = [TokensPrompt(prompt_token_ids=plan.prompt_ids)] * len(plan.params)
-    return plan.result(self.generate(prompts, plan.params, use_tqdm=False))
+    with described_beforehand(saes):
+        return plan.result(self.generate(prompts, plan.params, use_tqdm=False))
 
 
 async def _async_sweep(self: Any, prompt: Any, clean: Any, layers: Any, positions: Any,
@@ -235,8 +274,12 @@ async def _async_sweep(self: Any, prompt: Any, clean: Any, layers: Any, position
     from vllm_lens.frontend.async_engine import model_facts
 
     facts = await model_facts(self)
+    # Over HTTP a client names the server's SAEs, never a directory.
+    saes = await drive_async(self, steering_described(LensSession.of(self), corrupt,
+                                                      paths=not serves_http()))
     plan = await asyncio.to_thread(_plan, facts, self.get_tokenizer(), self.model_config,
-                                   prompt, clean, layers, positions, metric, corrupt, point)
+                                   prompt, clean, layers, positions, metric, corrupt, point,
+                                   saes)
     sweep_id = uuid.uuid4().hex
 
     async def one(k: int, params: SamplingParams) -> Any:
@@ -249,7 +292,8 @@ async def _async_sweep(self: Any, prompt: Any, clean: Any, layers: Any, position
     # One variant failing (or the caller being cancelled) cancels the others, which aborts
     # their engine requests.
     try:
-        with response_scope.lens_route():  # the variants' tasks inherit the mark
+        # The variants' tasks inherit the mark and the SAEs described for them.
+        with response_scope.lens_route(), described_beforehand(saes):
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(one(k, p)) for k, p in enumerate(plan.params)]
     except BaseExceptionGroup as failed:

@@ -10,10 +10,15 @@ A request selects a preset with ``"preset:<name>"`` among its ``apply_steering_v
 (offline, or over HTTP without any opt-in: the vectors are the operator's, the client only
 names them). Registration validates the vectors against the served model exactly as a
 request's are (hidden size, layers, points, positions), and refuses a preset whose ``model``
-names another model. The OpenAI server registers the presets of ``VLLM_LENS_STEERING_PRESETS``
-(a JSON file) before it serves, and fails to start on a bad one; ``GET /v1/steering`` lists
-them, and ``/v1/steering/register`` / ``/v1/steering/unregister`` answer only with the
-operator's opt-in (``VLLM_LENS_ALLOW_STEERING_ROUTES=1``), like ``/v1/hooks/*``.
+names another model. An item steering by SAE feature (``spec.sae_steering``) is resolved when
+the preset is registered: the preset keeps the vector made of the decoder rows (``scale``), or
+the rows, encoder columns and targets (``clamp``), so it steers as the same item in a request
+did then, whatever happens to the SAE afterwards. In a server process only SAEs registered by
+name (``VLLM_LENS_SAES``) may be named, never a directory, as in a request. The OpenAI server
+registers the presets of ``VLLM_LENS_STEERING_PRESETS`` (a JSON file) before it serves, after
+its SAEs, and fails to start on a bad one; ``GET /v1/steering`` lists them, and
+``/v1/steering/register`` / ``/v1/steering/unregister`` answer only with the operator's opt-in
+(``VLLM_LENS_ALLOW_STEERING_ROUTES=1``), like ``/v1/hooks/*``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from vllm_lens import wire
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.collate import LensSession, facts_from_describe
 from vllm_lens.frontend.engine_methods import Steps, install_methods
+from vllm_lens.frontend.sae_names import steering_described
+from vllm_lens.sinks.config import serves_http
 from vllm_lens.spec import SteerSpec, parse_steering
 
 __all__ = ["METHODS", "install", "read_preset_file"]
@@ -43,7 +50,9 @@ def _register(session: LensSession, name: Any, vectors: Any, model: str | None =
         raise LensRequestError("model", f"preset {name!r} is for {model!r}, but this engine "
                                f"serves {session.model_names[0]!r}")
     session.facts = facts_from_describe((yield "lens_describe", ()))
-    specs = parse_steering(vectors, session.facts, f"presets.{name}")
+    # A client of the server never makes it open a path, also through a preset.
+    saes = yield from steering_described(session, vectors, paths=not serves_http())
+    specs = parse_steering(vectors, session.facts, f"presets.{name}", saes)
     session.presets[name] = specs  # a name registered again is replaced
     session.preset_info[name] = _describe(name, specs, model)
     return session.preset_info[name]
@@ -79,8 +88,8 @@ def _names_model(model: str, served: tuple[str, ...]) -> bool:
 
 def read_preset_file(path: str) -> dict[str, tuple[Any, str | None]]:
     """The presets of a JSON file: ``{name: [vector, ...]}`` or ``{name: {"vectors": [...],
-    "model": "..."}}``, each vector a ``SteeringVector`` as JSON (``model_dump(mode="json")``);
-    returns name -> (vectors, model)."""
+    "model": "..."}}``, each vector a ``SteeringVector`` as JSON (``model_dump(mode="json")``)
+    or an item steering by a registered SAE's feature; returns name -> (vectors, model)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:

@@ -17,29 +17,33 @@ serves, and fails to start on a bad one; ``GET /v1/lens/saes`` lists them.
 A request's ``"sae"`` is a registered name; where the caller owns the process (an offline
 ``LLM``, an ``AsyncLLM`` outside the server) it may also be a directory. Over HTTP a client
 never makes the server open a path: anything but a registered name is refused, naming the
-field.
+field. The same holds for the items steering by feature that a steering preset being
+registered or a patching sweep's ``corrupt`` lists (``steering_described``): described
+before they are parsed, names only in a server process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 from vllm_lens import envs, wire
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.collate import LensSession, facts_from_describe
-from vllm_lens.frontend.engine_methods import Steps, install_methods
-from vllm_lens.frontend.rpc import all_workers
+from vllm_lens.frontend.engine_methods import Steps, drive_async, install_methods
 from vllm_lens.spec.keys import SAE_KEY, STEER_KEY
 from vllm_lens.spec.sae_steering import steering_sae_references
 from vllm_lens.spec.saes import Describe, check_description, sae_references
 
-__all__ = ["METHODS", "async_describer", "install", "offline_describer", "read_sae_file"]
+__all__ = ["METHODS", "async_describer", "described_beforehand", "describing", "install",
+           "offline_describer", "read_sae_file", "steering_described"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 #: What ``registered_saes`` lists of a description (never a path on the server's disk).
@@ -126,11 +130,17 @@ class _OfflineLookup:
         self._session = LensSession.of(engine)
 
     def __call__(self, sae: str, hook_point: str | None) -> dict[str, Any]:
+        given = _beforehand.get()
+        if given is not None:
+            return given(sae, hook_point)
         path, point = _resolve(self._session, sae, hook_point, paths=True)
         return answer(self._engine.collective_rpc("lens_load_sae", args=(path, point)))
 
     def sae_slice(self, sae: str, hook_point: str | None,
                   features: tuple[int, ...]) -> dict[str, Any]:
+        given = _beforehand.get()
+        if given is not None:
+            return given.sae_slice(sae, hook_point, features)
         # Called right after ``__call__`` loaded it, in the same parse (nothing runs between).
         path, point = _resolve(self._session, sae, hook_point, paths=True)
         return sae_slice(self._engine.collective_rpc(
@@ -166,29 +176,21 @@ def _value(value: Any) -> Any:
     return value
 
 
-async def async_describer(engine: Any, extra_args: Mapping[str, Any] | None,
-                          paths: bool) -> Describe | None:
-    """``spec.saes``' describe for an ``AsyncLLM``: the SAEs ``extra_args`` name (features to
-    read, features to steer by) are described and their slices fetched first, then the
-    parse looks them up. ``paths``: directories are accepted (not over HTTP). ``None`` when
-    the request names no SAE."""
-    if not extra_args:
-        return None
-    reads = await _off_the_loop(sae_references, extra_args.get(SAE_KEY))
-    steers = await _off_the_loop(steering_sae_references, extra_args.get(STEER_KEY))
-    if not reads and not steers:
-        return None
-    session = LensSession.of(engine)
+def describing(session: LensSession, reads: Sequence[tuple[str, str | None]],
+               steers: Sequence[tuple[str, str | None, tuple[int, ...]]], paths: bool) -> Steps:
+    """Steps that describe the SAEs ``reads`` names (``sae_references``) and those ``steers``
+    steers by (``steering_sae_references``), and fetch the steered features' slices; returns
+    what the parse then looks them up in (a problem is kept and raised there, naming the
+    field). ``paths``: directories are accepted (not over HTTP)."""
     described = _Described()
-    # At most MAX_SAE_ENTRIES of each kind: a bounded number of worker calls per request.
+    # At most MAX_SAE_ENTRIES of each kind: a bounded number of worker calls.
     for sae, hook_point in [*reads, *((s, h) for s, h, _ in steers)]:
         if (sae, hook_point) in described.found:
             continue
         path = sae
         try:
             path, point = _resolve(session, sae, hook_point, paths)
-            described.found[sae, hook_point] = answer(await all_workers(
-                engine, "lens_load_sae", (path, point)))
+            described.found[sae, hook_point] = answer((yield "lens_load_sae", (path, point)))
         except ValueError as exc:
             described.found[sae, hook_point] = _scrubbed(exc, sae, path, paths)
     for sae, hook_point, features in steers:
@@ -197,12 +199,57 @@ async def async_describer(engine: Any, extra_args: Mapping[str, Any] | None,
             continue
         point = _resolve(session, sae, hook_point, paths)[1]
         try:
-            described.slices[sae, hook_point, features] = sae_slice(await all_workers(
-                engine, "lens_sae_slice", (info["path"], point, list(features))))
+            described.slices[sae, hook_point, features] = sae_slice(
+                (yield "lens_sae_slice", (info["path"], point, list(features))))
         except ValueError as exc:
             described.slices[sae, hook_point, features] = _scrubbed(exc, sae, info["path"],
                                                                     paths)
     return described
+
+
+def steering_described(session: LensSession, raw: Any, paths: bool) -> Steps:
+    """Steps that describe the SAEs a list of steering vectors outside a request steers by (a
+    preset being registered, a patching sweep's ``corrupt``): what ``spec.parse_steering``
+    then looks them up in, or ``None`` when it names none."""
+    steers = steering_sae_references(raw)
+    if not steers:
+        return None
+    return (yield from describing(session, (), steers, paths))
+
+
+#: What a patching sweep described once for all its variants (``described_beforehand``).
+_beforehand: ContextVar[_Described | None] = ContextVar("vllm_lens_described_beforehand",
+                                                        default=None)
+
+
+@contextlib.contextmanager
+def described_beforehand(described: _Described | None) -> Iterator[None]:
+    """Requests sent inside the block (a patching sweep's variants, which all steer by the
+    features its ``corrupt`` lists) look the SAEs they name up in ``described``, fetched and
+    checked once for all of them, instead of asking the workers each time."""
+    token = _beforehand.set(described)
+    try:
+        yield
+    finally:
+        _beforehand.reset(token)
+
+
+async def async_describer(engine: Any, extra_args: Mapping[str, Any] | None,
+                          paths: bool) -> Describe | None:
+    """``spec.saes``' describe for an ``AsyncLLM``: the SAEs ``extra_args`` name (features to
+    read, features to steer by) are described and their slices fetched first, then the
+    parse looks them up. ``paths``: directories are accepted (not over HTTP). ``None`` when
+    the request names no SAE."""
+    if not extra_args:
+        return None
+    given = _beforehand.get()
+    if given is not None:
+        return given
+    reads = await _off_the_loop(sae_references, extra_args.get(SAE_KEY))
+    steers = await _off_the_loop(steering_sae_references, extra_args.get(STEER_KEY))
+    if not reads and not steers:
+        return None
+    return await drive_async(engine, describing(LensSession.of(engine), reads, steers, paths))
 
 
 #: Lens values longer than this are scanned for SAE names on a thread, never the event loop.

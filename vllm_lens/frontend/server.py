@@ -147,11 +147,12 @@ def _wrap_init_app_state(original):
     async def init_app_state(engine_client: Any, state: Any, args: Any, *rest: Any,
                              **kwargs: Any) -> None:
         await original(engine_client, state, args, *rest, **kwargs)
-        await steering_routes.register_preset_file(  # before serving
-            engine_client, getattr(args, "api_server_count", None))
         names = await register_sae_file(engine_client)
         if names:
             logger.info("vllm-lens: serving SAEs %s", ", ".join(names))
+        # Before serving, and after the SAEs: a preset may steer by their features.
+        await steering_routes.register_preset_file(
+            engine_client, getattr(args, "api_server_count", None))
 
     return init_app_state
 

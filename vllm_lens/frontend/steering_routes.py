@@ -6,6 +6,11 @@
 - ``POST /v1/steering/register`` ``{"name", "vectors": [SteeringVector JSON, ...], "model"?}``
   and ``POST /v1/steering/unregister`` ``{"name"}``: 403 unless the operator set
   ``VLLM_LENS_ALLOW_STEERING_ROUTES=1``, since a preset steers every client that selects it.
+  A vector may steer by feature (``{"sae", "feature", "scale" | "clamp"}``) of an SAE the
+  server serves by name (``VLLM_LENS_SAES``); a directory is refused, naming the field.
+
+The presets file is registered after ``VLLM_LENS_SAES`` (``frontend.server``), so its presets
+may steer by those SAEs' features too.
 """
 
 from __future__ import annotations

@@ -182,15 +182,14 @@ def parse_steering_key(raw: Any, facts: ModelFacts, request_id: str | None,
             where = f"{field}[{i}]"
             if is_feature_item(item):
                 by_feature += 1
-                if by_feature > MAX_SAE_ENTRIES:
-                    raise LensRequestError(where, f"steers by SAE feature beyond the "
-                                           f"{MAX_SAE_ENTRIES} such items a request may carry; "
-                                           "list several features in one item",
-                                           request_id=request_id)
+                _check_features(by_feature, MAX_SAE_ENTRIES, where, request_id)
                 _check_count(len(specs) + 1, most, where, request_id)
                 specs.append(parse_feature_steering(item, facts, saes, where, request_id))
             elif isinstance(item, str) and item.startswith(PRESET_PREFIX):
                 found = _preset(item, presets, where, request_id)
+                # A preset's clamps were items steering by feature: they count as the request's.
+                by_feature += sum(spec.mode == "clamp" for spec in found)
+                _check_features(by_feature, MAX_SAE_ENTRIES, where, request_id)
                 _check_count(len(specs) + len(found), most, where, request_id)
                 for spec in found:  # a preset's tensors count as the request's own
                     _charge(spec, where, request_id)
@@ -201,6 +200,15 @@ def parse_steering_key(raw: Any, facts: ModelFacts, request_id: str | None,
     _check_replacements_apart(specs, facts, field, request_id)
     check_clamps_alone(specs, facts, field, request_id)
     return tuple(specs)
+
+
+def _check_features(count: int, most: int, where: str, request_id: str | None) -> None:
+    """Refuse a request steering by SAE feature with more than ``most`` items (a preset's
+    clamps included): each clamp encodes its features at every steered row."""
+    if count > most:
+        raise LensRequestError(where, f"steers by SAE feature beyond the {most} such items a "
+                               "request may carry (a preset's clamps included); list several "
+                               "features in one item", request_id=request_id)
 
 
 def _check_count(count: int, most: int, where: str, request_id: str | None) -> None:
@@ -215,17 +223,24 @@ def _check_count(count: int, most: int, where: str, request_id: str | None) -> N
 
 def _charge(spec: SteerSpec, where: str, request_id: str | None) -> None:
     try:
-        wire.charge(spec.vectors)
+        # A clamp's decoder rows and encoder columns have its SAE's shapes (vetted when the
+        # preset was registered), not a steering vector's.
+        wire.charge(spec.vectors, check=spec.clamp is None)
+        if spec.clamp is not None:
+            wire.charge(spec.clamp.encoder, check=False)
         if spec.condition is not None:
             wire.charge(spec.condition.probe)
     except wire.WireError as exc:
         raise LensRequestError(where, str(exc), request_id=request_id) from None
 
 
-def parse_steering(raw: Any, facts: ModelFacts, field: str) -> tuple[SteerSpec, ...]:
+def parse_steering(raw: Any, facts: ModelFacts, field: str,
+                   saes: Any = None) -> tuple[SteerSpec, ...]:
     """Validate steering vectors against the model outside a request (a preset being
-    registered): the forms ``apply_steering_vectors`` takes, errors naming ``field``."""
-    return parse_steering_key(raw, facts, None, None, field)
+    registered, a patching sweep's corruption): the forms ``apply_steering_vectors`` takes,
+    errors naming ``field``. ``saes`` describes the SAEs its items steer by (without it such
+    an item is refused)."""
+    return parse_steering_key(raw, facts, None, None, field, saes)
 
 
 def _preset(item: str, presets: Mapping[str, tuple[SteerSpec, ...]] | None, where: str,

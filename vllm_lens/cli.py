@@ -1,5 +1,8 @@
 """The ``vllm-lens`` command line (runs in: the user's process, which runs the engine).
 
+``vllm-lens serve MODEL [flags]`` is ``vllm serve`` with the same flags, on every vLLM
+distribution (``vllm_lens.serve``).
+
 ``vllm-lens extract`` builds an activation dataset from a prompt file::
 
     vllm-lens extract --model M --input prompts.jsonl|DIR [--split NAME] --output acts/ \\
@@ -55,6 +58,10 @@ def _parser():
 
     parser = FlexibleArgumentParser(prog="vllm-lens", description="vllm-lens tools")
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("serve", add_help=False,
+                        help="vLLM's OpenAI-compatible server with vllm-lens: `vllm-lens serve "
+                             "MODEL [vllm serve flags]`, on every vLLM distribution (its own "
+                             "--help lists vLLM's flags)")
     extract = commands.add_parser(
         "extract", help="write the activations of a prompt file to an activation dataset")
     extract.add_argument("--input", required=True, type=Path,
@@ -105,6 +112,10 @@ _OWN = ("command", "input", "split", "output", "layers", "points", "positions", 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # vLLM's own serve parser, help included
+        from vllm_lens import serve
+
+        return serve.main(argv[1:])
     args = _parser().parse_args(argv)
     if args.server is None and not any(a == "--model" or a.startswith("--model=")
                                        for a in argv):

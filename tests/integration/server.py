@@ -35,9 +35,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_args(model: str, port: int) -> list[str]:
+#: How the server is started: vLLM's module entry point (one API process), or
+#: ``vllm-lens serve`` (vLLM's serve command: ``--api-server-count`` and the rest).
+MODULE = ("-m", "vllm.entrypoints.openai.api_server", "--model")
+LENS_SERVE = ("-m", "vllm_lens.cli", "serve")
+
+
+def server_args(model: str, port: int, launcher: tuple[str, ...] = MODULE) -> list[str]:
     return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        sys.executable, *launcher, model,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", DEFAULTS["dtype"],
         "--max-model-len", str(DEFAULTS["max_model_len"]),
         "--kv-cache-memory-bytes", str(DEFAULTS["kv_cache_memory_bytes"]),
@@ -47,12 +53,14 @@ def server_args(model: str, port: int) -> list[str]:
 
 @contextlib.contextmanager
 def running_server(model: str, *extra_args: str, env: dict[str, str] | None = None,
-                   start_timeout_s: float = 900) -> Iterator[Server]:
+                   start_timeout_s: float = 900,
+                   launcher: tuple[str, ...] = MODULE) -> Iterator[Server]:
     port = _free_port()
     log = tempfile.NamedTemporaryFile("w", prefix="vllm_lens_server_", suffix=".log",
                                       delete=False)
     proc = subprocess.Popen(
-        [*server_args(model, port), *extra_args], stdout=log, stderr=subprocess.STDOUT,
+        [*server_args(model, port, launcher), *extra_args], stdout=log,
+        stderr=subprocess.STDOUT,
         env={**os.environ, **(env or {})},
     )
     server = Server(f"http://127.0.0.1:{port}", proc.pid, log.name)

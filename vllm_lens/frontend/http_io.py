@@ -3,6 +3,7 @@ end, the API server process)."""
 
 from __future__ import annotations
 
+import multiprocessing
 from http import HTTPStatus
 from typing import Any
 
@@ -10,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
-__all__ = ["error", "json_object", "read_bounded"]
+__all__ = ["answered_by", "error", "json_object", "read_bounded"]
 
 
 async def json_object(raw_request: Request) -> dict[str, Any] | None:
@@ -48,3 +49,9 @@ def error(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
     err = create_error_response(message, status_code=status, param=param,
                                 err_type=_ERROR_TYPES.get(status, "BadRequestError"))
     return JSONResponse(err.model_dump(), status_code=err.error.code)
+
+
+def answered_by() -> dict[str, str]:
+    """A header naming the API server process that answered (``ApiServer_1`` ... under
+    ``--api-server-count``), for tracing where a follow-up call landed."""
+    return {"x-vllm-lens-api-process": multiprocessing.current_process().name}

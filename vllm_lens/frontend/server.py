@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import multiprocessing
 import sys
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
@@ -72,7 +71,7 @@ from vllm_lens.frontend import patching, steering_routes
 from vllm_lens.frontend.async_engine import OFF_ROUTE, model_facts
 from vllm_lens.frontend.blob_store import BlobStore, shared_root
 from vllm_lens.frontend.collate import LensSession, join_streamed
-from vllm_lens.frontend.http_io import json_object, read_bounded
+from vllm_lens.frontend.http_io import answered_by, json_object, read_bounded
 from vllm_lens.frontend.response_scope import ResponseScope
 from vllm_lens.frontend.rpc import all_workers
 from vllm_lens.frontend.sae_names import async_describer, check_sae_file, register_sae_file
@@ -94,11 +93,6 @@ __all__ = ["install", "store"]
 
 _DONE = "data: [DONE]\n\n"
 
-
-def _answered_by() -> dict[str, str]:
-    """A header naming the API server process that answered a fetch by handle
-    (``ApiServer_1`` ... under ``--api-server-count``), for tracing where follow-ups land."""
-    return {"x-vllm-lens-api-process": multiprocessing.current_process().name}
 _store: BlobStore | None = None
 
 
@@ -344,6 +338,9 @@ async def _validate(
                 "(VLLM_LENS_MAX_REQUEST_BYTES)")
         total += size
     facts = await model_facts(engine) if has_lens_keys(xargs) else None
+    steer = xargs.get(STEER_KEY)
+    if steer is not None and "preset:" in (steer if isinstance(steer, str) else json.dumps(steer)):
+        await steering_routes.sync_presets(engine)  # what other API processes registered
     presets = dict(LensSession.of(engine).presets)
     saes = await async_describer(engine, xargs, paths=False)  # a client names, never opens
     if total > _PARSE_INLINE_BYTES or xargs.get(STEER_KEY) is not None:
@@ -525,7 +522,7 @@ async def fetch_activations(raw_request: Request) -> Response:
     if delete:
         store().delete(handle)
     return Response(content=data, media_type="application/octet-stream",
-                    headers=_answered_by())
+                    headers=answered_by())
 
 
 @_router.get(ACTIVATIONS_PATH + "/{handle}")
@@ -534,14 +531,14 @@ async def get_activations(handle: str) -> Response:
     if data is None:
         return _not_found(handle)
     return Response(content=data, media_type="application/octet-stream",
-                    headers=_answered_by())
+                    headers=answered_by())
 
 
 @_router.delete(ACTIVATIONS_PATH + "/{handle}")
 async def delete_activations(handle: str) -> Response:
     if not store().delete(handle):
         return _not_found(handle)
-    return JSONResponse({"deleted": handle}, headers=_answered_by())
+    return JSONResponse({"deleted": handle}, headers=answered_by())
 
 
 @_router.get("/v1/lens/saes")

@@ -124,7 +124,6 @@ def test_model_runner_v2_is_refused_naming_the_setting(cpu_config):
     ("dual-batch overlap", lambda c: setattr(c.parallel_config, "enable_dbo", True),
      "enable_dbo"),
     ("pooling", lambda c: setattr(c.model_config, "runner_type", "pooling"), "pooling"),
-    ("LoRA", lambda c: object.__setattr__(c, "lora_config", object()), "--enable-lora"),
 ])
 def test_unproven_configurations_are_refused_naming_the_setting(cpu_config, setting, change,
                                                                 named, monkeypatch):

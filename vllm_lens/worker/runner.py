@@ -98,9 +98,6 @@ def config_unsupported_reason(vllm_config: Any) -> str | None:
     if getattr(parallel, "use_ubatching", False):
         return ("micro-batching (enable_dbo / --enable-dbo, ubatch_size) is not supported; "
                 "turn it off to use vllm-lens")
-    if getattr(vllm_config, "lora_config", None) is not None:
-        return ("LoRA (enable_lora / --enable-lora) is not yet proven with vllm-lens; start "
-                "the engine without it to use lens features")
     speculative = vllm_config.speculative_config
     if speculative is not None and speculative.method not in NGRAM_METHODS:
         return (f"speculative decoding with method {speculative.method!r} is not supported "

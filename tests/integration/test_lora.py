@@ -1,0 +1,121 @@
+"""LoRA adapters (vLLM's ``LoRARequest``, ``--enable-lora``) with lens features: a request with
+an adapter and one without, in the same batch, each equal their own transformers reference
+(PEFT's adapter merged into the weights, and the base model): captured rows, steered tokens
+and a hook's edit; over HTTP the adapter is selected by its served name."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from tests.integration.engines import running_llm
+from tests.integration.reference import HFReference, max_relative_error
+from vllm_lens import Hook, SteeringVector, decode_activations
+
+pytestmark = pytest.mark.slow  # starts an engine and a server of their own
+
+LORA = dict(enable_lora=True, max_lora_rank=8, max_loras=2, enforce_eager=True)
+PROMPTS = ["The capital of France is", "Once upon a time in a quiet village"]
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_path, tmp_path_factory):
+    """(adapter directory, transformers reference with the adapter merged): a random rank-8
+    PEFT LoRA on the attention's q/v/o and the MLP's down projection."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("lora")
+    torch.manual_seed(11)
+    base = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(
+        r=8, lora_alpha=16, init_lora_weights=False,
+        target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
+    with torch.no_grad():  # big enough to change what the model says
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.mul_(3.0)
+    model.save_pretrained(root / "adapter")
+    merged = model.merge_and_unload()
+    merged.save_pretrained(root / "merged")  # the reference reads weights, not text
+    return root / "adapter", HFReference(str(root / "merged"))
+
+
+@pytest.fixture(scope="module")
+def lora_llm(tiny_path):
+    with running_llm(tiny_path, **LORA) as llm:
+        yield llm
+
+
+def _ids(llm, prompt):
+    return llm.get_tokenizer()(prompt)["input_ids"]
+
+
+def test_adapter_and_base_requests_in_one_batch_each_equal_their_reference(
+        lora_llm, adapter, tiny_ref):
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    path, merged_ref = adapter
+    lora = LoRARequest("tiny-adapter", 1, str(path))
+    ids = [_ids(lora_llm, p) for p in PROMPTS]
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                        extra_args={"output_residual_stream": {"layers": [1, 3]}})
+    outs = lora_llm.generate([{"prompt_token_ids": i} for i in ids] * 2, sp,
+                             lora_request=[lora, None, None, lora])
+    for out, ref, prompt_ids in zip(outs, (merged_ref, tiny_ref, tiny_ref, merged_ref),
+                                    ids * 2):
+        assert out.lens_error is None
+        generated = list(out.outputs[0].token_ids)
+        assert generated == ref.greedy(prompt_ids, 4)
+        expected = ref.residual_stream(prompt_ids + generated[:-1], [1, 3])
+        assert max_relative_error(out.activations["residual_stream"], expected) <= 1e-4
+    assert list(outs[0].outputs[0].token_ids) != tiny_ref.greedy(ids[0], 4)  # it mattered
+
+    # Steering and a hook on the adapter's request, beside a plain one.
+    vector = SteeringVector(activations=torch.randn(1, 128, generator=torch.Generator()
+                                                    .manual_seed(3)) * 4, layer_indices=[1])
+
+    def double(ctx, hidden):
+        return hidden * 2
+
+    steered_sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
+        "apply_steering_vectors": [vector], "apply_hooks": [Hook(double, [2])]})
+    plain_sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    steered, plain = lora_llm.generate([{"prompt_token_ids": ids[1]}] * 2,
+                                       [steered_sp, plain_sp], lora_request=[lora, lora])
+    assert steered.lens_error is None and steered.hook_error is None
+    expected = merged_ref.hooked_greedy(ids[1], 5, {
+        1: lambda h: h + vector.activations[0], 2: lambda h: h * 2})
+    assert list(steered.outputs[0].token_ids) == expected
+    assert list(plain.outputs[0].token_ids) == merged_ref.greedy(ids[1], 5)
+    assert expected != merged_ref.greedy(ids[1], 5)
+
+
+def test_adapter_over_http_by_its_served_name(tiny_path, adapter, tiny_ref):
+    from tests.integration.server import running_server
+
+    path, merged_ref = adapter
+    with running_server(tiny_path, "--enable-lora", "--max-lora-rank", "8", "--lora-modules",
+                        f"tiny-adapter={path}", "--enforce-eager") as server:
+        def complete(model):
+            body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0,
+                    "return_token_ids": True,
+                    "vllm_xargs": {"output_residual_stream": json.dumps({"layers": [2]})}}
+            response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=300)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]
+
+        base_name = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
+        seen = []
+        for model, ref in (("tiny-adapter", merged_ref), (base_name, tiny_ref)):
+            choice = complete(model)
+            ids = choice["prompt_token_ids"] + choice["token_ids"][:-1]
+            rows = decode_activations(choice)["residual_stream"]
+            assert max_relative_error(rows, ref.residual_stream(ids, [2])) <= 1e-4
+            assert choice["token_ids"] == ref.greedy(choice["prompt_token_ids"], 3)
+            seen.append(rows[:, 0])
+        assert not torch.allclose(*seen)  # the adapter changed the first position's row

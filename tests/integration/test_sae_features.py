@@ -1,7 +1,10 @@
 """SAE features served by a real engine (the tiny Llama, chunked prefill) equal sae-lens' own
-``encode`` of transformers' rows at the SAE's point and layer, prompt and generated rows;
-only the top features leave the worker; bad SAEs are refused naming the field, before
-anything runs; the engine serves on and holds nothing afterwards."""
+``encode`` of transformers' rows at the SAE's point and layer, prompt and generated rows, for
+each architecture (jumprelu at resid_post, topk at mlp_out, standard at attn_out); clamping
+equals transformers with the same edit in a hook (jumprelu and standard); only the top
+features leave the worker; bad SAEs are refused naming the field, before anything runs (and
+a bad ``VLLM_LENS_SAES`` stops the OpenAI server); the engine serves on and holds nothing
+afterwards."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ def saes(tmp_path_factory):
         "resid": (root / "resid", saved_sae(root / "resid", "jumprelu",
                                              "blocks.2.hook_resid_post")),
         "mlp": (root / "mlp", saved_sae(root / "mlp", "topk", "blocks.1.hook_mlp_out", k=16)),
+        "attn": (root / "attn", saved_sae(root / "attn", "standard", "blocks.1.hook_attn_out")),
     }
 
 
@@ -32,48 +36,74 @@ def _ids(out):
     return list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
 
 
+def _assert_top_features(found, dense, k):
+    """Each row's returned features are the ``k`` largest of sae-lens' ``dense`` features,
+    the active ones only (then -1), and ``l0`` counts the active ones."""
+    for row in range(dense.shape[0]):
+        active = int((dense[row] > 0).sum())
+        assert int(found["l0"][row]) == active
+        kept = min(active, k)
+        top = dense[row].topk(kept)
+        torch.testing.assert_close(found["values"][row, :kept], top.values, rtol=1e-4,
+                                   atol=1e-5)
+        assert found["indices"][row, :kept].tolist() == top.indices.tolist()
+        assert (found["indices"][row, kept:] == -1).all()
+
+
+def _nmse(x, recon):
+    return (x - recon).pow(2).sum(-1) / x.pow(2).sum(-1)
+
+
 def test_features_equal_sae_lens_on_transformers_rows(tiny_llm, tiny_ref, saes):
     (resid_path, resid), (mlp_path, mlp) = saes["resid"], saes["mlp"]
+    attn_path, attn = saes["attn"]
     sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
         "output_sae_features": [
             {"sae": str(resid_path), "top_k": 24, "reconstruction": True},
-            {"sae": str(mlp_path), "positions": "generated", "top_k": 16}],
+            {"sae": str(mlp_path), "positions": "generated", "top_k": 16},
+            {"sae": str(attn_path), "top_k": 32, "reconstruction": True},
+            {"sae": str(mlp_path), "positions": "prompt", "top_k": 8}],
         "output_residual_stream": [2]})
     out = tiny_llm.generate([PROMPT], sp)[0]
     assert out.lens_error is None
     ids = _ids(out)
     n_rows = len(ids) - 1  # the last generated token never ran
+    n_prompt = len(out.prompt_token_ids)
+    assert n_prompt > 16  # the prompt's rows come from more than one chunk
     expected = tiny_ref.points(ids[:n_rows])
-    first, second = out.sae_features
+    first, second, third, fourth = out.sae_features
     assert (first["sae"], first["layer"], first["point"]) == (str(resid_path), 2, "resid_post")
     assert first["positions"].tolist() == list(range(n_rows))
-    with torch.no_grad():
-        dense = resid.encode(expected[("resid_post", 2)])
-        recon = resid.decode(dense)
-    for row in range(n_rows):
-        active = int((dense[row] > 0).sum())
-        assert int(first["l0"][row]) == active
-        kept = min(active, 24)
-        top = dense[row].topk(kept)
-        torch.testing.assert_close(first["values"][row, :kept], top.values, rtol=1e-4,
-                                   atol=1e-5)
-        assert first["indices"][row, :kept].tolist() == top.indices.tolist()
-        assert (first["indices"][row, kept:] == -1).all()
     x = expected[("resid_post", 2)]
-    torch.testing.assert_close(first["nmse"], (x - recon).pow(2).sum(-1) / x.pow(2).sum(-1),
-                               rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        dense = resid.encode(x)
+        recon = resid.decode(dense)
+    _assert_top_features(first, dense, 24)
+    torch.testing.assert_close(first["nmse"], _nmse(x, recon), rtol=1e-4, atol=1e-6)
     # The dense rows of the same layer, captured beside it, are the SAE's input.
     torch.testing.assert_close(out.activations["residual_stream"][0], x, rtol=1e-4, atol=1e-4)
-    # TopK at mlp_out, generated positions only: k = 16 features each (ReLU'd top-k).
-    n_prompt = len(out.prompt_token_ids)
+    # TopK at mlp_out, generated positions only: k = 16 features each (ReLU'd top-k); the
+    # same SAE at the prompt's positions, 8 features each.
     assert second["positions"].tolist() == list(range(n_prompt, n_rows))
     assert "nmse" not in second and second["indices"].dtype == torch.int32
+    assert fourth["positions"].tolist() == list(range(n_prompt))
+    for found, rows, k in ((second, slice(n_prompt, None), 16), (fourth, slice(n_prompt), 8)):
+        with torch.no_grad():
+            dense = mlp.encode(expected[("mlp_out", 1)][rows])
+        values, indices = dense.topk(k)
+        torch.testing.assert_close(found["values"], values * (values > 0), rtol=1e-4,
+                                   atol=1e-5)
+        active = values > 0
+        assert torch.equal(found["indices"][active], indices[active].to(torch.int32))
+    # Standard (ReLU) at attn_out, another point, every position.
+    assert (third["layer"], third["point"]) == (1, "attn_out")
+    assert third["positions"].tolist() == list(range(n_rows))
+    x = expected[("attn_out", 1)]
     with torch.no_grad():
-        dense = mlp.encode(expected[("mlp_out", 1)][n_prompt:])
-    values, indices = dense.topk(16)
-    torch.testing.assert_close(second["values"], values * (values > 0), rtol=1e-4, atol=1e-5)
-    active = values > 0
-    assert torch.equal(second["indices"][active], indices[active].to(torch.int32))
+        dense = attn.encode(x)
+        recon = attn.decode(dense)
+    _assert_top_features(third, dense, 32)
+    torch.testing.assert_close(third["nmse"], _nmse(x, recon), rtol=1e-4, atol=1e-6)
     assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
 
 
@@ -170,6 +200,45 @@ def test_registered_name_offline_and_its_listing(tiny_llm, tiny_ref, saes, tmp_p
     assert bad.value.field == "path" and "not a directory" in str(bad.value)
     assert [s["name"] for s in tiny_llm.registered_saes()] == ["resid-2"]
     assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
+
+
+def test_a_bad_sae_file_stops_the_server_naming_each_bad_entry(tiny_path, saes, tmp_path):
+    """The OpenAI server does not start with a bad ``VLLM_LENS_SAES``: an entry of the wrong
+    shape stops it before its engine starts; SAEs the workers cannot read or that do not fit
+    the model stop it once they are read, one error naming each bad entry and its problem
+    (the good one beside them does not make it serve part of the list)."""
+    from tests.integration.server import running_server
+
+    listed = tmp_path / "saes.json"
+
+    def exits(entries):
+        listed.write_text(json.dumps(entries))
+        with pytest.raises(RuntimeError) as failed:
+            with running_server(tiny_path, "--enforce-eager", start_timeout_s=300,
+                                env={"VLLM_LENS_SAES": str(listed)}):
+                pass
+        message = str(failed.value)
+        assert message.startswith("server exited with 1"), message
+        return message
+
+    resid = str(saes["resid"][0])
+    shape = exits({"resid": resid, "odd": {"path": resid, "layer": 2}, "../up": resid})
+    assert "EngineCore" not in shape  # refused before the engine started
+    assert "2 of the 3 SAEs listed cannot be served" in shape
+    assert "SAE 'odd': must be a path or" in shape and "(unknown field 'layer')" in shape
+    assert "SAE '../up': is not an SAE name" in shape
+    assert "SAE 'resid'" not in shape
+    wide = tmp_path / "wide"
+    saved_sae(wide, "standard", "blocks.1.hook_resid_post", d_in=64)
+    unfit = exits({"resid": resid, "missing": str(tmp_path / "missing"), "wide": str(wide),
+                   "deep": {"path": resid, "hook_point": "blocks.9.hook_resid_post"}})
+    assert "3 of the 4 SAEs listed cannot be served" in unfit
+    for line in (f"SAE 'missing': {tmp_path / 'missing'} is not a directory holding an SAE",
+                 "SAE 'wide': reads resid_post rows of 64 values, but this model's resid_post "
+                 "rows have 128",
+                 "SAE 'deep': reads layer 9, but the model has 4 layers"):
+        assert line in unfit, unfit
+    assert "SAE 'resid'" not in unfit
 
 
 def test_over_http_only_registered_names_are_served(smol_server, smol_ref, smol_sae, tmp_path):
@@ -301,17 +370,19 @@ def test_clamping_features_equals_transformers_with_the_same_edit(tiny_llm, tiny
     """``{"sae", "feature", "clamp"}``: at every steered row the features are computed from
     the stream (sae-lens' ``encode``) and ``(clamp - f) @ W_dec[features]`` is added, the
     SAE's error term kept; tokens and the rows of the next layer equal transformers with that
-    edit in a hook (prompt and generated positions; chunked prefill); ``phase`` and
-    positions apply as for any steering vector."""
+    edit in a hook (prompt and generated positions; chunked prefill; a jumprelu SAE at
+    resid_post and a standard one at attn_out); ``phase`` and positions apply as for any
+    steering vector."""
     from vllm_lens import SteeringVector
 
     path, sae = saes["resid"]
     features, targets = [11, 300], [6.0, 0.0]
     index = torch.tensor(features)
-    W = sae.W_dec.detach()[index]
     ids = tiny_llm.get_tokenizer().encode(PROMPT)
 
-    def clamping(keep):
+    def clamping(keep, sae=sae):
+        W = sae.W_dec.detach()[index]
+
         def edit(x):
             with torch.no_grad():
                 delta = (torch.tensor(targets) - sae.encode(x)[:, index]) @ W
@@ -319,7 +390,7 @@ def test_clamping_features_equals_transformers_with_the_same_edit(tiny_llm, tiny
             return x + delta * rows[:, None]
         return edit
 
-    def run(**fields):
+    def run(path=path, **fields):
         sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args={
             "apply_steering_vectors": [{"sae": str(path), "feature": features,
                                         "clamp": targets, **fields}],
@@ -330,14 +401,16 @@ def test_clamping_features_equals_transformers_with_the_same_edit(tiny_llm, tiny
 
     plain = tiny_llm.generate([{"prompt_token_ids": ids}], SamplingParams(
         max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
-    out = run()
     edits = {("resid_post", 2): clamping(lambda p: True)}
-    assert list(out.outputs[0].token_ids) == tiny_ref.point_greedy(ids, 8, edits)
-    assert list(out.outputs[0].token_ids) != list(plain)
-    every = ids + list(out.outputs[0].token_ids)
-    expected = tiny_ref.points(every[:-1], edits)[("resid_post", 3)]
-    torch.testing.assert_close(out.activations["residual_stream"][0], expected, rtol=1e-4,
-                               atol=1e-4)
+    attn_path, attn = saes["attn"]  # standard: the same clamp at another point
+    for out, hooked in ((run(), edits),
+                        (run(attn_path), {("attn_out", 1): clamping(lambda p: True, attn)})):
+        assert list(out.outputs[0].token_ids) == tiny_ref.point_greedy(ids, 8, hooked)
+        assert list(out.outputs[0].token_ids) != list(plain)
+        every = ids + list(out.outputs[0].token_ids)
+        expected = tiny_ref.points(every[:-1], hooked)[("resid_post", 3)]
+        torch.testing.assert_close(out.activations["residual_stream"][0], expected,
+                                   rtol=1e-4, atol=1e-4)
     n = len(ids)
     decode_only = run(phase="decode")
     assert list(decode_only.outputs[0].token_ids) == tiny_ref.point_greedy(

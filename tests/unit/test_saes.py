@@ -340,6 +340,85 @@ def test_the_operators_sae_file_names_paths_and_hook_points(tmp_path):
         with pytest.raises(ValueError, match=words) as bad:
             read_sae_file(str(good))
         assert "VLLM_LENS_SAES" in str(bad.value)
+    with pytest.raises(ValueError, match="cannot read"):
+        read_sae_file(str(tmp_path / "missing.json"))
+
+
+def test_a_bad_sae_file_names_every_bad_entry_at_once(tmp_path):
+    """What needs no worker is checked by reading the file (before the server's engine
+    starts): one error names each bad entry and its problem, and none of the good ones."""
+    from vllm_lens.frontend.sae_names import read_sae_file
+
+    listed = tmp_path / "saes.json"
+    listed.write_text('''{"ok": "/saes/ok", "twice": "/saes/a", "twice": "/saes/b",
+        "../up": "/saes/c", "odd": {"path": "/saes/d", "layer": 3}, "empty": {"path": ""},
+        "no-path": {"hook_point": "blocks.1.hook_resid_post"}, "number": 3,
+        "point": {"path": "/saes/e", "hook_point": 2},
+        "fine": {"path": "/saes/f", "hook_point": null}}''')
+    with pytest.raises(ValueError) as bad:
+        read_sae_file(str(listed))
+    head, *lines = str(bad.value).splitlines()
+    assert head == (f"VLLM_LENS_SAES ({listed}): the server does not start: 7 of the 10 SAEs "
+                    "listed cannot be served (fix or remove them):")
+    shape = 'must be a path or {"path": ..., "hook_point": ...}'
+    assert [line.strip() for line in lines] == [
+        "SAE 'twice': is listed twice",
+        "SAE '../up': is not an SAE name (1 to 64 letters, digits, '.', '_' or '-', starting "
+        "with a letter or digit)",
+        f"SAE 'odd': {shape} (unknown field 'layer')",
+        f"SAE 'empty': {shape} (path: the directory holding the SAE)",
+        f"SAE 'no-path': {shape} (path: the directory holding the SAE)",
+        f"SAE 'number': {shape}",
+        "SAE 'point': hook_point: a name such as 'blocks.3.hook_resid_post'"]
+
+
+def test_the_server_registers_every_sae_of_its_file_or_names_each_that_does_not_fit(
+        tmp_path, monkeypatch):
+    """``register_sae_file`` tries every SAE the workers read (a directory that holds none,
+    rows of the wrong width ...) and stops the server with one error naming each bad one;
+    ``check_sae_file`` is the part the server runs before its engine starts."""
+    import asyncio
+
+    from vllm_lens import LensRequestError
+    from vllm_lens.frontend.sae_names import check_sae_file, register_sae_file
+
+    class Engine:
+        def __init__(self):
+            self.asked = []
+
+        async def register_sae(self, name, path, hook_point):
+            self.asked.append((name, path, hook_point))
+            if path == "/saes/missing":
+                raise LensRequestError("path", f"{path} is not a directory holding an SAE")
+            if hook_point == "blocks.9.hook_resid_post":
+                raise LensRequestError("path", "reads layer 9, but the model has 4 layers")
+            return {"name": name}
+
+    listed = tmp_path / "saes.json"
+    monkeypatch.delenv("VLLM_LENS_SAES", raising=False)
+    assert asyncio.run(register_sae_file(Engine())) == []
+    check_sae_file()
+    monkeypatch.setenv("VLLM_LENS_SAES", str(listed))
+    listed.write_text(json.dumps({"a": "/saes/a", "b": {"path": "/saes/b",
+                                                        "hook_point": "blocks.1.hook_mlp_out"}}))
+    check_sae_file()
+    engine = Engine()
+    assert asyncio.run(register_sae_file(engine)) == ["a", "b"]
+    assert engine.asked == [("a", "/saes/a", None), ("b", "/saes/b", "blocks.1.hook_mlp_out")]
+    listed.write_text(json.dumps({
+        "missing": "/saes/missing", "a": "/saes/a",
+        "deep": {"path": "/saes/a", "hook_point": "blocks.9.hook_resid_post"}}))
+    engine = Engine()
+    with pytest.raises(ValueError) as bad:
+        asyncio.run(register_sae_file(engine))
+    assert [name for name, _, _ in engine.asked] == ["missing", "a", "deep"]  # each tried
+    assert str(bad.value).splitlines()[1:] == [
+        "  SAE 'missing': /saes/missing is not a directory holding an SAE",
+        "  SAE 'deep': reads layer 9, but the model has 4 layers"]
+    assert "2 of the 3 SAEs listed" in str(bad.value)
+    listed.write_text("{")
+    with pytest.raises(ValueError, match="cannot read"):
+        check_sae_file()
 
 
 def test_steering_by_feature_becomes_the_decoder_rows_as_a_steering_vector():

@@ -12,7 +12,8 @@ served model as a request would, and keeps its description; the weights stay wit
 workers, within ``VLLM_LENS_SAE_MAX_BYTES`` (the least recently used unloaded first, read
 again when a request names it). The OpenAI server registers the SAEs of ``VLLM_LENS_SAES``
 (a JSON file: ``{name: path}`` or ``{name: {"path": ..., "hook_point": ...}}``) before it
-serves, and fails to start on a bad one; ``GET /v1/lens/saes`` lists them.
+serves, and fails to start on a bad one, naming every bad entry (the file itself is read
+before the engine starts, ``check_sae_file``); ``GET /v1/lens/saes`` lists them.
 
 A request's ``"sae"`` is a registered name; where the caller owns the process (an offline
 ``LLM``, an ``AsyncLLM`` outside the server) it may also be a directory. Over HTTP a client
@@ -42,8 +43,9 @@ from vllm_lens.spec.keys import SAE_KEY, STEER_KEY
 from vllm_lens.spec.sae_steering import steering_sae_references
 from vllm_lens.spec.saes import Describe, check_description, sae_references
 
-__all__ = ["METHODS", "async_describer", "described_beforehand", "describing", "install",
-           "offline_describer", "read_sae_file", "steering_described"]
+__all__ = ["METHODS", "async_describer", "check_sae_file", "described_beforehand", "describing",
+           "install", "offline_describer", "read_sae_file", "register_sae_file",
+           "steering_described"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 #: What ``registered_saes`` lists of a description (never a path on the server's disk).
@@ -278,45 +280,93 @@ def _scrubbed(exc: ValueError, name: str, path: str, paths: bool) -> ValueError:
 
 def read_sae_file(path: str) -> dict[str, tuple[str, str | None]]:
     """The SAEs of a ``VLLM_LENS_SAES`` file: ``{name: path}`` or ``{name: {"path": ...,
-    "hook_point": ...}}``; returns name -> (path, hook point)."""
+    "hook_point": ...}}``; returns name -> (path, hook point). Checks what needs no worker
+    (the JSON, each entry's name and fields); a bad entry raises ``ValueError`` naming every
+    bad entry of the file at once."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(), object_pairs_hook=_Entries)
     except (OSError, ValueError) as exc:
         raise ValueError(f"VLLM_LENS_SAES: cannot read {path}: {exc}") from None
     if not isinstance(data, Mapping):
         raise ValueError(f"VLLM_LENS_SAES: {path} must hold a JSON object of name -> path")
     out: dict[str, tuple[str, str | None]] = {}
-    for name, value in data.items():
-        if isinstance(value, Mapping):
-            unknown = sorted(set(value) - {"path", "hook_point"})
-            if unknown or not isinstance(value.get("path"), str):
-                raise ValueError(f"VLLM_LENS_SAES ({path}): {name!r} must be a path or "
-                                 '{"path": ..., "hook_point": ...}' +
-                                 (f" (unknown field {unknown[0]!r})" if unknown else ""))
-            out[name] = (value["path"], value.get("hook_point"))
-        elif isinstance(value, str):
-            out[name] = (value, None)
-        else:
-            raise ValueError(f"VLLM_LENS_SAES ({path}): {name!r} must be a path or "
-                             '{"path": ..., "hook_point": ...}')
+    problems: dict[str, str] = {}
+    for name, value in data.pairs:
+        if name in out or name in problems:
+            problems[name] = "is listed twice"
+            out.pop(name, None)
+            continue
+        try:
+            out[name] = _file_entry(name, value)
+        except ValueError as exc:
+            problems[name] = str(exc)
+    if problems:
+        raise ValueError(_bad_entries(path, problems, len(data.pairs)))
     return out
 
 
+class _Entries(dict):
+    """A JSON object that also keeps its pairs in order, repeated names included."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        self.pairs = pairs
+
+
+def _file_entry(name: str, value: Any) -> tuple[str, str | None]:
+    shape = 'must be a path or {"path": ..., "hook_point": ...}'
+    if not _NAME.fullmatch(name):
+        raise ValueError("is not an SAE name (1 to 64 letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit)")
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"path", "hook_point"})
+        if unknown:
+            raise ValueError(f"{shape} (unknown field {unknown[0]!r})")
+        path, hook_point = value.get("path"), value.get("hook_point")
+    else:
+        path, hook_point = value, None
+    if not isinstance(path, str) or not path:
+        raise ValueError(shape + (" (path: the directory holding the SAE)"
+                                  if isinstance(value, Mapping) else ""))
+    if hook_point is not None and not isinstance(hook_point, str):
+        raise ValueError("hook_point: a name such as 'blocks.3.hook_resid_post'")
+    return path, hook_point
+
+
+def _bad_entries(path: str, problems: Mapping[str, str], entries: int) -> str:
+    listed = "".join(f"\n  SAE {name!r}: {problem}" for name, problem in problems.items())
+    return (f"VLLM_LENS_SAES ({path}): the server does not start: {len(problems)} of the "
+            f"{entries} SAEs listed cannot be served (fix or remove them):{listed}")
+
+
+def check_sae_file() -> None:
+    """Read ``VLLM_LENS_SAES`` (if set) as ``register_sae_file`` will: what needs no worker is
+    checked before the engine starts, a bad file stopping the server in seconds."""
+    path = envs.saes_path()
+    if path is not None:
+        read_sae_file(path)
+
+
 async def register_sae_file(engine: Any) -> list[str]:
-    """Register every SAE of ``VLLM_LENS_SAES`` on ``engine`` (an ``AsyncLLM``); one that
-    cannot be read or does not fit the model stops the server from starting, naming it.
+    """Register every SAE of ``VLLM_LENS_SAES`` on ``engine`` (an ``AsyncLLM``); an SAE that
+    cannot be read or does not fit the model stops the server from starting: the error names
+    every bad one (each is tried), so that the server never serves part of the list.
     Returns the names registered."""
     path = envs.saes_path()
     if path is None:
         return []
-    names = []
-    for name, (directory, hook_point) in read_sae_file(path).items():
+    entries = read_sae_file(path)
+    problems: dict[str, str] = {}
+    for name, (directory, hook_point) in entries.items():
         try:
             await engine.register_sae(name, directory, hook_point)
-        except (LensRequestError, ValueError) as exc:
-            raise ValueError(f"VLLM_LENS_SAES ({path}): SAE {name!r}: {exc}") from None
-        names.append(name)
-    return names
+        except LensRequestError as exc:  # "path": its name and fields were read above
+            problems[name] = exc.problem
+        except ValueError as exc:
+            problems[name] = str(exc)
+    if problems:
+        raise ValueError(_bad_entries(path, problems, len(entries)))
+    return list(entries)
 
 
 #: name -> generator function(session, *args); the public method names on LLM / AsyncLLM.

@@ -1,8 +1,10 @@
-"""``vllm-lens serve`` with two API server processes (``--api-server-count 2``): a binary
+"""``vllm-lens serve --data-parallel-size 2``: two engines behind one server, and two API
+server processes (vLLM's default for that size; ``--api-server-count``): a binary
 transport handle one process stored is fetched, deleted and counted by the other, under
 concurrent load, and the fetches are seen landing on both processes (each names the process
 that answered it in a header); a steering preset registered or dropped through one process
-is seen by both; streamed rows and a patching sweep are served as with one process."""
+is seen by both; streamed rows, a named hook and a patching sweep are served as with one
+process."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from tests.integration.server import LENS_SERVE, running_server
-from vllm_lens import SteeringVector, decode_activations
+from vllm_lens import NamedHook, SteeringVector, decode_activations
 from vllm_lens.activations import decode_activation_bytes
 
 pytestmark = pytest.mark.slow  # starts a server of its own
@@ -24,9 +26,12 @@ PROMPTS = [f"Fact number {i}: the capital of France is" for i in range(24)]
 
 @pytest.fixture(scope="module")
 def two_process_server(tiny_path):
-    with running_server(tiny_path, "--enforce-eager", "--api-server-count", "2",
+    """Data parallel 2 behind one server (``--data-parallel-size 2``, vLLM's own load
+    balancing), for which vLLM starts two API server processes by default."""
+    with running_server(tiny_path, "--enforce-eager", "--data-parallel-size", "2",
                         env={"VLLM_LENS_HTTP_STORE_TTL_S": "120",
-             "VLLM_LENS_ALLOW_STEERING_ROUTES": "1"},
+                             "VLLM_LENS_ALLOW_STEERING_ROUTES": "1",
+                             "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
                         launcher=LENS_SERVE) as server:
         yield server
 
@@ -66,9 +71,9 @@ def test_binary_handles_are_served_by_every_api_process(two_process_server):
     assert answered == {"ApiServer_0", "ApiServer_1"}, answered
     # What is left is counted the same by every process, and deleted by any of them.
     left = [_complete(server, p, "binary")["activations"]["handle"] for p in PROMPTS[:6]]
-    counts = {httpx.get(server.base_url + "/v1/lens/stats").json()["store"]["entries"]
-              for _ in range(6)}
-    assert counts == {6 + len(PROMPTS)}, counts
+    stats = [httpx.get(server.base_url + "/v1/lens/stats").json() for _ in range(6)]
+    assert {s["store"]["entries"] for s in stats} == {6 + len(PROMPTS)}
+    assert all(len(s["workers"]) == 2 for s in stats)  # one worker in each DP engine
     with ThreadPoolExecutor(6) as pool:
         deleted = list(pool.map(lambda h: _fetch(server, h, "DELETE"), left))
     assert [r.status_code for r in deleted] == [200] * 6
@@ -120,9 +125,13 @@ def test_streamed_rows_and_sweeps_are_served_with_two_processes(two_process_serv
         parts = list(client.generate(PROMPTS[1], max_tokens=4, capture_layers=[2],
                                      stream=True, stream_activations=True))
         ids = whole.prompt_token_ids
+        hooked = client.generate(PROMPTS[1], max_tokens=4, hooks=[
+            NamedHook("logit_lens_topk", [3], {"k": 2})])
         sweep = client.patching_sweep(ids, torch.zeros(2, 2, 128), [1, 2], [0, 1],
                                       {"prob": whole.token_ids[0]})
     streamed = torch.cat([p.activations["residual_stream"] for p in parts
                           if p.activations is not None], dim=1)
     assert torch.equal(streamed, whole.activations["residual_stream"])
     assert sweep["grid"].shape == (2, 2)
+    top = hooked.hook_results["0"]["token_ids"]["3"]
+    assert top.shape == (len(ids) + 3, 2)  # every computed position, the top 2 at layer 3

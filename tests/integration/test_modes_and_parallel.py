@@ -309,3 +309,51 @@ def test_data_parallel_2_fetches_from_the_engine_that_served_each_request(tiny_p
     for out, ref in zip(outs, expected):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         _assert_same_as_reference([out], [ref], tol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2, enforce_eager=True),
+                                    dict(pipeline_parallel_size=2)],  # PP: compiled (vLLM 0.32)
+                         ids=["tp2", "pp2"])
+def test_streamed_rows_under_tensor_and_pipeline_parallelism(tiny_path, tiny_llm, resid_sae,
+                                                             layout):
+    """``stream_activations`` on an ``AsyncLLM`` at TP=2 (a point split across the ranks
+    among the streamed ones) and PP=2 (layers on both stages): each output carries the rows
+    and SAE features computed since the previous one, and laid end to end they are the TP=1
+    engine's unstreamed capture."""
+    import asyncio
+
+    from tests.integration.engines import IDLE, held, running_async_llm
+    from vllm.sampling_params import RequestOutputKind
+
+    from vllm_lens.frontend.collate import join_streamed
+    from vllm_lens.frontend.rpc import all_workers
+
+    extra = {"output_residual_stream": [1, 3], "output_activations": {"attn_z": [1, 2]},
+             "output_sae_features": {"sae": str(resid_sae[0]), "top_k": 8}}
+    expected = tiny_llm.generate(PROMPTS, SamplingParams(max_tokens=5, temperature=0,
+                                                          extra_args=extra))
+    streamed_sp = SamplingParams(max_tokens=5, temperature=0, output_kind=RequestOutputKind.DELTA,
+                                 extra_args={**extra, "stream_activations": True})
+
+    async def stream_all(engine):
+        async def one(i, prompt):
+            return [{"activations": out.activations, "sae_features": out.sae_features}
+                    async for out in engine.generate(prompt, streamed_sp, f"stream-{i}")]
+
+        streams = await asyncio.gather(*[one(i, p) for i, p in enumerate(PROMPTS)])
+        return streams, await all_workers(engine, "lens_stats")
+
+    with env(**TWO_WORKERS), running_async_llm(tiny_path, **layout) as (engine, run):
+        streams, stats = run(stream_all(engine))
+    assert held(stats) == [IDLE, IDLE]
+    for parts, ref in zip(streams, expected):
+        assert len(parts) >= 2  # the rows came in pieces
+        joined = join_streamed(parts)
+        for name in ("residual_stream", "attn_z"):
+            assert max_relative_error(joined["activations"][name],
+                                      ref.activations[name]) <= 1e-4, name
+        (features,) = joined["sae_features"]
+        assert features["positions"].tolist() == ref.sae_features[0]["positions"].tolist()
+        torch.testing.assert_close(features["values"], ref.sae_features[0]["values"],
+                                   rtol=1e-4, atol=1e-4)

@@ -322,9 +322,10 @@ def test_stream_flag_values_as_http_carries_them(value, streams):
     assert lens.stream is streams
 
 
-def test_streaming_is_refused_where_it_is_not_proven():
+def test_streaming_is_parsed_under_tensor_and_pipeline_parallelism():
+    """Served under TP and PP (tests/integration/test_modes_and_parallel.py streams on both)."""
     for facts in (ModelFacts(**{**FACTS.__dict__, "tp_size": 2}),
                   ModelFacts(**{**FACTS.__dict__, "pp_size": 2})):
-        with pytest.raises(UnsupportedConfigError, match="not yet proven"):
-            parse_extra_args({"output_residual_stream": [1], "stream_activations": True},
-                             lambda f=facts: f)
+        _, lens = parse_extra_args({"output_residual_stream": [1], "stream_activations": True},
+                                   lambda f=facts: f)
+        assert lens.stream

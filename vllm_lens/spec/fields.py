@@ -68,17 +68,6 @@ def sorted_indices(
     return tuple(sorted(set(raw)))
 
 
-def refuse_parallel(field: str, facts: ModelFacts, instead: str,
-                    request_id: str | None) -> None:
-    """Refuse ``field`` on an engine with tensor or pipeline parallelism, where it is not yet
-    proven (``instead``: what the caller can do meanwhile)."""
-    if facts.tp_size > 1 or facts.pp_size > 1:
-        raise UnsupportedConfigError(
-            field, f"is not yet proven under tensor or pipeline parallelism "
-            f"(tensor_parallel_size={facts.tp_size}, pipeline_parallel_size={facts.pp_size}); "
-            f"{instead}", request_id=request_id)
-
-
 def check_site(point: str, facts: ModelFacts, where: str, request_id: str | None) -> None:
     """Refuse a point whose site this model's taps do not have."""
     site = tap_points.site_of(point, split=facts.split)

@@ -14,7 +14,6 @@ from vllm_lens.sinks.config import configured as configured_sinks
 from vllm_lens.sinks.config import serves_http as sinks_serve_http
 from vllm_lens.spec.capture import CaptureSpec
 from vllm_lens.spec.facts import ModelFacts
-from vllm_lens.spec.fields import refuse_parallel
 from vllm_lens.spec.keys import ACTIVATIONS_KEY, CAPTURE_KEY, QK_KEY, SAE_KEY, SINK_KEY, STREAM_KEY
 
 
@@ -117,8 +116,6 @@ def parse_stream(raw: Any, captures: tuple[CaptureSpec, ...], sink: SinkSpec | N
     if sink is not None:
         raise LensRequestError(STREAM_KEY, f"cannot be combined with {SINK_KEY} (the rows go "
                                "to the sink, not to the caller)", request_id=request_id)
-    refuse_parallel(STREAM_KEY, facts, "the rows come with the final output without it",
-                    request_id)
     named = [(c.signal, c) for c in captures]
     named += [(f"{SAE_KEY} entry {i} ({spec.sae})", spec.capture()) for i, spec in enumerate(saes)]
     for label, c in named:

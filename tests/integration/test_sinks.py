@@ -301,7 +301,7 @@ def test_extract_against_a_server_writes_sae_features_and_sae_lens_caches(sink_s
     import subprocess
     import sys
 
-    from sae_lens.training.activations_store import ActivationsStore
+    from tests.sae_lens_reader import read_with_sae_lens
 
     server, _ = sink_server
     _, sae = tiny_sae
@@ -338,13 +338,7 @@ def test_extract_against_a_server_writes_sae_features_and_sae_lens_caches(sink_s
     assert "hook blocks.2.hook_resid_post" in done.stderr
     tokens = [t for ex in ds for t in ex["prompt_token_ids"]]
     n = len(tokens) // 5
-    store = ActivationsStore(
-        model=None, dataset=None, streaming=False, hook_name="blocks.2.hook_resid_post",
-        hook_head_index=None, context_size=5, d_in=128, n_batches_in_buffer=2,
-        total_training_tokens=5 * n, store_batch_size_prompts=n, train_batch_size_tokens=5,
-        prepend_bos=False, normalize_activations="none", device=torch.device("cpu"),
-        dtype="float32", cached_activations_path=str(cache))
-    acts, ids = store.get_raw_llm_batch()
+    acts, ids = read_with_sae_lens(cache, "blocks.2.hook_resid_post", 5, 128, n)
     assert ids.tolist() == tokens[:5 * n]
     torch.testing.assert_close(acts, torch.cat(every_row)[:5 * n], rtol=1e-4, atol=1e-4)
     assert datasets.open(cache / "vllm-lens-rows").keys() == ds.keys()

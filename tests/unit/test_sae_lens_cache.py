@@ -5,6 +5,7 @@ order, cut into contexts)."""
 import pytest
 import torch
 
+from tests.sae_lens_reader import read_with_sae_lens
 from vllm_lens import datasets
 from vllm_lens.sae_lens_cache import write_sae_lens_cache
 from vllm_lens.shard_writer import ShardWriter
@@ -31,21 +32,13 @@ def dataset(root):
 
 
 def test_sae_lens_reads_the_rows_and_tokens_in_order(tmp_path):
-    from sae_lens.training.activations_store import ActivationsStore
-
     ds, rows, tokens = dataset(tmp_path / "acts")
     out = tmp_path / "cache"
     made = write_sae_lens_cache(ds, out, context_size=4, point="resid_post", layer=4)
     n = len(tokens) // 4
     assert made == {"hook_name": "blocks.4.hook_resid_post", "contexts": n, "tokens": 4 * n,
                     "dropped": len(tokens) - 4 * n, "d_in": 8, "dtype": "float32"}
-    store = ActivationsStore(
-        model=None, dataset=None, streaming=False, hook_name="blocks.4.hook_resid_post",
-        hook_head_index=None, context_size=4, d_in=8, n_batches_in_buffer=2,
-        total_training_tokens=4 * n, store_batch_size_prompts=n, train_batch_size_tokens=4,
-        prepend_bos=False, normalize_activations="none", device=torch.device("cpu"),
-        dtype="float32", cached_activations_path=str(out))
-    acts, ids = store.get_raw_llm_batch()
+    acts, ids = read_with_sae_lens(out, "blocks.4.hook_resid_post", 4, 8, n)
     torch.testing.assert_close(acts, rows[:4 * n], rtol=0, atol=0)
     assert ids.tolist() == tokens[:4 * n]
     # Written again (a resumed job): replaced, not added to.

@@ -61,3 +61,46 @@ def check_features_and_clamp(llm, ref, path, sae, prompt: str, kept: list[int]) 
         ids, 6, {("resid_post", 2): clamp})
     assert list(clamped.outputs[0].token_ids) != ref.point_greedy(ids, 6, {})  # it mattered
     assert [w["saes"] for w in llm.collective_rpc("lens_stats")] == kept
+
+
+def assert_top_features(found, dense, k) -> None:
+    """Each row's returned features are the ``k`` largest of sae-lens' ``dense`` features,
+    the active ones only (then -1), and ``l0`` counts the active ones."""
+    for row in range(dense.shape[0]):
+        active = int((dense[row] > 0).sum())
+        assert int(found["l0"][row]) == active
+        kept = min(active, k)
+        top = dense[row].topk(kept)
+        torch.testing.assert_close(found["values"][row, :kept], top.values, rtol=1e-4,
+                                   atol=1e-5)
+        assert found["indices"][row, :kept].tolist() == top.indices.tolist()
+        assert (found["indices"][row, kept:] == -1).all()
+
+
+def architecture_saes(root) -> list:
+    """(directory, sae-lens SAE) of a standard SAE at layer 1's attn_out and a TopK SAE at
+    layer 2's resid_post (PP=2: one on each stage), saved by sae-lens."""
+    return [(root / "standard", saved_sae(root / "standard", "standard",
+                                          "blocks.1.hook_attn_out")),
+            (root / "topk", saved_sae(root / "topk", "topk", "blocks.2.hook_resid_post", k=16))]
+
+
+def check_architectures(llm, ref, saes, prompt: str) -> None:
+    """On ``llm`` (any parallel layout or mode): the features of each SAE of
+    ``architecture_saes``, prompt and generated rows, equal sae-lens' ``encode`` of
+    transformers' rows."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={
+        "output_sae_features": [{"sae": str(path), "top_k": 20, "reconstruction": True}
+                                for path, _ in saes]})
+    out = llm.generate([prompt], sp)[0]
+    assert out.lens_error is None
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)[:-1]
+    rows = ref.points(ids)
+    for found, (_, sae), point in zip(out.sae_features, saes, (("attn_out", 1),
+                                                               ("resid_post", 2))):
+        assert found["positions"].tolist() == list(range(len(ids)))
+        with torch.no_grad():
+            dense = sae.encode(rows[point])
+        assert_top_features(found, dense, 20)

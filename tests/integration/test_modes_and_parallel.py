@@ -13,7 +13,12 @@ from vllm import SamplingParams
 
 from tests.integration.engines import env, running_llm
 from tests.integration.reference import max_relative_error
-from tests.integration.saes import check_features_and_clamp, saved_sae
+from tests.integration.saes import (
+    architecture_saes,
+    check_architectures,
+    check_features_and_clamp,
+    saved_sae,
+)
 from vllm_lens import Hook, NamedHook, SteeringVector
 from vllm_lens.errors import UnsupportedConfigError
 
@@ -90,6 +95,9 @@ TWO_WORKERS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 70  # ~700 tokens: > 1 MB captured
+#: Longer than the compiled engine's 16-token prefill chunks.
+LONG_SAE_PROMPT = ("Once upon a time in a quiet village by the sea, an old fisherman mended "
+                   "his nets.")
 
 
 def _assert_inline_handoff_equals_shared_memory(llm, monkeypatch):
@@ -139,6 +147,12 @@ def resid_sae(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def arch_saes(tmp_path_factory):
+    """A standard and a TopK SAE (``saes.architecture_saes``)."""
+    return architecture_saes(tmp_path_factory.mktemp("arch-saes"))
+
+
+@pytest.fixture(scope="module")
 def reference(tiny_llm):
     captured, steered, points = _run(tiny_llm)
     unsteered = tiny_llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0,
@@ -158,10 +172,11 @@ def reference(tiny_llm):
     return captured, steered, points, gated
 
 
-def test_compiled_mode_matches_eager(tiny_path, reference):
+def test_compiled_mode_matches_eager(tiny_path, reference, tiny_ref, arch_saes):
     with running_llm(tiny_path, max_num_batched_tokens=16, max_num_seqs=8) as llm:
         assert llm.llm_engine.vllm_config.compilation_config.mode != 0  # really compiled
         outs = _run(llm)
+        check_architectures(llm, tiny_ref, arch_saes, LONG_SAE_PROMPT)  # chunked, compiled
     for got, expected in zip(outs[:2], reference[:2]):
         _assert_same_as_reference(got, expected, tol=1e-5)
     _assert_points_same(outs[2], reference[2], tol=1e-5)
@@ -185,7 +200,8 @@ def _assert_extract_stops_at_the_sink_refusal(llm, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch, tiny_ref, resid_sae):
+def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch, tiny_ref, resid_sae,
+                                       arch_saes):
     with env(**TWO_WORKERS), running_llm(tiny_path, tensor_parallel_size=2,
                                          enforce_eager=True) as llm:
         outs = _run(llm)
@@ -195,6 +211,7 @@ def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch, tiny_r
         vocab = llm.llm_engine.model_config.get_vocab_size()
         _assert_inline_handoff_equals_shared_memory(llm, monkeypatch)
         check_features_and_clamp(llm, tiny_ref, *resid_sae, PROMPTS[0], kept=[1, 0])
+        check_architectures(llm, tiny_ref, arch_saes, PROMPTS[1])
     assert [d["tp_rank"] for d in describe] == [0, 1]
     _assert_hook_results(hooked, vocab)  # the parameter is gathered from both ranks
     for out, ref in zip(gated, reference[3]):
@@ -209,7 +226,7 @@ def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch, tiny_r
 
 @pytest.mark.slow
 def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch, tmp_path, tiny_ref,
-                                        resid_sae):
+                                        resid_sae, arch_saes):
     # vLLM 0.32's CPU runner supports PP only in compiled mode.
     with env(**TWO_WORKERS), running_llm(tiny_path, pipeline_parallel_size=2) as llm:
         _assert_extract_stops_at_the_sink_refusal(llm, monkeypatch, tmp_path)
@@ -227,6 +244,7 @@ def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch, tmp_
         vocab = llm.llm_engine.model_config.get_vocab_size()
         _assert_inline_handoff_equals_shared_memory(llm, monkeypatch)
         check_features_and_clamp(llm, tiny_ref, *resid_sae, PROMPTS[0], kept=[0, 1])
+        check_architectures(llm, tiny_ref, arch_saes, PROMPTS[1])
     _assert_hook_results(hooked, vocab)
     assert [d["local_layers"] for d in describe] == [[0, 1], [2, 3]]
     for got, expected in zip(outs[:2], reference[:2]):

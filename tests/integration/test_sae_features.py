@@ -15,7 +15,7 @@ import torch
 from vllm import SamplingParams
 
 from tests.integration.engines import IDLE, held
-from tests.integration.saes import saved_sae
+from tests.integration.saes import assert_top_features, saved_sae
 from vllm_lens import LensRequestError
 
 PROMPT = "Once upon a time in a quiet village by the sea, an old fisherman mended his nets."
@@ -34,20 +34,6 @@ def saes(tmp_path_factory):
 
 def _ids(out):
     return list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-
-
-def _assert_top_features(found, dense, k):
-    """Each row's returned features are the ``k`` largest of sae-lens' ``dense`` features,
-    the active ones only (then -1), and ``l0`` counts the active ones."""
-    for row in range(dense.shape[0]):
-        active = int((dense[row] > 0).sum())
-        assert int(found["l0"][row]) == active
-        kept = min(active, k)
-        top = dense[row].topk(kept)
-        torch.testing.assert_close(found["values"][row, :kept], top.values, rtol=1e-4,
-                                   atol=1e-5)
-        assert found["indices"][row, :kept].tolist() == top.indices.tolist()
-        assert (found["indices"][row, kept:] == -1).all()
 
 
 def _nmse(x, recon):
@@ -78,7 +64,7 @@ def test_features_equal_sae_lens_on_transformers_rows(tiny_llm, tiny_ref, saes):
     with torch.no_grad():
         dense = resid.encode(x)
         recon = resid.decode(dense)
-    _assert_top_features(first, dense, 24)
+    assert_top_features(first, dense, 24)
     torch.testing.assert_close(first["nmse"], _nmse(x, recon), rtol=1e-4, atol=1e-6)
     # The dense rows of the same layer, captured beside it, are the SAE's input.
     torch.testing.assert_close(out.activations["residual_stream"][0], x, rtol=1e-4, atol=1e-4)
@@ -102,7 +88,7 @@ def test_features_equal_sae_lens_on_transformers_rows(tiny_llm, tiny_ref, saes):
     with torch.no_grad():
         dense = attn.encode(x)
         recon = attn.decode(dense)
-    _assert_top_features(third, dense, 32)
+    assert_top_features(third, dense, 32)
     torch.testing.assert_close(third["nmse"], _nmse(x, recon), rtol=1e-4, atol=1e-6)
     assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
 

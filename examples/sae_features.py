@@ -4,7 +4,7 @@ serve its features per token, find what a few features respond to, and steer and
     python examples/sae_features.py [--layer 10] [--d-sae 2304] [--steps 1500] \\
         [--workdir sae_features] [--out sae_features.png]
 
-1. ``vllm-lens extract --format sae-lens`` runs SmolLM2 on a few hundred short texts (its own
+1. ``vllm-lens extract --format sae-lens`` runs SmolLM2 on 144 short texts (its own
    continuations of varied openings) and writes the residual stream after ``--layer`` in
    sae-lens' cached-activations layout.
 2. sae-lens trains a ReLU SAE on those rows (``ActivationsStore`` reading the cache,

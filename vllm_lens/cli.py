@@ -142,6 +142,8 @@ def extract(args: Any) -> int:
                          "are written per row)")
     if args.sae and not 1 <= args.top_k:
         raise SystemExit("vllm-lens extract: --top-k must be >= 1")
+    if args.server is None:  # a directory, read by the engine's workers: one spelling
+        args.sae = [str(Path(sae).resolve()) for sae in args.sae or ()] or None
     final = args.output.resolve()
     output = final / SAE_LENS_ROWS if args.format == "sae-lens" else final
     try:

@@ -75,10 +75,16 @@ SAE_LENS_ROWS = "vllm-lens-rows"
 def check_sae_lens_format(args: Any, points: list[str]) -> None:
     """``--format sae-lens`` writes the rows of one point at one layer, one per token."""
     layers = [] if args.layers is None else [x for x in args.layers.split(",") if x.strip()]
-    if len(points) != 1 or len(layers) != 1 or layers[0].strip() == "all":
+    if len(points) != 1 or len(layers) != 1 or not layers[0].strip().isdigit():
         raise SystemExit("vllm-lens extract: --format sae-lens writes one point at one layer "
                          "(sae-lens trains an SAE on one hook): give one of each in --points "
                          "and --layers")
+    args.layers = layers[0].strip()
+    try:
+        import datasets  # noqa: F401 - the layout is a Hugging Face dataset
+    except ImportError:
+        raise SystemExit("vllm-lens extract: --format sae-lens writes a Hugging Face dataset: "
+                         "install the `datasets` package (pip install datasets)") from None
     if args.reduce:
         raise SystemExit("vllm-lens extract: --format sae-lens writes a row per token; drop "
                          "--reduce")

@@ -96,6 +96,10 @@ def test_presets_registered_through_one_process_steer_on_both(two_process_server
     made = _new_connection(server, "POST", "/v1/steering/register", {
         "name": "up", "vectors": [vector.model_dump(mode="json")]})
     assert made.status_code == 200, made.text
+    # The binary store's housekeeping, beside the log in the shared directory, on both.
+    _complete(server, PROMPTS[0], "binary")
+    assert all(_new_connection(server, "GET", "/v1/lens/stats").status_code == 200
+               for _ in range(6))
     listed = [_new_connection(server, "GET", "/v1/steering") for _ in range(8)]
     assert all([p["name"] for p in r.json()["data"]] == ["up"] for r in listed)
     assert {r.headers["x-vllm-lens-api-process"] for r in listed} == {"ApiServer_0",
@@ -114,6 +118,13 @@ def test_presets_registered_through_one_process_steer_on_both(two_process_server
     refused = [_new_connection(server, "POST", "/v1/completions", body) for _ in range(6)]
     assert [r.status_code for r in refused] == [400] * 6, [r.text for r in refused]
     assert all("preset" in r.text for r in refused)
+    again = _new_connection(server, "POST", "/v1/steering/register", {
+        "name": "up", "vectors": [vector.model_dump(mode="json")]})
+    assert again.status_code == 200, again.text
+    with ThreadPoolExecutor(4) as pool:
+        steered = list(pool.map(lambda _: _complete(
+            server, PROMPTS[0], "json", apply_steering_vectors=["preset:up"]), range(6)))
+    assert all(choice["text"] == inline["text"] for choice in steered)
 
 
 def test_streamed_rows_and_sweeps_are_served_with_two_processes(two_process_server):

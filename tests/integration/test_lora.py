@@ -1,7 +1,8 @@
 """LoRA adapters (vLLM's ``LoRARequest``, ``--enable-lora``) with lens features: a request with
 an adapter and one without, in the same batch, each equal their own transformers reference
-(PEFT's adapter merged into the weights, and the base model): captured rows, steered tokens
-and a hook's edit; over HTTP the adapter is selected by its served name."""
+(PEFT's adapter merged into the weights, and the base model): the residual stream and what
+the LoRA-wrapped attention and MLP output projections add, steered tokens and a hook's edit;
+over HTTP the adapter is selected by its served name."""
 
 from __future__ import annotations
 
@@ -62,8 +63,10 @@ def test_adapter_and_base_requests_in_one_batch_each_equal_their_reference(
     path, merged_ref = adapter
     lora = LoRARequest("tiny-adapter", 1, str(path))
     ids = [_ids(lora_llm, p) for p in PROMPTS]
-    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
-                        extra_args={"output_residual_stream": {"layers": [1, 3]}})
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={
+        "output_residual_stream": {"layers": [1, 3]},
+        # Read at the outputs of the LoRA-wrapped o_proj and down_proj.
+        "output_activations": {"attn_out": [1], "mlp_out": [2]}})
     outs = lora_llm.generate([{"prompt_token_ids": i} for i in ids] * 2, sp,
                              lora_request=[lora, None, None, lora])
     for out, ref, prompt_ids in zip(outs, (merged_ref, tiny_ref, tiny_ref, merged_ref),
@@ -73,6 +76,9 @@ def test_adapter_and_base_requests_in_one_batch_each_equal_their_reference(
         assert generated == ref.greedy(prompt_ids, 4)
         expected = ref.residual_stream(prompt_ids + generated[:-1], [1, 3])
         assert max_relative_error(out.activations["residual_stream"], expected) <= 1e-4
+        points = ref.points(prompt_ids + generated[:-1])
+        for name, layer in (("attn_out", 1), ("mlp_out", 2)):
+            assert max_relative_error(out.activations[name][0], points[(name, layer)]) <= 1e-4
     assert list(outs[0].outputs[0].token_ids) != tiny_ref.greedy(ids[0], 4)  # it mattered
 
     # Steering and a hook on the adapter's request, beside a plain one.

@@ -44,12 +44,14 @@ def test_store_entries_expire_and_handles_are_unguessable(tmp_path):
 
 def test_api_processes_sharing_the_directory_share_the_store(tmp_path):
     """What one API server process stored, another reads, deletes and counts against the same
-    budget (each process opens its own ``BlobStore`` on the shared directory)."""
+    budget (each process opens its own ``BlobStore`` on the shared directory); files that are
+    not entries are never touched."""
     import multiprocessing
 
     from vllm_lens import CapacityError
 
     first = BlobStore(tmp_path, max_bytes=10, ttl_s=60)
+    (tmp_path / "steering-presets.jsonl").write_text("not an entry\n")
     handle = first.put(b"aaaaaa")
     context = multiprocessing.get_context("spawn")
     with context.Pool(1) as pool:
@@ -57,14 +59,39 @@ def test_api_processes_sharing_the_directory_share_the_store(tmp_path):
     second = BlobStore(tmp_path, max_bytes=10, ttl_s=60)
     with pytest.raises(CapacityError, match="holds 6 of its 10 bytes in 1 responses"):
         second.put(b"bbbbbb")
-    assert second.delete(handle) and first.get(handle) is None
+    assert not list(tmp_path.glob(".*.tmp"))  # the refused write left nothing
+    with second.open(handle, delete=True) as f:  # fetched and freed in one call
+        assert first.get(handle) is None and f.read() == b"aaaaaa"
     assert first.stats() == {"entries": 0, "bytes": 0}
-    for bad in ("", "../x", ".lock", "a/b", "x" * 200):
+    assert (tmp_path / "steering-presets.jsonl").read_text() == "not an entry\n"
+    for bad in ("", "../x", ".lock", "a/b", "x" * 200, "steering-presets.jsonl"):
         assert second.get(bad) is None and not second.delete(bad)
 
 
 def _read_in_another_process(root, handle):
     return BlobStore(root, max_bytes=10, ttl_s=60).get(handle)
+
+
+def _put_many(root, n):
+    from vllm_lens import CapacityError
+
+    store, kept = BlobStore(root, max_bytes=1000, ttl_s=60), 0
+    for _ in range(n):
+        try:
+            store.put(b"x" * 100)
+            kept += 1
+        except CapacityError:
+            pass
+    return kept
+
+
+def test_concurrent_writers_in_several_processes_keep_to_the_budget(tmp_path):
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        kept = pool.starmap(_put_many, [(str(tmp_path), 8)] * 4)
+    assert sum(kept) == 10  # 32 tries of 100 bytes, a 1000-byte store
+    assert BlobStore(tmp_path, 1000, 60).stats() == {"entries": 10, "bytes": 1000}
 
 
 def test_choices_map_to_prompt_and_completion():

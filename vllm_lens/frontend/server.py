@@ -33,15 +33,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import sys
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
 import torch
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.exception_handling.error_response import (
     create_error_response,
@@ -67,9 +68,9 @@ from vllm_lens.errors import (
     SinkRefusedError,
     WorkerCapacityError,
 )
-from vllm_lens.frontend import patching, steering_routes
+from vllm_lens.frontend import patching, preset_log, shared_dir, steering_routes
 from vllm_lens.frontend.async_engine import OFF_ROUTE, model_facts
-from vllm_lens.frontend.blob_store import BlobStore, shared_root
+from vllm_lens.frontend.blob_store import BlobStore
 from vllm_lens.frontend.collate import LensSession, join_streamed
 from vllm_lens.frontend.http_io import answered_by, json_object, read_bounded
 from vllm_lens.frontend.response_scope import ResponseScope
@@ -100,7 +101,8 @@ def store() -> BlobStore:
     """The binary-transport store this server's API processes share (opened on first use)."""
     global _store
     if _store is None:
-        _store = BlobStore(shared_root(), envs.http_store_max_bytes(), envs.http_store_ttl_s())
+        _store = BlobStore(shared_dir.server_dir() / "blobs", envs.http_store_max_bytes(),
+                           envs.http_store_ttl_s())
     return _store
 
 
@@ -116,9 +118,7 @@ _CHAT = _Endpoint(empty_choice={"delta": {}, "logprobs": None})
 
 
 def install() -> None:
-    # Name the binary store's directory here, in the process that builds the server, before
-    # it starts its API server processes: they inherit it (``frontend.blob_store``).
-    shared_root()
+    from vllm.entrypoints.cli import serve as serve_module
     from vllm.entrypoints.launchers import app as app_module
     from vllm.entrypoints.launchers.api_server import entry as entry_module
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
@@ -136,6 +136,7 @@ def install() -> None:
     wrap_attribute(app_module, "register_api_routers", _wrap_register_api_routers)
     wrap_attribute(entry_module, "build_async_engine_client", _wrap_build_engine_client)
     wrap_attribute(entry_module, "init_app_state", _wrap_init_app_state)
+    wrap_attribute(serve_module, "run_multi_api_server", _wrap_run_multi_api_server)
     serve_command = sys.modules.get("vllm.entrypoints.cli.serve")
     if serve_command is not None:  # ``vllm serve`` / ``vllm-lens serve``: all its launchers
         wrap_attribute(serve_command.ServeSubcommand, "validate", _wrap_validate)
@@ -173,9 +174,20 @@ def _wrap_build_engine_client(original):
     return build_async_engine_client
 
 
+def _wrap_run_multi_api_server(original):
+    def run_multi_api_server(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        # The API processes it starts share one directory (``frontend.shared_dir``).
+        shared_dir.create()
+        return original(args, *rest, **kwargs)
+
+    return run_multi_api_server
+
+
 def _wrap_init_app_state(original):
     async def init_app_state(engine_client: Any, state: Any, args: Any, *rest: Any,
                              **kwargs: Any) -> None:
+        if (getattr(args, "api_server_count", None) or 1) <= 1:
+            shared_dir.create()  # a server of one API process: its own directory
         await original(engine_client, state, args, *rest, **kwargs)
         names = await register_sae_file(engine_client)
         if names:
@@ -340,7 +352,7 @@ async def _validate(
     facts = await model_facts(engine) if has_lens_keys(xargs) else None
     steer = xargs.get(STEER_KEY)
     if steer is not None and "preset:" in (steer if isinstance(steer, str) else json.dumps(steer)):
-        await steering_routes.sync_presets(engine)  # what other API processes registered
+        await preset_log.sync(engine)  # what other API processes registered
     presets = dict(LensSession.of(engine).presets)
     saes = await async_describer(engine, xargs, paths=False)  # a client names, never opens
     if total > _PARSE_INLINE_BYTES or xargs.get(STEER_KEY) is not None:
@@ -516,22 +528,28 @@ async def fetch_activations(raw_request: Request) -> Response:
         return _json_error(create_error_response(
             f"expected a JSON body {{\"handle\": <handle>, \"delete\": true}}: {exc}",
             err_type="BadRequestError", status_code=HTTPStatus.BAD_REQUEST, param="handle"))
-    data = store().get(handle)
-    if data is None:
-        return _not_found(handle)
-    if delete:
-        store().delete(handle)
-    return Response(content=data, media_type="application/octet-stream",
-                    headers=answered_by())
+    return _served(handle, delete=delete)
 
 
 @_router.get(ACTIVATIONS_PATH + "/{handle}")
 async def get_activations(handle: str) -> Response:
-    data = store().get(handle)
-    if data is None:
+    return _served(handle, delete=False)
+
+
+def _served(handle: str, *, delete: bool) -> Response:
+    """The entry's bytes, streamed from its file (never read whole into this process)."""
+    f = store().open(handle, delete=delete)
+    if f is None:
         return _not_found(handle)
-    return Response(content=data, media_type="application/octet-stream",
-                    headers=answered_by())
+    size = os.fstat(f.fileno()).st_size
+
+    def chunks() -> Iterator[bytes]:  # iterated on a worker thread, off the event loop
+        with f:
+            while chunk := f.read(1 << 20):
+                yield chunk
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream",
+                             headers={**answered_by(), "content-length": str(size)})
 
 
 @_router.delete(ACTIVATIONS_PATH + "/{handle}")
@@ -552,7 +570,7 @@ async def list_saes(raw_request: Request) -> JSONResponse:
 @_router.get("/v1/lens/stats")
 async def lens_stats(raw_request: Request) -> JSONResponse:
     workers = await _worker_stats(raw_request.app.state.engine_client)
-    return JSONResponse({"store": store().stats(), "workers": workers,
+    return JSONResponse({"store": await asyncio.to_thread(store().stats), "workers": workers,
                          "sweeps": patching.running_sweeps()})
 
 

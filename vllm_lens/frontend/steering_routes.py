@@ -12,21 +12,13 @@
 The presets file is registered after ``VLLM_LENS_SAES`` (``frontend.server``), so its presets
 may steer by those SAEs' features too.
 
-Several API server processes (``--api-server-count N``) each hold their presets in memory. A
-route call there is applied by the process it reaches and appended to a log in the server's
-shared directory (``frontend.blob_store.shared_root``); every process replays the log, in
-order, before it lists presets, changes them or parses a request that selects one, so a
-preset registered through one process steers requests that reach any other.
+With several API server processes (``--api-server-count N``) a route call is applied by the
+process it reaches and shared with the others through ``frontend.preset_log``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import fcntl
-import json
 import logging
-from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
@@ -34,29 +26,22 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from vllm_lens import envs
 from vllm_lens.errors import LensRequestError
-from vllm_lens.frontend.blob_store import shared_root
+from vllm_lens.frontend import preset_log
+from vllm_lens.frontend.collate import LensSession
 from vllm_lens.frontend.http_io import answered_by, error, json_object
 from vllm_lens.frontend.presets import read_preset_file
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["register_preset_file", "router", "sync_presets"]
+__all__ = ["register_preset_file", "router"]
 
 router = APIRouter()
-#: API server processes of this server (``--api-server-count``): with several, route calls go
-#: through the shared log.
-_processes = 1
-_LOG = "steering-presets.jsonl"
-_replayed = 0
-"""Bytes of the shared log this process has applied."""
-_local = asyncio.Lock()
 
 
 async def register_preset_file(engine: Any, api_server_count: int | None = None) -> None:
     """Register every preset of ``VLLM_LENS_STEERING_PRESETS`` on ``engine`` (an ``AsyncLLM``);
     a preset that does not fit the model stops the server from starting, naming it."""
-    global _processes
-    _processes = api_server_count or 1
+    preset_log.configure(api_server_count)
     path = envs.steering_presets_path()
     if path is None:
         return
@@ -71,7 +56,7 @@ async def register_preset_file(engine: Any, api_server_count: int | None = None)
 
 @router.get("/v1/steering")
 async def list_presets(raw_request: Request) -> JSONResponse:
-    await sync_presets(raw_request.app.state.engine_client)
+    await preset_log.sync(raw_request.app.state.engine_client)
     presets = await raw_request.app.state.engine_client.steering_presets()
     return JSONResponse({"object": "list", "data": presets}, headers=answered_by())
 
@@ -83,76 +68,32 @@ async def _changing(raw_request: Request, method: str, *args: Any) -> JSONRespon
                       "the server with VLLM_LENS_ALLOW_STEERING_ROUTES=1, or register presets "
                       "from a file with VLLM_LENS_STEERING_PRESETS", HTTPStatus.FORBIDDEN)
     engine = raw_request.app.state.engine_client
-    async with _shared_log() as log:
+    session = LensSession.of(engine)
+    name = args[0]
+    async with preset_log.held() as log:
         if log is not None:
-            await _replay(engine, log)
+            await preset_log.replay(engine, log)
+        before = (session.presets.get(name), session.preset_info.get(name)) \
+            if isinstance(name, str) else (None, None)
         try:
             result = await getattr(engine, method)(*args)
         except LensRequestError as exc:
             return error(str(exc), param=exc.field)
         if log is not None:  # the other processes apply it before they next use presets
-            log.write(json.dumps({"method": method, "args": list(args)}) + "\n")
-            log.flush()
-            global _replayed
-            _replayed = log.tell()
+            try:
+                preset_log.append(log, method, args)
+            except OSError as exc:  # not shared: undone here too, so all processes agree
+                _restore(session, name, before)
+                return error(f"the preset change could not be shared with this server's "
+                             f"other API processes ({exc.strerror}); nothing changed",
+                             HTTPStatus.SERVICE_UNAVAILABLE)
     return JSONResponse({"ok": True, "result": result})
 
 
-async def sync_presets(engine: Any) -> None:
-    """Apply the route calls other API processes of this server logged since this one last
-    looked (a no-op with one API process, and a ``stat`` when nothing changed)."""
-    if _processes <= 1:
-        return
-    path = shared_root() / _LOG
-    if not path.exists() or path.stat().st_size == _replayed:
-        return
-    async with _shared_log() as log:
-        await _replay(engine, log)
-
-
-@contextlib.asynccontextmanager
-async def _shared_log() -> AsyncIterator[Any]:
-    """The shared log, held against the other API processes (``None`` with one process)."""
-    if _processes <= 1:
-        yield None
-        return
-    async with _local:
-        with open(shared_root() / _LOG, "a+") as log:
-            while True:  # without blocking the event loop while another process holds it
-                try:
-                    fcntl.flock(log, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    await asyncio.sleep(0.01)
-            try:
-                yield log
-            finally:
-                fcntl.flock(log, fcntl.LOCK_UN)
-
-
-async def _replay(engine: Any, log: Any) -> None:
-    """Apply the log's calls past ``_replayed`` (each was applied, so checked, where it was
-    made; one that fails here is logged and skipped)."""
-    global _replayed
-    log.seek(_replayed)
-    for line in log.read().splitlines():
-        call = json.loads(line)
-        try:
-            await getattr(engine, call["method"])(*call["args"])
-        except LensRequestError as exc:
-            logger.warning("vllm-lens: a steering preset change made through another API "
-                           "process failed here: %s", exc)
-    _replayed = log.tell()
-
-
-@router.post("/v1/steering/register")
-async def register_preset(raw_request: Request) -> JSONResponse:
-    body = await json_object(raw_request) or {}
-    return await _changing(raw_request, "register_steering", body.get("name"),
-                           body.get("vectors"), body.get("model"))
-
-
-@router.post("/v1/steering/unregister")
-async def unregister_preset(raw_request: Request) -> JSONResponse:
-    body = await json_object(raw_request) or {}
-    return await _changing(raw_request, "unregister_steering", body.get("name"))
+def _restore(session: Any, name: str, before: tuple[Any, Any]) -> None:
+    specs, info = before
+    if specs is None:
+        session.presets.pop(name, None)
+        session.preset_info.pop(name, None)
+    else:
+        session.presets[name], session.preset_info[name] = specs, info

@@ -98,8 +98,7 @@ def _check_one_example(captures: tuple[CaptureSpec, ...], saes: tuple[Any, ...],
 
 
 def parse_stream(raw: Any, captures: tuple[CaptureSpec, ...], sink: SinkSpec | None,
-                  facts: ModelFacts, request_id: str | None, saes: tuple[Any, ...] = ()
-                  ) -> bool:
+                 request_id: str | None, saes: tuple[Any, ...] = ()) -> bool:
     """``stream_activations``: ``true`` streams each capture's rows (and SAE features) as
     they are computed, which needs their final positions to be known then (no reduction, no
     window counted from the end of the generation)."""

@@ -268,7 +268,7 @@ def parse_extra_args(
     features = () if raw_saes is None else parse_sae_features(raw_saes, facts, saes, request_id)
     sink = None if raw_sink is None else parse_sink(raw_sink, captures, facts, request_id,
                                                     saes=features)
-    stream = parse_stream(raw_stream, captures, sink, facts, request_id, saes=features)
+    stream = parse_stream(raw_stream, captures, sink, request_id, saes=features)
     return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
                              fault=fault, points=points, sink=sink, stream=stream,
                              saes=features)

@@ -90,6 +90,19 @@ async def _changing(raw_request: Request, method: str, *args: Any) -> JSONRespon
     return JSONResponse({"ok": True, "result": result})
 
 
+@router.post("/v1/steering/register")
+async def register_preset(raw_request: Request) -> JSONResponse:
+    body = await json_object(raw_request) or {}
+    return await _changing(raw_request, "register_steering", body.get("name"),
+                           body.get("vectors"), body.get("model"))
+
+
+@router.post("/v1/steering/unregister")
+async def unregister_preset(raw_request: Request) -> JSONResponse:
+    body = await json_object(raw_request) or {}
+    return await _changing(raw_request, "unregister_steering", body.get("name"))
+
+
 def _restore(session: Any, name: str, before: tuple[Any, Any]) -> None:
     specs, info = before
     if specs is None:

@@ -664,7 +664,7 @@ def test_presets_and_sweeps_describe_the_saes_they_steer_by_before_parsing():
     assert (scale.mode, scale.scale) == ("add", 3.0)
     assert torch.equal(wire.loads(scale.vectors), _slice([5])["W_dec"])
     calls.clear()
-    elsewhere = [{"sae": "/tmp/elsewhere", "feature": 1, "scale": 2.0}]
+    elsewhere = [{"sae": "saes/elsewhere", "feature": 1, "scale": 2.0}]
     saes = drive(Engine(), steering_described(session, elsewhere, paths=False))
     assert calls == []  # nothing was opened
     with pytest.raises(LensRequestError, match="cannot name a path") as bad:

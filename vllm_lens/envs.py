@@ -4,8 +4,9 @@
 - ``VLLM_LENS_WORKER_MAX_BYTES``: budget of captured rows held on each worker, running and
   waiting for their fetch (default 4 GiB); rows that would exceed it are refused and their
   request fails (rows already held are never dropped to make room).
-- ``VLLM_LENS_SAE_MAX_BYTES``: weights of the SAEs one worker keeps loaded (default 4 GiB);
-  the least recently used that no request holds is unloaded to load another.
+- ``VLLM_LENS_SAE_MAX_BYTES``: weights of the SAEs one worker keeps loaded (default 4 GiB),
+  with the copies it computes with (on CPU, a reordered encoder: ``saes.linear``); the least
+  recently used that no request holds is unloaded to load another.
 - ``VLLM_LENS_SAES``: path of a JSON file of named SAEs (``{name: path}`` or ``{name:
   {"path", "hook_point"}}``) the OpenAI server registers before it serves; over HTTP
   requests may name only these (``frontend.sae_names``).

@@ -50,17 +50,22 @@ def test_sae_lens_architectures_encode_and_decode_as_sae_lens(tmp_path, architec
     sae = load_sae(path)
     assert (sae.layout, sae.architecture, sae.point, sae.layer) == (
         "sae-lens", architecture, "resid_post", 2)
-    x = _rows()
+    assert_encodes_and_decodes_as_sae_lens(sae, reference, _rows())
+
+
+def assert_encodes_and_decodes_as_sae_lens(sae, reference, x, *, decode_atol=1e-5):
+    """``sae`` encodes rows ``x`` (some features active, some not) and decodes its features
+    as sae-lens' ``reference`` does; bfloat16 rows are cast up, as sae-lens does with them."""
     with torch.no_grad():
         expected = reference.encode(x)
         features = sae.encode(x)
         torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
         assert (features > 0).any() and (features == 0).any()
         torch.testing.assert_close(sae.decode(features), reference.decode(expected),
-                                   rtol=1e-5, atol=1e-5)
-        # bfloat16 rows with a float32 SAE: cast up, as sae-lens does with the same rows.
+                                   rtol=1e-5, atol=decode_atol)
         half = x.to(torch.bfloat16)
-        torch.testing.assert_close(sae.encode(half), reference.encode(half.float()))
+        torch.testing.assert_close(sae.encode(half), reference.encode(half.float()),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_top_features_are_the_largest_activations_descending_and_padded(tmp_path):

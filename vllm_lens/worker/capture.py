@@ -64,8 +64,10 @@ def encode_top_features(sae: Any, rows: torch.Tensor, extra: torch.Tensor | None
     indices, their values, and with reconstruction the NMSE and L0 (``spec.saes``)."""
     model, top_k, reconstruction = sae
     x = (rows if extra is None else rows + extra).flatten(1)  # attn_z: heads flattened
-    # Rows a chunk at a time: the dense [rows, d_sae] activations stay near 64 MiB each.
-    per_chunk = max(1, _SAE_CHUNK_BYTES // (4 * model.d_sae))
+    # Rows a chunk at a time: a chunk's dense [rows, d_sae] activations stay in cache for the
+    # threshold and top-k that read them after the product (128 rows of a 9216-wide SAE:
+    # 1100 rows in 128-row chunks encode 1.8x faster than at once), and within 64 MiB.
+    per_chunk = max(1, min(_SAE_CHUNK_ROWS, _SAE_CHUNK_BYTES // (4 * model.d_sae)))
     out = []
     for chunk in x.split(per_chunk):
         found = model.top_features(chunk, top_k, reconstruction=reconstruction)
@@ -78,7 +80,7 @@ def encode_top_features(sae: Any, rows: torch.Tensor, extra: torch.Tensor | None
     return torch.cat(out) if len(out) > 1 else out[0]
 
 
-_SAE_CHUNK_BYTES = 64 << 20
+_SAE_CHUNK_ROWS, _SAE_CHUNK_BYTES = 128, 64 << 20
 
 
 def assemble(entry: Entry, valid_len: int) -> dict[str, Any]:

@@ -81,7 +81,9 @@ class SAERegistry:
         """The SAE at ``path`` on ``device``, loaded once. ``held``: keys running requests
         read (never unloaded). An SAE ``wanted`` says no to is read and described but not
         kept (a rank that does not capture its layer). ``dtype``: the rows' dtype; an SAE
-        narrower than it is kept widened once (and counted so), wider ones as they are."""
+        narrower than it is kept widened once (and counted so), wider ones as they are. An SAE
+        that computes on the host makes its encoder's reordered copy here (``SAE.prepare``,
+        counted), never in a forward pass."""
         key = self.key(path, hook_point)
         found = self.get(path, hook_point)
         if found is not None:
@@ -93,6 +95,8 @@ class SAERegistry:
             return sae
         if dtype is not None and torch.promote_types(sae.dtype, dtype) != sae.dtype:
             sae = sae.to("cpu", torch.promote_types(sae.dtype, dtype))
+        if sae.W_enc.device == torch.device(device):
+            sae.prepare()  # computes where it was read: its encoder's copies now, counted
         if sae.nbytes > self.max_bytes:
             raise ValueError(f"its weights take {sae.nbytes:,} bytes, more than "
                              f"VLLM_LENS_SAE_MAX_BYTES ({self.max_bytes:,})")

@@ -5,6 +5,8 @@ are removed, nobody else's."""
 import os
 import stat
 
+import pytest
+
 from vllm_lens.frontend import shared_dir
 
 
@@ -24,3 +26,17 @@ def test_each_server_gets_a_new_private_folder_and_orphans_go(tmp_path, monkeypa
     assert not dead.exists() and live.exists() and other.exists()
     second = shared_dir.create()  # another server: never the first one's folder
     assert second != first and shared_dir.server_dir() == second
+
+
+def test_several_api_processes_share_their_launchers_folder_or_are_refused(tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setenv("VLLM_LENS_HTTP_STORE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_LENS_SERVER_DIR", "")
+    # Started by a launcher vllm-lens did not wrap: each would keep a folder of its own.
+    with pytest.raises(RuntimeError, match=r"runs 2 API processes.*--api-server-count 1"):
+        shared_dir.for_api_process(2)
+    assert list(tmp_path.iterdir()) == []
+    launcher = shared_dir.create()  # vLLM's run_multi_api_server, wrapped
+    assert shared_dir.for_api_process(2) == launcher == shared_dir.for_api_process(2)
+    alone = shared_dir.for_api_process(1)  # a server of one API process: a new folder
+    assert alone != launcher and alone.parent == tmp_path

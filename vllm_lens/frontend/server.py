@@ -186,8 +186,7 @@ def _wrap_run_multi_api_server(original):
 def _wrap_init_app_state(original):
     async def init_app_state(engine_client: Any, state: Any, args: Any, *rest: Any,
                              **kwargs: Any) -> None:
-        if (getattr(args, "api_server_count", None) or 1) <= 1:
-            shared_dir.create()  # a server of one API process: its own directory
+        shared_dir.for_api_process(getattr(args, "api_server_count", None))
         await original(engine_client, state, args, *rest, **kwargs)
         names = await register_sae_file(engine_client)
         if names:

@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["PARENT_VARIABLE", "create", "server_dir"]
+__all__ = ["PARENT_VARIABLE", "create", "for_api_process", "server_dir"]
 
 #: Where the operator wants servers' directories made (a parent: each server makes its own).
 PARENT_VARIABLE = "VLLM_LENS_HTTP_STORE_DIR"
@@ -51,6 +51,23 @@ def server_dir() -> Path:
     """This server's shared directory (made by ``create``; made here if no process did)."""
     named = os.environ.get(_SERVER_VARIABLE)
     return Path(named) if named else create()
+
+
+def for_api_process(api_server_count: int | None) -> Path:
+    """The directory of the API process being set up: its own, when it is the server's only
+    one; otherwise the one its launcher made. Several API processes that no wrapped launcher
+    started (none made a directory for them to share) would each keep their own, and a
+    client's follow-up call reaching another process would find nothing: refused instead."""
+    if (api_server_count or 1) <= 1:
+        return create()
+    if not os.environ.get(_SERVER_VARIABLE):
+        raise RuntimeError(
+            f"vllm-lens: this server runs {api_server_count} API processes, but they were not "
+            "started through vLLM's run_multi_api_server (which vllm-lens wraps to give them "
+            "a directory they share), so a binary-transport handle or a steering preset one "
+            "process keeps would be lost to the others; start the server with `vllm serve` or "
+            "`vllm-lens serve`, or with --api-server-count 1")
+    return server_dir()
 
 
 def _remove_orphans(parent: Path) -> None:

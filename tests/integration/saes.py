@@ -85,10 +85,39 @@ def architecture_saes(root) -> list:
             (root / "topk", saved_sae(root / "topk", "topk", "blocks.2.hook_resid_post", k=16))]
 
 
-def check_architectures(llm, ref, saes, prompt: str) -> None:
+def topk_clamp(sae, features, targets, keep=lambda p: True):
+    """transformers' edit for a TopK clamp: ``decode(f') - decode(f)`` with sae-lens' own
+    ``encode`` and ``decode`` of the whole row, ``f'`` being ``f`` with ``features`` set to
+    ``targets``, at the positions ``keep`` says."""
+
+    def edit(x):
+        with torch.no_grad():
+            f = sae.encode(x)
+            edited = f.clone()
+            edited[:, features] = torch.tensor(targets)
+            delta = sae.decode(edited) - sae.decode(f)
+        rows = torch.tensor([keep(p) for p in range(x.shape[0])])
+        return x + delta * rows[:, None]
+    return edit
+
+
+def inside_and_outside(sae, rows) -> list[int]:
+    """Two features of a TopK ``sae`` on ``rows``: one among the top k of some rows, not all
+    (a clamp to 0 lowers it there), and one among the top k of none (a clamp raises it)."""
+    with torch.no_grad():
+        active = (sae.encode(rows) > 0).sum(0)
+    n = rows.shape[0]
+    inside = int((active * (active < n)).argmax())
+    assert 0 < int(active[inside]) < n
+    return [inside, int((active == 0).nonzero()[0])]
+
+
+def check_architectures(llm, ref, saes, prompt: str, kept: list[int]) -> None:
     """On ``llm`` (any parallel layout or mode): the features of each SAE of
     ``architecture_saes``, prompt and generated rows, equal sae-lens' ``encode`` of
-    transformers' rows."""
+    transformers' rows; clamping the TopK SAE's features gives transformers' tokens with the
+    same edit in a hook. ``kept``: the SAEs each worker then keeps loaded (a TopK SAE a
+    request clamps: on every rank that steers its layer)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={
@@ -104,3 +133,14 @@ def check_architectures(llm, ref, saes, prompt: str) -> None:
         with torch.no_grad():
             dense = sae.encode(rows[point])
         assert_top_features(found, dense, 20)
+    (path, topk), prompt_ids = saes[1], list(out.prompt_token_ids)
+    features = inside_and_outside(topk, rows[("resid_post", 2)][:len(prompt_ids)])
+    clamped = llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, extra_args={"apply_steering_vectors": [
+            {"sae": str(path), "feature": features, "clamp": [0.0, 8.0]}]}))[0]
+    assert clamped.lens_error is None
+    hooked = {("resid_post", 2): topk_clamp(topk, features, [0.0, 8.0])}
+    tokens = list(clamped.outputs[0].token_ids)
+    assert tokens == ref.point_greedy(prompt_ids, 6, hooked)
+    assert tokens != ref.point_greedy(prompt_ids, 6, {})  # it mattered
+    assert [w["saes"] for w in llm.collective_rpc("lens_stats")] == kept

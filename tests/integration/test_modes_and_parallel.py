@@ -19,8 +19,7 @@ from tests.integration.saes import (
     check_features_and_clamp,
     saved_sae,
 )
-from vllm_lens import Hook, NamedHook, SteeringVector
-from vllm_lens.errors import UnsupportedConfigError
+from vllm_lens import Hook, NamedHook, SteeringVector, datasets
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -176,27 +175,48 @@ def test_compiled_mode_matches_eager(tiny_path, reference, tiny_ref, arch_saes):
     with running_llm(tiny_path, max_num_batched_tokens=16, max_num_seqs=8) as llm:
         assert llm.llm_engine.vllm_config.compilation_config.mode != 0  # really compiled
         outs = _run(llm)
-        check_architectures(llm, tiny_ref, arch_saes, LONG_SAE_PROMPT)  # chunked, compiled
+        check_architectures(llm, tiny_ref, arch_saes, LONG_SAE_PROMPT, kept=[2])  # compiled
     for got, expected in zip(outs[:2], reference[:2]):
         _assert_same_as_reference(got, expected, tol=1e-5)
     _assert_points_same(outs[2], reference[2], tol=1e-5)
 
 
-def _assert_extract_stops_at_the_sink_refusal(llm, monkeypatch, tmp_path):
-    """``vllm-lens extract`` on an engine whose set-up refuses sinks (PP here) ends the job at
-    the first batch with the refusal, instead of failing every example one by one."""
-    from types import SimpleNamespace
+def _assert_stages_write_one_dataset(llm, root, sae_path):
+    """Under PP each stage writes its part of every example (its layers' rows, the features
+    of the SAE at its layer) into one dataset: read back, the examples are the rows and
+    features the same requests return without a sink."""
+    from vllm_lens.errors import SinkConflictError
+    from vllm_lens.sink_control import flush_sinks
 
-    from vllm_lens import cli
-    from vllm_lens.prompt_files import Example
-
-    monkeypatch.setenv("VLLM_LENS_SINKS", json.dumps({cli._SINK: {"root": str(tmp_path)}}))
-    sp = SamplingParams(max_tokens=1, extra_args={"output_activations": {"resid_post": [1]}})
-    job = cli._Job(SimpleNamespace(batch_size=2), llm, sp, tmp_path / "d")
-    bad: list[str] = []
-    with pytest.raises(SystemExit, match="pipeline_parallel_size=2"):
-        job.run([Example(key=str(i), prompt=p) for i, p in enumerate(PROMPTS * 2)], bad)
-    assert bad == [] and not (tmp_path / "d").exists()
+    extra = {"output_residual_stream": [1, 3],  # one layer on each stage, the SAE on the second
+             "output_sae_features": {"sae": str(sae_path), "top_k": 8}}
+    sp = [SamplingParams(max_tokens=4, temperature=0, extra_args={
+        **extra, "capture_sink": {"sink": "acts", "dataset": "pp", "key": f"p{i}"}})
+        for i in range(len(PROMPTS))]
+    written = llm.generate(PROMPTS, sp)
+    flush_sinks(llm)
+    returned = llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0,
+                                                     extra_args=extra))
+    ds = datasets.open(root / "pp")
+    assert ds.keys() == ["p0", "p1"]
+    for i, (out, ref) in enumerate(zip(written, returned)):
+        receipt = out.capture_receipt
+        assert out.lens_error is None and [p["writer"] for p in receipt["parts"]] == [
+            "dp0-pp0", "dp0-pp1"]
+        assert [(p["layers"], p["saes"]) for p in receipt["parts"]] == [([1], []), ([3], [0])]
+        assert receipt["shapes"]["residual_stream"] == list(
+            ref.activations["residual_stream"].shape)
+        ex = ds.get(f"p{i}")
+        assert ex["token_ids"] == list(out.outputs[0].token_ids)
+        torch.testing.assert_close(ex["residual_stream"], ref.activations["residual_stream"],
+                                   rtol=1e-4, atol=1e-5)
+        (features,) = ex["sae_features"]
+        assert features["positions"].tolist() == ref.sae_features[0]["positions"].tolist()
+        torch.testing.assert_close(features["values"], ref.sae_features[0]["values"],
+                                   rtol=1e-4, atol=1e-4)
+    # A key the dataset holds whole is the caller's conflict, from either stage.
+    again = llm.generate(PROMPTS[:1], sp[:1])[0]
+    assert isinstance(again.lens_error, SinkConflictError)
 
 
 @pytest.mark.slow
@@ -211,7 +231,8 @@ def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch, tiny_r
         vocab = llm.llm_engine.model_config.get_vocab_size()
         _assert_inline_handoff_equals_shared_memory(llm, monkeypatch)
         check_features_and_clamp(llm, tiny_ref, *resid_sae, PROMPTS[0], kept=[1, 0])
-        check_architectures(llm, tiny_ref, arch_saes, PROMPTS[1])
+        # Rank 1 keeps the TopK SAE a request clamps (it steers too), and no other.
+        check_architectures(llm, tiny_ref, arch_saes, PROMPTS[1], kept=[3, 1])
     assert [d["tp_rank"] for d in describe] == [0, 1]
     _assert_hook_results(hooked, vocab)  # the parameter is gathered from both ranks
     for out, ref in zip(gated, reference[3]):
@@ -228,8 +249,10 @@ def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch, tiny_r
 def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch, tmp_path, tiny_ref,
                                         resid_sae, arch_saes):
     # vLLM 0.32's CPU runner supports PP only in compiled mode.
-    with env(**TWO_WORKERS), running_llm(tiny_path, pipeline_parallel_size=2) as llm:
-        _assert_extract_stops_at_the_sink_refusal(llm, monkeypatch, tmp_path)
+    sinks = json.dumps({"acts": {"root": str(tmp_path), "flush_s": 0}})
+    with env(**TWO_WORKERS, VLLM_LENS_SINKS=sinks), running_llm(
+            tiny_path, pipeline_parallel_size=2) as llm:
+        _assert_stages_write_one_dataset(llm, tmp_path, resid_sae[0])
         describe = llm.collective_rpc("lens_describe")
         outs = _run(llm)
         one_per_stage = llm.generate(
@@ -244,7 +267,8 @@ def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch, tmp_
         vocab = llm.llm_engine.model_config.get_vocab_size()
         _assert_inline_handoff_equals_shared_memory(llm, monkeypatch)
         check_features_and_clamp(llm, tiny_ref, *resid_sae, PROMPTS[0], kept=[0, 1])
-        check_architectures(llm, tiny_ref, arch_saes, PROMPTS[1])
+        # The TopK SAE at layer 2: only the second stage keeps it, also to clamp it.
+        check_architectures(llm, tiny_ref, arch_saes, PROMPTS[1], kept=[1, 2])
     _assert_hook_results(hooked, vocab)
     assert [d["local_layers"] for d in describe] == [[0, 1], [2, 3]]
     for got, expected in zip(outs[:2], reference[:2]):
@@ -263,13 +287,15 @@ def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch, tmp_
 def test_data_parallel_2_fetches_from_the_engine_that_served_each_request(tiny_path, tiny_llm,
                                                                          tmp_path):
     """vLLM's collective_rpc through the DP client answers with engine 0 only; every request
-    must still get its own rows, whichever engine served it."""
+    must still get its own rows, whichever engine served it. Requests with a capture sink
+    landing on both engines write one dataset, each engine's worker as its own writer."""
     import asyncio
 
     from tests.integration.engines import IDLE, held, running_async_llm
     from vllm.sampling_params import RequestOutputKind
 
     from vllm_lens.frontend.rpc import all_workers, pipelined
+    from vllm_lens.sink_control import flush_sinks_async
 
     prompts = [f"{p} Request number {i}." for i, p in enumerate(PROMPTS * 4)]
     sp = SamplingParams(max_tokens=5, temperature=0, extra_args={"output_residual_stream": [1, 3]})
@@ -306,24 +332,38 @@ def test_data_parallel_2_fetches_from_the_engine_that_served_each_request(tiny_p
             assert len(rows) >= 2
             torch.testing.assert_close(torch.cat(rows, dim=1),
                                        ref.activations["residual_stream"], rtol=1e-4, atol=1e-5)
-        # Each engine's worker would open the sink's dataset: refused, not half written.
-        sink = {"output_residual_stream": [1],
-                "capture_sink": {"sink": "acts", "dataset": "d", "key": "k"}}
-        with pytest.raises(UnsupportedConfigError, match="data_parallel_size=2"):
-            async for _ in engine.generate("Hi", SamplingParams(max_tokens=1, extra_args=sink),
-                                           "dp-sink"):
+        # Each engine's worker writes the requests it served into one dataset, as its own
+        # named writer.
+        chosen.clear()
+
+        async def to_sink(i, prompt):
+            params = SamplingParams(max_tokens=5, temperature=0, extra_args={
+                **sp.extra_args, "capture_sink": {"sink": "acts", "dataset": "dp",
+                                                  "key": f"k{i}"}})
+            async for out in engine.generate(prompt, params, f"dp-sink-{i}"):
                 pass
+            return out
+
+        receipts = [out.capture_receipt for out in await asyncio.gather(
+            *[to_sink(i, p) for i, p in enumerate(prompts)])]
+        assert len(set(chosen)) == 2  # both engines wrote some of them
+        await flush_sinks_async(engine)
         stats = await all_workers(engine, "lens_stats")
         # The streamed fetch's route asks every engine too (both idle here: it blocks).
         assert await pipelined(engine, "lens_stats") == stats
-        return outs, stats
+        return outs, stats, receipts
 
     sinks = json.dumps({"acts": {"root": str(tmp_path)}})
     with env(**TWO_WORKERS, VLLM_LENS_SINKS=sinks), running_async_llm(
             tiny_path, data_parallel_size=2, enforce_eager=True) as (engine, run):
-        outs, stats = run(serve(engine))
-    assert not any(tmp_path.iterdir())
+        outs, stats, receipts = run(serve(engine))
     assert held(stats) == [IDLE, IDLE]  # one worker per engine, both empty afterwards
+    assert {r["writer"] for r in receipts} == {"dp0-pp0", "dp1-pp0"}
+    ds = datasets.open(tmp_path / "dp")
+    assert sorted(ds.keys()) == sorted(f"k{i}" for i in range(len(prompts)))
+    for i, ref in enumerate(expected):
+        torch.testing.assert_close(ds.get(f"k{i}")["residual_stream"],
+                                   ref.activations["residual_stream"], rtol=1e-4, atol=1e-5)
     for out, ref in zip(outs, expected):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         _assert_same_as_reference([out], [ref], tol=1e-4)

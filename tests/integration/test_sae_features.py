@@ -1,7 +1,7 @@
 """SAE features served by a real engine (the tiny Llama, chunked prefill) equal sae-lens' own
 ``encode`` of transformers' rows at the SAE's point and layer, prompt and generated rows, for
 each architecture (jumprelu at resid_post, topk at mlp_out, standard at attn_out); clamping
-equals transformers with the same edit in a hook (jumprelu and standard); only the top
+equals transformers with the same edit in a hook (jumprelu, standard and topk); only the top
 features leave the worker; bad SAEs are refused naming the field, before anything runs (and
 a bad ``VLLM_LENS_SAES`` stops the OpenAI server); the engine serves on and holds nothing
 afterwards."""
@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from vllm import SamplingParams
 
 from tests.integration.engines import IDLE, held
-from tests.integration.saes import assert_top_features, saved_sae
+from tests.integration.saes import (
+    assert_top_features,
+    inside_and_outside,
+    saved_sae,
+    topk_clamp,
+)
 from vllm_lens import LensRequestError
+from vllm_lens.saes import load_sae
 
 PROMPT = "Once upon a time in a quiet village by the sea, an old fisherman mended his nets."
 
@@ -29,6 +36,11 @@ def saes(tmp_path_factory):
                                              "blocks.2.hook_resid_post")),
         "mlp": (root / "mlp", saved_sae(root / "mlp", "topk", "blocks.1.hook_mlp_out", k=16)),
         "attn": (root / "attn", saved_sae(root / "attn", "standard", "blocks.1.hook_attn_out")),
+        "topk": (root / "topk", saved_sae(root / "topk", "topk", "blocks.2.hook_resid_post",
+                                           k=16)),
+        "rescaled": (root / "rescaled", saved_sae(root / "rescaled", "topk",
+                                                   "blocks.2.hook_resid_post", k=16,
+                                                   rescale_acts_by_decoder_norm=True)),
     }
 
 
@@ -174,6 +186,21 @@ def test_registered_name_offline_and_its_listing(tiny_llm, tiny_ref, saes, tmp_p
     assert found["indices"][0, :kept].tolist() == top.indices[0, :kept].tolist()
     torch.testing.assert_close(found["values"][0, :kept], top.values[0, :kept], rtol=1e-4,
                                atol=1e-5)
+    # Gemma Scope's files do not say where they read: registered with a hook point, and
+    # requests naming it read there.
+    gemma_scope = tmp_path / "gemma-scope"
+    gemma_scope.mkdir()
+    np.savez(gemma_scope / "params.npz",
+             **{k: v.detach().numpy() for k, v in resid.state_dict().items()})
+    moved = tiny_llm.register_sae("gs-1", str(gemma_scope), "blocks.1.hook_resid_post")
+    assert (moved["layout"], moved["layer"]) == ("gemma-scope", 1)
+    sp.extra_args["output_sae_features"]["sae"] = "gs-1"
+    (found,) = tiny_llm.generate([PROMPT], sp)[0].sae_features
+    assert (found["sae"], found["layer"]) == ("gs-1", 1)
+    rows = tiny_ref.points(list(out.prompt_token_ids))[("resid_post", 1)][-1:]
+    _, top = _expected_top(load_sae(gemma_scope, "blocks.1.hook_resid_post"), rows, 8)
+    kept = int((top.values > 0).sum())
+    assert kept and found["indices"][0, :kept].tolist() == top.indices[0, :kept].tolist()
     saved_sae(tmp_path / "narrow", "standard", "blocks.1.hook_resid_post", d_in=64)
     with pytest.raises(LensRequestError) as bad:
         tiny_llm.register_sae("narrow", str(tmp_path / "narrow"))
@@ -184,7 +211,7 @@ def test_registered_name_offline_and_its_listing(tiny_llm, tiny_ref, saes, tmp_p
     with pytest.raises(LensRequestError) as bad:
         tiny_llm.register_sae("nothing", str(tmp_path / "missing"))
     assert bad.value.field == "path" and "not a directory" in str(bad.value)
-    assert [s["name"] for s in tiny_llm.registered_saes()] == ["resid-2"]
+    assert [s["name"] for s in tiny_llm.registered_saes()] == ["gs-1", "resid-2"]
     assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
 
 
@@ -414,4 +441,51 @@ def test_clamping_features_equals_transformers_with_the_same_edit(tiny_llm, tiny
     mixed = tiny_llm.generate([{"prompt_token_ids": ids}], sp)[0]
     assert list(mixed.outputs[0].token_ids) == tiny_ref.point_greedy(ids, 8, {
         ("resid_post", 1): lambda x: x + push, **edits})
+    assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
+
+
+def test_clamping_topk_features_equals_transformers_with_the_same_edit(tiny_llm, tiny_ref,
+                                                                      saes):
+    """A TopK SAE's clamp: the worker encodes each steered row in full with the SAE it holds
+    for the request (whether a feature is among the top k depends on every other) and adds
+    ``decode(f') - decode(f)``; tokens and the next layer's rows equal transformers with
+    that edit in a hook, for a feature raised where it is outside a row's top k and one
+    lowered where it is inside, plain and with ``rescale_acts_by_decoder_norm`` (at chosen
+    positions); a request without steering in the same batch is untouched; a preset cannot
+    keep such a clamp."""
+    path, sae = saes["topk"]
+    ids = tiny_llm.get_tokenizer().encode(PROMPT)
+    n = len(ids)
+    # One feature in the top k at some prompt positions (lowered there), one in none (raised).
+    features = inside_and_outside(sae, tiny_ref.points(ids)[("resid_post", 2)])
+    targets = [0.0, 8.0]
+    item = {"sae": str(path), "feature": features, "clamp": targets}
+    rows = {"output_residual_stream": [3]}
+    clamped, beside = tiny_llm.generate([{"prompt_token_ids": ids}] * 2, [
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                       extra_args={"apply_steering_vectors": [item], **rows}),
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args=rows)])
+    assert clamped.lens_error is None and beside.lens_error is None
+    hooked = {("resid_post", 2): topk_clamp(sae, features, targets)}
+    tokens = list(clamped.outputs[0].token_ids)
+    assert tokens == tiny_ref.point_greedy(ids, 8, hooked)
+    expected = tiny_ref.points((ids + tokens)[:-1], hooked)[("resid_post", 3)]
+    torch.testing.assert_close(clamped.activations["residual_stream"][0], expected,
+                               rtol=1e-4, atol=1e-4)
+    plain = list(beside.outputs[0].token_ids)
+    assert plain == tiny_ref.point_greedy(ids, 8, {}) and plain != tokens  # it mattered
+    expected = tiny_ref.points((ids + plain)[:-1])[("resid_post", 3)]
+    torch.testing.assert_close(beside.activations["residual_stream"][0], expected,
+                               rtol=1e-4, atol=1e-4)
+    rescaled_path, rescaled = saes["rescaled"]
+    chosen = [2, 5, n + 1]
+    (out,) = tiny_llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True, extra_args={"apply_steering_vectors": [
+            {**item, "sae": str(rescaled_path), "position_indices": chosen}]}))
+    assert out.lens_error is None
+    assert list(out.outputs[0].token_ids) == tiny_ref.point_greedy(ids, 8, {
+        ("resid_post", 2): topk_clamp(rescaled, features, targets, lambda p: p in chosen)})
+    with pytest.raises(LensRequestError) as bad:
+        tiny_llm.register_steering("topk", [item])
+    assert bad.value.field == "presets.topk[0].clamp"
     assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]

@@ -195,6 +195,10 @@ def test_a_worker_keeps_saes_within_its_budget_and_never_unloads_a_held_one(tmp_
     assert (info["d_in"], info["d_sae"], info["point"], info["layer"]) == (16, 64, "resid_post", 2)
     assert len(other) == 0
     assert other.describe(str(paths[1]), None, cpu, set(), lambda sae: False) is info
+    # Wanted there later (a request clamps its TopK features): loaded then.
+    kept = other.describe(str(paths[1]), None, cpu, set(), lambda info: info["layer"] == 2)
+    assert len(other) == 1 and kept["hook_point"] is None
+    assert tuple(kept["version"]) == other.version(*other.key(str(paths[1]), None))
 
 
 def test_sae_feature_requests_parse_travel_and_are_admitted_by_size(monkeypatch, tmp_path):
@@ -440,9 +444,10 @@ def test_steering_by_feature_becomes_the_decoder_rows_as_a_steering_vector():
     architecture = ["jumprelu"]
 
     class Lookup:
-        def __call__(self, sae, hook_point):
+        def __call__(self, sae, hook_point, clamp=False):
             return {"path": "/saes/a", "point": "resid_post", "layer": 2, "d_in": 16,
-                    "d_sae": 32, "architecture": architecture[0]}
+                    "d_sae": 32, "architecture": architecture[0], "hook_point": None,
+                    "version": [5, 6]}
 
         def sae_slice(self, sae, hook_point, features):
             index = list(features)
@@ -465,8 +470,9 @@ def test_steering_by_feature_becomes_the_decoder_rows_as_a_steering_vector():
     expected = 2.0 * W_dec[1] - W_dec[7]
     torch.testing.assert_close(wire.loads(two.vectors), expected.expand(1, 2, 16))
     assert steering_sae_references(json.dumps([{"sae": "a", "feature": 5}, "preset:x",
-                                               {"sae": "a", "feature": [1, 7]}])) == [
-        ("a", None, (5,)), ("a", None, (1, 7))]
+                                               {"sae": "a", "feature": [1, 7]},
+                                               {"sae": "a", "feature": 1, "clamp": 0.0}])) == [
+        ("a", None, (5,), False), ("a", None, (1, 7), False), ("a", None, (1,), True)]
     (clamp,) = steer({"sae": "a", "feature": [4, 2], "clamp": [0.0, 5.0],
                       "position_indices": [7]})
     assert clamp.mode == "clamp" and clamp.clamp.targets == (0.0, 5.0)
@@ -489,9 +495,25 @@ def test_steering_by_feature_becomes_the_decoder_rows_as_a_steering_vector():
             replace, {"sae": "a", "feature": 4, "clamp": 2.0}]}, lambda: facts, saes=Lookup())
     assert len(steer({"sae": "a", "feature": 4, "clamp": 2.0},
                      {"sae": "a", "feature": 4, "scale": 2.0})) == 2  # a clamp and an addition
+    # A TopK clamp ships no encoder: it names the SAE the workers hold for it, and its salt
+    # changes with the version of the SAE's files.
     architecture[0] = "topk"
-    with pytest.raises(LensRequestError, match="standard and jumprelu"):
-        steer({"sae": "a", "feature": 1, "clamp": 3.0})
+    _, topk_lens = parse_extra_args({"apply_steering_vectors": [
+        {"sae": "a", "feature": [9, 3], "clamp": [1.0, 0.0]}]}, lambda: facts, saes=Lookup())
+    (topk,) = topk_lens.steer
+    assert (topk.clamp.architecture, topk.clamp.path, topk.clamp.hook_point) == (
+        "topk", "/saes/a", None)
+    assert (topk.clamp.features, topk.clamp.version) == ((9, 3), (5, 6))
+    assert topk.clamp.field == "apply_steering_vectors[0].sae"
+    assert wire.loads(topk.clamp.encoder) == {}
+    assert torch.equal(wire.loads(topk.vectors), W_dec[[9, 3]])
+    assert LensRequest.from_payload(topk_lens.to_payload()).steer == topk_lens.steer
+    import dataclasses
+
+    from vllm_lens.spec.steering import steering_digest
+
+    newer = dataclasses.replace(topk, clamp=dataclasses.replace(topk.clamp, version=(5, 7)))
+    assert steering_digest([newer]) != steering_digest([topk])
     architecture[0] = "jumprelu"
     for item, field, words in (
             ({"sae": "a", "feature": 32}, ".feature", "0 to 31"),
@@ -542,6 +564,94 @@ def test_a_clamp_sets_the_features_and_keeps_the_error_term():
     assert (before[:, index] > 0).any()  # some rows have the features active
     torch.testing.assert_close(delta, (torch.tensor(targets) - before[:, index])
                                @ reference.W_dec[index].detach())
+
+
+@pytest.mark.parametrize("rescale", [False, True])
+def test_a_topk_clamp_adds_what_decoding_the_edited_features_adds(rescale):
+    """A TopK clamp (``worker.steer``) encodes whole rows with the SAE the worker holds
+    (sae-lens' TopK, ``rescale_acts_by_decoder_norm`` off and on) and adds
+    ``decode(f') - decode(f)``, ``f'`` being ``f`` with the clamped features set: a feature
+    outside a row's top k is raised, one inside it lowered, every other kept as it was."""
+    from sae_lens import TopKSAEConfig
+    from sae_lens.saes.sae import SAE as SaeLensSAE
+
+    from vllm_lens import wire
+    from vllm_lens.saes import SAE
+    from vllm_lens.spec.steering import ClampSpec, SteerSpec
+    from vllm_lens.worker.steer import prepare
+
+    g = torch.Generator().manual_seed(21)
+    reference = SaeLensSAE.get_sae_class_for_architecture("topk")(TopKSAEConfig(
+        d_in=16, d_sae=64, k=4, dtype="float32", device="cpu",
+        rescale_acts_by_decoder_norm=rescale))
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+        reference.W_dec.mul_(torch.rand(64, 1, generator=g) * 3)  # unequal decoder norms
+    weights = {name: param.detach() for name, param in reference.named_parameters()}
+    sae = SAE(architecture="topk", layout="sae-lens", k=4, rescale_acts_by_decoder_norm=rescale,
+              **weights)
+    stream = torch.randn(6, 16, generator=g) * 3
+    with torch.no_grad():
+        before = reference.encode(stream)
+    top = set(sae.pre_activations(stream)[0].topk(4).indices.tolist())
+    inside = int(before[0].argmax())  # in row 0's top k: lowered
+    outside = next(i for i in range(64) if i not in top)  # not among row 0's k: raised
+    assert inside in top and before[0, inside] > 0.5
+    features, targets = (inside, outside), (0.5, 4.0)
+    spec = SteerSpec(layers=(0,), vectors=wire.dumps(weights["W_dec"][list(features)]),
+                     scale=1.0, norm_match=False, positions=None, mode="clamp",
+                     clamp=ClampSpec("topk", targets, wire.dumps({}), path="/saes/t",
+                                     version=(1,), features=features,
+                                     field="apply_steering_vectors[0].sae"))
+    prepared = prepare(spec, torch.device("cpu"), torch.float32, sae)
+    edited = before.clone()
+    edited[:, list(features)] = torch.tensor(targets)
+    with torch.no_grad():
+        expected = reference.decode(edited) - reference.decode(before)
+    torch.testing.assert_close(prepared.clamp.delta(stream), expected, rtol=1e-5, atol=1e-5)
+    assert prepared.clamp.sae is sae and prepared.clamp.nbytes == 2 * 16 * 4  # not the SAE's
+    from vllm_lens.spec import LensRequest
+    from vllm_lens.worker.requests import RequestRecord, RequestTable
+
+    table = RequestTable(finished_ttl_s=60.0)
+    table.records["r"] = RequestRecord("r", LensRequest(key="k", steer=(spec,)))
+    assert table.held_saes() == {("/saes/t", None)}  # never unloaded while it runs
+    # On a pipeline stage without the clamp's layer there is nothing to hold.
+    elsewhere = prepare(spec, torch.device("cpu"), torch.float32, None)
+    assert elsewhere.clamp.sae is None and elsewhere.clamp.nbytes == 0
+
+
+def test_a_topk_clamp_is_kept_by_every_steering_rank_and_a_refusal_names_the_field():
+    """Describing a TopK SAE a clamp names asks the workers to keep it where they steer its
+    layer (``lens_load_sae`` with ``clamp``); one that cannot (its budget full) refuses the
+    request by the item's ``sae`` field before anything runs."""
+    from vllm_lens.errors import LensRequestError
+    from vllm_lens.frontend.collate import LensSession
+    from vllm_lens.frontend.engine_methods import drive
+    from vllm_lens.frontend.sae_names import steering_described
+    from vllm_lens.spec import ModelFacts, parse_steering
+
+    info = {**_INFO, "architecture": "topk", "hook_point": None, "version": [1]}
+    calls = []
+
+    class Engine:  # rank 1 has no room left for it
+        def collective_rpc(self, method, args):
+            calls.append((method, args))
+            if method == "lens_load_sae":
+                return [dict(info), {"error": "the SAEs running requests read take 9 bytes "
+                                              "of VLLM_LENS_SAE_MAX_BYTES (10)"}]
+            return [None, None]
+
+    session = LensSession()
+    session.sae_names["a"] = ("/saes/a", None, dict(info))
+    vectors = [{"sae": "a", "feature": [4, 2], "clamp": [0.0, 5.0]},
+               {"sae": "a", "feature": 5, "scale": 1.0}]
+    saes = drive(Engine(), steering_described(session, vectors, paths=False))
+    assert calls[0] == ("lens_load_sae", ("/saes/a", None, True))
+    with pytest.raises(LensRequestError, match="VLLM_LENS_SAE_MAX_BYTES") as bad:
+        parse_steering(vectors, ModelFacts(**_FACTS), "corrupt", saes)
+    assert bad.value.field == "corrupt[0].sae"
 
 
 def test_a_clamp_on_a_bfloat16_stream_computes_in_float32_and_writes_bfloat16():
@@ -625,7 +735,7 @@ def _slice(features):
 class _Lookup:
     """``spec.saes``' describe for that SAE, as a front end would have it."""
 
-    def __call__(self, sae, hook_point):
+    def __call__(self, sae, hook_point, clamp=False):
         return dict(_INFO)
 
     def sae_slice(self, sae, hook_point, features):
@@ -659,7 +769,7 @@ def test_presets_and_sweeps_describe_the_saes_they_steer_by_before_parsing():
     vectors = [{"sae": "a", "feature": [4, 2], "clamp": [0.0, 5.0]},
                {"sae": "a", "feature": 5, "scale": 3.0}]
     saes = drive(Engine(), steering_described(session, vectors, paths=False))
-    assert calls == [("lens_load_sae", ("/saes/a", None)),
+    assert calls == [("lens_load_sae", ("/saes/a", None, True)),  # a clamp names it
                      ("lens_sae_slice", ("/saes/a", None, [4, 2])),
                      ("lens_sae_slice", ("/saes/a", None, [5]))]
     clamp, scale = parse_steering(vectors, facts, "presets.p", saes)

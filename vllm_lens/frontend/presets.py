@@ -13,10 +13,11 @@ request's are (hidden size, layers, points, positions), and refuses a preset who
 names another model. An item steering by SAE feature (``spec.sae_steering``) is resolved when
 the preset is registered: the preset keeps the vector made of the decoder rows (``scale``), or
 the rows, encoder columns and targets (``clamp``), so it steers as the same item in a request
-did then, whatever happens to the SAE afterwards. In a server process only SAEs registered by
-name (``VLLM_LENS_SAES``) may be named, never a directory, as in a request. The OpenAI server
-registers the presets of ``VLLM_LENS_STEERING_PRESETS`` (a JSON file) before it serves, after
-its SAEs, and fails to start on a bad one; ``GET /v1/steering`` lists them, and
+did then, whatever happens to the SAE afterwards (a TopK SAE's clamp, which needs the whole
+SAE on the workers while it runs, is refused by field). In a server process only SAEs
+registered by name (``VLLM_LENS_SAES``) may be named, never a directory, as in a request. The
+OpenAI server registers the presets of ``VLLM_LENS_STEERING_PRESETS`` (a JSON file) before it
+serves, after its SAEs, and fails to start on a bad one; ``GET /v1/steering`` lists them, and
 ``/v1/steering/register`` / ``/v1/steering/unregister`` answer only with the operator's opt-in
 (``VLLM_LENS_ALLOW_STEERING_ROUTES=1``), like ``/v1/hooks/*``.
 """
@@ -53,9 +54,21 @@ def _register(session: LensSession, name: Any, vectors: Any, model: str | None =
     # A client of the server never makes it open a path, also through a preset.
     saes = yield from steering_described(session, vectors, paths=not serves_http())
     specs = parse_steering(vectors, session.facts, f"presets.{name}", saes)
+    _check_kept(specs, name)
     session.presets[name] = specs  # a name registered again is replaced
     session.preset_info[name] = _describe(name, specs, model)
     return session.preset_info[name]
+
+
+def _check_kept(specs: tuple[SteerSpec, ...], name: str) -> None:
+    """A preset keeps what its items made; a TopK clamp makes nothing to keep (it encodes
+    with the whole SAE, which the workers hold only while a request that names it runs)."""
+    for i, spec in enumerate(specs):
+        if spec.clamp is not None and spec.clamp.path is not None:
+            raise LensRequestError(
+                f"presets.{name}[{i}].clamp", "a TopK SAE's clamp encodes with the whole SAE, "
+                "which the workers load for each request that clamps it; a preset cannot keep "
+                "it (send the item in the request's apply_steering_vectors)")
 
 
 def _unregister(session: LensSession, name: Any) -> Steps:

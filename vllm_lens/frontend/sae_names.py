@@ -131,12 +131,13 @@ class _OfflineLookup:
         self._engine = engine
         self._session = LensSession.of(engine)
 
-    def __call__(self, sae: str, hook_point: str | None) -> dict[str, Any]:
+    def __call__(self, sae: str, hook_point: str | None, clamp: bool = False
+                 ) -> dict[str, Any]:
         given = _beforehand.get()
         if given is not None:
             return given(sae, hook_point)
         path, point = _resolve(self._session, sae, hook_point, paths=True)
-        return answer(self._engine.collective_rpc("lens_load_sae", args=(path, point)))
+        return answer(self._engine.collective_rpc("lens_load_sae", args=(path, point, clamp)))
 
     def sae_slice(self, sae: str, hook_point: str | None,
                   features: tuple[int, ...]) -> dict[str, Any]:
@@ -162,7 +163,9 @@ class _Described:
         self.slices: dict[tuple[str, str | None, tuple[int, ...]],
                           dict[str, Any] | Exception] = {}
 
-    def __call__(self, sae: str, hook_point: str | None) -> dict[str, Any]:
+    def __call__(self, sae: str, hook_point: str | None, clamp: bool = False
+                 ) -> dict[str, Any]:
+        # A clamped SAE was described with ``clamp`` (``describing``).
         return _value(self.found.get((sae, hook_point)))
 
     def sae_slice(self, sae: str, hook_point: str | None,
@@ -179,25 +182,29 @@ def _value(value: Any) -> Any:
 
 
 def describing(session: LensSession, reads: Sequence[tuple[str, str | None]],
-               steers: Sequence[tuple[str, str | None, tuple[int, ...]]], paths: bool) -> Steps:
+               steers: Sequence[tuple[str, str | None, tuple[int, ...], bool]],
+               paths: bool) -> Steps:
     """Steps that describe the SAEs ``reads`` names (``sae_references``) and those ``steers``
-    steers by (``steering_sae_references``), and fetch the steered features' slices; returns
-    what the parse then looks them up in (a problem is kept and raised there, naming the
-    field). ``paths``: directories are accepted (not over HTTP)."""
+    steers by (``steering_sae_references``; one a clamp names is kept by every rank steering
+    it, if TopK), and fetch the steered features' slices; returns what the parse then looks
+    them up in (a problem is kept and raised there, naming the field). ``paths``:
+    directories are accepted (not over HTTP)."""
     described = _Described()
+    clamped = {(sae, hook_point) for sae, hook_point, _, clamp in steers if clamp}
     # At most MAX_SAE_ENTRIES of each kind: a bounded number of worker calls.
-    for sae, hook_point in [*reads, *((s, h) for s, h, _ in steers)]:
+    for sae, hook_point in [*reads, *((s, h) for s, h, _, _ in steers)]:
         if (sae, hook_point) in described.found:
             continue
         path = sae
         try:
             path, point = _resolve(session, sae, hook_point, paths)
-            described.found[sae, hook_point] = answer((yield "lens_load_sae", (path, point)))
+            described.found[sae, hook_point] = answer((yield "lens_load_sae", (
+                path, point, (sae, hook_point) in clamped)))
         except ValueError as exc:
             described.found[sae, hook_point] = _scrubbed(exc, sae, path, paths)
-    for sae, hook_point, features in steers:
+    for sae, hook_point, features, _ in steers:
         info = described.found[sae, hook_point]
-        if isinstance(info, Exception):
+        if isinstance(info, Exception) or (sae, hook_point, features) in described.slices:
             continue
         point = _resolve(session, sae, hook_point, paths)[1]
         try:

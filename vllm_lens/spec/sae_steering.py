@@ -10,15 +10,21 @@ bytes) work as they do for vectors a client sends. Several features may be liste
 
 ``clamp`` sets each listed feature to its target at every steered row: the worker computes
 the features ``f`` from the stream before any steering at that site and adds
-``(clamp - f) @ W_dec[features]``, keeping the SAE's error term (``worker.steer``). It ships
-the features' encoder columns with the request, so it is served for SAEs whose features each
-depend on their own column (``standard``, ``jumprelu``); a TopK SAE's clamp is refused.
+``decode(f') - decode(f)`` (``f'``: ``f`` with the features set), keeping the SAE's error
+term (``worker.steer``). For SAEs whose features each depend on their own column
+(``standard``, ``jumprelu``) that is ``(clamp - f) @ W_dec[features]``, and the request ships
+the features' encoder columns. A TopK feature depends on every other (whether it is among the
+top k), so a TopK clamp ships no encoder: every rank that steers the SAE's layer (every TP
+rank of the stage holding it) loads the whole SAE (``describe(..., clamp=True)``, counted in
+``VLLM_LENS_SAE_MAX_BYTES``), keeps it while the request runs, and encodes each steered row
+in full; with ``rescale_acts_by_decoder_norm`` the difference divides each row by its norm.
 
 The rows and columns come from the workers that loaded the SAE (``describe.sae_slice``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -51,11 +57,13 @@ def is_feature_item(item: Any) -> bool:
     return isinstance(item, Mapping) and "sae" in item
 
 
-def steering_sae_references(raw: Any) -> list[tuple[str, str | None, tuple[int, ...]]]:
-    """The ``(sae, hook_point, features)`` an ``apply_steering_vectors`` value steers by,
-    without checking anything else: what an asynchronous front end fetches decoder rows for
-    before it parses. Malformed items give nothing (the parse names the problem); at most
-    ``MAX_SAE_ENTRIES`` are read."""
+def steering_sae_references(raw: Any
+                            ) -> list[tuple[str, str | None, tuple[int, ...], bool]]:
+    """The ``(sae, hook_point, features, clamps)`` an ``apply_steering_vectors`` value steers
+    by, without checking anything else: what an asynchronous front end fetches decoder rows
+    for (and, for a clamp, has every steering rank load a TopK SAE) before it parses.
+    Malformed items give nothing (the parse names the problem); at most ``MAX_SAE_ENTRIES``
+    are read."""
     if isinstance(raw, str):
         if '"sae"' not in raw or not raw.lstrip().startswith("["):
             return []
@@ -64,7 +72,7 @@ def steering_sae_references(raw: Any) -> list[tuple[str, str | None, tuple[int, 
         except ValueError:
             return []
     items = raw if isinstance(raw, (list, tuple)) else [raw]
-    found: list[tuple[str, str | None, tuple[int, ...]]] = []
+    found: list[tuple[str, str | None, tuple[int, ...], bool]] = []
     for item in items:
         if not is_feature_item(item):
             continue
@@ -73,7 +81,7 @@ def steering_sae_references(raw: Any) -> list[tuple[str, str | None, tuple[int, 
         if (isinstance(name, str) and (hook_point is None or isinstance(hook_point, str))
                 and isinstance(features, list) and 0 < len(features) <= MAX_FEATURES
                 and all(isinstance(f, int) and not isinstance(f, bool) for f in features)):
-            ref = (name, hook_point, tuple(features))
+            ref = (name, hook_point, tuple(features), item.get("clamp") is not None)
             if ref not in found:
                 found.append(ref)
         if len(found) == MAX_SAE_ENTRIES:
@@ -118,13 +126,12 @@ def parse_feature_steering(item: Mapping[str, Any], facts: ModelFacts, describe:
         raise LensRequestError(f"{where}.phase", "'all', 'prefill' or 'decode'",
                                request_id=request_id)
     slice_of = getattr(describe, "sae_slice", None)
+    if slice_of is not None and clamping:  # a TopK SAE is kept by every rank clamping it
+        describe = functools.partial(describe, clamp=True)
     info, point, layer, d_sae = described(describe if slice_of is not None else None, name,
                                           hook_point, facts, f"{where}.sae",
                                           "steer by SAE feature", request_id)
-    if clamping and info.get("architecture") not in ("standard", "jumprelu"):
-        raise LensRequestError(f"{where}.clamp", f"a {info.get('architecture')} SAE's feature "
-                               "depends on every other feature's activation; clamping is "
-                               "served for standard and jumprelu SAEs", request_id=request_id)
+    whole = clamping and info.get("architecture") == "topk"
     bad = next((f for f in features if not 0 <= f < d_sae), None)
     if bad is not None:
         raise LensRequestError(f"{where}.feature", f"{bad} is not a feature of this SAE "
@@ -137,8 +144,9 @@ def parse_feature_steering(item: Mapping[str, Any], facts: ModelFacts, describe:
     width = facts.row_width(point)
     k = len(features)
     # What the request brings to the workers, charged before it is built: a clamp's decoder
-    # rows and encoder columns (and biases); a scale's vector (3D with positions).
-    shape = ([2 * k + 3, width] if clamping else
+    # rows and encoder columns (and biases; a TopK clamp's rows alone); a scale's vector (3D
+    # with positions).
+    shape = ([k if whole else 2 * k + 3, width] if clamping else
              [1, width] if positions is None else [1, len(positions), width])
     try:
         wire.reserve(4 * math.prod(shape), shape, "float32")
@@ -150,11 +158,10 @@ def parse_feature_steering(item: Mapping[str, Any], facts: ModelFacts, describe:
     common = dict(layers=(layer,), norm_match=False, point=point, phase=phase,
                   positions=None if positions is None else tuple(positions))
     if clamping:
-        encoder = {k: found[k] for k in ("W_enc", "b_enc", "b_dec", "threshold",
-                                         "apply_b_dec_to_input")}
+        clamp = (_whole_sae_clamp(info, features, scales, f"{where}.sae") if whole
+                 else _column_clamp(info, found, scales))
         return SteerSpec(vectors=wire.dumps(rows), scale=1.0, mode="clamp", **common,
-                         clamp=ClampSpec(architecture=str(info["architecture"]),
-                                         targets=tuple(scales), encoder=wire.dumps(encoder)))
+                         clamp=clamp)
     if len(features) == 1:  # the row as stored, scaled on the worker like any vector
         vector, scale = rows[:1], scales[0]
     else:
@@ -164,6 +171,25 @@ def parse_feature_steering(item: Mapping[str, Any], facts: ModelFacts, describe:
     if positions is not None:
         vector = vector[:, None, :].expand(1, len(positions), width).contiguous()
     return SteerSpec(vectors=wire.dumps(vector), scale=scale, **common)
+
+
+def _column_clamp(info: Mapping[str, Any], found: Mapping[str, Any],
+                  targets: list[float]) -> ClampSpec:
+    """A standard or JumpReLU clamp: it brings its features' encoder columns."""
+    encoder = {k: found[k] for k in ("W_enc", "b_enc", "b_dec", "threshold",
+                                     "apply_b_dec_to_input")}
+    return ClampSpec(architecture=str(info["architecture"]), targets=tuple(targets),
+                     encoder=wire.dumps(encoder))
+
+
+def _whole_sae_clamp(info: Mapping[str, Any], features: list[int], targets: list[float],
+                     field: str) -> ClampSpec:
+    """A TopK clamp: it names the SAE every steering rank loaded for it (the key its
+    description gives) and the version of its files, for the prefix-cache salt."""
+    return ClampSpec(architecture="topk", targets=tuple(targets), encoder=wire.dumps({}),
+                     path=str(info["path"]), hook_point=info.get("hook_point"),
+                     version=tuple(int(v) for v in info.get("version", ())),
+                     features=tuple(features), field=field)
 
 
 def _scales(raw: Any, n: int, field: str, request_id: str | None) -> list[float]:

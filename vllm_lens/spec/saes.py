@@ -35,8 +35,10 @@ _FIELDS = ("sae", "hook_point", "positions", "top_k", "reconstruction")
 #: SAE in the shared forward pass).
 MAX_SAE_ENTRIES = 8
 #: What ``describe`` answers for an SAE: its layout, architecture, ``d_in``, ``d_sae``,
-#: ``point``, ``layer`` and ``hook_name``.
-Describe = Callable[[str, "str | None"], Mapping[str, Any]]
+#: ``point``, ``layer`` and ``hook_name`` (and the workers' ``hook_point`` key and files'
+#: ``version``). Steering by feature also calls it with ``clamp=True`` for a clamp: every
+#: rank steering a TopK SAE's layer then keeps it (``spec.sae_steering``).
+Describe = Callable[..., Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,9 @@ def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: s
                                request_id=request_id)
     positions = parse_positions(item.get("positions", "all"), facts, f"{field}.positions",
                                 request_id)
-    return SAEFeatureSpec(sae=name, path=str(info["path"]), hook_point=hook_point, point=point,
+    # The workers keep it under the hook point they were asked to read it at (a registered
+    # name's, which the request need not repeat: Gemma Scope's files name none).
+    return SAEFeatureSpec(sae=name, path=str(info["path"]),
+                          hook_point=info.get("hook_point", hook_point), point=point,
                           layer=layer, d_sae=d_sae, top_k=top_k, positions=positions,
                           reconstruction=reconstruction)

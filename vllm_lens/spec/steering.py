@@ -51,25 +51,54 @@ class GateSpec:
 @dataclass(frozen=True)
 class ClampSpec:
     """Clamping SAE features (``spec.sae_steering``): at each steered row the features are
-    computed from the stream before any steering at that site, and ``(targets - f) @ W_dec``
-    is added (the SAE's error term kept). The vector's ``vectors`` are the features' decoder
-    rows ``[k, d_in]``; ``encoder`` their encoder columns."""
+    computed from the stream before any steering at that site, and ``decode(f') - decode(f)``
+    is added (``f'``: ``f`` with the features set to the targets; the SAE's error term kept).
+    The vector's ``vectors`` are the features' decoder rows ``[k, d_in]``. A standard or
+    JumpReLU clamp brings their encoder columns (``encoder``); a TopK clamp names the SAE
+    the workers hold for it (``path``, ``hook_point``), which encodes whole rows."""
 
     architecture: str
-    """``standard`` or ``jumprelu`` (a feature's activation depends on its column alone)."""
+    """``standard``, ``jumprelu`` or ``topk``."""
     targets: tuple[float, ...]
     encoder: bytes
     """``wire.dumps`` of ``{"W_enc" [d_in, k], "b_enc" [k], "b_dec" [d_in], "threshold" [k]
-    or None, "apply_b_dec_to_input"}``."""
+    or None, "apply_b_dec_to_input"}``; of ``{}`` for a TopK clamp."""
+    path: str | None = None
+    """TopK: the SAE's real path and ``hook_point`` on the workers (``worker.saes``' key),
+    which every rank steering its layer keeps while the request runs; ``None`` otherwise."""
+    hook_point: str | None = None
+    version: tuple[int, ...] = ()
+    """TopK: the version of the SAE's files the workers read (``worker.saes``), so that the
+    prefix-cache salt changes with the weights."""
+    features: tuple[int, ...] = ()
+    """TopK: the clamped features' indices, in the targets' order."""
+    field: str = ""
+    """TopK: the request's field naming the SAE, for a worker's error."""
 
     def to_payload(self) -> dict[str, Any]:
-        return {"architecture": self.architecture, "targets": list(self.targets),
-                "encoder": self.encoder}
+        payload = {"architecture": self.architecture, "targets": list(self.targets),
+                   "encoder": self.encoder}
+        if self.path is not None:
+            payload.update(path=self.path, hook_point=self.hook_point,
+                           version=list(self.version), features=list(self.features),
+                           field=self.field)
+        return payload
 
     @classmethod
     def from_payload(cls, d: Mapping[str, Any]) -> ClampSpec:
         return cls(architecture=str(d["architecture"]),
-                   targets=tuple(float(t) for t in d["targets"]), encoder=bytes(d["encoder"]))
+                   targets=tuple(float(t) for t in d["targets"]), encoder=bytes(d["encoder"]),
+                   path=d.get("path"), hook_point=d.get("hook_point"),
+                   version=tuple(int(v) for v in d.get("version", ())),
+                   features=tuple(int(f) for f in d.get("features", ())),
+                   field=str(d.get("field", "")))
+
+    def digest_into(self, digest: Any) -> None:
+        """Feed what decides the clamp into ``digest``: the encoder columns it brings, or
+        the SAE it names and the version of its files."""
+        digest.update(repr((self.architecture, self.targets, self.path, self.hook_point,
+                            self.version, self.features)).encode())
+        digest.update(self.encoder)
 
 
 @dataclass(frozen=True)
@@ -128,8 +157,7 @@ class SteerSpec:
         if self.condition is not None:
             digest.update(repr(dataclasses.astuple(self.condition)).encode())
         if self.clamp is not None:
-            digest.update(repr((self.clamp.architecture, self.clamp.targets)).encode())
-            digest.update(self.clamp.encoder)
+            self.clamp.digest_into(digest)
 
 
 def steering_digest(specs: Sequence[SteerSpec]) -> str | None:

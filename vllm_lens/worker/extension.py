@@ -85,8 +85,8 @@ class LensWorkerExtension:
             same hooks on the same rows); ``error`` says why this rank failed the request;
             ``held`` is set by every rank that still held the request's record, ``seen`` (the
             signals) by those of them that capture some of its layers. A request writing to a
-            capture sink gets ``receipt`` (the sink's) from the rank that wrote its rows, in
-            place of ``captures``.
+            capture sink gets ``receipt`` (the sink's) from the rank that wrote its rows (from
+            each pipeline stage that wrote its part), in place of ``captures``.
             A failure while fetching one request fails that request only.
         """
         if _runtime is None:
@@ -184,19 +184,27 @@ class LensWorkerExtension:
                 _runtime.store.pop(key)
                 _runtime.pop_records(key)
 
-    def lens_load_sae(self, path: str, hook_point: str | None = None) -> dict[str, Any]:
+    def lens_load_sae(self, path: str, hook_point: str | None = None,
+                      clamp: bool = False) -> dict[str, Any]:
         """Load the SAE in directory ``path`` on this rank, if it captures the SAE's layer
         (once: a loaded one is shared), and describe it (``spec.saes``; never the weights);
-        ``{"error": ...}`` if it cannot be read or kept."""
+        ``{"error": ...}`` if it cannot be read or kept. ``clamp``: a request clamps its
+        features, so a TopK SAE is kept by every TP rank of the stage holding its layer (each
+        encodes whole rows with it: ``worker.steer``)."""
         if _runtime is None:
             return {"error": "this worker serves no lens requests (unsupported engine)"}
         runtime = _runtime
-        held = {runtime.saes.key(s.path, s.hook_point)
-                for record in runtime.requests.records.values() for s in record.lens.saes}
+
+        def wanted(info: dict[str, Any]) -> bool:
+            if info["layer"] in runtime.capture_layers:
+                return True
+            return (clamp and info["architecture"] == "topk"
+                    and info["layer"] in runtime.shard_layers)
+
+        held = {runtime.saes.key(*key) for key in runtime.requests.held_saes()}
         device = next(runtime.runner.get_model().parameters()).device
         try:
-            return runtime.saes.describe(path, hook_point, device, held,
-                                         wanted=lambda sae: sae.layer in runtime.capture_layers,
+            return runtime.saes.describe(path, hook_point, device, held, wanted=wanted,
                                          dtype=runtime.runner.model_config.dtype)
         except (ValueError, OSError) as exc:
             return {"error": str(exc)}
@@ -344,8 +352,11 @@ def _write_to_sink(runtime: LensRuntime, record: Any, by_signal: dict[str, Any],
     goes back to the front end instead of the rows."""
     try:
         captures = {signal: assemble(entry, valid) for signal, entry in by_signal.items()}
+        writer = sink_writes.writer_name(runtime.runner.vllm_config.parallel_config,
+                                         _ranks()[2], record.lens.sink.shared)
         receipt = sink_writes.write(record.lens, captures, str(runtime.runner.model_config.model),
-                                    tokens.get("prompt_token_ids", ()), tokens.get("token_ids", ()))
+                                    tokens.get("prompt_token_ids", ()), tokens.get("token_ids", ()),
+                                    local_layers=runtime.capture_layers, writer=writer)
     except Exception as exc:  # noqa: BLE001 - this request fails alone
         out[record.req_id] = {"error": f"vllm-lens failed at sink: {describe(exc)}",
                               "conflict": isinstance(exc, DatasetConflictError)}

@@ -72,7 +72,7 @@ class RequestRecord:
 
     @property
     def device_bytes(self) -> int:
-        return sum(p.clamp.sae.nbytes if p.clamp is not None
+        return sum(p.clamp.nbytes if p.clamp is not None
                    else p.vectors.numel() * p.vectors.element_size() for p in self.steer or ())
 
     def fail(self, exc: BaseException | str, stage: str) -> None:
@@ -106,6 +106,17 @@ class RequestTable:
     @property
     def device_bytes(self) -> int:
         return sum(r.device_bytes for r in self.records.values())
+
+    def held_saes(self) -> set[tuple[str, str | None]]:
+        """(real path, hook point) of the SAEs the records read on the workers, never to be
+        unloaded while they are held: those whose features they capture and those whose
+        TopK features they clamp (``worker.saes``)."""
+        held = set()
+        for record in self.records.values():
+            held.update((s.path, s.hook_point) for s in record.lens.saes)
+            held.update((s.clamp.path, s.clamp.hook_point) for s in record.lens.steer
+                        if s.clamp is not None and s.clamp.path is not None)
+        return held
 
     @property
     def reserved_bytes(self) -> int:

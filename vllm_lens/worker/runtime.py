@@ -24,7 +24,8 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 
 from vllm_lens import envs, faults
 from vllm_lens.points import SAE_PREFIX, hook_site
-from vllm_lens.spec import HookSpec
+from vllm_lens.saes import SAE
+from vllm_lens.spec import HookSpec, SteerSpec
 from vllm_lens.worker.attention_taps import AttentionTaps
 from vllm_lens.worker.capture import capture_layer
 from vllm_lens.worker.hooks import HookCall, HookState, ParameterSource, run_hook_calls
@@ -375,5 +376,23 @@ class LensRuntime:
         record = self.requests.records[s.req_id]
         if record.steer is None:
             faults.check(record.lens.fault, "steer")
-            record.steer = [prepare(spec, device, dtype) for spec in s.lens.steer]
+            record.steer = [prepare(spec, device, dtype, self._held_sae(spec))
+                            for spec in s.lens.steer]
         return record.steer
+
+    def _held_sae(self, spec: SteerSpec) -> SAE | None:
+        """The SAE a TopK clamp encodes with: this worker's, loaded when the front end
+        admitted the request and held while it runs (``None`` for other steering, and on a
+        pipeline stage without the clamp's layer)."""
+        clamp = spec.clamp
+        if clamp is None or clamp.path is None or not self.shard_layers.intersection(
+                spec.layers):
+            return None
+        sae = self.saes.get(clamp.path, clamp.hook_point, resolved=True)
+        if sae is None:
+            raise ValueError(f"{clamp.field}: the TopK SAE it clamps is not loaded on this "
+                             "worker (unloaded for another since the request was admitted?)")
+        if self.saes.version(clamp.path, clamp.hook_point) != clamp.version:
+            raise ValueError(f"{clamp.field}: the TopK SAE it clamps was read again from "
+                             "changed files since the request was admitted; retry it")
+        return sae

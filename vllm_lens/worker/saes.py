@@ -5,14 +5,16 @@ so loading (reading the files, moving the weights to the model's device) never h
 forward pass. An SAE whose files changed since it was read (their modification times) is read
 again at the next such request. The weights kept are bounded by ``VLLM_LENS_SAE_MAX_BYTES``: to load another,
 the least recently used SAE that no request holds is unloaded; if that is not enough the
-load is refused.
+load is refused. A rank keeps an SAE where it captures the SAE's layer, and also, for a
+request clamping a TopK SAE's features, on every TP rank of the stage holding that layer
+(``worker.steer``: the clamp encodes whole rows with it).
 """
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 import torch
@@ -22,6 +24,8 @@ from vllm_lens.saes import SAE, load_sae
 __all__ = ["SAERegistry"]
 
 Key = tuple[str, "str | None"]
+#: Whether this rank keeps an SAE, from its description (``describe``).
+Wanted = Callable[[Mapping[str, Any]], bool]
 
 
 class SAERegistry:
@@ -56,10 +60,18 @@ class SAERegistry:
             self._loaded.move_to_end(key)
         return sae
 
+    def version(self, path: str, hook_point: str | None) -> tuple[int, ...] | None:
+        """The ``version`` (``describe``) of the files a loaded SAE was read from, by its
+        real path; ``None`` if it is not loaded."""
+        key = (path, hook_point)
+        return self._stamps.get(key) if key in self._loaded else None
+
     def describe(self, path: str, hook_point: str | None, device: torch.device,
-                 held: Container[Key], wanted: Callable[[SAE], bool],
+                 held: Container[Key], wanted: Wanted,
                  dtype: torch.dtype | None = None) -> dict[str, Any]:
-        """``load`` it (or only read it, if not ``wanted`` here) and describe it."""
+        """``load`` it (or only read it, if not ``wanted`` here) and describe it, with the
+        ``hook_point`` it is kept under and the ``version`` of its files (their modification
+        times when read: what a TopK clamp's prefix-cache salt names)."""
         key = self.key(path, hook_point)
         if key in self._stamps and self._stamps[key] != _stamp(key[0]):  # changed on disk
             if key in self._loaded and key in held:
@@ -67,23 +79,27 @@ class SAERegistry:
                                  "loaded before; retry when they finish")
             self._loaded.pop(key, None)
             self._elsewhere.pop(key, None)
-        if key in self._elsewhere:
-            return self._elsewhere[key]
+        known = self._elsewhere.get(key)
+        if known is not None and not wanted(known):
+            return known
         sae = self.load(path, hook_point, device, held, wanted, dtype)
-        description = describe(sae, path)
-        if key not in self._loaded:
+        description = {**describe(sae, path), "hook_point": hook_point,
+                       "version": list(self._stamps[key])}
+        if key in self._loaded:
+            self._elsewhere.pop(key, None)  # read elsewhere before, wanted here now
+        else:
             self._elsewhere[key] = description
         return description
 
     def load(self, path: str, hook_point: str | None, device: torch.device,
-             held: Container[Key], wanted: Callable[[SAE], bool] = lambda sae: True,
+             held: Container[Key], wanted: Wanted = lambda info: True,
              dtype: torch.dtype | None = None) -> SAE:
         """The SAE at ``path`` on ``device``, loaded once. ``held``: keys running requests
-        read (never unloaded). An SAE ``wanted`` says no to is read and described but not
-        kept (a rank that does not capture its layer). ``dtype``: the rows' dtype; an SAE
-        narrower than it is kept widened once (and counted so), wider ones as they are. An SAE
-        that computes on the host makes its encoder's reordered copy here (``SAE.prepare``,
-        counted), never in a forward pass."""
+        read (never unloaded). An SAE ``wanted`` says no to (given its description) is read
+        and described but not kept (a rank that neither captures nor clamps its layer).
+        ``dtype``: the rows' dtype; an SAE narrower than it is kept widened once (and counted
+        so), wider ones as they are. An SAE that computes on the host makes its encoder's
+        reordered copy here (``SAE.prepare``, counted), never in a forward pass."""
         key = self.key(path, hook_point)
         found = self.get(path, hook_point)
         if found is not None:
@@ -91,7 +107,7 @@ class SAERegistry:
         stamp = _stamp(key[0])
         sae = load_sae(key[0], hook_point)
         self._stamps[key] = stamp
-        if not wanted(sae):
+        if not wanted(describe(sae, key[0])):
             return sae
         if dtype is not None and torch.promote_types(sae.dtype, dtype) != sae.dtype:
             sae = sae.to("cpu", torch.promote_types(sae.dtype, dtype))

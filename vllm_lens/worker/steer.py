@@ -21,6 +21,7 @@ from vllm_lens import faults, wire
 from vllm_lens.points import POINTS, site_of
 from vllm_lens.saes import SAE
 from vllm_lens.spec import SteerSpec
+from vllm_lens.worker.capture import sae_chunk_rows
 from vllm_lens.worker.plan import RequestSlice, device_index
 
 __all__ = [
@@ -46,37 +47,90 @@ class PreparedSteer:
 
 @dataclass(frozen=True)
 class PreparedClamp:
-    """Clamped SAE features: the SAE cut down to them (their encoder columns and decoder
-    rows: a standard or JumpReLU feature's activation depends on its column alone)."""
+    """Clamped SAE features. A standard or JumpReLU clamp brings the SAE cut down to them
+    (their encoder columns and decoder rows: each one's activation depends on its column
+    alone); a TopK clamp encodes whole rows with the SAE this worker holds for the request
+    (whether a feature is among the top k depends on every other), ``features`` picking
+    the clamped ones."""
 
-    sae: SAE
+    sae: SAE | None
+    """``None`` for a TopK clamp on a pipeline stage without its layer (it never runs
+    there)."""
     targets: torch.Tensor
+    directions: torch.Tensor
+    """``[k, d_in]``: what one unit of each feature decodes to (its decoder row, divided by
+    the row's norm for a TopK SAE that rescales by it), so that ``(targets - f) @ directions``
+    is ``decode(f') - decode(f)``, ``f'`` being ``f`` with the features set."""
+    features: torch.Tensor | None = None
+    """TopK: the clamped features' indices among the SAE's (``None``: ``sae`` is the
+    clamp's own, cut down to them)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the request owns: the cut-down SAE, or a TopK clamp's directions (its
+        SAE is the worker's, counted in ``VLLM_LENS_SAE_MAX_BYTES``)."""
+        if self.features is None:
+            return self.sae.nbytes
+        return self.directions.numel() * self.directions.element_size()
 
     def delta(self, stream: torch.Tensor) -> torch.Tensor:
-        """``(targets - f(stream)) @ W_dec`` for rows ``stream`` ``[n, d_in]``, in the wider of
-        the SAE's and the rows' dtypes."""
-        features = self.sae.encode(stream)
-        return (self.targets.to(features.dtype) - features) @ self.sae.W_dec.to(features.dtype)
+        """``(targets - f(stream)) @ directions`` for rows ``stream`` ``[n, d_in]``, in the
+        wider of the SAE's and the rows' dtypes."""
+        features = self._encode(stream)
+        return ((self.targets.to(features.dtype) - features)
+                @ self.directions.to(features.dtype))
+
+    def _encode(self, stream: torch.Tensor) -> torch.Tensor:
+        """The clamped features' activations ``[n, k]``; a TopK SAE's whole rows a chunk at
+        a time (``capture.sae_chunk_rows``)."""
+        if self.features is None:
+            return self.sae.encode(stream)
+        per_chunk = sae_chunk_rows(self.sae.d_sae)
+        return torch.cat([self.sae.encode(chunk).index_select(1, self.features)
+                          for chunk in stream.split(per_chunk)])
 
 
-def _prepare_clamp(spec: SteerSpec, device: torch.device, dtype: torch.dtype) -> PreparedClamp:
-    parts = wire.loads(spec.clamp.encoder)  # type: ignore[union-attr]
-    sae = SAE(architecture=spec.clamp.architecture,  # type: ignore[union-attr]
+def _prepare_clamp(spec: SteerSpec, device: torch.device, dtype: torch.dtype,
+                   held: SAE | None) -> PreparedClamp:
+    clamp = spec.clamp
+    assert clamp is not None
+    targets = torch.tensor(clamp.targets, dtype=torch.float64)
+    if clamp.path is not None:
+        return _held_clamp(held, targets, clamp.features)
+    parts = wire.loads(clamp.encoder)
+    sae = SAE(architecture=clamp.architecture,
               W_enc=parts["W_enc"], b_enc=parts["b_enc"], W_dec=wire.loads(spec.vectors),
               b_dec=parts["b_dec"], layout="slice", threshold=parts["threshold"],
               apply_b_dec_to_input=bool(parts["apply_b_dec_to_input"]))
     wide = torch.promote_types(sae.dtype, dtype)
-    targets = torch.tensor(spec.clamp.targets, dtype=wide)  # type: ignore[union-attr]
-    return PreparedClamp(sae.to(device, wide), targets.to(device))
+    sae = sae.to(device, wide)
+    return PreparedClamp(sae, targets.to(device, wide), sae.W_dec)
 
 
-def prepare(spec: SteerSpec, device: torch.device, dtype: torch.dtype) -> PreparedSteer:
+def _held_clamp(sae: SAE | None, targets: torch.Tensor,
+                features: tuple[int, ...]) -> PreparedClamp:
+    """A TopK clamp with the SAE this worker holds (``None`` on a stage without its layer);
+    the SAE was widened to the rows' dtype when it was loaded (``worker.saes``)."""
+    if sae is None:
+        return PreparedClamp(None, targets, targets.new_empty(0),
+                             torch.empty(0, dtype=torch.long))
+    index = torch.as_tensor(features, dtype=torch.long, device=sae.W_dec.device)
+    rows = sae.W_dec.index_select(0, index)
+    if sae.rescale_acts_by_decoder_norm:
+        rows = rows / rows.norm(dim=-1, keepdim=True)
+    return PreparedClamp(sae, targets.to(rows.device, rows.dtype), rows, index)
+
+
+def prepare(spec: SteerSpec, device: torch.device, dtype: torch.dtype,
+            held: SAE | None = None) -> PreparedSteer:
+    """``spec`` on ``device`` in ``dtype``; ``held``: for a TopK clamp, the SAE this worker
+    holds for it (``None`` on a pipeline stage without its layer)."""
     if spec.clamp is not None:
-        clamp = _prepare_clamp(spec, device, dtype)
+        clamp = _prepare_clamp(spec, device, dtype, held)
         positions = None
         if spec.positions is not None:
             positions = np.sort(np.asarray(spec.positions, dtype=np.int64))
-        return PreparedSteer(spec, clamp.sae.W_dec, positions,
+        return PreparedSteer(spec, clamp.directions, positions,
                              None if positions is None else np.arange(positions.size),
                              clamp=clamp)
     vectors = wire.loads(spec.vectors).to(device=device, dtype=torch.float32)

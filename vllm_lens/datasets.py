@@ -13,7 +13,11 @@ Use::
 The format (``vllm_lens.shard_writer``): ``manifest.json``, ``index.jsonl`` (one example per
 line: key, shard, offset, rows, positions, prompt token ids) and safetensors shards holding
 ``"<point>/<layer>"`` tensors of ``[rows, *row_shape]``, the examples' rows one after the other,
-and per SAE read ``"sae.<i>.<field>"`` tensors of its sparse features at the same rows.
+and per SAE read ``"sae.<i>.<field>"`` tensors of its sparse features at the same rows. A
+dataset several writers wrote (data-parallel engines, pipeline stages) has a shard series
+per writer and, under pipeline parallelism, an example in parts, one per stage
+(``vllm_lens.dataset_index``): the reader joins the parts and shows only complete examples,
+also while the dataset is being written.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_lens.dataset_index import INDEX, IndexView, read_index
 from vllm_lens.shard_writer import (
-    FORMAT, INDEX, MANIFEST, read_index, sae_column, sae_fields, shard_name, tensor_name)
+    FORMAT, MANIFEST, sae_column, sae_fields, shard_name, tensor_name)
 
 __all__ = ["ActivationDataset", "open"]
 
@@ -48,12 +53,18 @@ def open(path: str | os.PathLike) -> ActivationDataset:  # noqa: A001 - the docu
     return ActivationDataset(path)
 
 
+#: Where one example's rows of one column are: ((writer, shard), first row, rows).
+_Segment = tuple[tuple[Any, int], int, int]
+
+
 class ActivationDataset(torch.utils.data.Dataset):
-    """The examples of a dataset, in shard order: ``len(ds)``, ``ds[i]``, ``ds.get(key)``,
-    iteration, and ``ds.tensor(point, layer)`` for one point's rows across every example.
+    """The complete examples of a dataset, in the order they were completed (for a dataset
+    one writer wrote, index order): ``len(ds)``, ``ds[i]``, ``ds.get(key)``, iteration, and
+    ``ds.tensor(point, layer)`` for one point's rows across every example.
 
     Also a ``torch.utils.data.Dataset`` of examples (``ds[i]`` as above), for a
     ``DataLoader`` with a collate function of your own (examples have different lengths).
+    The index is read when the dataset is opened: open it again to see what was written since.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -70,19 +81,29 @@ class ActivationDataset(torch.utils.data.Dataset):
         self.saes: tuple[dict[str, Any], ...] = tuple(self.manifest.get("sae_features") or ())
         """Per SAE the dataset read (``vllm-lens extract --sae``): ``sae`` (as the job named
         it), ``point``, ``layer``, ``d_sae``, ``top_k``, ``reconstruction``."""
-        self.entries, _, _ = read_index(self.root / INDEX)
+        self._view = IndexView(self.layers, len(self.saes), keep_lines=True)
+        for entry in read_index(self.root / INDEX)[0]:
+            self._view.add(entry)
+        self._parts = list(self._view.complete.values())
+        """Per complete example, its index lines (one, unless pipeline stages wrote it)."""
+        self.entries = [lines[0] for lines in self._parts]
+        """Per complete example, its (first) index line."""
         self._by_key = {entry["key"]: i for i, entry in enumerate(self.entries)}
-        self._shards: dict[int, tuple[np.ndarray, dict[str, Any]]] = {}
-        self._maps: dict[tuple[int, str], torch.Tensor] = {}
-        self._covered: dict[int, int] = {}
-        """Per shard, the rows its index entries cover (a writer reading the dataset while
-        it is written may find a shard whose lines are still arriving)."""
-        for entry in self.entries:
-            end = entry["offset"] + entry["rows"]
-            self._covered[entry["shard"]] = max(self._covered.get(entry["shard"], 0), end)
+        self._shards: dict[tuple[Any, int], tuple[np.ndarray, dict[str, Any]]] = {}
+        self._maps: dict[tuple[tuple[Any, int], str], torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def _segment(self, i: int, slot: tuple[str, int]) -> _Segment:
+        """Where example ``i``'s rows of a layer or SAE entry are: the first of its lines
+        holding it."""
+        line = next(e for e in self._parts[i] if slot in self._view.slots(e))
+        return (line.get("writer"), line["shard"]), line["offset"], line["rows"]
+
+    def _rows(self, segment: _Segment, name: str) -> torch.Tensor:
+        shard, lo, n = segment
+        return self._mapped(shard, name)[lo:lo + n]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         entry = self.entries[i]
@@ -92,16 +113,16 @@ class ActivationDataset(torch.utils.data.Dataset):
             "token_ids": list(entry.get("token_ids", ())),
             "positions": torch.tensor(entry["positions"], dtype=torch.int64),
         }
-        lo, hi = entry["offset"], entry["offset"] + entry["rows"]
         for point in self.points:
             out[point] = torch.stack([
-                self._mapped(entry["shard"], tensor_name(point, layer))[lo:hi]
+                self._rows(self._segment(i, ("layer", layer)), tensor_name(point, layer))
                 for layer in self.layers])
         if self.saes:
             out["sae_features"] = [
                 {"sae": spec["sae"], "layer": spec["layer"], "point": spec["point"],
                  "positions": out["positions"],
-                 **{field: self._mapped(entry["shard"], sae_column(number, field))[lo:hi]
+                 **{field: self._rows(self._segment(i, ("sae", number)),
+                                      sae_column(number, field))
                     for field in sae_fields(spec)}}
                 for number, spec in enumerate(self.saes)]
         return out
@@ -119,9 +140,10 @@ class ActivationDataset(torch.utils.data.Dataset):
 
     def tensor(self, point: str, layer: int) -> torch.Tensor:
         """``[total_rows, *row_shape]``: every example's rows of ``point`` at ``layer``, in
-        index order. A view of the shard file's memory map when the dataset has one shard
-        (copy-on-write: writing to it never reaches the file); with several, this point and
-        layer are read into memory (``shard_tensors`` gives the memory-mapped parts)."""
+        the examples' order. A view of the shard file's memory map when they lie in one
+        shard, one after the other (copy-on-write: writing to it never reaches the file);
+        otherwise this point and layer are read into memory (``shard_tensors`` gives the
+        memory-mapped parts)."""
         parts = self.shard_tensors(point, layer)
         if not parts:
             dtype = getattr(torch, str(self.manifest["dtype"]))
@@ -130,15 +152,14 @@ class ActivationDataset(torch.utils.data.Dataset):
 
     def sae_tensor(self, number: int, field: str) -> torch.Tensor:
         """One field (``indices``, ``values``; with reconstruction ``nmse``, ``l0``) of the
-        ``number``-th SAE's features, for every row of every example in index order (as
-        ``tensor``: memory-mapped if the dataset has one shard). ``vllm_lens.saes.to_sparse``
+        ``number``-th SAE's features, for every row of every example in order (as
+        ``tensor``: memory-mapped if they lie in one shard). ``vllm_lens.saes.to_sparse``
         turns ``{"indices", "values"}`` into a sparse ``[rows, d_sae]`` tensor."""
         if not 0 <= number < len(self.saes) or field not in sae_fields(self.saes[number]):
             raise KeyError(f"the dataset holds {len(self.saes)} SAE(s), with fields "
                            f"{[list(sae_fields(s)) for s in self.saes]}; not {field} of "
                            f"SAE {number}")
-        name = sae_column(number, field)
-        parts = [self._mapped(shard, name)[:rows] for shard, rows in sorted(self._covered.items())]
+        parts = self._runs(("sae", number), sae_column(number, field))
         if not parts:
             width = (self.saes[number]["top_k"],) if field in ("indices", "values") else ()
             dtype = torch.int32 if field in ("indices", "l0") else torch.float32
@@ -146,21 +167,32 @@ class ActivationDataset(torch.utils.data.Dataset):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def shard_tensors(self, point: str, layer: int) -> list[torch.Tensor]:
-        """The rows of ``point`` at ``layer`` per shard, memory-mapped (read-only: do not write
-        to them), in index order."""
+        """The rows of ``point`` at ``layer``, memory-mapped (read-only: do not write to
+        them), one tensor per run of examples lying one after the other in one shard (for a
+        dataset one writer wrote, one per shard), in the examples' order."""
         if point not in self.points or layer not in self.layers:
             raise KeyError(f"the dataset holds {', '.join(self.points)} at layers "
                            f"{list(self.layers)}, not {point} at {layer}")
-        return [self._mapped(shard, tensor_name(point, layer))[:rows]
-                for shard, rows in sorted(self._covered.items())]
+        return self._runs(("layer", layer), tensor_name(point, layer))
 
-    def _mapped(self, shard: int, name: str) -> torch.Tensor:
+    def _runs(self, slot: tuple[str, int], name: str) -> list[torch.Tensor]:
+        """Every example's rows of one column, as few memory-mapped slices as they lie in."""
+        runs: list[list[Any]] = []
+        for i in range(len(self.entries)):
+            shard, lo, n = self._segment(i, slot)
+            if runs and runs[-1][0] == shard and runs[-1][1] + runs[-1][2] == lo:
+                runs[-1][2] += n
+            else:
+                runs.append([shard, lo, n])
+        return [self._rows(tuple(run), name) for run in runs]
+
+    def _mapped(self, shard: tuple[Any, int], name: str) -> torch.Tensor:
         cached = self._maps.get((shard, name))
         if cached is None:
             cached = self._maps[(shard, name)] = self._map(shard, name)
         return cached
 
-    def _map(self, shard: int, name: str) -> torch.Tensor:
+    def _map(self, shard: tuple[Any, int], name: str) -> torch.Tensor:
         data, header = self._shard(shard)
         info = header[name]
         start, end = info["data_offsets"]
@@ -170,12 +202,13 @@ class ActivationDataset(torch.utils.data.Dataset):
             return torch.empty(shape, dtype=torch_dtype)
         return torch.from_numpy(data[start:end].view(np_dtype).reshape(shape)).view(torch_dtype)
 
-    def _shard(self, shard: int) -> tuple[np.ndarray, dict[str, Any]]:
+    def _shard(self, shard: tuple[Any, int]) -> tuple[np.ndarray, dict[str, Any]]:
         """One copy-on-write memory map of a shard's data, and its header (one file
         descriptor per shard, however many tensors are read from it)."""
         cached = self._shards.get(shard)
         if cached is None:
-            path = self.root / shard_name(shard)
+            writer, number = shard
+            path = self.root / shard_name(number, writer)
             with path.open("rb") as f:
                 (size,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(size))

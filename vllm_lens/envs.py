@@ -41,6 +41,12 @@
   read by ``vllm_lens.admission``).
 - ``VLLM_LENS_SINKS``: the capture sinks requests may write to (JSON, or a JSON file's path);
   parsed and validated by ``vllm_lens.sinks.config``.
+- ``VLLM_LENS_SINK_WRITER``: engine: a name (1 to 48 letters, digits, ``_``, ``.``, ``-``)
+  this engine's workers write capture-sink datasets under, beside other engines writing the same
+  datasets (independent engines of one job, e.g. Ray actors each starting its own); its
+  shards are ``shard-<name>-NNNNN.safetensors`` (``vllm_lens.shard_writer``). Under data or
+  pipeline parallelism each worker adds its ranks (``<name>-dp<rank>-pp<rank>``; unset:
+  ``dp<rank>-pp<rank>``). Unset with one engine and one stage: the worker writes alone.
 - ``VLLM_LENS_STEERING_PRESETS``: path of a JSON file of named steering presets the OpenAI
   server registers before it serves (``frontend.presets``).
 - ``VLLM_LENS_ALLOW_STEERING_ROUTES``: ``1`` enables ``/v1/steering/register`` and
@@ -66,7 +72,7 @@ __all__ = [
     "finished_ttl_s", "hook_results_max", "http_store_max_bytes", "http_store_ttl_s",
     "max_capture_bytes", "max_concurrent_sweeps", "max_decoded_bytes", "max_hooks", "max_request_bytes",
     "max_steering_vectors", "max_sweep_cells", "sae_max_bytes",
-    "shm_handoff", "steering_presets_path", "test_faults", "worker_max_bytes",
+    "shm_handoff", "sink_writer", "steering_presets_path", "test_faults", "worker_max_bytes",
 ]
 
 
@@ -108,6 +114,18 @@ def max_hooks() -> int:
 
 def steering_presets_path() -> str | None:
     return os.environ.get("VLLM_LENS_STEERING_PRESETS") or None
+
+
+def sink_writer() -> str | None:
+    """``VLLM_LENS_SINK_WRITER``, checked (``ValueError`` names the variable)."""
+    import re
+
+    value = os.environ.get("VLLM_LENS_SINK_WRITER", "").strip()
+    if value and not re.fullmatch(r"[A-Za-z0-9_.-]{1,48}", value):
+        raise ValueError(f"VLLM_LENS_SINK_WRITER={value!r} must be 1 to 48 letters, digits, "
+                         "'_', '.' or '-' (the engine's name as a writer of capture-sink "
+                         "datasets)")
+    return value or None
 
 
 def saes_path() -> str | None:

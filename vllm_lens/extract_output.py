@@ -114,11 +114,13 @@ def export_sae_lens(args: Any, rows: Path, output: Path, points: list[str],
 
 
 def not_written(examples: list[Any], output: Path) -> list[Any]:
-    from vllm_lens.shard_writer import INDEX, read_index
+    """The examples whose key is not yet a complete example of the dataset (all of its
+    writers' parts in the index)."""
+    from vllm_lens.dataset_index import INDEX, complete_keys
 
     if not (output / INDEX).exists():
         return examples
-    done = {entry["key"] for entry in read_index(output / INDEX)[0]}
+    done = set(complete_keys(output))
     todo = [e for e in examples if e.key not in done]
     print(f"vllm-lens extract: resuming, {len(examples) - len(todo)} of {len(examples)} "
           "examples already written", file=sys.stderr)

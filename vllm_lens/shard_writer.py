@@ -1,6 +1,7 @@
 """Writing activation datasets to disk: safetensors shards of bounded size, an index and a
-manifest, each written atomically (runs in: the process that writes a dataset — the worker
-holding a capture sink's rows, ``vllm-lens extract --server``, or any script).
+manifest, each written atomically, by one writer or by several at once (runs in: the process
+that writes a dataset — the worker holding a capture sink's rows, ``vllm-lens extract
+--server``, or any script).
 
 A dataset is a directory::
 
@@ -22,8 +23,25 @@ holding its rows is on disk, so a job killed at any moment leaves a valid datase
 examples not yet in the index are absent. A failed index append is cut back; a writer
 reopened on the directory (``ShardWriter(..., resume=True)``) drops a last line cut short, a
 last shard whose lines did not all arrive and any orphan files, then skips the keys the index
-has. One writer per directory at a time (a lock file). ``vllm_lens.datasets`` reads it back;
-numpy or safetensors users can read the shards and the JSON files directly.
+has. ``vllm_lens.datasets`` reads it back; numpy or safetensors users can read the shards and
+the JSON files directly.
+
+**One writer or several.** A writer without a name (``writer=None``) holds the directory
+alone (an exclusive ``flock`` of ``.lock``) and writes the files above. Several *named*
+writers may write one dataset at once — the engines of a data-parallel job, the stages of a
+pipeline-parallel one, independent engines given ``VLLM_LENS_SINK_WRITER`` — each taking
+``.lock`` shared and ``.lock-<writer>`` exclusive (the same name twice, or a named writer
+beside an unnamed one, is refused). Each writes its own shards,
+``shard-<writer>-NNNNN.safetensors``, and its index lines carry ``"writer"``; they share the
+one ``index.jsonl`` (appended under ``.index.lock``: ``vllm_lens.dataset_index``) and the one
+``manifest.json`` (created under that lock by whichever comes first, then compared by every
+other as a resumed writer's is). A pipeline stage's writer holds only its layers' rows (and
+the SAEs at them): it writes its *part* of each example, and its lines say which
+(``"layers"``, ``"saes"``); readers show an example once all its parts are in. A named writer
+resumes on its own: it removes only its own temp files and its own shards past its last
+indexed one, and if its last shard's lines did not all arrive it rewrites the index without
+them (under the lock). A key whose example is complete is refused; a part the index already
+holds (a resumed job sending an incomplete example again) is not written twice.
 """
 
 from __future__ import annotations
@@ -38,6 +56,9 @@ from typing import Any
 
 import torch
 
+from vllm_lens.dataset_index import (
+    INDEX, IndexView, append_lines, check_writer, index_locked, parse_line, read_index,
+    rewrite_index)
 from vllm_lens.errors import DatasetConflictError
 
 __all__ = ["FORMAT", "INDEX", "MANIFEST", "SAE_FIELDS", "VERSION_FIELDS", "ShardWriter",
@@ -45,14 +66,16 @@ __all__ = ["FORMAT", "INDEX", "MANIFEST", "SAE_FIELDS", "VERSION_FIELDS", "Shard
 
 FORMAT = "vllm-lens-activations/1"
 MANIFEST = "manifest.json"
-INDEX = "index.jsonl"
-_SHARD = re.compile(r"^shard-(\d{5,})\.safetensors$")
+_SHARD = re.compile(r"^shard-(?:(.+)-)?(\d{5,})\.safetensors$")
 #: Manifest fields that may differ between the runs that wrote one dataset.
 VERSION_FIELDS = ("vllm_version", "vllm_lens_version")
 
 
-def shard_name(number: int) -> str:
-    return f"shard-{number:05d}.safetensors"
+def shard_name(number: int, writer: str | None = None) -> str:
+    """The file of shard ``number`` of ``writer`` (``None``: the single unnamed writer)."""
+    if writer is None:
+        return f"shard-{number:05d}.safetensors"
+    return f"shard-{writer}-{number:05d}.safetensors"
 
 
 def tensor_name(point: str, layer: int) -> str:
@@ -76,32 +99,6 @@ def sae_fields(entry: Mapping[str, Any]) -> tuple[str, ...]:
         "indices", "values")
 
 
-def read_index(path: Path) -> tuple[list[dict[str, Any]], list[int], int]:
-    """The index's entries, the byte offset where each entry's line starts, and the length
-    of its complete lines. Only a last line cut short (no newline: a job killed while
-    appending) is tolerated; a bad line anywhere else raises ``ValueError``."""
-    entries: list[dict[str, Any]] = []
-    starts: list[int] = []
-    good = 0
-    if not path.exists():
-        return entries, starts, good
-    lines = path.read_bytes().splitlines(keepends=True)
-    for number, line in enumerate(lines, start=1):
-        if not line.endswith(b"\n") and number == len(lines):
-            break
-        try:
-            entry = json.loads(line)
-            if not isinstance(entry, dict) or not isinstance(entry.get("key"), str):
-                raise ValueError("not an example entry")
-        except ValueError as exc:
-            raise ValueError(f"{path}: line {number} is not an index entry ({exc}); the "
-                             "dataset is damaged") from None
-        entries.append(entry)
-        starts.append(good)
-        good += len(line)
-    return entries, starts, good
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -110,8 +107,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _temp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def _temp_name(path: Path, writer: str | None = None) -> Path:
+    """Where ``path`` is written before it is renamed into place (``+`` never occurs in a
+    writer's name, so one writer's temp files are told from another's)."""
+    if writer is None:
+        return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    return path.with_name(f".{path.name}.tmp+{writer}+{os.getpid()}")
 
 
 def _publish(tmp: Path, path: Path) -> None:
@@ -136,14 +137,17 @@ class ShardWriter:
         rows_per_shard: a shard is written once this many rows are queued ...
         max_shard_bytes: ... or this many bytes (an example's rows never span two shards).
         resume: reopen an existing dataset and skip the keys its index has; otherwise an
-            existing index is an error.
+            existing index is an error (named writers sharing a dataset all pass ``True``).
+        writer: ``None`` to hold the directory alone, or this writer's name (1 to 64
+            letters, digits, ``_``, ``.``, ``-``) to write it beside other named writers.
     """
 
     def __init__(self, root: str | os.PathLike, manifest: Mapping[str, Any], *,
                  rows_per_shard: int = 65536, max_shard_bytes: int = 1 << 30,
-                 resume: bool = False) -> None:
+                 resume: bool = False, writer: str | None = None) -> None:
         if rows_per_shard < 1 or max_shard_bytes < 1:
             raise ValueError("rows_per_shard and max_shard_bytes must be >= 1")
+        self.writer = check_writer(writer)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.manifest = jsonable({"format": FORMAT, **manifest})
@@ -156,115 +160,204 @@ class ShardWriter:
             raise ValueError("a dataset holds at least one point or SAE")
         self.rows_per_shard = rows_per_shard
         self.max_shard_bytes = max_shard_bytes
-        self.written: set[str] = set()
-        """Keys already in the index."""
+        self._view = IndexView(self.layers, len(self.saes))
+        """What the index holds of each key (other writers' lines read as they come)."""
+        self._seen = (0, 0)
+        """The index's inode and how many of its bytes ``_view`` has read."""
+        self._mine: set[str] = set()
+        """Keys whose part this writer writes is in the index (written or found there)."""
         self._next_shard = 0
         self._pending: list[tuple[dict[str, Any], dict[str, torch.Tensor]]] = []
         self._pending_keys: set[str] = set()
+        self._pending_part: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._pending_rows = self._pending_bytes = 0
-        self._lock = self._take_lock()
+        self._locks = self._take_locks()
         try:
             self._open(resume)
         except BaseException:
             self._release()
             raise
 
-    def _take_lock(self) -> Any:
+    def _take_locks(self) -> list[Any]:
         import fcntl
 
-        lock = open(self.root / ".lock", "w")  # noqa: SIM115 - held until close
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            lock.close()
-            raise RuntimeError(f"{self.root}: another writer has this dataset open") from None
-        return lock
+        taken: list[Any] = []
+        wanted = [(".lock", fcntl.LOCK_EX if self.writer is None else fcntl.LOCK_SH)]
+        if self.writer is not None:
+            wanted.append((f".lock-{self.writer}", fcntl.LOCK_EX))
+        for name, mode in wanted:
+            lock = open(self.root / name, "w")  # noqa: SIM115 - held until close
+            try:
+                fcntl.flock(lock, mode | fcntl.LOCK_NB)
+            except OSError:
+                lock.close()
+                for held in taken:
+                    held.close()
+                raise RuntimeError(self._lock_problem(name)) from None
+            taken.append(lock)
+        return taken
+
+    def _lock_problem(self, name: str) -> str:
+        if self.writer is None:
+            return (f"{self.root}: another writer has this dataset open (a writer without a "
+                    "name holds a dataset alone)")
+        if name == ".lock":
+            return (f"{self.root}: a writer without a name has this dataset open; writer "
+                    f"{self.writer!r} shares a dataset only with other named writers")
+        return (f"{self.root}: another process is writing this dataset as writer "
+                f"{self.writer!r}; give each writer its own name")
 
     def _release(self) -> None:
-        if self._lock is not None:
-            self._lock.close()  # closing drops the lock
-            self._lock = None
+        for lock in reversed(self._locks):
+            lock.close()  # closing drops the lock
+        self._locks = []
 
     def _open(self, resume: bool) -> None:
-        manifest_path, index_path = self.root / MANIFEST, self.root / INDEX
+        index_path = self.root / INDEX
         if index_path.exists() and not resume:
             raise FileExistsError(f"{self.root} already holds a dataset; pass resume=True to "
                                   "add to it")
-        for tmp in self.root.glob(".*.tmp-*"):  # left by a killed writer (we hold the lock)
-            tmp.unlink()
-        if manifest_path.exists():
-            existing = json.loads(manifest_path.read_text())
-            for field in sorted(set(existing) | set(self.manifest)):
-                if field not in VERSION_FIELDS and existing.get(field) != self.manifest.get(field):
-                    raise DatasetConflictError(
-                        f"{self.root}: the dataset's manifest has {field}="
-                        f"{existing.get(field)!r}, not {self.manifest.get(field)!r}")
-        else:
-            tmp = _temp_name(manifest_path)
+        with index_locked(self.root, self.writer is not None):
+            # Temp files left by a killed writer: ours, or anyone's when we hold the directory.
+            found = ({*self.root.glob(".*.tmp-*"), *self.root.glob(".*.tmp+*")}
+                     if self.writer is None else set(self.root.glob(f".*.tmp+{self.writer}+*")))
+            for tmp in found:
+                tmp.unlink(missing_ok=True)
+            self._check_manifest()
+            for entry in self._recover(index_path):
+                self._view.add(entry)
+            if index_path.exists():
+                stat = index_path.stat()
+                self._seen = (stat.st_ino, stat.st_size)
+
+    def _check_manifest(self) -> None:
+        """Write the manifest if it is missing (under the index lock: only one writer
+        does), else refuse one that differs from ours but for the versions."""
+        manifest_path = self.root / MANIFEST
+        if not manifest_path.exists():
+            tmp = _temp_name(manifest_path, self.writer)
             tmp.write_text(json.dumps(self.manifest, indent=1))
             _publish(tmp, manifest_path)
-        entries, starts, good = read_index(index_path)
-        if entries:  # the last shard's lines may not all have arrived
-            last = entries[-1]["shard"]
-            first = next(i for i, e in enumerate(entries) if e["shard"] == last)
-            covered = sum(e["rows"] for e in entries[first:])
-            if covered != self._shard_rows(last):
-                entries, good = entries[:first], starts[first]
+            return
+        existing = json.loads(manifest_path.read_text())
+        for field in sorted(set(existing) | set(self.manifest)):
+            if field not in VERSION_FIELDS and existing.get(field) != self.manifest.get(field):
+                raise DatasetConflictError(
+                    f"{self.root}: the dataset's manifest has {field}="
+                    f"{existing.get(field)!r}, not {self.manifest.get(field)!r}")
+
+    def _recover(self, index_path: Path) -> list[dict[str, Any]]:
+        """After a killed writer: cut a partial last line, drop the lines of a last shard
+        whose lines did not all arrive, and remove the shards no line names past a
+        writer's last indexed one — ours only, or every writer's when we hold the
+        directory alone. Returns the index's entries as they then are."""
+        entries, _, good = read_index(index_path)
         if index_path.exists() and good < index_path.stat().st_size:
             with open(index_path, "r+b") as f:
                 f.truncate(good)
                 os.fsync(f.fileno())
-        for entry in entries:
-            self.written.add(entry["key"])
-            self._next_shard = max(self._next_shard, entry["shard"] + 1)
-        for path in self.root.iterdir():  # shards of a killed job that never reached the index
+        on_disk: dict[str | None, list[int]] = {}
+        for path in self.root.iterdir():
             m = _SHARD.match(path.name)
-            if m and int(m.group(1)) >= self._next_shard:
-                path.unlink()
+            if m:
+                on_disk.setdefault(m.group(1), []).append(int(m.group(2)))
+        writers = {self.writer} if self.writer is not None else {
+            None, *on_disk, *(e.get("writer") for e in entries)}
+        torn = set()
+        for writer in writers:
+            own = [e for e in entries if e.get("writer") == writer]
+            if own:
+                last = own[-1]["shard"]
+                covered = sum(e["rows"] for e in own if e["shard"] == last)
+                if covered != self._shard_rows(last, writer):
+                    torn.add((writer, last))
+        if torn:
+            entries = [e for e in entries if (e.get("writer"), e["shard"]) not in torn]
+            rewrite_index(index_path, entries, _temp_name(index_path, self.writer))
+        for writer in writers:
+            following = 1 + max((e["shard"] for e in entries if e.get("writer") == writer),
+                                default=-1)
+            for number in on_disk.get(writer, ()):
+                if number >= following:  # a killed job's shard that never reached the index
+                    (self.root / shard_name(number, writer)).unlink()
+            if writer == self.writer:
+                self._next_shard = following
+        return entries
 
-    def _shard_rows(self, number: int) -> int:
-        """Rows in shard ``number`` (-1 if it is missing or unreadable)."""
-        path = self.root / shard_name(number)
+    def _shard_rows(self, number: int, writer: str | None) -> int:
+        """Rows in shard ``number`` of ``writer`` (-1 if it is missing or unreadable)."""
+        path = self.root / shard_name(number, writer)
         try:
             with path.open("rb") as f:
                 (size,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(size))
-            return int(header[self._first_column]["shape"][0])
-        except (OSError, ValueError, KeyError, struct.error):
+            return int(next(v for k, v in header.items() if k != "__metadata__")["shape"][0])
+        except (OSError, ValueError, KeyError, StopIteration, struct.error):
             return -1
 
-    @property
-    def _first_column(self) -> str:
-        """A tensor every shard has, one row per example row."""
-        if self.points:
-            return tensor_name(self.points[0], self.layers[0])
-        return sae_column(0, "indices")
+    def _catch_up(self) -> None:
+        """Read the index lines appended since we last looked (other writers', and our own
+        after a flush; all of it again if a writer rewrote it), complete lines only."""
+        try:
+            fd = os.open(self.root / INDEX, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            inode, seen = self._seen
+            stat = os.fstat(fd)
+            if stat.st_ino != inode:
+                self._view = IndexView(self.layers, len(self.saes))
+                inode, seen = stat.st_ino, 0
+            if stat.st_size > seen:
+                data = os.pread(fd, stat.st_size - seen, seen)
+                data = data[:data.rfind(b"\n") + 1]
+                for line in data.splitlines():
+                    self._view.add(parse_line(line, self.root / INDEX, f"the line at byte {seen}"))
+                    seen += len(line) + 1
+            self._seen = (inode, seen)
+        finally:
+            os.close(fd)
+
+    def durable(self, key: str) -> bool:
+        """Whether ``key``'s rows this writer holds are in the index."""
+        return key in self._mine or self._view.held(key) >= self._view.whole
 
     def add(self, key: str, rows: Mapping[str, torch.Tensor], positions: Sequence[int],
             prompt_token_ids: Sequence[int] = (), token_ids: Sequence[int] = (), *,
             reduced: bool = False,
-            sae_features: Sequence[Mapping[str, torch.Tensor]] = ()) -> tuple[int, int]:
+            sae_features: Sequence[Mapping[str, torch.Tensor]] = (),
+            layers: Sequence[int] | None = None,
+            saes: Sequence[int] | None = None) -> tuple[int, int]:
         """Queue one example: ``rows[point]`` is ``[n_layers, n_rows, *row_shape]`` (the
         manifest's layers, in order; the same ``n_rows`` for every point), ``positions`` the
         token positions of its rows (one per row; if ``reduced``, the positions reduced into
         its one row), ``token_ids`` the generated tokens, ``sae_features`` one entry per
         manifest ``sae_features`` entry (``indices`` / ``values`` ``[n_rows, top_k]``, and
-        ``nmse`` / ``l0`` ``[n_rows]`` with ``reconstruction``). Written when the shard fills
-        up (or at ``close``). Returns the shard and the row offset it will have there; a
-        flush that fails raises, and the example stays queued with the others."""
+        ``nmse`` / ``l0`` ``[n_rows]`` with ``reconstruction``). A part of an example (a
+        pipeline stage's) names the manifest ``layers`` its rows hold and the numbers of the
+        ``saes`` entries its features are. Written when the shard fills up (or at
+        ``close``). Returns the shard and the row offset it will have there; a flush that
+        fails raises, and the example stays queued with the others."""
         if not isinstance(key, str) or not key:
             raise ValueError(f"example keys are non-empty strings, got {key!r}")
-        if key in self.written or key in self._pending_keys:
+        part = self._part(key, layers, saes)
+        part_layers, part_saes = part
+        if key in self._pending_keys:
             raise DatasetConflictError(f"example key {key!r} is already in the dataset")
-        missing = [point for point in self.points if point not in rows]
+        if self.writer is not None:  # (the unnamed writer is alone)
+            self._catch_up()
+        held = self._view.held(key)
+        if held >= self._view.whole:
+            raise DatasetConflictError(f"example key {key!r} is already in the dataset")
+        missing = [point for point in self.points if part_layers and point not in rows]
         if missing:
             raise ValueError(f"example {key!r} has no rows of {', '.join(missing)}")
-        if len(sae_features) != len(self.saes):
+        if len(sae_features) != len(part_saes):
             raise ValueError(f"example {key!r} has {len(sae_features)} SAE feature entries, "
-                             f"the dataset {len(self.saes)}")
+                             f"the {'dataset' if saes is None else 'part'} {len(part_saes)}")
         if reduced and self.saes:
             raise ValueError(f"example {key!r}: SAE features are per position, not reduced")
-        if self.points:
+        if self.points and part_layers:
             first = rows[self.points[0]]
             n_rows = int(first.shape[1]) if first.dim() > 1 else -1
         else:
@@ -274,14 +367,15 @@ class ShardWriter:
         if not reduced and len(positions) != n_rows:
             raise ValueError(f"example {key!r}: {len(positions)} positions for {n_rows} rows")
         checked = {}
-        for point in self.points:
+        for point in self.points if part_layers else ():
             t = rows[point]
-            expected = (len(self.layers), n_rows, *self.row_shapes[point])
+            expected = (len(part_layers), n_rows, *self.row_shapes[point])
             if tuple(t.shape) != expected:
                 raise ValueError(f"example {key!r}: {point} has shape {tuple(t.shape)}, "
                                  f"expected {expected}")
             checked[point] = t.detach().to("cpu", self.dtype)
-        for number, (spec, entry) in enumerate(zip(self.saes, sae_features)):
+        for number, entry in zip(part_saes, sae_features):
+            spec = self.saes[number]
             for field in sae_fields(spec):
                 t = entry.get(field)
                 expected = (n_rows, int(spec["top_k"])) if field in ("indices", "values") \
@@ -291,18 +385,58 @@ class ShardWriter:
                                      f"shape {None if t is None else tuple(t.shape)}, "
                                      f"expected {expected}")
                 checked[sae_column(number, field)] = t.detach().to("cpu", SAE_FIELDS[field])
+        if self._view.slots(self._line_fields(part)) <= held:
+            self._mine.add(key)  # (a resumed job sent an incomplete example again)
+            return self._placed(key, part)
+        if self._pending and self._pending_part != part:
+            self.flush()  # a shard holds one part of its examples
         placed = (self._next_shard, self._pending_rows)
         entry = {"key": key, "rows": n_rows, "positions": [int(p) for p in positions],
                  "prompt_token_ids": [int(t) for t in prompt_token_ids],
-                 "token_ids": [int(t) for t in token_ids]}
+                 "token_ids": [int(t) for t in token_ids], **self._line_fields(part)}
         self._pending.append((entry, checked))
         self._pending_keys.add(key)
+        self._pending_part = part
         self._pending_rows += n_rows
         self._pending_bytes += sum(t.numel() * t.element_size() for t in checked.values())
         if (self._pending_rows >= self.rows_per_shard
                 or self._pending_bytes >= self.max_shard_bytes):
             self.flush()
         return placed
+
+    def _part(self, key: str, layers: Sequence[int] | None,
+              saes: Sequence[int] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The manifest layers and SAE entries an example's rows hold, in manifest order."""
+        part_layers = self.layers if layers is None else tuple(int(x) for x in layers)
+        part_saes = tuple(range(len(self.saes))) if saes is None else tuple(int(i) for i in saes)
+        if [x for x in self.layers if x in part_layers] != list(part_layers):
+            raise ValueError(f"example {key!r}: its layers {list(part_layers)} are not the "
+                             f"manifest's {list(self.layers)} or some of them, in order")
+        if sorted(set(part_saes)) != list(part_saes) or not set(part_saes) <= set(
+                range(len(self.saes))):
+            raise ValueError(f"example {key!r}: its SAE entries {list(part_saes)} are not "
+                             f"some of the manifest's 0..{len(self.saes) - 1}, in order")
+        if not part_layers and not part_saes:
+            raise ValueError(f"example {key!r} holds no layer and no SAE entry")
+        return part_layers, part_saes
+
+    def _line_fields(self, part: tuple[tuple[int, ...], tuple[int, ...]]) -> dict[str, Any]:
+        """What an index line says beside the example: its writer, and a part's holdings."""
+        fields: dict[str, Any] = {}
+        if self.writer is not None:
+            fields["writer"] = self.writer
+        if part != (self.layers, tuple(range(len(self.saes)))):
+            fields["layers"], fields["saes"] = list(part[0]), list(part[1])
+        return fields
+
+    def _placed(self, key: str, part: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[int, int]:
+        """The shard and offset of the line that already holds ``key``'s ``part``."""
+        slots = self._view.slots(self._line_fields(part))
+        for entry in read_index(self.root / INDEX)[0]:
+            if entry["key"] == key and slots & self._view.slots(entry):
+                return entry["shard"], entry["offset"]
+        raise DatasetConflictError(f"example key {key!r}: its part left the index while it "
+                                   "was written")
 
     @property
     def pending_keys(self) -> list[str]:
@@ -326,19 +460,18 @@ class ShardWriter:
         from safetensors.torch import save_file
 
         number = self._next_shard
-        path = self.root / shard_name(number)
-        tmp = _temp_name(path)
-        index_path = self.root / INDEX
-        size_before = index_path.stat().st_size if index_path.exists() else 0
+        path = self.root / shard_name(number, self.writer)
+        tmp = _temp_name(path, self.writer)
+        part_layers, part_saes = self._pending_part
         try:
             tensors = {}
-            for point in self.points:
-                for i, layer in enumerate(self.layers):
+            for point in self.points if part_layers else ():
+                for i, layer in enumerate(part_layers):
                     parts = [rows[point][i] for _, rows in self._pending]
                     tensors[tensor_name(point, layer)] = torch.cat(parts).contiguous()
-            for i, spec in enumerate(self.saes):
-                for field in sae_fields(spec):
-                    name = sae_column(i, field)
+            for sae in part_saes:
+                for field in sae_fields(self.saes[sae]):
+                    name = sae_column(sae, field)
                     tensors[name] = torch.cat([rows[name] for _, rows in self._pending])
             save_file(tensors, tmp)
             del tensors
@@ -347,21 +480,17 @@ class ShardWriter:
             for entry, _ in self._pending:
                 lines.append(json.dumps({**entry, "shard": number, "offset": offset}))
                 offset += entry["rows"]
-            with open(index_path, "a") as f:
-                f.write("".join(line + "\n" for line in lines))
-                f.flush()
-                os.fsync(f.fileno())
+            with index_locked(self.root, self.writer is not None):
+                append_lines(self.root / INDEX, "".join(line + "\n" for line in lines).encode())
         except BaseException:
             tmp.unlink(missing_ok=True)
-            if index_path.exists() and index_path.stat().st_size > size_before:
-                with open(index_path, "r+b") as f:  # cut a partial append back
-                    f.truncate(size_before)
             path.unlink(missing_ok=True)
             raise
-        self.written.update(self._pending_keys)
+        self._mine.update(self._pending_keys)
         self._next_shard = number + 1
         self._pending, self._pending_keys = [], set()
         self._pending_rows = self._pending_bytes = 0
+        self._catch_up()
 
     def close(self) -> None:
         """Write what is queued and let go of the directory."""

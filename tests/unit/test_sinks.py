@@ -71,12 +71,18 @@ def test_a_request_names_a_configured_sink_a_dataset_and_a_key(tmp_path, monkeyp
     with pytest.raises(LensRequestError, match="the same layers"):
         parse_extra_args({"output_activations": {"resid_post": [1], "attn_out": [2]},
                           "capture_sink": good}, lambda: FACTS)
-    with pytest.raises(UnsupportedConfigError, match="pipeline parallelism"):
-        parse_extra_args({**capture, "capture_sink": good},
-                         lambda: ModelFacts(**{**FACTS.__dict__, "pp_size": 2}))
-    with pytest.raises(UnsupportedConfigError, match="data parallelism \\(data_parallel_size=2"):
-        parse_extra_args({**capture, "capture_sink": good},
-                         lambda: ModelFacts(**{**FACTS.__dict__, "dp_size": 2}))
+    assert not lens.sink.shared and "shared" not in lens.to_payload()["sink"]
+    # Each stage or engine writes as a named writer; the stages learn the whole example's
+    # row shapes and dtype for the manifest (a stage may hold none of the points' layers).
+    _, lens = parse_extra_args({**capture, "capture_sink": good},
+                               lambda: ModelFacts(**{**FACTS.__dict__, "pp_size": 2}))
+    carried = type(lens).from_payload(lens.to_payload()).sink
+    assert (carried.shared, carried.dtype, carried.row_shapes) == (
+        True, "float32", {"residual_stream": (8,)})
+    _, lens = parse_extra_args({**capture, "capture_sink": good},
+                               lambda: ModelFacts(**{**FACTS.__dict__, "dp_size": 2}))
+    carried = type(lens).from_payload(lens.to_payload()).sink
+    assert carried.shared and carried.row_shapes is None and carried == lens.sink
     with pytest.raises(UnsupportedConfigError, match="attn_z under tensor parallelism"):
         parse_extra_args({"output_activations": {"attn_z": [1]}, "capture_sink": good},
                          lambda: ModelFacts(**{**FACTS.__dict__, "tp_size": 2}))
@@ -329,3 +335,71 @@ def test_streaming_is_parsed_under_tensor_and_pipeline_parallelism():
         _, lens = parse_extra_args({"output_residual_stream": [1], "stream_activations": True},
                                    lambda f=facts: f)
         assert lens.stream
+
+
+def test_pipeline_stages_write_their_parts_and_the_front_end_joins_their_receipts(
+        tmp_path, monkeypatch):
+    from vllm_lens.frontend.receipts import join_receipts, unwritten
+
+    sinks = json.dumps({"acts": {"root": str(tmp_path), "flush_s": 0}})
+    monkeypatch.setenv("VLLM_LENS_SINKS", sinks)
+    config = parse_config(sinks)["acts"]
+    stages = [ShardSink(config), ShardSink(config)]  # each stage's worker has its own
+
+    def part(stage, key):
+        example = _example(key, 3, SETTINGS, fill=1.0 + stage)
+        example.rows = {"resid_post": example.rows["resid_post"][stage:stage + 1]}
+        example.writer, example.layers, example.sae_entries = f"dp0-pp{stage}", [1 + stage], []
+        return stages[stage].write("d", example)
+
+    first, second = part(0, "a"), part(1, "a")
+    assert (first["writer"], first["layers"], first["saes"], first["durable"]) == (
+        "dp0-pp0", [1], [], False)
+    _, lens = parse_extra_args(
+        {"output_residual_stream": [1, 2], "capture_sink": {"sink": "acts", "dataset": "d",
+                                                            "key": "a"}},
+        lambda: ModelFacts(**{**FACTS.__dict__, "pp_size": 2}))
+    assert unwritten(lens, [first]) == (
+        "vllm-lens lost part of this request's rows before they reached the sink: no pipeline "
+        "stage wrote layers [2] (the stages that did keep their part in the dataset, which "
+        "shows the example only once every part is in)")
+    assert unwritten(lens, [second, first]) is None
+    joined = join_receipts([second, first])
+    assert joined == {"sink": "acts", "dataset": "d", "key": "a", "rows": 3,
+                      "shapes": {"resid_post": [2, 3, 8]}, "durable": False,
+                      "parts": [first, second]}
+    assert join_receipts([first]) == first
+    stages[0].flush()
+    assert datasets.open(tmp_path / "d").keys() == []  # one part in: not an example yet
+    stages[1].flush()
+    ex = datasets.open(tmp_path / "d").get("a")
+    assert torch.equal(ex["resid_post"], torch.stack([torch.full((3, 8), 1.0),
+                                                      torch.full((3, 8), 2.0)]))
+    assert part(1, "b")["writer"] == "dp0-pp1"
+    for sink in stages:
+        sink.close()
+
+
+def test_each_engine_and_stage_names_its_writer(monkeypatch):
+    from vllm.config import ParallelConfig
+
+    from vllm_lens.worker.sink_writes import writer_name
+
+    monkeypatch.delenv("VLLM_LENS_SINK_WRITER", raising=False)
+    alone = ParallelConfig()
+    assert writer_name(alone, 0, shared=False) is None  # the dataset's only writer
+    assert writer_name(alone, 0, shared=True) == "dp0-pp0"  # the front end saw DP engines
+    assert writer_name(ParallelConfig(pipeline_parallel_size=2), 1, shared=False) == "dp0-pp1"
+    # vLLM runs a dense model's DP ranks as independent engines of size 1; the rank stays.
+    rank1 = ParallelConfig(data_parallel_size=2, data_parallel_rank=1)
+    rank1.reconfigure_for_independent_dp_rank()
+    assert writer_name(rank1, 0, shared=False) == "dp1-pp0"
+    external = ParallelConfig(data_parallel_size=2, data_parallel_external_lb=True)
+    external.reconfigure_for_independent_dp_rank()
+    assert writer_name(external, 0, shared=False) == "dp0-pp0"
+    monkeypatch.setenv("VLLM_LENS_SINK_WRITER", "actor-3")  # independent engines, one job
+    assert writer_name(alone, 0, shared=False) == "actor-3"
+    assert writer_name(rank1, 0, shared=False) == "actor-3-dp1-pp0"
+    monkeypatch.setenv("VLLM_LENS_SINK_WRITER", "a/b")
+    with pytest.raises(ValueError, match="VLLM_LENS_SINK_WRITER='a/b' must be"):
+        writer_name(alone, 0, shared=False)

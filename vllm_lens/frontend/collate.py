@@ -25,6 +25,7 @@ from vllm_lens.errors import (
     SinkConflictError,
     WorkerCapacityError,
 )
+from vllm_lens.frontend.receipts import join_receipts, unwritten
 from vllm_lens.hooks import HookError
 from vllm_lens.points import RESIDUAL_SIGNAL, SHARDED, SITES, shard_dim
 from vllm_lens.spec import (
@@ -446,7 +447,8 @@ class LensSession:
         """Requests a worker's full budget refused -> the setting that sizes it."""
         seen: dict[str, set[str]] = {}
         held: set[str] = set()
-        receipts: dict[str, dict[str, Any]] = {}
+        receipts: dict[str, list[dict[str, Any]]] = {}
+        """Per request, the sink's receipts: one per pipeline stage that wrote a part."""
         gates: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
         trusted = any(h.pickled is not None for h in lens.hooks)
         for result in rank_results:
@@ -461,7 +463,7 @@ class LensSession:
                 if parts.get("held"):
                     held.add(req_id)
                 if parts.get("receipt") is not None:
-                    receipts[req_id] = parts["receipt"]
+                    receipts.setdefault(req_id, []).append(parts["receipt"])
                 for signal, sent in (parts.get("captures") or {}).items():
                     captures.setdefault(req_id, {}).setdefault(signal, []).append(
                         handoff.receive(sent))
@@ -487,6 +489,9 @@ class LensSession:
                                  "selected" if any(seen.values()) else
                                  "vllm-lens lost this request's captured rows before they "
                                  "reached the sink: no worker held them at fetch time")
+                    else:
+                        error = unwritten(lens, next(
+                            v for k, v in receipts.items() if k.startswith(prefix)))
                 else:
                     mine = next((v for k, v in captures.items() if k.startswith(prefix)), {})
                     signals_seen = set().union(
@@ -516,8 +521,8 @@ class LensSession:
                 by_index[index] = found
                 continue
             if lens.sink is not None:
-                found["capture_receipt"] = next(
-                    v for k, v in receipts.items() if k.startswith(prefix))
+                found["capture_receipt"] = join_receipts(next(
+                    v for k, v in receipts.items() if k.startswith(prefix)))
             elif lens.captures:
                 mine = next((v for k, v in captures.items() if k.startswith(prefix)), {})
                 found["activations"] = self._activations(lens, mine)

@@ -9,9 +9,11 @@ can add one for its storage::
     [project.entry-points."vllm_lens.sinks"]
     my_store = "my_package.sinks:make_sink"
 
-The worker that holds a finished request's rows (TP rank 0 of a single pipeline stage) calls
-``Sink.write`` with one ``Example`` and hands the returned receipt (small, JSON-able) back to
-the front end, which attaches it to the response in place of the rows.
+The worker that holds a finished request's rows (TP rank 0; under pipeline parallelism, TP
+rank 0 of each stage, with its part of the example) calls ``Sink.write`` with one ``Example``
+and hands the returned receipt (small, JSON-able) back to the front end, which attaches it
+(the stages' joined) to the response in place of the rows. Under data or pipeline
+parallelism several processes write one dataset at once, each as its own ``Example.writer``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,16 @@ class Example:
     no point captured, the positions above): ``indices`` int32 ``[n_rows, top_k]`` (-1 where
     fewer were active), ``values`` float32 ``[n_rows, top_k]``, and with ``reconstruction``
     ``nmse`` float32 and ``l0`` int32 ``[n_rows]``."""
+    writer: str | None = None
+    """Who writes it: ``None`` for the dataset's only writer, else a name of this process's
+    own (a data-parallel engine, a pipeline stage, an engine given ``VLLM_LENS_SINK_WRITER``)
+    that other writers of the same dataset do not share."""
+    layers: Sequence[int] | None = None
+    """A part of an example (a pipeline stage holds only its own layers): the settings'
+    layers ``rows`` hold, in order; ``None``: all of them."""
+    sae_entries: Sequence[int] | None = None
+    """A part of an example: the numbers of the settings' ``sae_features`` entries
+    ``sae_features`` holds, in order; ``None``: all of them."""
 
 
 class Sink(Protocol):

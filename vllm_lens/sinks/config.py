@@ -125,13 +125,30 @@ class SinkSpec:
     sink: str
     dataset: str
     key: str
+    shared: bool = field(default=False, compare=False)
+    """Set by the front end when the engine writes with several processes (data-parallel
+    engines, pipeline stages): each then writes as a named writer of its own."""
+    dtype: str | None = field(default=None, compare=False)
+    row_shapes: Mapping[str, tuple[int, ...]] | None = field(default=None, compare=False)
+    """Under pipeline parallelism, set by the front end: the captured rows' dtype and each
+    point's row shape, for the dataset's manifest, which a stage holding none of the
+    points' layers (only an SAE's) could not tell from its rows."""
 
     def to_payload(self) -> dict[str, Any]:
-        return {"sink": self.sink, "dataset": self.dataset, "key": self.key}
+        payload: dict[str, Any] = {"sink": self.sink, "dataset": self.dataset, "key": self.key}
+        if self.shared:
+            payload["shared"] = True
+        if self.row_shapes is not None:
+            payload["dtype"] = self.dtype
+            payload["row_shapes"] = {k: list(v) for k, v in self.row_shapes.items()}
+        return payload
 
     @classmethod
     def from_payload(cls, d: Mapping[str, Any]) -> SinkSpec:
-        return cls(str(d["sink"]), str(d["dataset"]), str(d["key"]))
+        shapes = d.get("row_shapes")
+        return cls(str(d["sink"]), str(d["dataset"]), str(d["key"]), bool(d.get("shared")),
+                   d.get("dtype"), None if shapes is None else {
+                       str(k): tuple(int(x) for x in v) for k, v in shapes.items()})
 
     @classmethod
     def parse(cls, raw: Any, sinks: Mapping[str, SinkConfig]) -> SinkSpec:

@@ -13,7 +13,10 @@ naming the option): a client rotating over many names then cannot make every req
 and reopen datasets (re-reading their index) between engine steps, and an open dataset keeps
 its written keys in memory for as long as it is in use. An example is in the dataset once its
 key is in ``index.jsonl``; the receipt says whether that was so when the request finished
-(``durable``; only then does it name the shard and offset). A shard that cannot be written
+(``durable``; only then does it name the shard and offset). A process writing beside others
+(data or pipeline parallelism: ``Example.writer``) opens its datasets as that named writer
+(``vllm_lens.shard_writer``), and its receipts name it; a pipeline stage's receipt names the
+part it wrote (``layers``, ``saes``). A shard that cannot be written
 (a full disk) fails the request whose write triggered it, with the keys it took down with it
 (a failure of the timer's write is reported by the next ``flush``); the examples queued with
 it are dropped (they are not in the index: a resumed job writes them again), the shards
@@ -71,14 +74,15 @@ class ShardSink:
 
     def write(self, dataset: str, example: Example) -> dict[str, Any]:
         with self._lock:
-            writer = self._writer(dataset, example.settings)
+            writer = self._writer(dataset, example.settings, example.writer)
             self._writers[dataset] = self._writers.pop(dataset)  # most recently written
             self._last_write[dataset] = time.monotonic()
             try:
                 shard, offset = writer.add(example.key, example.rows, example.positions,
                                            example.prompt_token_ids, example.token_ids,
                                            reduced=example.reduced,
-                                           sae_features=example.sae_features)
+                                           sae_features=example.sae_features,
+                                           layers=example.layers, saes=example.sae_entries)
             except ValueError:  # a bad example (duplicate key ...): nothing was queued
                 raise
             except Exception as exc:  # the shard it filled could not be written
@@ -88,21 +92,34 @@ class ShardSink:
             else:
                 self._oldest.pop(dataset, None)
             self._start_timer()
-            durable = example.key in writer.written
+            durable = writer.durable(example.key)
+        numbers = range(len(example.sae_features)) if example.sae_entries is None \
+            else example.sae_entries
         shapes = {point: list(t.shape) for point, t in example.rows.items()}
         shapes.update({f"{sae_column(i, name)}": list(t.shape)
-                       for i, entry in enumerate(example.sae_features)
+                       for i, entry in zip(numbers, example.sae_features)
                        for name, t in entry.items()})
         # Where a queued example will land is known only once its shard is written.
-        return {
+        receipt = {
             "sink": self.config.name, "dataset": dataset, "key": example.key,
             "shard": shard if durable else None, "offset": offset if durable else None,
             "rows": len(example.positions) if not example.reduced else 1,
             "shapes": shapes, "durable": durable,
         }
+        if example.writer is not None:
+            receipt["writer"] = example.writer
+        if example.layers is not None or example.sae_entries is not None:
+            receipt["layers"] = list(example.settings["layers"] if example.layers is None
+                                     else example.layers)
+            receipt["saes"] = list(numbers)
+        return receipt
 
-    def _writer(self, dataset: str, settings: Any) -> ShardWriter:
+    def _writer(self, dataset: str, settings: Any, name: str | None) -> ShardWriter:
         writer = self._writers.get(dataset)
+        if writer is not None and writer.writer != name:
+            raise ValueError(f"dataset {dataset!r} of sink {self.config.name!r} is open here "
+                             f"as writer {writer.writer!r}, not {name!r} (for the sink's "
+                             "operator to resolve, not the request)")
         if writer is not None:
             for field in sorted(set(writer.manifest) | set(settings)):
                 if field in VERSION_FIELDS or field == "format":
@@ -126,7 +143,8 @@ class ShardSink:
         path = self.root / dataset
         try:
             writer = ShardWriter(path, settings, rows_per_shard=self.rows_per_shard,
-                                 max_shard_bytes=self.max_shard_bytes, resume=True)
+                                 max_shard_bytes=self.max_shard_bytes, resume=True,
+                                 writer=name)
         except (ValueError, RuntimeError) as exc:  # another manifest, another writer, ...
             problem = str(exc).replace(f"{path}: ", "").replace(str(path), dataset)
             # Examples with other settings are the caller's to resolve; another writer of the

@@ -3,6 +3,7 @@ and ``stream_activations`` (rows with every streamed output) (runs in: front end
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from vllm_lens import points as tap_points
@@ -21,8 +22,9 @@ def parse_sink(raw: Any, captures: tuple[CaptureSpec, ...], facts: ModelFacts,
                request_id: str | None, saes: tuple[Any, ...] = ()) -> SinkSpec:
     """``capture_sink``: a configured sink, a valid dataset name and key; the captures and
     SAE features it writes must form one example (the same layers, positions and reduction
-    for every point; features at the rows' positions, unreduced), and one worker must hold
-    all of their rows."""
+    for every point; features at the rows' positions, unreduced), and under tensor
+    parallelism TP rank 0 must hold all of their rows (under pipeline parallelism each stage
+    writes its own layers' part)."""
     if not captures and not saes:
         raise LensRequestError(SINK_KEY, f"asks for captured rows, but the request captures "
                                f"nothing (add {CAPTURE_KEY}, {ACTIVATIONS_KEY}, {SAE_KEY} or "
@@ -50,22 +52,18 @@ def parse_sink(raw: Any, captures: tuple[CaptureSpec, ...], facts: ModelFacts,
         raise LensRequestError(f"{SINK_KEY}.sink", f"sink {sink.sink!r} is misconfigured by "
                                f"the operator: {exc}", request_id=request_id) from None
     _check_one_example(captures, saes, request_id)
-    if facts.pp_size > 1:
-        raise UnsupportedConfigError(
-            SINK_KEY, f"is refused under pipeline parallelism (pipeline_parallel_size="
-            f"{facts.pp_size}): each stage holds its own layers' rows and no stage writes the "
-            "others'; return the rows instead, or use one stage", request_id=request_id)
-    if facts.dp_size > 1:
-        raise UnsupportedConfigError(
-            SINK_KEY, f"is refused under data parallelism (data_parallel_size={facts.dp_size}"
-            "): each engine's worker would open the same dataset, and only one may write it; "
-            "return the rows instead, or use one engine", request_id=request_id)
     sharded = [c.signal for c in captures if c.signal in tap_points.SHARDED]
     if sharded and facts.tp_size > 1:
         raise UnsupportedConfigError(
             SINK_KEY, f"is refused for {', '.join(sharded)} under tensor parallelism "
             f"(tensor_parallel_size={facts.tp_size}): their rows are split across the ranks "
             "and no rank writes the others'; return them instead", request_id=request_id)
+    # Each data-parallel engine, and each pipeline stage (its own layers' rows), writes the
+    # dataset as a named writer of its own (``worker.sink_writes.writer_name``).
+    sink = dataclasses.replace(sink, shared=facts.dp_size > 1 or facts.pp_size > 1)
+    if facts.pp_size > 1:
+        sink = dataclasses.replace(sink, dtype=facts.dtype, row_shapes={
+            c.signal: facts.row_shape(c.signal) for c in captures})
     return sink
 
 

@@ -9,7 +9,8 @@ distribution (``vllm_lens.serve``).
         [--layers 3,7|all] [--points resid_post,attn_out] [--sae DIR_OR_NAME --top-k 32] \\
         [--positions all|prompt|last_prompt|...] [--reduce mean|last] [--max-tokens 0] \\
         [--format vllm-lens|sae-lens [--context-size 128]] \\
-        [--server URL] [vLLM engine options: --dtype, -tp, ...]
+        [--server URL | --ray [--num-engines N] [--ray-address ADDR]] \\
+        [vLLM engine options: --dtype, -tp, --data-parallel-size ...]
 
 Input rows (``vllm_lens.prompt_files``: a JSONL, CSV or Parquet file, or a local Hugging Face
 dataset directory with ``--split``) have ``prompt`` (text) or ``messages`` (a chat, rendered
@@ -29,6 +30,9 @@ writes one point at one layer in sae-lens' cached-activations layout
 
 With ``--server URL`` the prompts run on a lens-enabled vLLM server instead (engine options
 are ignored): the rows come back over HTTP and are written here, a batch in flight at a time.
+With ``--ray`` they run on ``--num-engines`` engines, each a Ray Data actor
+(``vllm_lens.ray_extract``); with ``--data-parallel-size N`` on vLLM's own data parallel
+engines (``vllm_lens.dp_extract``). Either way every engine writes the one dataset.
 
 ``--max-tokens N`` generates N tokens, of which the first N-1 have rows (the last is sampled
 but never run through the model); their ids are in the index (``token_ids``; with 0, the one
@@ -37,17 +41,16 @@ token sampled to end the request).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_lens.extract_job import ExtractJob, sink_settings
 from vllm_lens.extract_output import (
-    SAE_LENS_ROWS, check_sae_lens_format, export_sae_lens, fail, finish, lens_spec,
-    prepare_output)
+    SAE_LENS_ROWS, check_sae_lens_format, export_sae_lens, finish, lens_spec, prepare_output)
+from vllm_lens.ray_extract import check_ray_args
 
 __all__ = ["main"]
 
@@ -101,13 +104,28 @@ def _parser():
                               "then ignored, --model is the served model's name, optional)")
     extract.add_argument("--api-key-env", default="OPENAI_API_KEY",
                          help="with --server: the environment variable holding its API key")
+    extract.add_argument("--ray", action="store_true",
+                         help="run --num-engines engines as Ray Data actors (each a vLLM engine "
+                              "with the engine options below, TP/PP inside it), all writing "
+                              "the one dataset at --output (the `ray` extra)")
+    extract.add_argument("--num-engines", type=int, default=None,
+                         help="with --ray: engine actors (default 1)")
+    extract.add_argument("--ray-address", default=None,
+                         help="with --ray: the Ray cluster to join (default: a local Ray "
+                              "instance); --output must be a folder every node mounts at the "
+                              "same path")
     EngineArgs.add_cli_args(extract)
     return parser
 
 
 _OWN = ("command", "input", "split", "output", "layers", "points", "positions", "reduce",
         "max_tokens", "batch_size", "rows_per_shard", "server", "api_key_env", "sae", "top_k",
-        "sae_reconstruction", "format", "context_size")
+        "sae_reconstruction", "format", "context_size", "ray", "num_engines", "ray_address")
+
+
+def engine_kwargs(args: Any) -> dict[str, Any]:
+    """The vLLM engine arguments of the command line (everything that is not ``extract``'s)."""
+    return {k: v for k, v in vars(args).items() if k not in _OWN}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -133,6 +151,8 @@ def extract(args: Any) -> int:
     from vllm_lens.prompt_files import read_examples
     from vllm_lens.sinks.config import check_name
 
+    if args.ray or args.num_engines is not None or args.ray_address is not None:
+        check_ray_args(args)
     if args.max_tokens < 0 or args.batch_size < 1:
         raise SystemExit("vllm-lens extract: --max-tokens must be >= 0, --batch-size >= 1")
     if args.layers is None and not args.sae:
@@ -183,131 +203,27 @@ def extract(args: Any) -> int:
     if not todo:
         print("vllm-lens extract: nothing to extract", file=sys.stderr)
         return export_sae_lens(args, output, final, points, finish(bad))
-    # The engine's workers write the rows themselves, through a sink of this job's own.
-    os.environ["VLLM_LENS_SINKS"] = json.dumps({
-        **_operator_sinks(), _SINK: {"kind": "safetensors", "root": str(output.parent),
-                                     "rows_per_shard": args.rows_per_shard, "flush_s": 0}})
     extra_args = lens_spec(args, points)
     sp = SamplingParams(temperature=0, max_tokens=max(args.max_tokens, 1),
                         extra_args=extra_args)
-    llm = LLM(**{k: v for k, v in vars(args).items() if k not in _OWN})
+    if args.ray:
+        from vllm_lens.ray_extract import extract_over_ray
+
+        extract_over_ray(args, engine_kwargs(args), sp, todo, bad, output)
+        return export_sae_lens(args, output, final, points, finish(bad))
+    # The engine's workers write the rows themselves, through a sink of this job's own.
+    os.environ["VLLM_LENS_SINKS"] = sink_settings(output, args.rows_per_shard)
+    if (args.data_parallel_size or 1) > 1:
+        from vllm_lens.dp_extract import extract_data_parallel
+
+        extract_data_parallel(args, engine_kwargs(args), sp, todo, bad, output)
+        return export_sae_lens(args, output, final, points, finish(bad))
+    llm = LLM(**engine_kwargs(args))
     try:
-        _Job(args, llm, sp, output).run(todo, bad)
+        ExtractJob(args, llm, sp, output).run(todo, bad)
     finally:
         llm.llm_engine.engine_core.shutdown()
     return export_sae_lens(args, output, final, points, finish(bad))
-
-
-#: The sink ``extract`` adds to the engine's (named so that no operator's name can clash).
-_SINK = "vllm-lens-extract"
-def _operator_sinks() -> dict[str, Any]:
-    """The sinks already configured in this environment (kept beside ``extract``'s own)."""
-    from vllm_lens.sinks.config import parse_config
-
-    raw = os.environ.get("VLLM_LENS_SINKS", "").strip()
-    if not raw:
-        return {}
-    try:
-        parse_config(raw)
-        return json.loads(raw if raw.startswith("{") else Path(raw).read_text())
-    except ValueError as exc:
-        raise SystemExit(f"vllm-lens extract: {exc}") from None
-
-
-class _Job:
-    """One extraction: batches of prompts through the engine, whose workers write the rows
-    (the front end holds only receipts)."""
-
-    def __init__(self, args: Any, llm: Any, sp: Any, output: Path) -> None:
-        self.args, self.llm, self.sp, self.output = args, llm, sp, output
-        self.tokenizer = llm.get_tokenizer()
-        self.receipts: dict[str, dict[str, Any]] = {}
-
-    def run(self, todo: list[Any], bad: list[str]) -> None:
-        from tqdm import tqdm
-
-        from vllm_lens.errors import LensExecutionError
-        from vllm_lens.sink_control import flush_sinks
-
-        n_tokens, started = 0, time.monotonic()
-        with tqdm(total=len(todo), unit="ex", desc="extract", file=sys.stderr) as bar:
-            for lo in range(0, len(todo), self.args.batch_size):
-                batch = todo[lo:lo + self.args.batch_size]
-                for example, out in self._generate(batch, bad):
-                    if out.lens_error is not None:
-                        self._fail(bad, example, out.lens_error)
-                        continue
-                    self.receipts[example.key] = out.capture_receipt
-                    n_tokens += len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
-                written = sum(f.stat().st_size for f in self.output.glob("shard-*.safetensors"))
-                bar.set_postfix(tok_s=f"{n_tokens / (time.monotonic() - started):.0f}",
-                                written=f"{written / 2**20:.1f}MiB")
-                bar.update(len(batch))
-        try:
-            flush_sinks(self.llm)
-        except LensExecutionError as exc:
-            print(f"vllm-lens extract: {exc}", file=sys.stderr)
-        self._check_written(bad)
-
-    def _check_written(self, bad: list[str]) -> None:
-        """Every example the workers accepted must be in the index now (a shard write that
-        failed after its examples were accepted dropped them)."""
-        from vllm_lens.shard_writer import INDEX, read_index
-
-        there = {e["key"] for e in read_index(self.output / INDEX)[0]}
-        for key in self.receipts:
-            if key not in there:
-                bad.append(f"key {key!r}: accepted, but its shard could not be written (see "
-                           "the error above); re-run to write it")
-                print(f"vllm-lens extract: {bad[-1]}", file=sys.stderr)
-
-    def _params(self, key: str) -> Any:
-        sp = self.sp.clone()
-        sp.extra_args = {**sp.extra_args, "capture_sink": {
-            "sink": _SINK, "dataset": self.output.name, "key": key}}
-        return sp
-
-    def _generate(self, batch: list[Any], bad: list[str]) -> list[tuple[Any, Any]]:
-        """(example, output) for the batch; an example the engine refuses (too long, a chat
-        template error ...) is listed in ``bad`` and the rest still run."""
-        inputs = []
-        for example in batch:
-            try:
-                inputs.append((example, _engine_input(example, self.tokenizer)))
-            except Exception as exc:  # noqa: BLE001 - the row is bad, not the job
-                self._fail(bad, example, exc)
-        from vllm_lens.errors import UnsupportedConfigError
-
-        try:
-            outs = self.llm.generate([i for _, i in inputs],
-                                     [self._params(e.key) for e, _ in inputs], use_tqdm=False)
-            return [(e, out) for (e, _), out in zip(inputs, outs)]
-        except UnsupportedConfigError as exc:  # the engine's set-up, not a row: no row can run
-            raise SystemExit(f"vllm-lens extract: {exc}") from None
-        except ValueError:  # some input the engine rejects: find it, run the others
-            done = []
-            for example, engine_input in inputs:
-                try:
-                    (out,) = self.llm.generate([engine_input], self._params(example.key),
-                                               use_tqdm=False)
-                    done.append((example, out))
-                except ValueError as exc:
-                    self._fail(bad, example, exc)
-            return done
-
-    @staticmethod
-    def _fail(bad: list[str], example: Any, exc: Any) -> None:
-        fail(bad, example, exc)
-
-
-def _engine_input(example: Any, tokenizer: Any) -> Any:
-    if example.prompt is not None:
-        return example.prompt
-    ids = tokenizer.apply_chat_template(example.messages, add_generation_prompt=True,
-                                        tokenize=True)
-    if hasattr(ids, "keys"):  # transformers 5 answers with the tokenizer's dict
-        ids = ids["input_ids"]
-    return {"prompt_token_ids": [int(i) for i in ids]}
 
 
 if __name__ == "__main__":

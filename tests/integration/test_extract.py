@@ -26,6 +26,17 @@ def run_extract(model, source, output, *extra, points="resid_post,hook_attn_out"
         capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
+def assert_rows_equal_transformers(ex, ids, tiny_ref):
+    """An example's rows, one per token of ``ids``, at layers 1 and 3 (``resid_post`` and
+    ``attn_out``) equal transformers'; returns transformers' rows."""
+    assert ex["positions"].tolist() == list(range(len(ids)))
+    expected = tiny_ref.points(ids)
+    for i, layer in enumerate((1, 3)):
+        for point in ("resid_post", "attn_out"):
+            assert max_relative_error(ex[point][i], expected[(point, layer)]) <= 1e-4
+    return expected
+
+
 def test_extract_writes_a_dataset_equal_to_transformers_and_resumes(tmp_path, tiny_path,
                                                                     tiny_ref):
     good = [{"prompt": "The capital of France is", "key": "fr"},
@@ -50,12 +61,7 @@ def test_extract_writes_a_dataset_equal_to_transformers_and_resumes(tmp_path, ti
     chat = chat["input_ids"] if hasattr(chat, "keys") else chat
     assert ds.get("chat")["prompt_token_ids"] == list(chat)
     for ex in ds:
-        ids = ex["prompt_token_ids"]
-        assert ex["positions"].tolist() == list(range(len(ids)))  # prompt rows only
-        expected = tiny_ref.points(ids)
-        for i, layer in enumerate((1, 3)):
-            for point in ("resid_post", "attn_out"):
-                assert max_relative_error(ex[point][i], expected[(point, layer)]) <= 1e-4
+        assert_rows_equal_transformers(ex, ex["prompt_token_ids"], tiny_ref)  # prompt rows only
     rows = ds.tensor("attn_out", 3)
     assert torch.equal(rows, torch.cat([ex["attn_out"][1] for ex in ds]))
 
@@ -127,11 +133,7 @@ def test_extract_under_tensor_parallelism_equals_transformers(tmp_path, tiny_pat
     ds = datasets.open(output)
     ex = ds.get("fr")
     ids = ex["prompt_token_ids"] + ex["token_ids"][:2]  # 3 generated, 2 run
-    assert ex["positions"].tolist() == list(range(len(ids)))
-    expected = tiny_ref.points(ids)
-    for i, layer in enumerate((1, 3)):
-        for point in ("resid_post", "attn_out"):
-            assert max_relative_error(ex[point][i], expected[(point, layer)]) <= 1e-4
+    expected = assert_rows_equal_transformers(ex, ids, tiny_ref)
     (features,) = ex["sae_features"]
     assert ds.saes[0]["sae"] == str(sae_dir) and ds.saes[0]["layer"] == 2
     with torch.no_grad():
@@ -145,3 +147,45 @@ def test_extract_under_tensor_parallelism_equals_transformers(tmp_path, tiny_pat
     other = run_extract(tiny_path, source, output, "--max-tokens", "3", "--sae", str(sae_dir),
                         "--top-k", "4", "--sae-reconstruction")
     assert other.returncode != 0 and "made with SAEs" in other.stderr, other.stderr[-2000:]
+
+
+def test_extract_over_engines_of_vllm_dp_and_of_ray_writes_one_dataset(tmp_path, tiny_path,
+                                                                         tiny_ref):
+    """``--data-parallel-size 2`` (vLLM's own DP, on an ``AsyncLLM``), then a re-run with two
+    more prompts over ``--ray --num-engines 2`` (Ray Data actors, each an engine, on a local
+    Ray instance): one dataset, each engine a writer of its own, every example equal to
+    transformers; the re-run resumes across writers (only the new keys run)."""
+    prompts = ["The capital of France is", "Once upon a time in a quiet village",
+               "1, 2, 3, 4,", "The quick brown fox", "Water boils at", "My favourite food is"]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"prompt": p, "key": f"k{i}"}) + "\n"
+                              for i, p in enumerate(prompts)))
+    output = tmp_path / "acts"
+    two_cores = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per DP rank (CPU build)
+    dp = run_extract(tiny_path, source, output, "--data-parallel-size", "2", "--batch-size",
+                     "3", "--max-tokens", "2", env=two_cores)
+    assert dp.returncode == 0, dp.stderr[-3000:]
+    ds = datasets.open(output)
+    assert sorted(ds.keys()) == [f"k{i}" for i in range(6)]
+    dp_writers = {e["writer"] for e in ds.entries}
+    assert len(dp_writers) == 2, dp_writers  # both engines got requests and wrote
+
+    more = ["Roses are red,", "The largest planet is", "In 1492,", "Good morning! Today"]
+    with source.open("a") as f:
+        f.write("".join(json.dumps({"prompt": p, "key": f"k{6 + i}"}) + "\n"
+                        for i, p in enumerate(more)))
+    ray = run_extract(tiny_path, source, output, "--ray", "--num-engines", "2", "--batch-size",
+                      "1", "--max-tokens", "2")
+    assert ray.returncode == 0, ray.stderr[-3000:]
+    assert "6 of 10 examples already written" in ray.stderr
+    ds = datasets.open(output)
+    assert sorted(ds.keys()) == sorted(f"k{i}" for i in range(10))
+    writers = {e["writer"]: set() for e in ds.entries}
+    for e in ds.entries:
+        writers[e["writer"]].add(e["key"])
+    assert set(writers) == dp_writers | {"ray0", "ray1"}, writers
+    assert set().union(*(writers[w] for w in ("ray0", "ray1"))) == {"k6", "k7", "k8", "k9"}
+    for ex in ds:
+        entry = next(e for e in ds.entries if e["key"] == ex["key"])
+        ids = ex["prompt_token_ids"] + entry["token_ids"][:1]  # 2 generated, 1 run
+        assert_rows_equal_transformers(ex, ids, tiny_ref)

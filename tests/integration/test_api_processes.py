@@ -25,15 +25,47 @@ PROMPTS = [f"Fact number {i}: the capital of France is" for i in range(24)]
 
 
 @pytest.fixture(scope="module")
-def two_process_server(tiny_path):
+def sink_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("dp-sink")
+
+
+@pytest.fixture(scope="module")
+def two_process_server(tiny_path, sink_root):
     """Data parallel 2 behind one server (``--data-parallel-size 2``, vLLM's own load
-    balancing), for which vLLM starts two API server processes by default."""
+    balancing), for which vLLM starts two API server processes by default; with a capture
+    sink open to clients that writes each example's shard at once."""
+    sinks = {"dp": {"root": str(sink_root), "clients": True, "rows_per_shard": 1}}
     with running_server(tiny_path, "--enforce-eager", "--data-parallel-size", "2",
                         env={"VLLM_LENS_HTTP_STORE_TTL_S": "120",
                              "VLLM_LENS_ALLOW_STEERING_ROUTES": "1",
+                             "VLLM_LENS_SINKS": json.dumps(sinks),
                              "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
                         launcher=LENS_SERVE) as server:
         yield server
+
+
+def test_both_engines_write_one_sink_dataset(two_process_server, sink_root):
+    """Requests naming a capture sink land on both engines; each engine writes the ones it
+    served as a writer of its own into the one dataset, which reads back equal to the rows
+    the same prompts return."""
+    from vllm_lens import datasets
+
+    server = two_process_server
+    with ThreadPoolExecutor(8) as pool:
+        receipts = list(pool.map(lambda i: _complete(
+            server, PROMPTS[i], "json", capture_sink={"sink": "dp", "dataset": "both",
+                                                      "key": f"k{i}"})["capture_receipt"],
+            range(16)))
+        returned = list(pool.map(lambda i: _complete(server, PROMPTS[i], "json"), range(16)))
+    assert all(r["durable"] for r in receipts), receipts
+    assert {r["writer"] for r in receipts} == {"dp0-pp0", "dp1-pp0"}, receipts
+    ds = datasets.open(sink_root / "both")
+    assert sorted(ds.keys()) == sorted(f"k{i}" for i in range(16))
+    (point,) = ds.manifest["points"]  # output_residual_stream's rows, as the sink names them
+    assert ds.manifest["layers"] == [1, 3]
+    for i, choice in enumerate(returned):
+        assert torch.equal(ds.get(f"k{i}")[point],
+                           decode_activations(choice)["residual_stream"]), i
 
 
 def _complete(server, prompt, transport, **xargs):

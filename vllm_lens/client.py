@@ -123,6 +123,9 @@ class _Protocol:
         if capture is not None:
             lens[CAPTURE_KEY] = capture
         elif capture_layers is not None:
+            if isinstance(capture_layers, (str, bytes)):
+                raise TypeError(f"capture_layers: expected a list of layer indices or True, "
+                                f"got the string {capture_layers!r} (pass [12], not '12')")
             lens[CAPTURE_KEY] = capture_layers
         for key in (ACTIVATIONS_KEY, QK_KEY, SINK_KEY, STREAM_KEY, SAE_KEY):  # by name
             if openai_kwargs.get(key) is not None:

@@ -36,6 +36,14 @@ def test_capture_layers_accept_numpy_integers_and_arrays():
     assert lens.capture.layers == (3,)
 
 
+def test_a_string_of_layers_is_named_a_string():
+    from vllm_lens.client import LensClient
+
+    with pytest.raises(TypeError, match=r"got the string '12' \(pass \[12\], not '12'\)"):
+        # Refused while the request is built, before anything is sent.
+        LensClient("http://127.0.0.1:9", model="m").generate("x", capture_layers="12")
+
+
 def test_json_true_turned_into_1_by_vllm_xargs_gets_the_fix():
     with pytest.raises(LensRequestError, match=r'send the string "true"'):
         parse_extra_args({"output_residual_stream": 1}, lambda: FACTS)

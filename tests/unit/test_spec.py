@@ -60,6 +60,8 @@ def test_payload_round_trip():
         ({"output_residual_stream": [True]}, "output_residual_stream[0]", "integer"),
         ({"output_residual_stream": 3}, "output_residual_stream", "list"),
         ({"output_residual_stream": "[1,"}, "output_residual_stream", "JSON"),
+        ({"output_residual_stream": "12"}, "output_residual_stream",
+         r"got the string '12' \(JSON for int 12\); send a list such as \[12\]"),
         ({"output_residual_stream": {"layers": [0], "positions": "middle"}},
          "output_residual_stream.positions", "unknown selector"),
         ({"output_residual_stream": {"layers": [0], "positions": [64]}},

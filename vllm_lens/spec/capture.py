@@ -66,10 +66,17 @@ class CaptureSpec:
 def parse_capture(raw: Any, facts: ModelFacts, request_id: str | None,
                    field: str = CAPTURE_KEY) -> CaptureSpec:
     if isinstance(raw, str):  # HTTP's vllm_xargs carries structured values as JSON strings
+        text = raw
         try:
             raw = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise LensRequestError(field, f"not valid JSON ({exc.msg})", request_id=request_id) from None
+        if not isinstance(raw, (list, Mapping)) and raw is not True:
+            # Offline a str is the caller's mistake ('12' for [12]); over HTTP a JSON text.
+            raise LensRequestError(
+                field, f"expected a list of layer indices, true, or an object with "
+                f"\"layers\"; got the string {text!r} (JSON for {type(raw).__name__} {raw!r}); "
+                "send a list such as [12]", request_id=request_id)
     if isinstance(raw, Mapping):
         unknown = [k for k in raw if k not in _CAPTURE_FIELDS]
         if unknown:

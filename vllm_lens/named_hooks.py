@@ -3,7 +3,10 @@
 
 A named hook is a factory ``make(args: dict) -> fn(ctx, hidden)``; it raises ``ValueError``
 for bad arguments (the front end calls it once to validate them, so a bad request fails with
-HTTP 400 before it is scheduled). What it stores in ``ctx.saved`` must be tensors and plain
+HTTP 400 before it is scheduled). What depends on the served model is checked there too when
+the factory declares ``check(args, point, row_shape)`` (the hook point and the shape of one row
+there, ``None`` where rows are split across TP ranks): it raises ``HookArgumentError`` naming
+the request field at fault (``"args.weight"``, ``"hook_point"``). What it stores in ``ctx.saved`` must be tensors and plain
 JSON types, which is what crosses HTTP. Any client may call a named hook, so one that costs
 much per row declares a bound: a factory attribute ``max_rows = (ENV_VAR, default)`` caps the
 rows (positions × hooked layers × samples) one request may run it on, checked before the
@@ -23,10 +26,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["ENTRY_POINT_GROUP", "attention_to_span", "linear_probe", "load", "logit_lens_topk"]
+__all__ = ["ENTRY_POINT_GROUP", "HookArgumentError", "attention_to_span", "linear_probe", "load",
+           "logit_lens_topk"]
 
 ENTRY_POINT_GROUP = "vllm_lens.hooks"
 HookFn = Callable[[Any, torch.Tensor], "torch.Tensor | None"]
+
+
+class HookArgumentError(ValueError):
+    """A named hook's arguments do not fit the served model: ``field`` is the part of the
+    hook item at fault (``"args.weight"``, ``"hook_point"``)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(problem)
+        self.field = field
 
 
 @functools.cache
@@ -165,6 +178,15 @@ def linear_probe(args: Mapping[str, Any]) -> HookFn:
     return hook
 
 
+def _check_probe(args: Mapping[str, Any], point: str, row_shape: tuple[int, ...] | None) -> None:
+    if row_shape is not None and len(args["weight"]) != row_shape[-1]:
+        raise HookArgumentError("args.weight", f"has {len(args['weight'])} numbers; the rows "
+                                f"at {point} have {row_shape[-1]} (one weight per unit)")
+
+
+linear_probe.check = _check_probe  # type: ignore[attr-defined]
+
+
 #: Attention weights ``attention_to_span`` materialises at once (heads × queries × keys).
 _ATTENTION_BLOCK_ELEMENTS = 16 << 20
 
@@ -270,3 +292,15 @@ def attention_to_span(args: Mapping[str, Any]) -> HookFn:
 
 attention_to_span.max_rows = (  # type: ignore[attr-defined]
     "VLLM_LENS_ATTENTION_HOOK_MAX_ROWS", 65536)
+
+
+def _check_attention_hook(args: Mapping[str, Any], point: str,
+                          row_shape: tuple[int, ...] | None) -> None:
+    from vllm_lens.points import QK_HOOK_POINT
+
+    if point != QK_HOOK_POINT:
+        raise HookArgumentError("hook_point", f"attention_to_span reads the attention kernel's "
+                                f"Q and K, not {point}: give hook_point='{QK_HOOK_POINT}'")
+
+
+attention_to_span.check = _check_attention_hook  # type: ignore[attr-defined]

@@ -51,6 +51,10 @@ def test_json_forms_are_accepted_but_pickles_need_the_operator(monkeypatch):
     ([Hook("not callable", [1])], "apply_hooks[0].fn"),
     ([NamedHook("nope", [1])], "apply_hooks[0].name"),
     ([NamedHook("linear_probe", [1], {"weight": "x"})], "apply_hooks[0].args"),
+    # What depends on the model is checked before the request is scheduled (was: the worker's
+    # error after the fact, HTTP 500 for the attention hook without its hook point).
+    ([NamedHook("linear_probe", [1], {"weight": [1.0] * 7})], "apply_hooks[0].args.weight"),
+    ([NamedHook("attention_to_span", [1], {"span": [0, 2]})], "apply_hooks[0].hook_point"),
     ([{"name": "linear_probe"}], "apply_hooks[0]"),
     ([42], "apply_hooks[0]"),
 ])
@@ -58,6 +62,14 @@ def test_bad_hooks_name_their_field(hooks, field):
     with pytest.raises(LensRequestError) as info:
         parse(hooks)
     assert info.value.field == field
+
+
+def test_model_dependent_hook_arguments_say_what_fits():
+    with pytest.raises(LensRequestError, match=r"has 7 numbers; the rows at resid_post have 8"):
+        parse([NamedHook("linear_probe", [1], {"weight": [1.0] * 7})])
+    with pytest.raises(LensRequestError, match="give hook_point='attn_qk'"):
+        parse([NamedHook("attention_to_span", [1], {"span": [0, 2]})])
+    assert parse([NamedHook("linear_probe", [1], {"weight": [1.0] * 8})]).hooks[0].name
 
 
 def test_named_hook_factories_validate_their_arguments():

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_lens import envs
+from vllm_lens import points as tap_points
 from vllm_lens.errors import LensRequestError, RemoteCodeRefusedError
 from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import json_value, layer_rule, parse_write_point, sorted_indices
@@ -139,9 +140,16 @@ def _parse_hook(item: Any, facts: ModelFacts, where: str, request_id: str | None
                                f"hook arguments are limited to {MAX_HOOK_ARGS_BYTES:,}",
                                request_id=request_id)
     try:
-        named_hooks.load(str(item.name))(item.args)
+        factory = named_hooks.load(str(item.name))
+        factory(item.args)
+        check = getattr(factory, "check", None)
+        if check is not None:  # what depends on the model: before anything is scheduled
+            check(item.args, point, None if point in tap_points.SHARDED
+                  or point == tap_points.QK_HOOK_POINT else facts.row_shape(point))
     except KeyError as exc:
         raise LensRequestError(f"{where}.name", exc.args[0], request_id=request_id) from None
+    except named_hooks.HookArgumentError as exc:
+        raise LensRequestError(f"{where}.{exc.field}", str(exc), request_id=request_id) from None
     except (ValueError, TypeError) as exc:
         raise LensRequestError(f"{where}.args", str(exc), request_id=request_id) from None
     return HookSpec(layers=layers, pre=item.pre, name=str(item.name), args=args_json,

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_lens.extract_checks import check_against_model
 from vllm_lens.extract_job import ExtractJob, sink_settings
 from vllm_lens.extract_output import (
     SAE_LENS_ROWS, check_sae_lens_format, export_sae_lens, finish, lens_spec, prepare_output)
@@ -188,6 +189,8 @@ def extract(args: Any) -> int:
         raise SystemExit("vllm-lens extract: --points needs --layers")
     if args.format == "sae-lens":
         check_sae_lens_format(args, points)
+    if args.server is None:  # (a server checks its own model)
+        check_against_model(args)
     if args.max_tokens == 0 and args.positions.strip().startswith("generated"):
         raise SystemExit("vllm-lens extract: --positions selects generated rows, but "
                          "--max-tokens 0 generates none")

@@ -27,9 +27,10 @@ def prepare_output(args: Any, examples: list[Any], output: Path,
         _check_same_job(json.loads((output / MANIFEST).read_text()), args, points)
     if (output / JOB_FILE).exists():
         _check_job_file(json.loads((output / JOB_FILE).read_text()), job_settings, output)
+    output.mkdir(parents=True, exist_ok=True)
+    _hold_job_lock(output)
     _check_unlocked(output)
     todo = not_written(examples, output)
-    output.mkdir(parents=True, exist_ok=True)
     _write_job_file(output / JOB_FILE, job_settings)
     return todo
 
@@ -165,6 +166,25 @@ def _write_job_file(path: Path, settings: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(settings))
     os.replace(tmp, path)
+
+
+#: The job lock this process holds (open until it exits): ``_hold_job_lock``.
+_job_locks: list[Any] = []
+
+
+def _hold_job_lock(output: Path) -> None:
+    """Refuse a dataset another ``extract`` job is preparing or writing, and hold it for this
+    one until the process exits (the engines' writers take their own locks only once they
+    start, minutes later)."""
+    import fcntl
+
+    lock = open(output / ".job.lock", "w")  # noqa: SIM115 - held until the process exits
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise SystemExit(f"vllm-lens extract: another job is writing {output}") from None
+    _job_locks.append(lock)
 
 
 def _check_unlocked(output: Path) -> None:

@@ -11,10 +11,13 @@ dataset directory it holds while it runs), so that a job re-run after a crash re
 writer where it stopped. Each batch is on disk before the actor returns it; the driver lists
 the examples that failed and checks every accepted one is in the index.
 
-The driver starts a local Ray instance, or joins ``--ray-address``; on a cluster ``--output``
-must be a folder every node mounts at the same path. The driver's ``VLLM_*`` and ``HF_*``
-environment goes with the actors. An actor asks Ray for ``tensor x pipeline`` GPUs where the
-cluster has GPUs, and as many CPUs otherwise.
+The driver starts a local Ray instance, or joins ``--ray-address`` (or ``RAY_ADDRESS``); on a
+cluster ``--output`` must be a folder every node mounts at the same path, on a filesystem
+whose ``flock`` works across nodes (the writers' names and the shared index are taken under
+locks). The actors get the environment vLLM's own Ray executor would carry over
+(``actor_environment``). An actor asks Ray for ``tensor x pipeline`` GPUs where the cluster
+has GPUs, and as many CPUs otherwise, all on one node; an actor that fails is not restarted:
+the job fails, and a re-run resumes it.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ __all__ = ["EngineActor", "MAX_ENGINES", "check_ray_args", "claim_writer", "extr
 MAX_ENGINES = 1024
 #: How long the actors may take to start their engines (weights loaded, memory profiled).
 _ENGINE_START_S = 3600
-#: What of the driver's environment the actors get (the engine's and the hub's settings).
-_ENV_PREFIXES = ("VLLM_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_")
+#: Settings of the driver's host or process that must not reach engines on other nodes.
+_HOST_SPECIFIC = ("VLLM_HOST_IP", "VLLM_PORT", "VLLM_DP_RANK", "VLLM_DP_RANK_LOCAL",
+                  "VLLM_DP_SIZE", "VLLM_DP_MASTER_IP", "VLLM_DP_MASTER_PORT",
+                  "VLLM_LENS_SINK_WRITER", "VLLM_LENS_SERVER_DIR", "CUDA_VISIBLE_DEVICES")
 
 
 def check_ray_args(args: Any) -> None:
@@ -68,21 +73,22 @@ def extract_over_ray(args: Any, engine: dict[str, Any], sp: Any, todo: list[Any]
 
     from vllm_lens.extract_job import check_written, sink_settings
 
-    env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+    env = actor_environment()
     env["VLLM_LENS_SINKS"] = sink_settings(output, args.rows_per_shard)
     per_engine = (engine.get("tensor_parallel_size") or 1) * (
         engine.get("pipeline_parallel_size") or 1)
+    address = args.ray_address or os.environ.get("RAY_ADDRESS") or None
     started_here = not ray.is_initialized()
     if started_here:
-        local = {} if args.ray_address else {
+        local = {} if address else {
             # A CPU per rank of every engine, even on a machine with fewer cores (they then
             # share them) rather than actors that never start.
             "num_cpus": max(os.cpu_count() or 1, args.num_engines * per_engine)}
-        ray.init(address=args.ray_address, runtime_env={"env_vars": env},
-                 include_dashboard=False, log_to_driver=True, **local)
+        ray.init(address=address, runtime_env={"env_vars": env}, include_dashboard=False,
+                 log_to_driver=True, **local)
     try:
         on_gpus = ray.cluster_resources().get("GPU", 0) > 0
-        _check_room(ray.cluster_resources(), args, per_engine, on_gpus)
+        _check_room(ray.nodes(), args, per_engine, on_gpus, joined=address is not None)
         # Every engine up before the first batch is handed out (an actor that cannot start
         # fails the job now, and the batches are spread over all of them).
         ray.data.DataContext.get_current().wait_for_min_actors_s = _ENGINE_START_S
@@ -92,7 +98,10 @@ def extract_over_ray(args: Any, engine: dict[str, Any], sp: Any, todo: list[Any]
             num_cpus=1 if on_gpus else per_engine, num_gpus=per_engine if on_gpus else None,
             fn_constructor_kwargs={"engine": engine, "max_tokens": sp.max_tokens,
                                    "extra_args": sp.extra_args, "output": str(output)},
-            runtime_env={"env_vars": env}, batch_format="pyarrow")
+            runtime_env={"env_vars": env}, batch_format="pyarrow",
+            # An actor that failed (its engine refused the set-up, or died) fails the job,
+            # which a re-run resumes; restarted, it would load the model again and again.
+            max_restarts=0, max_task_retries=0)
         accepted, n_tokens, began = [], 0, time.monotonic()
         with tqdm(total=len(todo), unit="ex", desc="extract", file=sys.stderr) as bar:
             for row in results.iter_rows():
@@ -112,20 +121,37 @@ def extract_over_ray(args: Any, engine: dict[str, Any], sp: Any, todo: list[Any]
     check_written(output, accepted, bad)
 
 
-def _check_room(resources: dict[str, float], args: Any, per_engine: int,
-                on_gpus: bool) -> None:
-    """Refuse a job the cluster has no room for (its actors would wait forever); an
-    autoscaling cluster may have room only later, so a cluster joined by address is only
-    warned about."""
+def _check_room(nodes: list[dict[str, Any]], args: Any, per_engine: int, on_gpus: bool,
+                joined: bool) -> None:
+    """Refuse a job the cluster has no room for (its actors would wait forever): an engine's
+    ranks all on one node, and every engine somewhere. An autoscaling cluster may have room
+    only later, so a cluster the job joined is only warned about."""
     kind = "GPU" if on_gpus else "CPU"
-    needed, there = args.num_engines * per_engine, int(resources.get(kind, 0))
-    if there >= needed:
+    per_node = [int(n.get("Resources", {}).get(kind, 0)) for n in nodes if n.get("Alive")]
+    largest, total = max(per_node, default=0), sum(per_node)
+    problem = None
+    if largest < per_engine:
+        problem = (f"an engine of {per_engine} rank(s) needs {per_engine} {kind}s on one node; "
+                   f"the largest node of the Ray cluster has {largest}")
+    elif total < args.num_engines * per_engine:
+        problem = (f"{args.num_engines} engine(s) of {per_engine} rank(s) need "
+                   f"{args.num_engines * per_engine} {kind}s; the Ray cluster has {total}")
+    if problem is None:
         return
-    message = (f"{args.num_engines} engine(s) of {per_engine} rank(s) need {needed} {kind}s; "
-               f"the Ray cluster has {there}")
-    if args.ray_address is None:
-        raise SystemExit(f"vllm-lens extract: {message}")
-    print(f"vllm-lens extract: warning: {message} now", file=sys.stderr)
+    if not joined:
+        raise SystemExit(f"vllm-lens extract: {problem}")
+    print(f"vllm-lens extract: warning: {problem} (now)", file=sys.stderr)
+
+
+def actor_environment() -> dict[str, str]:
+    """What of the driver's environment the actors get: what vLLM's own Ray executor carries
+    over (``VLLM_*``, ``HF_*`` ... and what ``VLLM_RAY_EXTRA_ENV_*`` adds, less
+    ``RAY_NON_CARRY_OVER_ENV_VARS``), without the settings that name this host or this
+    process's place in a data-parallel group."""
+    from vllm.ray.ray_env import get_env_vars_to_copy
+
+    names = get_env_vars_to_copy(exclude_vars=set(_HOST_SPECIFIC), destination="vllm-lens")
+    return {name: os.environ[name] for name in sorted(names) if name in os.environ}
 
 
 def _first_line(exc: BaseException) -> str:
@@ -136,15 +162,20 @@ def _first_line(exc: BaseException) -> str:
 def claim_writer(output: Path) -> tuple[str, IO[str]]:
     """The first writer name ``ray<i>`` no running actor holds, and the open lock file that
     holds it (for as long as it stays open)."""
+    import errno
     import fcntl
 
     for i in range(MAX_ENGINES):
         lock = open(output / f".ray{i}.engine", "w")  # noqa: SIM115 - held while it runs
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as exc:
             lock.close()
-            continue
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                continue  # another actor holds it
+            raise RuntimeError(f"{output}: cannot lock a file there ({exc}); the dataset's "
+                               "writers need a filesystem whose flock works across every "
+                               "node (NFSv4, CephFS, Lustre mounted with -o flock)") from None
         return f"ray{i}", lock
     raise RuntimeError(f"{output}: {MAX_ENGINES} engines are writing it already")
 
@@ -178,7 +209,10 @@ class EngineActor:
         examples = [Example(**json.loads(x)) for x in batch.column("example").to_pylist()]
         bad: list[str] = []
         self.job.receipts = {}  # this batch's only: the driver keeps the job's
-        tokens = self.job.run_batch(examples, bad)
+        try:
+            tokens = self.job.run_batch(examples, bad)
+        except SystemExit as exc:  # the engine refused the job's set-up: no row can run
+            raise RuntimeError(str(exc)) from None  # (SystemExit would end the actor)
         errors = {}
         for message in bad:  # "key 'k': problem" (``extract_output.fail``)
             for example in examples:

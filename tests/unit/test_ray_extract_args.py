@@ -50,3 +50,22 @@ def test_each_actor_claims_the_first_free_writer_name_until_it_lets_go(tmp_path)
     assert again == "ray0"
     for held in (held_second, held_again):
         held.close()
+
+
+def test_a_second_job_on_the_same_output_is_refused_while_the_first_runs(tmp_path):
+    """The first job holds the output from before its engines start (which take their own
+    locks only minutes later) until it exits."""
+    from vllm_lens.extract_output import _hold_job_lock
+
+    first = subprocess.Popen(
+        [sys.executable, "-c", "import sys, pathlib; from vllm_lens.extract_output import "
+         "_hold_job_lock; _hold_job_lock(pathlib.Path(sys.argv[1])); print('held', flush=True);"
+         " sys.stdin.read()", str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        with pytest.raises(SystemExit, match="another job is writing"):
+            _hold_job_lock(tmp_path)
+    finally:
+        first.communicate("")  # the first job ends
+    _hold_job_lock(tmp_path)  # and the output is free again

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_lens.extract_args import add_extract_flags, extract_help
 from vllm_lens.extract_checks import check_against_model
 from vllm_lens.extract_job import ExtractJob, sink_settings
 from vllm_lens.extract_output import (
@@ -68,53 +69,7 @@ def _parser():
                              "--help lists vLLM's flags)")
     extract = commands.add_parser(
         "extract", help="write the activations of a prompt file to an activation dataset")
-    extract.add_argument("--input", required=True, type=Path,
-                         help="JSONL, CSV or Parquet with prompt or messages, and key; or a "
-                              "directory, read with Hugging Face datasets (save_to_disk, or "
-                              "data files for load_dataset)")
-    extract.add_argument("--split", default=None,
-                         help="with a dataset directory of several splits: the one to read")
-    extract.add_argument("--output", required=True, type=Path, help="the dataset directory")
-    extract.add_argument("--layers", default=None,
-                         help="comma-separated layers, or all (optional with --sae)")
-    extract.add_argument("--points", default=None,
-                         help="comma-separated tap points (default: resid_post)")
-    extract.add_argument("--sae", action="append", default=None,
-                         help="an SAE whose top features to write per row (a directory; "
-                              "with --server a name the server registered); repeatable")
-    extract.add_argument("--top-k", type=int, default=32,
-                         help="with --sae: features kept per row (default 32)")
-    extract.add_argument("--sae-reconstruction", action="store_true",
-                         help="with --sae: also each row's NMSE and L0")
-    extract.add_argument("--format", choices=("vllm-lens", "sae-lens"), default="vllm-lens",
-                         help="sae-lens: one point at one layer in sae-lens' cached-"
-                              "activations layout (a Hugging Face dataset), to train SAEs on")
-    extract.add_argument("--context-size", type=int, default=128,
-                         help="with --format sae-lens: rows per context (default 128)")
-    extract.add_argument("--positions", default="all",
-                         help="a positions selector: all, prompt, last_prompt, prompt[-4:] ...")
-    extract.add_argument("--reduce", choices=("mean", "last"), default=None)
-    extract.add_argument("--max-tokens", type=int, default=0,
-                         help="tokens to generate per prompt (0: prompt only)")
-    extract.add_argument("--batch-size", type=int, default=256,
-                         help="prompts handed to the engine at once (bounds memory)")
-    extract.add_argument("--rows-per-shard", type=int, default=65536)
-    extract.add_argument("--server", default=None,
-                         help="a lens-enabled vLLM server's URL: run the prompts there (rows "
-                              "come back over HTTP and are written here; engine options are "
-                              "then ignored, --model is the served model's name, optional)")
-    extract.add_argument("--api-key-env", default="OPENAI_API_KEY",
-                         help="with --server: the environment variable holding its API key")
-    extract.add_argument("--ray", action="store_true",
-                         help="run --num-engines engines as Ray Data actors (each a vLLM engine "
-                              "with the engine options below, TP/PP inside it), all writing "
-                              "the one dataset at --output (the `ray` extra)")
-    extract.add_argument("--num-engines", type=int, default=None,
-                         help="with --ray: engine actors (default 1)")
-    extract.add_argument("--ray-address", default=None,
-                         help="with --ray: the Ray cluster to join (default: a local Ray "
-                              "instance); --output must be a folder every node mounts at the "
-                              "same path")
+    add_extract_flags(extract)
     EngineArgs.add_cli_args(extract)
     return parser
 
@@ -135,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from vllm_lens import serve
 
         return serve.main(argv[1:])
+    if argv[:1] == ["extract"] and any(a in ("-h", "--help") for a in argv[1:]):
+        print(extract_help())
+        return 0
     args = _parser().parse_args(argv)
     if args.server is None and not any(a == "--model" or a.startswith("--model=")
                                        for a in argv):
@@ -146,6 +104,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def extract(args: Any) -> int:
+    """Run an extract job; ends with a summary line (examples, rows, bytes, time, where)."""
+    import time
+
+    from vllm_lens.extract_output import summary
+
+    started = time.monotonic()
+    final = args.output.resolve()
+    rows_dir = final / SAE_LENS_ROWS if args.format == "sae-lens" else final
+    before = summary(rows_dir)
+    status = _extract(args)
+    after = summary(rows_dir)
+    if after is not None:
+        examples, rows, size = after
+        print(f"vllm-lens extract: {rows_dir}: {examples} examples "
+              f"({examples - (before or (0,))[0]} new), {rows} rows, {size / 2**20:.1f} MiB, "
+              f"in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    return status
+
+
+def _extract(args: Any) -> int:
     from vllm import LLM, SamplingParams
 
     from vllm_lens.points import resolve

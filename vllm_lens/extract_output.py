@@ -114,6 +114,23 @@ def export_sae_lens(args: Any, rows: Path, output: Path, points: list[str],
     return status
 
 
+def summary(output: Path) -> tuple[int, int, int] | None:
+    """(complete examples, their rows, bytes on disk) of the dataset at ``output``; ``None``
+    if there is none."""
+    from vllm_lens.dataset_index import complete_keys
+    from vllm_lens.shard_writer import INDEX, read_index
+
+    if not (output / INDEX).exists():
+        return None
+    complete = set(complete_keys(output))
+    rows: dict[str, int] = {}
+    for entry in read_index(output / INDEX)[0]:  # (a pipeline stage's part: the same rows)
+        if entry["key"] in complete:
+            rows[entry["key"]] = max(rows.get(entry["key"], 0), int(entry["rows"]))
+    size = sum(f.stat().st_size for f in output.iterdir() if f.is_file())
+    return len(complete), sum(rows.values()), size
+
+
 def not_written(examples: list[Any], output: Path) -> list[Any]:
     """The examples whose key is not yet a complete example of the dataset (all of its
     writers' parts in the index)."""

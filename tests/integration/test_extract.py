@@ -54,6 +54,8 @@ def test_extract_writes_a_dataset_equal_to_transformers_and_resumes(tmp_path, ti
         assert line in first.stderr
     ds = datasets.open(output)
     assert ds.keys() == ["fr", "2", "chat"]
+    rows = sum(len(ex["positions"]) for ex in ds)
+    assert f": 3 examples (3 new), {rows} rows, " in first.stderr  # the summary line
     assert ds.manifest["layers"] == [1, 3] and ds.manifest["dtype"] == "float32"
     assert ds.manifest["points"] == ["resid_post", "attn_out"]  # the alias, resolved
     chat = tiny_ref_tokenizer(tiny_path).apply_chat_template(
@@ -70,6 +72,7 @@ def test_extract_writes_a_dataset_equal_to_transformers_and_resumes(tmp_path, ti
         f.write(json.dumps({"prompt": "1, 2, 3, 4,", "key": "count"}) + "\n")
     second = run_extract(tiny_path, source, output, "--max-tokens", "0")
     assert "3 of 4 examples already written" in second.stderr, second.stderr[-3000:]
+    assert ": 4 examples (1 new), " in second.stderr  # the summary line
     ds = datasets.open(output)
     assert ds.keys() == ["fr", "2", "chat", "count"]
     count = ds.get("count")

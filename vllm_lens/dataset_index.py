@@ -16,7 +16,10 @@ process that reads or writes a dataset — a capture sink's worker, ``vllm-lens 
 An example is complete once its lines together hold every manifest layer and SAE entry;
 readers show only complete examples, in the order they became complete, and take each layer
 from the first line holding it (a later line holding it again, e.g. two data-parallel
-engines given the same key at once, is ignored).
+engines given the same key at once, is ignored). The parts joined are those of the first
+part's run: a part of another run of the key (other tokens or positions: a pipeline job
+killed between its stages' flushes, then run again) is ignored, and the example stays
+incomplete until a part of that first run arrives.
 
 Several named writers append to one index: each append is one ``os.write`` of complete
 lines under an exclusive ``flock`` of ``.index.lock``, and a writer holding that lock cuts
@@ -35,8 +38,9 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["INDEX", "INDEX_LOCK", "IndexView", "append_lines", "check_writer",
-           "complete_keys", "index_locked", "parse_line", "read_index", "rewrite_index"]
+__all__ = ["GENERATION_FIELDS", "INDEX", "INDEX_LOCK", "IndexView", "append_lines",
+           "check_writer", "complete_keys", "index_locked", "parse_line", "read_index",
+           "rewrite_index", "same_generation"]
 
 INDEX = "index.jsonl"
 INDEX_LOCK = ".index.lock"
@@ -145,6 +149,16 @@ def rewrite_index(path: Path, keep: Iterable[Mapping[str, Any]], temp: Path) -> 
         os.close(fd)
 
 
+#: What the parts of one example agree on: the tokens it ran and the positions of its rows.
+GENERATION_FIELDS = ("rows", "positions", "prompt_token_ids", "token_ids")
+
+
+def same_generation(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two parts of an example come from the same run of it (a pipeline job killed
+    between its stages' flushes may run the key again, and a sampled run may differ)."""
+    return all(a.get(field) == b.get(field) for field in GENERATION_FIELDS)
+
+
 class IndexView:
     """The examples index lines make up, fed line by line in index order.
 
@@ -152,7 +166,8 @@ class IndexView:
         layers: the manifest's layers.
         n_saes: the number of the manifest's ``sae_features`` entries.
         keep_lines: keep each example's lines (a reader); otherwise only which layers and
-            SAE entries each key has in the index (a writer, for every key of the dataset).
+            SAE entries each key has in the index (a writer, for every key of the dataset),
+            and the first line of an unfinished one (which run its parts must come from).
     """
 
     def __init__(self, layers: Sequence[int], n_saes: int, keep_lines: bool = False) -> None:
@@ -186,17 +201,15 @@ class IndexView:
         slots = self.slots(entry)
         if slots <= held:
             return
-        if self.keep_lines:
-            if lines and (entry["rows"] != lines[0]["rows"]
-                          or entry["positions"] != lines[0]["positions"]):
-                raise ValueError(f"the parts of example {key!r} disagree on its rows or "
-                                 "positions; the dataset is damaged")
+        if lines and not same_generation(entry, lines[0]):
+            return  # a part of another run of the same key: the first part's run stands
+        if self.keep_lines or not lines:  # (a writer keeps an unfinished example's first)
             lines = (*lines, dict(entry))
         held = held | slots
         held = self._interned.setdefault(held, held)
         if held >= self.whole:
             self._partial.pop(key, None)
-            self.complete[key] = lines
+            self.complete[key] = lines if self.keep_lines else ()
         else:
             self._partial[key] = (held, lines)
 

@@ -226,3 +226,29 @@ def test_pipeline_stages_write_parts_and_readers_see_complete_examples_only(tmp_
     with pytest.raises(ValueError, match="layers \\[3, 1\\] are not the manifest's"):
         ShardWriter(tmp_path, MANIFEST, resume=True, writer="x").add(
             "bad", {"resid_post": torch.zeros(2, 1, 4)}, positions=[0], layers=[3, 1])
+
+
+def test_parts_of_another_run_of_a_key_are_not_joined(tmp_path):
+    """A pipeline job killed between its stages' flushes runs the key again, and a sampled
+    run may differ: a part of another run (other rows or tokens) is not joined to the first
+    run's, and the example stays incomplete, for readers and writers alike, until a part of
+    the first run arrives; the rest of the dataset reads as before."""
+    first = ShardWriter(tmp_path, MANIFEST, rows_per_shard=1, resume=True, writer="dp0-pp0")
+    second = ShardWriter(tmp_path, MANIFEST, rows_per_shard=1, resume=True, writer="dp0-pp1")
+    add_part(first, "ok", 2, 0)
+    add_part(second, "ok", 2, 1)
+    add_part(first, "k", 2, 0)
+    add_part(second, "k", 3, 1)  # another run: 3 rows
+    second.close()
+    second = ShardWriter(tmp_path, MANIFEST, rows_per_shard=1, resume=True, writer="dp0-pp2")
+    second.add("k", {"resid_post": rows("k", 2)[1:]}, positions=range(2),
+               prompt_token_ids=[99], layers=[3], saes=[0],  # same rows, other tokens
+               sae_features=[features("k", 2)])
+    ds = datasets.open(tmp_path)
+    assert ds.keys() == ["ok"] and complete_keys(tmp_path) == ["ok"]
+    check_exact(ds, ["ok"])
+    add_part(second, "k", 2, 1)  # the first run's part: now complete
+    first.close()
+    second.close()
+    assert datasets.open(tmp_path).keys() == ["ok", "k"] == complete_keys(tmp_path)
+    check_exact(datasets.open(tmp_path), ["ok", "k"])

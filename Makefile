@@ -5,7 +5,7 @@ VLLM_EXTRA ?= cpu
 VENV := .venv
 STAMP := $(VENV)/.installed-$(VLLM_EXTRA)
 
-.PHONY: demo test bench
+.PHONY: demo test bench docs docs-serve
 demo: $(STAMP)
 	$(VENV)/bin/python examples/capture_demo.py
 
@@ -14,6 +14,14 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/throughput.py
+
+# The documentation site (mkdocs.yml, docs/): built with --strict, so a broken link or an API
+# reference that does not resolve fails it; `docs-serve` serves it on http://127.0.0.1:8000.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

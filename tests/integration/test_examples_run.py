@@ -1,8 +1,9 @@
-"""The steering, attention-tracker, probe-monitor and causal-tracing examples do what the README
-says: at the default scales the steering is visible in the answers' own activations (probe
+"""The steering, attention-tracker, probe-monitor and causal-tracing examples do what the docs
+say: at the default scales the steering is visible in the answers' own activations (probe
 score rises with the scale); the attention tracker's held-out AUROC beats prompt length; the
-causal trace built on ``patching_sweep`` shows the README's picture; each writes its picture.
-(The other examples' pictures are described from measured runs in the README.)"""
+causal trace built on ``patching_sweep`` shows the picture docs/hooks.md describes; each
+writes its picture. (The other examples' pictures are described from measured runs on their
+pages in docs/.)"""
 
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ def test_attention_tracker_example_scores_held_out_prompts_in_the_engine(tmp_pat
                       proc.stdout)
     assert found, proc.stdout[-3000:]
     held, length = float(found.group(1)), float(found.group(2))
-    # Measured 0.89 vs 0.56 for length alone (README): the heads chosen on the calibration
-    # half carry the signal on the held-out half, and it is not prompt length.
+    # Measured 0.89 vs 0.56 for length alone (docs/inside_the_layer.md): the heads chosen on
+    # the calibration half carry the signal on the held-out half, and it is not prompt length.
     assert held > 0.75 and held > length + 0.15, (held, length)
     spread = re.search(r"median held-out AUROC ([\d.]+)", proc.stdout)
     assert spread and float(spread.group(1)) > 0.6, proc.stdout[-2000:]  # measured 0.76
@@ -65,7 +66,7 @@ def test_probe_monitor_scores_streamed_tokens_like_the_in_engine_probe(tmp_path)
          "--workdir", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["held_out_accuracy"] >= 0.8, result  # measured 1.00 (README)
+    assert result["held_out_accuracy"] >= 0.8, result  # measured 1.00 (docs/datasets.md)
     assert 4 <= result["tokens_scored"] <= 15, result
     assert result["max_difference"] <= 1e-3, result
     assert "\x1b[48;5;" in proc.stdout  # the coloured line
@@ -73,7 +74,7 @@ def test_probe_monitor_scores_streamed_tokens_like_the_in_engine_probe(tmp_path)
 
 
 def test_causal_tracing_example_draws_the_readme_picture_without_hooks(tmp_path):
-    """The sweep-based causal trace shows what the README describes: the corruption removes
+    """The sweep-based causal trace shows what docs/hooks.md describes: the corruption removes
     the fact, the last layer's output at the last token restores the clean answer, and the
     middle subject token restores it at early layers while the last subject token does not."""
     out = tmp_path / "causal_tracing.png"

@@ -122,7 +122,7 @@ def test_steering_over_http_equals_offline(client, smol_llm):
 
 
 def test_openai_sdk_with_extra_body(smol_server, smol_llm):
-    """The README's recipe: the official SDK, extra_body, and decode_activations."""
+    """The recipe of docs/http.md: the official SDK, extra_body, and decode_activations."""
     sdk = openai.OpenAI(base_url=smol_server.base_url + "/v1", api_key="unused")
     model = sdk.models.list().data[0].id
     response = sdk.completions.create(

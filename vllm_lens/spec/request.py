@@ -311,8 +311,9 @@ def check_engine(facts: ModelFacts, field: str, *, hooks: bool,
         raise UnsupportedModelError(
             field,
             f"vllm-lens does not support model class {facts.model_class} "
-            f"({facts.unmapped or 'its decoder layers are not mapped'}; see 'Model families' "
-            "in the README); lens features are refused for it (plain requests still work)",
+            f"({facts.unmapped or 'its decoder layers are not mapped'}; see the docs' Model "
+            "families page, docs/families.md); lens features are refused for it (plain "
+            "requests still work)",
             request_id=request_id,
         )
     if facts.pp_size > 1 and facts.model_class not in PIPELINE_PROVEN:

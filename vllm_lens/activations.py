@@ -111,6 +111,9 @@ def valid_handle(value: Any) -> str:
 
 
 def is_binary_descriptor(value: Any) -> bool:
+    """Whether a choice's ``activations`` is the binary transport's handle (``{"transport":
+    "binary", "handle", ...}``: fetch it with ``LensClient.fetch_activations``) rather than
+    the tensors themselves."""
     return isinstance(value, Mapping) and value.get("transport") == "binary"
 
 

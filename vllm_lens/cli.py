@@ -85,6 +85,8 @@ def engine_kwargs(args: Any) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``vllm-lens serve ...`` or ``vllm-lens extract ...`` with ``argv`` (default: the
+    process's arguments); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # vLLM's own serve parser, help included
         from vllm_lens import serve

@@ -292,9 +292,12 @@ class LensClient:
         return self._drive(self._protocol.hooks_steps("GET", "/v1/hooks/collect"))
 
     def clear_hook_results(self) -> None:
+        """Drop the persistent hooks' results kept so far (the hooks stay registered)."""
         self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_results"))
 
     def clear_hooks(self) -> None:
+        """Unregister every persistent hook (results kept so far stay until
+        :meth:`clear_hook_results`)."""
         self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear"))
 
     def prefetch_params(self, names: Sequence[str]) -> dict[str, Any]:
@@ -303,6 +306,7 @@ class LensClient:
                                                       {"names": list(names)}))
 
     def clear_prefetched(self) -> None:
+        """Drop the parameters :meth:`prefetch_params` made available to hooks."""
         self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_prefetched"))
 
     def patching_sweep(self, prompt: str | list[int], clean: Any, layers: Sequence[int],
@@ -329,10 +333,17 @@ class LensClient:
             "POST", "/v1/steering/register", _preset_body(name, vectors, model)))
 
     def unregister_steering(self, name: str) -> Any:
+        """Remove the steering preset ``name`` (needs the operator's
+        ``VLLM_LENS_ALLOW_STEERING_ROUTES=1``); a request still selecting it is then refused.
+
+        Raises:
+            LensHTTPError: no such preset (``status`` 400, ``param`` ``"name"``), or the
+                operator did not open the routes (403)."""
         return self._drive(self._protocol.hooks_steps("POST", "/v1/steering/unregister",
                                                       {"name": name}))
 
     def close(self) -> None:
+        """Close the HTTP connections (also when the ``with`` block ends)."""
         self._http.close()
 
     def __enter__(self) -> LensClient:
@@ -415,46 +426,58 @@ class AsyncLensClient:
     # -- persistent hooks: see LensClient -------------------------------------------------------
     async def register_hooks(self, hooks: Sequence[Any],
                              prefetch_params: Sequence[str] | None = None) -> Any:
+        """See :meth:`LensClient.register_hooks`."""
         return await self._drive(self._protocol.hooks_steps(
             "POST", "/v1/hooks/register", _register_body(hooks, prefetch_params)))
 
     async def collect_hook_results(self) -> dict[str, Any]:
+        """See :meth:`LensClient.collect_hook_results`."""
         return await self._drive(self._protocol.hooks_steps("GET", "/v1/hooks/collect"))
 
     async def clear_hook_results(self) -> None:
+        """See :meth:`LensClient.clear_hook_results`."""
         await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_results"))
 
     async def clear_hooks(self) -> None:
+        """See :meth:`LensClient.clear_hooks`."""
         await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear"))
 
     async def prefetch_params(self, names: Sequence[str]) -> dict[str, Any]:
+        """See :meth:`LensClient.prefetch_params`."""
         return await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/prefetch",
                                                             {"names": list(names)}))
 
     async def clear_prefetched(self) -> None:
+        """See :meth:`LensClient.clear_prefetched`."""
         await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_prefetched"))
 
     async def patching_sweep(self, prompt: str | list[int], clean: Any, layers: Sequence[int],
                              positions: Sequence[int], metric: Mapping[str, Any],
                              corrupt: Any = None, point: str = "resid_post") -> dict[str, Any]:
+        """See :meth:`LensClient.patching_sweep`."""
         return await self._drive(self._protocol.sweep_steps(
             _sweep_body(prompt, clean, layers, positions, metric, corrupt, point)))
 
     async def steering_presets(self) -> list[dict[str, Any]]:
+        """See :meth:`LensClient.steering_presets`."""
         return await self._drive(self._protocol.presets_steps())
 
     async def saes(self) -> list[dict[str, Any]]:
+        """See :meth:`LensClient.saes`."""
         return await self._drive(self._protocol.saes_steps())
 
     async def register_steering(self, name: str, vectors: Any, model: str | None = None) -> Any:
+        """See :meth:`LensClient.register_steering`."""
         return await self._drive(self._protocol.hooks_steps(
             "POST", "/v1/steering/register", _preset_body(name, vectors, model)))
 
     async def unregister_steering(self, name: str) -> Any:
+        """See :meth:`LensClient.unregister_steering`."""
         return await self._drive(self._protocol.hooks_steps("POST", "/v1/steering/unregister",
                                                             {"name": name}))
 
     async def aclose(self) -> None:
+        """Close the HTTP connections (also when the ``async with`` block ends)."""
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncLensClient:

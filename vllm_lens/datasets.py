@@ -132,6 +132,9 @@ class ActivationDataset(torch.utils.data.Dataset):
         return self[self._by_key[key]]
 
     def keys(self) -> list[str]:
+        """The keys of the complete examples, in the order ``ds[i]`` and iteration give
+        them (the order they were written; with several writers, the order they became
+        complete)."""
         return [entry["key"] for entry in self.entries]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

@@ -81,6 +81,8 @@ class NamedHook:
     hook_point: str | None = None
 
     def to_json(self) -> dict[str, Any]:
+        """This hook as the JSON object an ``apply_hooks`` list carries over HTTP
+        (``{"name", "layer_indices", "args", "pre"}``, and ``"hook_point"`` if set)."""
         out = {"name": self.name, "layer_indices": list(self.layer_indices),
                "args": dict(self.args), "pre": self.pre}
         if self.hook_point is not None:

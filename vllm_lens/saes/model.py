@@ -78,14 +78,17 @@ class SAE:
 
     @property
     def d_in(self) -> int:
+        """Width of the rows it reads (the hook point's row width)."""
         return int(self.W_enc.shape[0])
 
     @property
     def d_sae(self) -> int:
+        """Number of features."""
         return int(self.W_enc.shape[1])
 
     @property
     def dtype(self) -> torch.dtype:
+        """Its weights' dtype (rows are encoded in the wider of it and theirs)."""
         return self.W_enc.dtype
 
     @property

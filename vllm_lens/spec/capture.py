@@ -44,6 +44,7 @@ class CaptureSpec:
     (``output_activations``), or ``attn_q`` / ``attn_k`` (``output_qk``)."""
 
     def to_payload(self) -> dict[str, Any]:
+        """Plain msgpack types, as the spec travels to the workers inside the request."""
         return {"layers": list(self.layers), "signal": self.signal, "reduce": self.reduce,
                 "positions": self.positions if isinstance(self.positions, str)
                 else list(self.positions)}

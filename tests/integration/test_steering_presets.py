@@ -91,7 +91,7 @@ def test_offline_presets_steer_by_sae_feature_as_the_same_items_inline(tiny_llm,
         tiny_llm.unregister_steering("add")
         tiny_llm.unregister_steering("clamp")
     saved_sae(tmp_path / "topk", "topk", "blocks.1.hook_resid_post", k=16)
-    with pytest.raises(LensRequestError, match="standard and jumprelu") as info:
+    with pytest.raises(LensRequestError, match="a preset cannot keep it") as info:
         tiny_llm.register_steering("topk", [{"sae": str(tmp_path / "topk"), "feature": 1,
                                              "clamp": 2.0}])
     assert info.value.field == "presets.topk[0].clamp"

@@ -100,3 +100,30 @@ def test_one_api_process_keeps_no_log(tmp_path, monkeypatch):
 
     asyncio.run(scenario())
     assert not list(tmp_path.iterdir())
+
+
+def test_requests_arriving_while_a_change_is_replayed_wait_for_it(shared):
+    """Several requests selecting a preset reach a process at once, just after another
+    process registered it: the first replays the registration (which takes a while: it asks
+    the workers), and the others wait for it instead of taking the log for seen and parsing
+    without the preset (measured: 'unknown steering preset' on one of six requests)."""
+    class _SlowEngine(_Engine):
+        async def register_steering(self, name, vectors, model=None):
+            await asyncio.sleep(0.2)
+            await super().register_steering(name, vectors, model)
+
+    a, slow = _as_process(_Engine(), 0), _SlowEngine()
+
+    async def scenario():
+        await a.call("register_steering", "up", [1])
+        # The process whose requests these are: its own _replayed, shared by its requests.
+        preset_log._replayed = 0
+
+        async def request():
+            await preset_log.sync(slow)
+            return dict(slow.presets)
+
+        seen = await asyncio.gather(*(request() for _ in range(4)))
+        assert seen == [{"up": [1]}] * 4
+
+    asyncio.run(scenario())

@@ -67,13 +67,16 @@ async def replay(engine: Any, log: BinaryIO) -> None:
     log.seek(_replayed)
     data = log.read()
     for line in data[:data.rfind(b"\n") + 1].splitlines(keepends=True):
-        _replayed += len(line)
         try:
             call = json.loads(line)
             await getattr(engine, call["method"])(*call["args"])
         except Exception as exc:  # noqa: BLE001 - skipped here, applied where it was made
             logger.warning("vllm-lens: a steering preset change made through another API "
                            "process could not be applied here (skipped): %s", exc)
+        finally:
+            # Counted once applied: until then a request's ``sync`` does not take the log
+            # for seen (it waits for this replay instead of parsing without the preset).
+            _replayed += len(line)
 
 
 def append(log: BinaryIO, method: str, args: Sequence[Any]) -> None:
@@ -91,7 +94,7 @@ async def sync(engine: Any) -> None:
     if _processes <= 1:
         return
     path = server_dir() / _NAME
-    if not path.exists() or path.stat().st_size == _replayed:
-        return
+    if not _local.locked() and (not path.exists() or path.stat().st_size == _replayed):
+        return  # (a replay or a change in progress here: wait for it below)
     async with held() as log:
         await replay(engine, log)

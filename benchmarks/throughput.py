@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -113,27 +114,34 @@ CASES: dict[str, tuple[int | None, Callable[[int], Any]]] = {
         "apply_steering_vectors": [{"sae": SAE, "feature": 7, "scale": 4.0}]}),
     "clamp 1 SAE feature": (None, lambda i: {
         "apply_steering_vectors": [{"sae": SAE, "feature": 7, "clamp": 2.0}]}),
+    # The same clamp on a TopK SAE (``SAE_TOPK``, k = 32): every steered row is encoded in full.
+    "clamp 1 TopK SAE feature": (None, lambda i: {
+        "apply_steering_vectors": [{"sae": SAE_TOPK, "feature": 7, "clamp": 2.0}]}),
 }
-#: The SAE cases' directory (set in the child from ``--child``'s config).
+#: The SAE cases' directories (set in the child from ``--child``'s config).
 SAE = ""
+SAE_TOPK = ""
 D_SAE = 16 * HIDDEN
 
 
-def _save_sae(path: str) -> None:
-    """A JumpReLU SAE with random weights in sae-lens' layout (d_sae = 9216 for SmolLM2's 576),
-    saved by sae-lens itself (the test extra)."""
+def _save_sae(path: str, architecture: str = "jumprelu") -> None:
+    """A JumpReLU (or TopK, k = 32) SAE with random weights in sae-lens' layout (d_sae = 9216
+    for SmolLM2's 576), saved by sae-lens itself (the test extra)."""
     import torch
-    from sae_lens import JumpReLUSAEConfig
+    from sae_lens import JumpReLUSAEConfig, TopKSAEConfig
     from sae_lens.saes.sae import SAE as SaeLensSAE
 
-    cfg = JumpReLUSAEConfig(d_in=HIDDEN, d_sae=D_SAE, dtype="float32", device="cpu")
+    cfg = (JumpReLUSAEConfig(d_in=HIDDEN, d_sae=D_SAE, dtype="float32", device="cpu")
+           if architecture == "jumprelu" else
+           TopKSAEConfig(d_in=HIDDEN, d_sae=D_SAE, k=32, dtype="float32", device="cpu"))
     sae = SaeLensSAE.get_sae_class_for_architecture(cfg.architecture())(cfg)
     sae.cfg.metadata.hook_name = "blocks.15.hook_resid_post"
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in sae.parameters():
             param.copy_(torch.randn(param.shape, generator=g) * 0.05)
-        sae.threshold.copy_(torch.rand(D_SAE, generator=g) * 0.05)
+        if architecture == "jumprelu":
+            sae.threshold.copy_(torch.rand(D_SAE, generator=g) * 0.05)
     sae.save_model(path)
 
 
@@ -167,8 +175,8 @@ def serve_engine(cfg: dict) -> None:
 
     from vllm_lens.demo_models import smollm2_dir
 
-    global SAE
-    SAE = cfg["sae"]
+    global SAE, SAE_TOPK
+    SAE, SAE_TOPK = cfg["sae"], cfg["sae_topk"]
     spent: dict[str, float] = {} if cfg["disabled"] else time_plugin_code()
     llm = LLM(str(smollm2_dir()), dtype="float32", max_model_len=1024, seed=0,
               kv_cache_memory_bytes=1 << 30, enforce_eager=cfg["eager"])
@@ -176,9 +184,10 @@ def serve_engine(cfg: dict) -> None:
     # included, runs with the tap handler attached (as on a server that has seen lens traffic).
     llm.generate(_prompts(8), SamplingParams(
         max_tokens=8, extra_args=None if cfg["disabled"] else {"output_residual_stream": [0]}))
-    if SAE and not cfg["disabled"]:  # loads it on the worker (once, as a server would)
-        llm.generate(_prompts(1), SamplingParams(max_tokens=2, extra_args={
-            "output_sae_features": {"sae": SAE}}))
+    for sae in (SAE, SAE_TOPK):  # loads each on the worker (once, as a server would)
+        if sae and not cfg["disabled"]:
+            llm.generate(_prompts(1), SamplingParams(max_tokens=2, extra_args={
+                "output_sae_features": {"sae": sae}}))
     print("READY", flush=True)
     for line in sys.stdin:
         batch, extra_for = CASES[line.strip()]
@@ -253,12 +262,16 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="vllm_lens_bench_sae_") as sae_dir:
-        sae = ""
-        if any("SAE" in case for case in args.cases):
-            sae = sae_dir
+        sae = sae_topk = ""
+        if any("SAE" in case and "TopK" not in case for case in args.cases):
+            sae = os.path.join(sae_dir, "jumprelu")
             _save_sae(sae)
+        if any("TopK SAE" in case for case in args.cases):
+            sae_topk = os.path.join(sae_dir, "topk")
+            _save_sae(sae_topk, "topk")
         for mode in args.modes:
-            cfg = dict(eager=mode == "eager", prompts=args.prompts, tokens=args.tokens, sae=sae)
+            cfg = dict(eager=mode == "eager", prompts=args.prompts, tokens=args.tokens, sae=sae,
+                       sae_topk=sae_topk)
             for case, r in measure_mode(cfg, args.cases, args.rounds).items():
                 rows.append((mode, case, r))
                 print(f"{mode:8} {case:34} {r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f}) "

@@ -1,6 +1,7 @@
 """Building an activation dataset: vllm-lens' sink vs plain vLLM and vs other tools, side by side.
 
     python benchmarks/extract.py [--prompts 2000] [--rounds 2] [--batch 32] [--vllm-only]
+                                 [--jobs sink_last,sink_all,returned_last] [--baseline DIR]
 
 SmolLM2-135M (float32, eager, CPU). Every job reads the same ``--prompts`` short prompts once
 (prompt only: one token sampled, as ``vllm-lens extract --max-tokens 0``) and, except the
@@ -19,16 +20,27 @@ plain one, writes the residual stream of all 30 layers to a safetensors shard da
   extras: ``pip install nnsight transformer_lens``), else reported as skipped.
 
 The two vLLM engines run in child processes that stay up; in each round every plugin job runs
-beside a plain job of its own (which of the two goes first alternates; the disk's dirty pages
-are written out before each job), and its ratio is to that plain job. Every vLLM job sends its
-prompts in the same four ``generate`` calls. As wall-clock ratios on a shared 2-core machine
-carry noise of several percent, the plugin engine also reports the share of each job's time
-spent in vllm-lens' own code (the tap handler, the fetch that assembles and writes the rows,
-validation, collation). Prompt tokens per second exclude start-up. The engines run in-process
-(vLLM's engine-core busy loop would otherwise compete with the model for the cores), so the
-plugin engine's process holds front end and worker: it reports its resident memory after each
-quarter of a sink job, whose shards are cut at 64 MiB (the rows never pile up in the front end,
-so it should stay flat). Prints a Markdown table for ``benchmarks/RESULTS.md``.
+beside a plain job of its own, and its ratio is to that plain job. Every vLLM job sends its
+prompts in the same four ``generate`` calls, and the two jobs of a pair take turns quarter by
+quarter (which goes first alternates; the disk's dirty pages are written out before each
+quarter), so that load from other processes falls on both alike; a sink job's quarter ends once
+its rows are on disk (``flush_sinks``: a writer thread does not go on writing while the plain
+job runs). As wall-clock ratios on a shared 2-core machine carry noise of several percent, the
+plugin engine also reports the share of each job's time spent in vllm-lens' own code (the tap
+handler, the fetch that assembles and writes the rows, validation, collation), of which waiting
+for the sink's writer thread (room in its queue, the flushes), and how long that thread spent
+writing shards (wall and CPU time). Prompt tokens per second exclude start-up. The engines run
+in-process (vLLM's engine-core busy loop would otherwise compete with the model for the cores),
+so the plugin engine's process holds front end and worker: it reports its resident memory after
+each quarter of a sink job, whose shards are cut at 64 MiB (the rows never pile up in the front
+end, so it should stay flat). The disk's own sequential write speed is measured in the same run,
+before the first job and after the last (files of a shard's size, 64 MiB, each written and
+``fsync``ed in the output's directory), and each job's bytes written are divided by it: the time
+the disk alone needs, a floor under the job's time whatever the plugin does. ``--baseline DIR``
+runs every plugin job a third time, in the same turns beside the same plain job, on an engine
+importing the ``vllm_lens`` in ``DIR`` (the previous commit, unpacked by ``git archive``): a
+change and what it replaces, measured under the same load. Prints a Markdown table for
+``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -46,6 +59,8 @@ from typing import Any
 from harness import ChildEngine, time_plugin_code  # benchmarks/, this script's directory
 
 N_LAYERS = 30
+JOBS = ("sink_last", "sink_all", "returned_last")
+SHARD_BYTES = 64 << 20
 ENGINE = dict(dtype="float32", max_model_len=512, seed=0, kv_cache_memory_bytes=1 << 30,
               enforce_eager=True)
 
@@ -71,70 +86,104 @@ def _rss_mb() -> float:
 
 # -- the engines (child processes) ------------------------------------------------------------
 def serve_engine(cfg: dict) -> None:
-    """In a child process: one engine; runs the jobs named on stdin, answering
-    ``RESULT {json}`` with prompt tokens/s (and the front end's memory by quarter)."""
+    """In a child process: one engine; runs the quarters of the jobs named on stdin
+    (``JOB RUN QUARTER``), answering ``RESULT {json}``: after the last quarter, the job's
+    prompt tokens/s (and the front end's memory by quarter)."""
     from vllm import LLM, SamplingParams
 
+    import vllm_lens
+    from vllm_lens import flush_sinks
     from vllm_lens.demo_models import smollm2_dir
-
-    root = Path(cfg["root"])
+    from vllm_lens.shard_writer import ShardWriter
+    from vllm_lens.sinks.shards import ShardSink
     from vllm_lens.worker.extension import LensWorkerExtension
 
+    root = Path(cfg["root"])
+    print(f"engine ({'plain' if cfg['disabled'] else 'plugin'}) imports {vllm_lens.__file__}",
+          file=sys.stderr, flush=True)
+    # A sink that writes in the background waits for the disk in ``_hand_off`` (called inside
+    # the fetch: counted apart) and in the flushes; its writer thread's time is its own.
+    waits = (ShardSink, "_hand_off") if hasattr(ShardSink, "_hand_off") else None
     spent: dict[str, float] = {} if cfg["disabled"] else time_plugin_code(
-        ((LensWorkerExtension, "lens_flush_sinks"),))
+        ((LensWorkerExtension, "lens_flush_sinks"), *([waits] if waits else [])))
+    writer = _time_writer_thread(ShardWriter) if hasattr(ShardWriter, "write_shard") else {}
     if not cfg["disabled"]:
         os.environ["VLLM_LENS_SINKS"] = json.dumps(
-            {"bench": {"root": str(root), "flush_s": 0, "max_shard_bytes": 64 << 20}})
+            {"bench": {"root": str(root), "flush_s": 0, "max_shard_bytes": SHARD_BYTES}})
     llm = LLM(str(smollm2_dir()), **ENGINE)
     plain = SamplingParams(max_tokens=1, temperature=0)
     prompts = _prompts(cfg["prompts"])
+    quarter = max(1, len(prompts) // 4)
     llm.generate(prompts[:16], SamplingParams(max_tokens=1))  # warm-up
     print("READY", flush=True)
+    outs: list[Any] = []
+    memory: list[float] = []
+    elapsed = 0.0
     for line in sys.stdin:
-        job, run = line.split()
-        spent.clear()
+        job, run, q = line.split()
+        if q == "0":
+            spent.clear()
+            writer.clear()
+            outs, memory, elapsed = [], [], 0.0
+        part = range(int(q) * quarter, min((int(q) + 1) * quarter, len(prompts)))
+        last = part.stop >= len(prompts)
         start = time.perf_counter()
-        memory = []
         if job == "plain":
-            outs = _in_quarters(llm, prompts, lambda i: plain, memory)
+            params = [plain for _ in part]
         elif job.startswith("sink"):
             positions = "last_prompt" if job == "sink_last" else "prompt"
-            outs = _in_quarters(llm, prompts, lambda i: SamplingParams(
-                max_tokens=1, temperature=0, extra_args={
-                    "output_residual_stream": {"layers": True, "positions": positions},
-                    "capture_sink": {"sink": "bench", "dataset": f"{job}-{run}",
-                                     "key": str(i)}}), memory)
-            from vllm_lens import flush_sinks
-
+            params = [SamplingParams(max_tokens=1, temperature=0, extra_args={
+                "output_residual_stream": {"layers": True, "positions": positions},
+                "capture_sink": {"sink": "bench", "dataset": f"{job}-{run}", "key": str(i)}})
+                for i in part]
+        elif job == "returned_last":
+            params = [SamplingParams(max_tokens=1, temperature=0, extra_args={
+                "output_residual_stream": {"layers": True, "positions": "last_prompt"}})
+                for _ in part]
+        else:
+            raise SystemExit(f"unknown job {job}")
+        outs += llm.generate([prompts[i] for i in part], params, use_tqdm=False)
+        if job.startswith("sink"):
+            # Each quarter's rows are on disk before its time stops (a writer thread must not
+            # go on writing while the plain engine runs its next quarter).
             flush_sinks(llm)
             failed = [o.lens_error for o in outs if o.lens_error is not None]
             if failed:
                 sys.exit(f"sink job failed: {failed[0]}")
-        elif job == "returned_last":
-            sp = SamplingParams(max_tokens=1, temperature=0, extra_args={
-                "output_residual_stream": {"layers": True, "positions": "last_prompt"}})
-            outs = _in_quarters(llm, prompts, lambda i: sp, memory)
+        if job == "returned_last" and last:
             _write_returned(outs, root / f"{job}-{run}")
-        else:
-            raise SystemExit(f"unknown job {job}")
-        elapsed = time.perf_counter() - start
-        tokens = sum(len(o.prompt_token_ids) for o in outs)
-        print("RESULT " + json.dumps({"tps": tokens / elapsed, "memory_mb": memory,
-                                      "share": sum(spent.values()) / elapsed}), flush=True)
-
-
-def _in_quarters(llm: Any, prompts: list[str], params_of: Any, memory: list[float]
-                 ) -> list[Any]:
-    """Every job's prompts go through the engine in the same four ``generate`` calls (the
-    front end's memory is read after each), so that the jobs' ratios compare like with like."""
-    outs: list[Any] = []
-    quarter = max(1, len(prompts) // 4)
-    for lo in range(0, len(prompts), quarter):
-        part = range(lo, min(lo + quarter, len(prompts)))
-        outs += llm.generate([prompts[i] for i in part], [params_of(i) for i in part],
-                             use_tqdm=False)
+        elapsed += time.perf_counter() - start
         memory.append(_rss_mb())
-    return outs
+        if not last:
+            print("RESULT {}", flush=True)
+            continue
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        written = sum(f.stat().st_size for f in (root / f"{job}-{run}").glob("*")) \
+            if job != "plain" else 0
+        waited = spent.pop("_hand_off", 0.0) + spent.get("lens_flush_sinks", 0.0)
+        print("RESULT " + json.dumps({
+            "tps": tokens / elapsed, "memory_mb": memory, "seconds": elapsed, "bytes": written,
+            "share": sum(spent.values()) / elapsed, "waited": waited / elapsed,
+            "writer_busy": writer.get("wall", 0.0) / elapsed,
+            "writer_cpu": writer.get("cpu", 0.0) / elapsed}), flush=True)
+
+
+def _time_writer_thread(cls: type) -> dict[str, float]:
+    """Time ``cls.write_shard`` (a sink's writer thread writing a shard): wall and CPU time
+    of that thread, as running totals the caller may reset."""
+    totals: dict[str, float] = {}
+    original = cls.write_shard
+
+    def write_shard(*args: Any, **kwargs: Any) -> Any:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            totals["wall"] = totals.get("wall", 0.0) + time.perf_counter() - wall
+            totals["cpu"] = totals.get("cpu", 0.0) + time.thread_time() - cpu
+
+    cls.write_shard = write_shard
+    return totals
 
 
 def _write_returned(outs: list[Any], path: Path) -> None:
@@ -150,12 +199,32 @@ def _write_returned(outs: list[Any], path: Path) -> None:
                        o.activations["positions"].tolist(), o.prompt_token_ids)
 
 
-class _Engine(ChildEngine):
-    def __init__(self, cfg: dict, disabled: bool) -> None:
-        super().__init__(__file__, cfg, disabled)
+def disk_write_speed(directory: Path, files: int = 8) -> float:
+    """The disk's sequential write speed in MB/s: ``files`` files of a shard's size, each
+    written and ``fsync``ed in ``directory`` (as the sink writes a shard), then removed."""
+    data = os.urandom(SHARD_BYTES)  # (incompressible)
+    os.sync()
+    spent = 0.0
+    for i in range(files):
+        path = directory / f".disk-speed-{i}"
+        start = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(data)
+            os.fsync(f.fileno())
+        spent += time.perf_counter() - start
+        path.unlink()
+    return files * SHARD_BYTES / spent / 1e6
 
-    def run(self, job: str, run: int) -> dict[str, Any]:
-        return json.loads(self.ask(f"{job} {run}"))
+
+class _Engine(ChildEngine):
+    def __init__(self, cfg: dict, disabled: bool, package: str | None = None) -> None:
+        """``package``: a directory holding another ``vllm_lens`` to import instead."""
+        super().__init__(__file__, cfg, disabled,
+                         env={"PYTHONPATH": package} if package else None)
+
+    def run(self, job: str, run: int, quarter: int) -> dict[str, Any]:
+        """Run one quarter of a job; after the last, returns the job's result."""
+        return json.loads(self.ask(f"{job} {run} {quarter}"))
 
 
 # -- the other tools (this process) -----------------------------------------------------------
@@ -289,37 +358,70 @@ def main() -> None:
                         help="prompts per forward pass for the transformers-based tools")
     parser.add_argument("--vllm-only", action="store_true",
                         help="run the vLLM jobs only (not transformers, nnsight, TransformerLens)")
+    parser.add_argument("--jobs", default=",".join(JOBS),
+                        help=f"the plugin jobs to run, of {', '.join(JOBS)} (default: all)")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="also run each plugin job on a third engine importing the "
+                             "vllm_lens package in DIR (e.g. `git archive HEAD` unpacked "
+                             "there), beside the same plain job")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         serve_engine(json.loads(args.child))
         return
 
+    jobs = args.jobs.split(",")
+    unknown = sorted(set(jobs) - set(JOBS))
+    if unknown:
+        parser.error(f"--jobs: {unknown[0]!r} is not one of {', '.join(JOBS)}")
     work = Path(tempfile.mkdtemp(prefix="vllm_lens_extract_bench_"))
+    try:
+        _measure(args, jobs, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # (gigabytes of shards)
+
+
+def _measure(args: argparse.Namespace, jobs: list[str], work: Path) -> None:
     cfg = {"prompts": args.prompts, "root": str(work / "sink")}
-    jobs = ["sink_last", "sink_all", "returned_last"]
-    plain, lens = _Engine(cfg, disabled=True), _Engine(cfg, disabled=False)
+    disk = [disk_write_speed(work)]
+    print(f"disk: {disk[0]:.0f} MB/s", file=sys.stderr, flush=True)
+    engines = {"plain": _Engine(cfg, disabled=True), "": _Engine(cfg, disabled=False)}
+    if args.baseline:
+        engines["baseline"] = _Engine({**cfg, "root": str(work / "sink-baseline")},
+                                      disabled=False, package=args.baseline)
+    variants = [v for v in engines if v != "plain"]
     base: list[float] = []
-    found: dict[str, list[dict[str, Any]]] = {job: [] for job in jobs}
-    ratios: dict[str, list[float]] = {job: [] for job in jobs}
+    plain_seconds: list[float] = []
+    found: dict[tuple[str, str], list[dict[str, Any]]] = {
+        (job, v): [] for job in jobs for v in variants}
+    ratios: dict[tuple[str, str], list[float]] = {key: [] for key in found}
     try:
         for r in range(args.rounds):
             for j, job in enumerate(jobs):
-                # Each plugin job beside its own plain job, which goes first every other
-                # time; the disk's dirty pages of earlier jobs are written out before each.
-                pair = [("plain", plain), (job, lens)]
+                # Each plugin job beside its own plain job, quarter by quarter (so that they
+                # meet the same load from other processes), taking turns at going first; the
+                # disk's dirty pages are written out before each quarter.
+                group = ["plain", *variants]
                 got = {}
-                for name, engine in pair if (r + j) % 2 == 0 else pair[::-1]:
-                    os.sync()
-                    got[name] = engine.run(name, r)
+                for q in range(4):
+                    turn = (r + j + q) % len(group)
+                    for variant in group[turn:] + group[:turn]:
+                        os.sync()
+                        got[variant] = engines[variant].run(
+                            "plain" if variant == "plain" else job, r, q)
                 base.append(got["plain"]["tps"])
-                found[job].append(got[job])
-                ratios[job].append(got[job]["tps"] / got["plain"]["tps"])
-                print(f"round {r}: {job} {got[job]['tps']:.0f} tok/s, "
-                      f"{ratios[job][-1]:.3f}x plain", file=sys.stderr, flush=True)
+                plain_seconds.append(got["plain"]["seconds"])
+                for v in variants:
+                    found[job, v].append(got[v])
+                    ratios[job, v].append(got[v]["tps"] / got["plain"]["tps"])
+                    print(f"round {r}: {job}{f' ({v})' if v else ''} {got[v]['tps']:.0f} "
+                          f"tok/s, {ratios[job, v][-1]:.3f}x plain", file=sys.stderr,
+                          flush=True)
     finally:
-        plain.close()
-        lens.close()
+        for engine in engines.values():
+            engine.close()
+    disk.append(disk_write_speed(work))
+    print(f"disk: {disk[1]:.0f} MB/s", file=sys.stderr, flush=True)
     prompts = _prompts(args.prompts)
     others: dict[str, dict[str, float | str]] = {}
     for name, fn in {} if args.vllm_only else OTHERS.items():
@@ -343,22 +445,35 @@ def main() -> None:
     print(f"\n{args.prompts} prompts, prompt only (1 token sampled), SmolLM2-135M float32 "
           f"eager on the CPU, {args.rounds} rounds; a vLLM job's ratio is to the plain job run "
           "beside it, the other tools' to the median plain job\n")
+    speed = min(disk)
+    plain_s = statistics.median(plain_seconds)
+    print(f"The disk's own sequential write speed ({SHARD_BYTES >> 20} MiB files written and "
+          f"fsynced in the output's directory): {disk[0]:.0f} MB/s before the jobs, "
+          f"{disk[1]:.0f} MB/s after. 'disk alone' is a job's bytes at the slower of the two, "
+          f"against the median plain job's {plain_s:.1f} s.\n")
     print("| job | prompt tokens/s | ratio to plain vLLM (median) | lowest | highest | "
-          "time in vllm-lens |")
-    print("|---|---:|---:|---:|---:|---:|")
+          "time in vllm-lens | of which waiting for the writer thread | writer thread busy "
+          "(CPU) | MB written | disk alone |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print(f"| plain vLLM (nothing written; median of its {len(base)} runs) | {plain_tps:.0f} "
-          "| 1 | | | |")
-    for job in jobs:
-        tps = statistics.median(r["tps"] for r in found[job])
-        share = statistics.median(r["share"] for r in found[job])
-        print(f"| {labels[job]} | {tps:.0f} | {statistics.median(ratios[job]):.3f} | "
-              f"{min(ratios[job]):.3f} | {max(ratios[job]):.3f} | {share:.1%} |")
+          "| 1 | | | | | | | |")
+    for key, results in found.items():
+        def median(field: str, results: list[dict[str, Any]] = results) -> float:
+            return statistics.median(r.get(field, 0.0) for r in results)
+
+        label = labels[key[0]] + (f" ({key[1]}: {args.baseline})" if key[1] else "")
+        written = median("bytes") / 1e6
+        print(f"| {label} | {median('tps'):.0f} | {statistics.median(ratios[key]):.3f} | "
+              f"{min(ratios[key]):.3f} | {max(ratios[key]):.3f} | {median('share'):.1%} | "
+              f"{median('waited'):.1%} | {median('writer_busy'):.1%} "
+              f"({median('writer_cpu'):.1%}) | {written:.0f} | {written / speed:.1f} s "
+              f"({written / speed / plain_s:.0%}) |")
     for name, r in others.items():
         if "tps" in r:
-            print(f"| {name} | {r['tps']:.0f} | {r['tps'] / plain_tps:.3f} | | | |")
+            print(f"| {name} | {r['tps']:.0f} | {r['tps'] / plain_tps:.3f} | | | | | | | |")
         else:
-            print(f"| {name} | {r['skipped']} | | | | |")
-    memory = found["sink_all"][-1]["memory_mb"]
+            print(f"| {name} | {r['skipped']} | | | | | | | | |")
+    memory = found["sink_all", ""][-1]["memory_mb"] if "sink_all" in jobs else []
     print("\nResident memory of the plugin engine's process (front end and worker) after each "
           "quarter of the last 'every prompt position' sink job (MB): "
           + ", ".join(f"{m:.0f}" for m in memory))

@@ -25,11 +25,12 @@ class ChildEngine:
     which prints ``READY`` once started and answers each line sent to it with a line
     ``RESULT ...``."""
 
-    def __init__(self, script: str, cfg: dict, disabled: bool) -> None:
+    def __init__(self, script: str, cfg: dict, disabled: bool,
+                 env: dict[str, str] | None = None) -> None:
         # In-process engines: vLLM's engine-core busy loop would otherwise compete with the
-        # model for the cores.
+        # model for the cores. ``env``: more variables (``PYTHONPATH`` of another vllm-lens).
         env = {**os.environ, "VLLM_LENS_DISABLE": "1" if disabled else "0",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, script, "--child", json.dumps({**cfg, "disabled": disabled})],
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

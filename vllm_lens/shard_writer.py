@@ -18,13 +18,14 @@ A dataset is a directory::
                              float32 and ``"sae.<i>.l0"`` int32 ``[rows]``
 
 Every file appears under its final name only once complete (written beside it, synced, then
-renamed, and the directory synced), and an example enters the index only after the shard
-holding its rows is on disk, so a job killed at any moment leaves a valid dataset: the
-examples not yet in the index are absent. A failed index append is cut back; a writer
-reopened on the directory (``ShardWriter(..., resume=True)``) drops a last line cut short, a
-last shard whose lines did not all arrive and any orphan files, then skips the keys the index
-has. ``vllm_lens.datasets`` reads it back; numpy or safetensors users can read the shards and
-the JSON files directly.
+renamed, and the directory synced; a shard's pages are then dropped from the page cache), and
+an example enters the index only after the shard holding its rows is on disk, so a job killed
+at any moment leaves a valid dataset: the examples not yet in the index are absent. A failed
+index append is cut back; a writer reopened on the directory
+(``ShardWriter(..., resume=True)``) drops a last line cut short, a last shard whose lines did
+not all arrive and any orphan files, then skips the keys the index has.
+``vllm_lens.datasets`` reads it back; numpy or safetensors users can read the shards and the
+JSON files directly.
 
 **One writer or several.** A writer without a name (``writer=None``) holds the directory
 alone (an exclusive ``flock`` of ``.lock``) and writes the files above. Several *named*
@@ -42,6 +43,14 @@ resumes on its own: it removes only its own temp files and its own shards past i
 indexed one, and if its last shard's lines did not all arrive it rewrites the index without
 them (under the lock). A key whose example is complete is refused; a part the index already
 holds (a resumed job sending an incomplete example again) is not written twice.
+
+**Writing on another thread.** A writer given ``hand_off`` does not write a shard when it
+fills: it seals the shard (its number and examples fixed, its keys no longer queued but not
+yet in the index) and hands it over; the callee writes it with ``write_shard``, on a thread
+of its own, in the order handed over, while ``add`` goes on filling the next one (a capture
+sink's writer thread: ``vllm_lens.sinks.shards``). ``add`` and ``write_shard`` share only
+what a lock guards (the keys being written, the keys written, the view of the index), and a
+failed ``write_shard`` drops its shard's examples alone.
 """
 
 from __future__ import annotations
@@ -50,7 +59,9 @@ import json
 import os
 import re
 import struct
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +72,7 @@ from vllm_lens.dataset_index import (
     rewrite_index)
 from vllm_lens.errors import DatasetConflictError
 
-__all__ = ["FORMAT", "INDEX", "MANIFEST", "SAE_FIELDS", "VERSION_FIELDS", "ShardWriter",
+__all__ = ["FORMAT", "INDEX", "MANIFEST", "SAE_FIELDS", "VERSION_FIELDS", "Shard", "ShardWriter",
            "jsonable", "read_index", "sae_column", "sae_fields", "shard_name", "tensor_name"]
 
 FORMAT = "vllm-lens-activations/1"
@@ -115,12 +126,35 @@ def _temp_name(path: Path, writer: str | None = None) -> Path:
     return path.with_name(f".{path.name}.tmp+{writer}+{os.getpid()}")
 
 
-def _publish(tmp: Path, path: Path) -> None:
-    """Make the complete file ``tmp`` appear as ``path``, durably."""
+def _publish(tmp: Path, path: Path, *, uncache: bool = False) -> None:
+    """Make the complete file ``tmp`` appear as ``path``, durably. ``uncache``: then let the
+    kernel drop its pages from the page cache (a shard is written once and read later;
+    gigabytes of written shards left cached would push everything else out of memory, and the
+    reclaim that follows costs CPU time on the cores the engine computes on)."""
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
+        if uncache and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+@dataclass(eq=False)
+class Shard:
+    """Examples sealed into one shard, waiting to be written (``ShardWriter.write_shard``)."""
+
+    number: int
+    examples: list[tuple[dict[str, Any], dict[str, torch.Tensor]]]
+    """Each example's index line (without shard and offset) and its tensors by name."""
+    part: tuple[tuple[int, ...], tuple[int, ...]]
+    """The manifest layers and SAE entries its examples hold."""
+    rows: int
+    nbytes: int
+
+    @property
+    def keys(self) -> list[str]:
+        """Its examples' keys, in order."""
+        return [entry["key"] for entry, _ in self.examples]
 
 
 class ShardWriter:
@@ -140,11 +174,16 @@ class ShardWriter:
             existing index is an error (named writers sharing a dataset all pass ``True``).
         writer: ``None`` to hold the directory alone, or this writer's name (1 to 64
             letters, digits, ``_``, ``.``, ``-``) to write it beside other named writers.
+        hand_off: called with this writer and each shard as it is sealed (full, or at
+            ``flush``) instead of writing it there: the callee writes the shards with
+            ``write_shard``, in the order handed over, from any thread, and may block to hold
+            back the next ``add``. ``None``: ``add`` and ``flush`` write it themselves.
     """
 
     def __init__(self, root: str | os.PathLike, manifest: Mapping[str, Any], *,
                  rows_per_shard: int = 65536, max_shard_bytes: int = 1 << 30,
-                 resume: bool = False, writer: str | None = None) -> None:
+                 resume: bool = False, writer: str | None = None,
+                 hand_off: Callable[[ShardWriter, Shard], None] | None = None) -> None:
         if rows_per_shard < 1 or max_shard_bytes < 1:
             raise ValueError("rows_per_shard and max_shard_bytes must be >= 1")
         self.writer = check_writer(writer)
@@ -171,6 +210,12 @@ class ShardWriter:
         self._pending_keys: set[str] = set()
         self._pending_part: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._pending_rows = self._pending_bytes = 0
+        self._hand_off = hand_off
+        self._sealed: dict[str, None] = {}
+        """The keys of the shards sealed and not yet written, in order."""
+        self._state = threading.Condition()
+        """Guards what ``add`` and ``write_shard`` (maybe on another thread) share: ``_view``,
+        ``_seen``, ``_mine``, ``_sealed``; notified when a shard is written or dropped."""
         self._locks = self._take_locks()
         try:
             self._open(resume)
@@ -320,7 +365,8 @@ class ShardWriter:
 
     def durable(self, key: str) -> bool:
         """Whether ``key``'s rows this writer holds are in the index."""
-        return key in self._mine or self._view.held(key) >= self._view.whole
+        with self._state:
+            return key in self._mine or self._view.held(key) >= self._view.whole
 
     def add(self, key: str, rows: Mapping[str, torch.Tensor], positions: Sequence[int],
             prompt_token_ids: Sequence[int] = (), token_ids: Sequence[int] = (), *,
@@ -336,17 +382,20 @@ class ShardWriter:
         ``nmse`` / ``l0`` ``[n_rows]`` with ``reconstruction``). A part of an example (a
         pipeline stage's) names the manifest ``layers`` its rows hold and the numbers of the
         ``saes`` entries its features are. Written when the shard fills up (or at
-        ``close``). Returns the shard and the row offset it will have there; a flush that
-        fails raises, and the example stays queued with the others."""
+        ``close``; with ``hand_off``, handed over instead). Returns the shard and the row
+        offset it will have there; a flush that fails raises, and the example stays queued
+        with the others."""
         if not isinstance(key, str) or not key:
             raise ValueError(f"example keys are non-empty strings, got {key!r}")
         part = self._part(key, layers, saes)
         part_layers, part_saes = part
-        if key in self._pending_keys:
-            raise DatasetConflictError(f"example key {key!r} is already in the dataset")
-        if self.writer is not None:  # (the unnamed writer is alone)
-            self._catch_up()
-        held = self._view.held(key)
+        with self._state:
+            if key in self._pending_keys or key in self._sealed:
+                raise DatasetConflictError(f"example key {key!r} is already in the dataset")
+            if self.writer is not None:  # (the unnamed writer is alone)
+                self._catch_up()
+            held = self._view.held(key)
+            written = self._view.slots(self._line_fields(part)) <= held
         if held >= self._view.whole:
             raise DatasetConflictError(f"example key {key!r} is already in the dataset")
         missing = [point for point in self.points if part_layers and point not in rows]
@@ -385,8 +434,9 @@ class ShardWriter:
                                      f"shape {None if t is None else tuple(t.shape)}, "
                                      f"expected {expected}")
                 checked[sae_column(number, field)] = t.detach().to("cpu", SAE_FIELDS[field])
-        if self._view.slots(self._line_fields(part)) <= held:
-            self._mine.add(key)  # (a resumed job sent an incomplete example again)
+        if written:  # (a resumed job sent an incomplete example again)
+            with self._state:
+                self._mine.add(key)
             return self._placed(key, part)
         if self._pending and self._pending_part != part:
             self.flush()  # a shard holds one part of its examples
@@ -443,59 +493,104 @@ class ShardWriter:
         """Keys queued for the next shard, in order."""
         return [entry["key"] for entry, _ in self._pending]
 
-    def abandon(self) -> list[str]:
-        """Drop the queued examples without writing them and let go of the directory (after
-        a failed flush); returns their keys. The dataset stays what its index lists."""
-        dropped = self.pending_keys
+    @property
+    def sealed_keys(self) -> list[str]:
+        """Keys of the shards handed off and not yet written (or dropped)."""
+        with self._state:
+            return list(self._sealed)
+
+    def seal(self) -> Shard | None:
+        """Take the queued examples out as the next shard (``None`` if none are queued): its
+        number is taken, its keys stay refused until it is written or dropped."""
+        if not self._pending:
+            return None
+        assert self._pending_part is not None
+        shard = Shard(self._next_shard, self._pending, self._pending_part,
+                      self._pending_rows, self._pending_bytes)
+        with self._state:
+            self._sealed.update(dict.fromkeys(shard.keys))
+        self._next_shard += 1
         self._pending, self._pending_keys = [], set()
         self._pending_rows = self._pending_bytes = 0
-        self._release()
-        return dropped
+        return shard
 
     def flush(self) -> None:
-        """Write the queued examples as one shard, then their index lines. On failure (a
-        full disk ...) nothing of it is left behind, and the examples stay queued."""
-        if not self._pending:
+        """Write the queued examples as one shard, then their index lines (with
+        ``hand_off``: hand them over as a shard). On failure (a full disk ...) nothing of it
+        is left behind, and the examples stay queued."""
+        shard = self.seal()
+        if shard is None:
             return
+        if self._hand_off is not None:
+            self._hand_off(self, shard)
+            return
+        try:
+            self.write_shard(shard)
+        except BaseException:
+            # Queued again as they were (nothing was added meanwhile: one thread).
+            self._pending, self._pending_keys = shard.examples, set(shard.keys)
+            self._pending_part = shard.part
+            self._pending_rows, self._pending_bytes = shard.rows, shard.nbytes
+            self._next_shard = shard.number
+            raise
+
+    def write_shard(self, shard: Shard) -> None:
+        """Write a sealed shard, then its examples' index lines (from any thread, the shards
+        in the order they were sealed). On failure nothing of it is left behind, its
+        examples are dropped (their keys may be added again), and the error is raised."""
         from safetensors.torch import save_file
 
-        number = self._next_shard
-        path = self.root / shard_name(number, self.writer)
+        path = self.root / shard_name(shard.number, self.writer)
         tmp = _temp_name(path, self.writer)
-        part_layers, part_saes = self._pending_part
+        part_layers, part_saes = shard.part
         try:
             tensors = {}
             for point in self.points if part_layers else ():
                 for i, layer in enumerate(part_layers):
-                    parts = [rows[point][i] for _, rows in self._pending]
+                    parts = [rows[point][i] for _, rows in shard.examples]
                     tensors[tensor_name(point, layer)] = torch.cat(parts).contiguous()
             for sae in part_saes:
                 for field in sae_fields(self.saes[sae]):
                     name = sae_column(sae, field)
-                    tensors[name] = torch.cat([rows[name] for _, rows in self._pending])
+                    tensors[name] = torch.cat([rows[name] for _, rows in shard.examples])
             save_file(tensors, tmp)
             del tensors
-            _publish(tmp, path)
+            _publish(tmp, path, uncache=True)
             offset, lines = 0, []
-            for entry, _ in self._pending:
-                lines.append(json.dumps({**entry, "shard": number, "offset": offset}))
+            for entry, _ in shard.examples:
+                lines.append(json.dumps({**entry, "shard": shard.number, "offset": offset}))
                 offset += entry["rows"]
             with index_locked(self.root, self.writer is not None):
                 append_lines(self.root / INDEX, "".join(line + "\n" for line in lines).encode())
         except BaseException:
             tmp.unlink(missing_ok=True)
             path.unlink(missing_ok=True)
+            self._unseal(shard)
             raise
-        self._mine.update(self._pending_keys)
-        self._next_shard = number + 1
-        self._pending, self._pending_keys = [], set()
-        self._pending_rows = self._pending_bytes = 0
-        self._catch_up()
+        with self._state:
+            for entry, _ in shard.examples:  # (as the index now reads; other writers' lines
+                self._view.add(entry)        # are read by the next ``add``)
+            self._mine.update(shard.keys)
+            self._unseal(shard)
+
+    def _unseal(self, shard: Shard) -> None:
+        with self._state:
+            for key in shard.keys:
+                self._sealed.pop(key, None)
+            self._state.notify_all()
+
+    def wait_written(self) -> None:
+        """Wait until every shard handed off was written or dropped."""
+        with self._state:
+            while self._sealed:
+                self._state.wait()
 
     def close(self) -> None:
-        """Write what is queued and let go of the directory."""
+        """Write what is queued (with ``hand_off``: hand it over, and wait until every shard
+        handed off is written or dropped) and let go of the directory."""
         try:
             self.flush()
+            self.wait_written()
         finally:
             self._release()
 

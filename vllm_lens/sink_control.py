@@ -24,11 +24,11 @@ def _raise_problems(answers: Iterable[Any]) -> None:
 
 
 def flush_sinks(llm: Any) -> None:
-    """Write every example queued in the engine's capture sinks.
+    """Write every example queued in the engine's capture sinks; returns once it is on disk.
 
     Raises:
-        LensExecutionError: a shard could not be written (its message names the dataset and
-            the keys that were dropped).
+        LensExecutionError: a shard could not be written since the last flush (in the
+            background or now; its message names the dataset and the keys that were dropped).
     """
     _raise_problems(llm.collective_rpc("lens_flush_sinks"))
 

@@ -33,8 +33,9 @@ def sink_root(tmp_path_factory):
 def two_process_server(tiny_path, sink_root):
     """Data parallel 2 behind one server (``--data-parallel-size 2``, vLLM's own load
     balancing), for which vLLM starts two API server processes by default; with a capture
-    sink open to clients that writes each example's shard at once."""
-    sinks = {"dp": {"root": str(sink_root), "clients": True, "rows_per_shard": 1}}
+    sink open to clients that writes each example's shard before answering."""
+    sinks = {"dp": {"root": str(sink_root), "clients": True, "rows_per_shard": 1,
+                    "max_queued_shards": 0}}
     with running_server(tiny_path, "--enforce-eager", "--data-parallel-size", "2",
                         env={"VLLM_LENS_HTTP_STORE_TTL_S": "120",
                              "VLLM_LENS_ALLOW_STEERING_ROUTES": "1",

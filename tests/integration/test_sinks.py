@@ -1,6 +1,7 @@
 """Capture sinks over HTTP: the workers write a request's rows to the operator's dataset and
 the response carries a receipt; sinks not opened to clients, unknown sinks and bad names are
-refused; a shard the OS refuses to write fails its request alone and the dataset stays valid.
+refused; a shard the OS refuses to write is dropped alone, the next request writing to its
+dataset fails naming its keys, and the dataset stays valid.
 
 Once the server has started, its processes get a file-size limit (``RLIMIT_FSIZE``, 1 MiB): a
 shard larger than that fails to write with "File too large", as a full disk would with "No
@@ -59,7 +60,7 @@ def sink_server(tiny_path, tmp_path_factory, tiny_sae):
         "small": {"root": str(root / "small"), "clients": True, "rows_per_shard": 100000,
                   "max_shard_bytes": 1 << 20, "flush_s": 0},
         "few": {"root": str(root / "few"), "clients": True, "max_open_datasets": 2,
-                "idle_close_s": 3600, "rows_per_shard": 1},
+                "idle_close_s": 3600, "rows_per_shard": 1, "max_queued_shards": 0},
     }
     with running_server(tiny_path, "--enforce-eager",
                         env={"VLLM_LENS_SINKS": json.dumps(sinks),
@@ -102,10 +103,12 @@ def test_the_workers_write_the_rows_and_the_response_carries_a_receipt(sink_serv
                                         ("tale", "Once upon a time"))]
     assert receipts[0].activations is None and receipts[0].text == returned.text
     n_rows = len(returned.prompt_token_ids) + 3  # the last generated token never ran
+    # rows_per_shard 4: the first example fills its shard, which the writer thread writes
+    # after the response (where it lands is not known yet).
     assert receipts[0].capture_receipt == {
-        "sink": "open", "dataset": "run-1", "key": "fr", "shard": 0, "offset": 0,
+        "sink": "open", "dataset": "run-1", "key": "fr", "shard": None, "offset": None,
         "rows": n_rows, "shapes": {"resid_post": [2, n_rows, 128], "attn_out": [2, n_rows, 128]},
-        "durable": True}  # rows_per_shard 4: the first example fills its shard
+        "durable": False}
     ds = _wait_for_keys(root / "open" / "run-1", ["fr", "tale"])  # the timer flushed "tale"
     example = ds.get("fr")
     for point in ("resid_post", "attn_out"):
@@ -134,7 +137,11 @@ def test_clients_rotating_dataset_names_are_refused_past_max_open_datasets(sink_
         return _post(server, output_activations=capture,
                      capture_sink={"sink": "few", "dataset": dataset, "key": key})
 
-    assert [write(d, "a").status_code for d in ("d1", "d2")] == [200, 200]
+    first = write("d1", "a")
+    assert first.status_code == 200 and write("d2", "a").status_code == 200
+    # max_queued_shards 0: the request waits for the shard its example completes.
+    receipt = first.json()["choices"][0]["capture_receipt"]
+    assert (receipt["shard"], receipt["offset"], receipt["durable"]) == (0, 0, True)
     refused = write("d3", "a")
     assert refused.status_code == 503, refused.text
     error = refused.json()["error"]
@@ -186,23 +193,37 @@ def test_a_closed_sink_is_never_reached_through_the_responses_route(sink_server)
     assert not (root / "closed").exists()
 
 
-def test_a_shard_the_os_refuses_fails_its_request_alone(sink_server):
+def test_a_shard_the_os_refuses_is_dropped_and_the_next_request_to_its_dataset_learns_it(
+        sink_server):
     server, root = sink_server
     long_prompt = " ".join(["word"] * 300)  # ~300 rows × 4 layers × 128 × 4 B ≈ 600 KiB
     capture = {"layers": True}
 
-    def write(key):
+    def write(key, prompt=long_prompt):
         return httpx.post(server.base_url + "/v1/completions", timeout=300, json={
-            "model": _model(server), "prompt": long_prompt, "max_tokens": 1, "temperature": 0,
+            "model": _model(server), "prompt": prompt, "max_tokens": 1, "temperature": 0,
             "vllm_xargs": {"output_residual_stream": json.dumps(capture),
                            "capture_sink": json.dumps({"sink": "small", "dataset": "d",
                                                        "key": key})}})
 
     first = write("a")
     assert first.status_code == 200 and first.json()["choices"][0]["capture_receipt"]["key"] == "a"
-    second = write("b")  # its shard (~1.2 MiB) passes the file-size limit
-    assert second.status_code == 500, second.text
-    assert "File too large" in second.text and "['a', 'b']" in second.text
+    second = write("b")  # completes a shard (~1.2 MiB) past the file-size limit
+    assert second.status_code == 200, second.text  # answered before the shard is written
+    assert second.json()["choices"][0]["capture_receipt"]["durable"] is False
+    # The writer thread's failure reaches the next request writing to the dataset (requests
+    # sent before it happened are queued as usual).
+    deadline = time.monotonic() + 60
+    sent = 0
+    while True:
+        told = write(f"c{sent}", "A short one")
+        if told.status_code != 200 or time.monotonic() > deadline:
+            break
+        sent += 1
+        time.sleep(0.1)
+    assert told.status_code == 500, told.text
+    assert "File too large" in told.text and "['a', 'b']" in told.text
+    assert "this request's example was not written" in told.text
     # Everyone else is still served, rows included.
     with LensClient(server.base_url) as client:
         plain = client.generate("Hello", max_tokens=2, capture_layers=[1])
@@ -210,6 +231,7 @@ def test_a_shard_the_os_refuses_fails_its_request_alone(sink_server):
     path = root / "small" / "d"
     assert not (path / "index.jsonl").exists() or datasets.open(path).keys() == []
     assert not list(path.glob("shard-*")) and not list(path.glob(".*tmp*"))
+    assert write(f"c{sent}", "A short one").status_code == 200  # told once; sent again
     short = httpx.post(server.base_url + "/v1/completions", timeout=300, json={
         "model": _model(server), "prompt": "A short one", "max_tokens": 1,
         "vllm_xargs": {"output_residual_stream": "[1]", "capture_sink": json.dumps(

@@ -2,6 +2,10 @@
 and the safetensors sink's behaviour when a shard cannot be written."""
 
 import json
+import os
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,8 +132,9 @@ def test_the_shard_sink_writes_a_dataset_and_receipts(tmp_path):
     # Queued: where it lands is known once its shard is written.
     assert first == {"sink": "acts", "dataset": "d", "key": "a", "shard": None, "offset": None,
                      "rows": 3, "shapes": {"resid_post": [2, 3, 8]}, "durable": False}
-    second = sink.write("d", _example("b", 3, SETTINGS, 2.0))  # fills the shard
-    assert (second["shard"], second["offset"], second["durable"]) == (0, 3, True)
+    # Fills the shard, which goes to the writer thread: not on disk when the write returns.
+    second = sink.write("d", _example("b", 3, SETTINGS, 2.0))
+    assert (second["shard"], second["offset"], second["durable"]) == (None, None, False)
     third = sink.write("d", _example("c", 1, SETTINGS, 3.0))
     assert (third["shard"], third["offset"], third["durable"]) == (None, None, False)
     # The caller's to resolve (another key, another dataset): HTTP 409 on the server.
@@ -176,29 +181,260 @@ def test_a_dataset_on_disk_with_other_settings_is_a_conflict_and_a_broken_index_
     later.close()
 
 
-def test_a_shard_that_cannot_be_written_fails_its_request_and_names_the_dropped_keys(
-        tmp_path, monkeypatch):
+def test_a_shard_that_cannot_be_written_is_dropped_alone_and_reported_twice(tmp_path,
+                                                                          monkeypatch):
+    """A failed background write drops its shard's examples and no other; the next flush and
+    the next request writing to the dataset each learn it (that request's example is not
+    written), and the sink carries on."""
     import safetensors.torch
 
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 4,
                                                "flush_s": 0}}))["acts"]
     sink = ShardSink(config)
-    sink.write("d", _example("a", 4, SETTINGS))  # shard 0, on disk
-    sink.write("d", _example("b", 2, SETTINGS))  # queued
+    sink.write("d", _example("a", 4, SETTINGS))  # shard 0
+    assert sink.flush() == []
+    real = safetensors.torch.save_file
+    queued = threading.Event()
+
+    def shard_1_fails(tensors, path):
+        if "shard-00001" in str(path):
+            queued.wait(10)
+            raise OSError(28, "No space left on device")
+        real(tensors, path)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", shard_1_fails)
+    sink.write("d", _example("b", 2, SETTINGS))
+    receipt = sink.write("d", _example("c", 2, SETTINGS))  # shard 1: handed off, it fails
+    assert not receipt["durable"]
+    sink.write("d", _example("e", 4, SETTINGS))  # shard 2, queued behind it: written
+    queued.set()
+    sink._drain()
+    with pytest.raises(RuntimeError, match=r"No space left.*keys \['b', 'c'\].*this request's "
+                                           r"example was not written"):
+        sink.write("d", _example("f", 1, SETTINGS))
+    receipt = sink.write("d", _example("f", 1, SETTINGS))  # told once; the sink carries on
+    assert not receipt["durable"]
+    problems = sink.flush()
+    assert len(problems) == 1 and "No space left" in problems[0] and "['b', 'c']" in problems[0]
+    assert sink.flush() == []  # reported once
+    assert datasets.open(tmp_path / "d").keys() == ["a", "e", "f"]
+    assert sorted(p.name for p in (tmp_path / "d").glob("*shard*")) == [
+        "shard-00000.safetensors", "shard-00002.safetensors", "shard-00003.safetensors"]
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    sink.write("d", _example("b", 2, SETTINGS))  # a dropped key may be written again
+    sink.close()
+    assert datasets.open(tmp_path / "d").keys() == ["a", "e", "f", "b"]
+
+
+def test_with_max_queued_shards_0_the_write_completing_a_shard_waits_for_it(tmp_path,
+                                                                           monkeypatch):
+    """No queue: the write whose example completes a shard returns once the shard is on disk
+    (its receipt durable, naming shard and offset), and a failure fails that request, naming
+    the keys dropped with it (and is reported by the next flush too)."""
+    import safetensors.torch
+
+    config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 4,
+                                               "flush_s": 0, "max_queued_shards": 0}}))["acts"]
+    sink = ShardSink(config)
+    assert not sink.write("d", _example("a", 2, SETTINGS))["durable"]
+    second = sink.write("d", _example("b", 2, SETTINGS))
+    assert (second["shard"], second["offset"], second["durable"]) == (0, 2, True)
+    sink.write("d", _example("c", 2, SETTINGS))
+    real = safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file",
+                        lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(RuntimeError, match=r"No space left.*keys \['c', 'e'\]") as info:
+        sink.write("d", _example("e", 2, SETTINGS))
+    assert "not written (send it again)" not in str(info.value)  # it was, and was dropped
+    assert datasets.open(tmp_path / "d").keys() == ["a", "b"]
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    assert not sink.write("d", _example("e", 2, SETTINGS))["durable"]  # sent again
+    problems = sink.flush()
+    assert len(problems) == 1 and "['c', 'e']" in problems[0]
+    sink.close()
+    assert datasets.open(tmp_path / "d").keys() == ["a", "b", "e"]
+
+
+def _gated_save(monkeypatch):
+    """A disk that writes a shard only when the test opens the gate: returns (gate, the number
+    of shards the writer thread had queued each time it began one)."""
+    import safetensors.torch
+
+    real = safetensors.torch.save_file
+    gate, seen = threading.Event(), []
+
+    def slow(tensors, path):
+        seen.append(path)
+        assert gate.wait(30), "the test never opened the gate"
+        real(tensors, path)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", slow)
+    return gate, seen
+
+
+def test_writes_return_while_the_disk_is_busy_until_the_queue_is_full(tmp_path, monkeypatch):
+    """A shard is written off the writing thread; past ``max_queued_shards`` a write waits for
+    room (back-pressure), so at most that many shards wait besides the one being filled."""
+    gate, seen = _gated_save(monkeypatch)
+    config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 2,
+                                               "flush_s": 0, "max_queued_shards": 2}}))["acts"]
+    sink = ShardSink(config)
+    receipts = [sink.write("d", _example(f"k{i}", 1, SETTINGS, i)) for i in range(5)]
+    # Shards 0 (being written, the disk stuck) and 1 (waiting) are handed off, k4 is queued.
+    assert [r["durable"] for r in receipts] == [False] * 5
+    assert len(sink._queue) == 2 and not (tmp_path / "d" / "index.jsonl").exists()
+    assert sink._writers["d"].sealed_keys == ["k0", "k1", "k2", "k3"]
+    blocked = threading.Thread(target=sink.write, args=("d", _example("k5", 1, SETTINGS, 5)))
+    blocked.start()  # completes shard 2: no room for it
+    blocked.join(0.5)
+    assert blocked.is_alive() and len(sink._queue) == 2
+    gate.set()
+    blocked.join(30)
+    assert not blocked.is_alive()
+    assert sink.flush() == []
+    ds = datasets.open(tmp_path / "d")
+    assert ds.keys() == [f"k{i}" for i in range(6)]
+    assert [ds.get(f"k{i}")["resid_post"][0, 0, 0].item() for i in range(6)] == list(range(6))
+    assert [Path(p).name for p in seen] == [
+        f".shard-0000{i}.safetensors.tmp-{os.getpid()}" for i in range(3)]
+    sink.close()
+
+
+def test_durable_only_once_the_shard_is_on_disk_and_close_drains(tmp_path, monkeypatch):
+    from vllm_lens.dataset_index import complete_keys
+
+    gate, _ = _gated_save(monkeypatch)
+    config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 1,
+                                               "flush_s": 0}}))["acts"]
+    sink = ShardSink(config)
+    assert not sink.write("d", _example("a", 1, SETTINGS))["durable"]
+    writer = sink._writers["d"]
+    assert not writer.durable("a") and complete_keys(tmp_path / "d") == []
+    gate.set()
+    writer.wait_written()
+    assert writer.durable("a") and complete_keys(tmp_path / "d") == ["a"]
+    gate.clear()
+    for key in "bc":
+        sink.write("d", _example(key, 1, SETTINGS))
+    closing = threading.Thread(target=sink.close)
+    closing.start()
+    closing.join(0.3)
+    assert closing.is_alive()  # close waits for the shards handed off ...
+    gate.set()
+    closing.join(30)
+    assert complete_keys(tmp_path / "d") == ["a", "b", "c"]  # ... and writes them
+    assert not sink._queue and sink._writer_thread is None
+
+
+def test_many_small_shards_from_two_writers_of_one_dataset_read_back_exactly(tmp_path,
+                                                                            monkeypatch):
+    """Two sinks (a data-parallel engine each, as named writers) write one dataset and a
+    dataset of their own at once, with a disk of random delays, shards of 1 to 3 rows and a
+    flush timer cutting shards too: every example reads back exactly, in each writer's order."""
+    import random
+
+    import safetensors.torch
+
+    real = safetensors.torch.save_file
+    pace = random.Random(0)
+
+    def jittery(tensors, path):
+        time.sleep(pace.random() * 0.004)
+        real(tensors, path)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", jittery)
+    config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 3,
+                                               "flush_s": 0.05, "max_queued_shards": 1}}))
+    written: dict[str, list[str]] = {}
+
+    def engine(rank):
+        sink, sizes = ShardSink(config["acts"]), random.Random(rank)
+        for i in range(300):
+            dataset = "shared" if i % 3 else f"own{rank}"
+            key = f"e{rank}-{i}"
+            example = _example(key, sizes.randint(1, 3), SETTINGS, fill=rank * 1000 + i)
+            example.writer = f"dp{rank}-pp0"
+            assert not sink.write(dataset, example)["durable"]
+            written.setdefault(f"{dataset}/{rank}", []).append(key)
+            if i % 100 == 99:
+                assert sink.flush() == []
+        sink.close()
+
+    engines = [threading.Thread(target=engine, args=(rank,)) for rank in (0, 1)]
+    for thread in engines:
+        thread.start()
+    for thread in engines:
+        thread.join(120)
+        assert not thread.is_alive()
+    for dataset in ("shared", "own0", "own1"):
+        ds = datasets.open(tmp_path / dataset)
+        index = (tmp_path / dataset / "index.jsonl").read_text()
+        lines = [json.loads(x) for x in index.splitlines()]
+        for rank in (0, 1):
+            mine = [e["key"] for e in lines if e["writer"] == f"dp{rank}-pp0"]
+            assert mine == written.get(f"{dataset}/{rank}", [])
+        for key in ds.keys():
+            rank, i = map(int, key[1:].split("-"))
+            got = ds.get(key)["resid_post"]
+            assert torch.equal(got, torch.full((2, len(ds.get(key)["positions"]), 8),
+                                               float(rank * 1000 + i)))
+        assert not [p for p in (tmp_path / dataset).iterdir() if ".tmp" in p.name]
+    assert sum(len(v) for v in written.values()) == 600
+    assert len(list(tmp_path.glob("*/shard-*"))) > 200
+
+
+def _write_then_die(root, acks):
+    """A worker whose disk stops mid-shard after its first flush: it acknowledges the flushed
+    keys and the receipts of the rest, then waits to be killed."""
+    import safetensors.torch
+
+    config = parse_config(json.dumps({"acts": {"root": str(root), "rows_per_shard": 2,
+                                               "flush_s": 0}}))["acts"]
+    sink = ShardSink(config)
+    for i in range(5):
+        sink.write("d", _example(f"a{i}", 1, SETTINGS, i))
+    assert sink.flush() == []
     real = safetensors.torch.save_file
 
-    def full_disk(tensors, path):
-        raise OSError(28, "No space left on device")
+    def stuck(tensors, path):
+        real(tensors, path)  # the temp file is complete, never renamed
+        time.sleep(3600)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
-    with pytest.raises(RuntimeError, match=r"No space left.*keys \['b', 'c'\]"):
-        sink.write("d", _example("c", 2, SETTINGS))
-    assert datasets.open(tmp_path / "d").keys() == ["a"]  # what was written stays valid
-    monkeypatch.setattr(safetensors.torch, "save_file", real)
-    receipt = sink.write("d", _example("c", 2, SETTINGS))  # the dataset is reopened afresh
-    assert not receipt["durable"] and receipt["shard"] is None
+    safetensors.torch.save_file = stuck
+    receipts = [sink.write("d", _example(f"b{i}", 1, SETTINGS, 10 + i)) for i in range(5)]
+    lines = [f"a{i} flushed" for i in range(5)]
+    lines += [f"{r['key']} {'durable' if r['durable'] else 'queued'}" for r in receipts]
+    Path(acks).write_text("".join(line + "\n" for line in lines))
+    time.sleep(3600)
+
+
+def test_a_worker_killed_with_shards_queued_loses_only_what_it_never_acknowledged(tmp_path):
+    import multiprocessing
+    import signal
+
+    acks = tmp_path / "acks"
+    ctx = multiprocessing.get_context("spawn")
+    victim = ctx.Process(target=_write_then_die, args=(tmp_path, acks))
+    victim.start()
+    deadline = time.monotonic() + 120
+    while not acks.exists() and time.monotonic() < deadline and victim.is_alive():
+        time.sleep(0.05)
+    told = dict(line.split() for line in acks.read_text().splitlines())
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join()
+    assert told == {**{f"a{i}": "flushed" for i in range(5)},
+                    **{f"b{i}": "queued" for i in range(5)}}
+    assert [p.name for p in (tmp_path / "d").glob(".*tmp*")]  # the shard it was writing
+    assert datasets.open(tmp_path / "d").keys() == [f"a{i}" for i in range(5)]
+    config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "flush_s": 0}}))["acts"]
+    sink = ShardSink(config)  # the resumed job writes the rest again
+    for i in range(5):
+        sink.write("d", _example(f"b{i}", 1, SETTINGS, 10 + i))
     sink.close()
-    assert datasets.open(tmp_path / "d").keys() == ["a", "c"]
+    ds = datasets.open(tmp_path / "d")
+    assert ds.keys() == [f"a{i}" for i in range(5)] + [f"b{i}" for i in range(5)]
+    assert ds.get("b4")["resid_post"][0, 0, 0].item() == 14
+    assert not [p for p in (tmp_path / "d").iterdir() if ".tmp" in p.name]
 
 
 def test_a_timer_flushes_queued_examples(tmp_path):
@@ -250,7 +486,8 @@ def test_open_datasets_are_bounded(tmp_path):
     assert list(sink._writers) == ["d2", "d3"]  # d1 was flushed and closed to open d3
     assert datasets.open(tmp_path / "d1").keys() == ["k"]
     sink.close()
-    for bad in ({"max_open_datasets": 0}, {"rows_per_shard": "x"}, {"flush_s": True}):
+    for bad in ({"max_open_datasets": 0}, {"rows_per_shard": "x"}, {"flush_s": True},
+                {"max_queued_shards": -1}):
         config = parse_config(json.dumps({"acts": {"root": str(tmp_path), **bad}}))["acts"]
         with pytest.raises(ValueError, match="must be a number"):
             ShardSink(config)
@@ -279,6 +516,7 @@ def test_a_sink_open_to_clients_refuses_a_new_dataset_rather_than_closing_one_in
     assert "dataset 'd3' was not opened" in str(info.value)
     assert list(sink._writers) == ["d1", "d2"] and not (tmp_path / "d3").exists()
     sink.write("d1", _example("k2", 1, SETTINGS))  # an open dataset is still written
+    sink._drain()  # (a dataset whose shard is being written is not idle)
     now[0] += 2  # d2 idle for 61 s (d1 for 2): d2 is closed for d3
     sink.write("d3", _example("k1", 1, SETTINGS))
     assert list(sink._writers) == ["d1", "d3"]

@@ -444,6 +444,59 @@ def test_clamping_features_equals_transformers_with_the_same_edit(tiny_llm, tiny
     assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
 
 
+def test_requests_clamping_alike_in_one_batch_each_equal_their_own_reference(
+        tiny_llm, tiny_ref, saes):
+    """Requests clamping the same features of the same SAE to the same values are encoded
+    together (one product per site and step, ``PreparedClamp.key``), at their own rows only:
+    in one batch, a clamp at every position, the same clamp at chosen positions, one with
+    other targets, a TopK clamp twice (all positions, chosen ones) and an unsteered request
+    each equal transformers with their own edit."""
+    path, sae = saes["resid"]
+    topk_path, topk = saes["topk"]
+    ids = tiny_llm.get_tokenizer().encode(PROMPT)
+    n = len(ids)
+    chosen = [1, 4, n, n + 2]
+    features = [11, 300]
+    index = torch.tensor(features)
+    top_features = inside_and_outside(topk, tiny_ref.points(ids)[("resid_post", 2)])
+
+    def clamping(targets, keep=lambda p: True):
+        def edit(x):
+            with torch.no_grad():
+                delta = (torch.tensor(targets) - sae.encode(x)[:, index]) @ sae.W_dec[index]
+            rows = torch.tensor([keep(p) for p in range(x.shape[0])])
+            return x + delta * rows[:, None]
+        return edit
+
+    at = lambda p: p in chosen  # noqa: E731
+    cases = [  # (the request's steering, the transformers edit at resid_post 2)
+        ([{"sae": str(path), "feature": features, "clamp": [6.0, 0.0]}],
+         clamping([6.0, 0.0])),
+        ([{"sae": str(path), "feature": features, "clamp": [6.0, 0.0],
+           "position_indices": chosen}], clamping([6.0, 0.0], at)),
+        ([{"sae": str(path), "feature": features, "clamp": [0.0, 5.0]}],
+         clamping([0.0, 5.0])),
+        ([{"sae": str(topk_path), "feature": top_features, "clamp": [0.0, 8.0]}],
+         topk_clamp(topk, top_features, [0.0, 8.0])),
+        ([{"sae": str(topk_path), "feature": top_features, "clamp": [0.0, 8.0],
+           "position_indices": chosen}], topk_clamp(topk, top_features, [0.0, 8.0], at)),
+        (None, None),
+    ]
+    outs = tiny_llm.generate([{"prompt_token_ids": ids}] * len(cases), [
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                       extra_args=None if vectors is None
+                       else {"apply_steering_vectors": vectors}) for vectors, _ in cases])
+    found = []
+    for out, (_, edit) in zip(outs, cases):
+        assert out.lens_error is None
+        tokens = list(out.outputs[0].token_ids)
+        assert tokens == tiny_ref.point_greedy(
+            ids, 8, {} if edit is None else {("resid_post", 2): edit})
+        found.append(tokens)
+    assert len({tuple(t) for t in found}) >= 4  # the edits differ, and they mattered
+    assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
+
+
 def test_clamping_topk_features_equals_transformers_with_the_same_edit(tiny_llm, tiny_ref,
                                                                       saes):
     """A TopK SAE's clamp: the worker encodes each steered row in full with the SAE it holds

@@ -12,6 +12,7 @@ op may mutate ``hidden`` only.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,6 +65,10 @@ class PreparedClamp:
     features: torch.Tensor | None = None
     """TopK: the clamped features' indices among the SAE's (``None``: ``sae`` is the
     clamp's own, cut down to them)."""
+    key: tuple = ()
+    """Equal for clamps that compute the same delta from the same row (the same SAE
+    weights, features and targets, in the same dtype on the same device): requests clamping
+    alike are encoded together, one product per site and step instead of one per request."""
 
     @property
     def nbytes(self) -> int:
@@ -104,7 +109,9 @@ def _prepare_clamp(spec: SteerSpec, device: torch.device, dtype: torch.dtype,
               apply_b_dec_to_input=bool(parts["apply_b_dec_to_input"]))
     wide = torch.promote_types(sae.dtype, dtype)
     sae = sae.to(device, wide)
-    return PreparedClamp(sae, targets.to(device, wide), sae.W_dec)
+    key = ("slice", clamp.architecture, hashlib.blake2b(clamp.encoder).digest(),
+           hashlib.blake2b(spec.vectors).digest(), clamp.targets, str(wide), str(device))
+    return PreparedClamp(sae, targets.to(device, wide), sae.W_dec, key=key)
 
 
 def _held_clamp(sae: SAE | None, targets: torch.Tensor,
@@ -118,7 +125,9 @@ def _held_clamp(sae: SAE | None, targets: torch.Tensor,
     rows = sae.W_dec.index_select(0, index)
     if sae.rescale_acts_by_decoder_norm:
         rows = rows / rows.norm(dim=-1, keepdim=True)
-    return PreparedClamp(sae, targets.to(rows.device, rows.dtype), rows, index)
+    # (``id``: the SAE object is the worker's, held by each request keyed here while it runs.)
+    key = ("held", id(sae), tuple(features), tuple(targets.tolist()))
+    return PreparedClamp(sae, targets.to(rows.device, rows.dtype), rows, index, key=key)
 
 
 def prepare(spec: SteerSpec, device: torch.device, dtype: torch.dtype,
@@ -213,6 +222,9 @@ def build_steer_groups(
     plain: dict[tuple[int, str], tuple[list[np.ndarray], list[torch.Tensor]]] = {}
     gated: dict[tuple[int, str], tuple[list[np.ndarray], list[torch.Tensor]]] = {}
     groups: dict[tuple[int, str], SteerGroup] = {}
+    # (site, clamp key, with_residual) -> the rows of every request clamping alike, and the
+    # first such request's clamp (``PreparedClamp.key``).
+    clamped: dict[tuple, tuple[list[np.ndarray], PreparedClamp]] = {}
     for s, prepared in slices:
         faults.check(s.lens.fault, "steer_groups")
         # A request's plain 2D vectors at one site and phase steer the same rows: summed
@@ -235,8 +247,8 @@ def build_steer_groups(
                 where = (layer, site_of(point.name, split=split))
                 _owned(groups, where, s.req_id)
                 if p.clamp is not None:
-                    groups[where].clamped.append(
-                        (device_index(rows, device), p.clamp, point.with_residual))
+                    alike = (where, p.clamp.key or id(p.clamp), point.with_residual)
+                    clamped.setdefault(alike, ([], p.clamp))[0].append(rows)
                     continue
                 vecs = _vectors_for(p, i, vector_rows, offsets.size)
                 if gate is not None:
@@ -264,6 +276,9 @@ def build_steer_groups(
             row_lists.append(rows)
             dtype = next(p.vectors.dtype for p in prepared if p.clamp is None)
             deltas.append(vector.to(dtype).expand(rows.size, -1))
+    for (where, _, with_residual), (row_lists, clamp) in clamped.items():
+        groups[where].clamped.append(
+            (device_index(np.concatenate(row_lists), device), clamp, with_residual))
     for where, parts in plain.items():
         groups[where].rows, groups[where].delta = _joined(*parts, device)
     for where, parts in gated.items():

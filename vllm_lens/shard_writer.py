@@ -330,14 +330,21 @@ class ShardWriter:
         return entries
 
     def _shard_rows(self, number: int, writer: str | None) -> int:
-        """Rows in shard ``number`` of ``writer`` (-1 if it is missing or unreadable)."""
+        """Rows in shard ``number`` of ``writer`` (-1 if it is missing or its header is cut
+        short or damaged). Any other error reading it (permissions, I/O) is raised: a shard
+        that cannot be read now is not a torn one, and its lines must not be dropped."""
         path = self.root / shard_name(number, writer)
         try:
             with path.open("rb") as f:
                 (size,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(size))
             return int(next(v for k, v in header.items() if k != "__metadata__")["shape"][0])
-        except (OSError, ValueError, KeyError, StopIteration, struct.error):
+        except FileNotFoundError:
+            return -1
+        except OSError as exc:
+            raise OSError(exc.errno, f"{path}: cannot read the shard's header to check it "
+                          f"before resuming ({exc.strerror}); nothing was changed") from exc
+        except (ValueError, KeyError, TypeError, IndexError, StopIteration, struct.error):
             return -1
 
     def _catch_up(self) -> None:
@@ -350,7 +357,12 @@ class ShardWriter:
         try:
             inode, seen = self._seen
             stat = os.fstat(fd)
-            if stat.st_ino != inode:
+            # Read it all again if a resuming writer rewrote it (another file), or if lines
+            # read before were cut back since (an append that failed is rolled back: the file
+            # shrank, or grew again with other lines, so the byte before ``seen`` no longer
+            # ends a line).
+            if (stat.st_ino != inode or stat.st_size < seen
+                    or (seen and os.pread(fd, 1, seen - 1) != b"\n")):
                 self._view = IndexView(self.layers, len(self.saes))
                 inode, seen = stat.st_ino, 0
             if stat.st_size > seen:

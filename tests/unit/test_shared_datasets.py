@@ -252,3 +252,54 @@ def test_parts_of_another_run_of_a_key_are_not_joined(tmp_path):
     second.close()
     assert datasets.open(tmp_path).keys() == ["ok", "k"] == complete_keys(tmp_path)
     check_exact(datasets.open(tmp_path), ["ok", "k"])
+
+
+def test_lines_read_then_rolled_back_are_forgotten_by_the_other_writers(tmp_path):
+    """A failed append is cut back (``append_lines``); a writer that read its lines meanwhile
+    reads the index again, whether the file shrank or grew again with other lines, instead
+    of refusing keys that are not in the dataset or reading from the middle of a line."""
+    # (a queues its examples until it closes: only b and the failed appends write meanwhile)
+    a = ShardWriter(tmp_path, MANIFEST, rows_per_shard=100, resume=True, writer="a")
+    b = ShardWriter(tmp_path, MANIFEST, rows_per_shard=1, resume=True, writer="b")
+    add_whole(b, "x", 1)
+    add_whole(a, "y", 1)  # a reads x's line
+    index = tmp_path / INDEX
+    real = index.read_bytes()
+    x_line = json.loads(real.decode().splitlines()[0])
+    for ghost, then in (("g", "shrink"), ("ghost-two", "regrow")):
+        before = index.stat().st_size
+        with open(index, "a") as f:  # as if b's append got this far, then failed
+            f.write(json.dumps({**x_line, "key": ghost}) + "\n")
+        add_whole(a, f"after-{ghost}", 1)  # a reads the ghost's line
+        with open(index, "r+b") as f:
+            f.truncate(before)
+        if then == "regrow":  # b appends again, a longer line where the ghost's ended
+            add_whole(b, "a-much-longer-key-than-the-ghost-had", 1)
+            assert index.stat().st_size > before + len(json.dumps({**x_line, "key": ghost}))
+        add_whole(a, ghost, 1)  # not "already in the dataset"
+    with pytest.raises(DatasetConflictError, match="already in the dataset"):
+        add_whole(a, "a-much-longer-key-than-the-ghost-had", 1)  # b's, read whole
+    a.close()
+    b.close()
+    assert sorted(datasets.open(tmp_path).keys()) == sorted(
+        ["x", "y", "after-g", "g", "after-ghost-two", "ghost-two",
+         "a-much-longer-key-than-the-ghost-had"])
+
+
+def test_a_shard_that_cannot_be_read_is_not_taken_for_a_torn_one(tmp_path):
+    """Resuming, a writer checks its last shard against the index; a shard missing or cut
+    short is torn (its lines dropped), but one that cannot be read now (an I/O or permission
+    error) stops the resume with the path, changing nothing."""
+    _write_keys(tmp_path, "a", ["x0", "x1", "x2", "x3"])  # shards 0 and 1 of writer a
+    shard = tmp_path / "shard-a-00001.safetensors"
+    assert shard.exists()
+    saved = shard.read_bytes()
+    shard.unlink()
+    shard.mkdir()  # reading it fails with IsADirectoryError, an OSError
+    index = (tmp_path / INDEX).read_bytes()
+    with pytest.raises(OSError, match="cannot read the shard's header"):
+        ShardWriter(tmp_path, MANIFEST, resume=True, writer="a")
+    assert (tmp_path / INDEX).read_bytes() == index
+    shard.rmdir()
+    shard.write_bytes(saved)
+    check_exact(datasets.open(tmp_path), ["x0", "x1", "x2", "x3"])

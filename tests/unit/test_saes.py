@@ -177,8 +177,18 @@ def test_a_worker_keeps_saes_within_its_budget_and_never_unloads_a_held_one(tmp_
 
     paths = [_sae_lens(tmp_path / f"s{i}", "standard")[0] for i in range(3)]
     size = load_sae(paths[0]).nbytes  # 16 x 64 encoder and decoder, float32
-    registry = SAERegistry(max_bytes=2 * size)
+    now = [0.0]
+    registry = SAERegistry(max_bytes=2 * size, grace_s=60, clock=lambda: now[0])
     cpu = torch.device("cpu")
+    # One asked for in the last minute was loaded for a request maybe not started yet: kept.
+    for i in range(2):
+        registry.load(str(paths[i]), None, cpu, held=set())
+    with pytest.raises(ValueError, match="admitted in the last 60 s"):
+        registry.load(str(paths[2]), None, cpu, held=set())
+    now[0] = 61.0  # a minute later, the least recently used one may go
+    registry.load(str(paths[2]), None, cpu, held=set())
+    assert registry.get(str(paths[0]), None) is None and len(registry) == 2
+    registry = SAERegistry(max_bytes=2 * size, grace_s=0)
     first = registry.load(str(paths[0]), None, cpu, held=set())
     assert registry.load(str(paths[0]), None, cpu, held=set()) is first  # loaded once
     registry.load(str(paths[1]), None, cpu, held=set())
@@ -190,7 +200,7 @@ def test_a_worker_keeps_saes_within_its_budget_and_never_unloads_a_held_one(tmp_
         registry.load(str(paths[1]), None, cpu, held=held)
     assert len(registry) == 2 and registry.nbytes == 2 * size
     # A rank that does not capture the SAE's layer describes it without keeping it.
-    other = SAERegistry(max_bytes=2 * size)
+    other = SAERegistry(max_bytes=2 * size, grace_s=0)
     info = other.describe(str(paths[1]), None, cpu, held=set(), wanted=lambda sae: False)
     assert (info["d_in"], info["d_sae"], info["point"], info["layer"]) == (16, 64, "resid_post", 2)
     assert len(other) == 0

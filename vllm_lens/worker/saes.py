@@ -5,7 +5,9 @@ so loading (reading the files, moving the weights to the model's device) never h
 forward pass. An SAE whose files changed since it was read (their modification times) is read
 again at the next such request. The weights kept are bounded by ``VLLM_LENS_SAE_MAX_BYTES``: to load another,
 the least recently used SAE that no request holds is unloaded; if that is not enough the
-load is refused. A rank keeps an SAE where it captures the SAE's layer, and also, for a
+load is refused. An SAE asked for in the last ``ADMISSION_GRACE_S`` seconds counts as held:
+the request it was loaded for was admitted but may not have started yet (only a running
+request holds its SAEs), and unloading it then would fail that request. A rank keeps an SAE where it captures the SAE's layer, and also, for a
 request clamping a TopK SAE's features, on every TP rank of the stage holding that layer
 (``worker.steer``: the clamp encodes whole rows with it).
 """
@@ -13,6 +15,7 @@ request clamping a TopK SAE's features, on every TP rank of the stage holding th
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Mapping
 from typing import Any
@@ -21,7 +24,10 @@ import torch
 
 from vllm_lens.saes import SAE, load_sae
 
-__all__ = ["SAERegistry"]
+__all__ = ["ADMISSION_GRACE_S", "SAERegistry"]
+
+#: How long an SAE loaded or described for a request's admission is kept as if held.
+ADMISSION_GRACE_S = 60.0
 
 Key = tuple[str, "str | None"]
 #: Whether this rank keeps an SAE, from its description (``describe``).
@@ -29,8 +35,13 @@ Wanted = Callable[[Mapping[str, Any]], bool]
 
 
 class SAERegistry:
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, *, grace_s: float = ADMISSION_GRACE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_bytes = max_bytes
+        self.grace_s = grace_s
+        self._clock = clock
+        self._asked: dict[Key, float] = {}
+        """When each SAE was last asked for (``describe``, ``load``)."""
         self._loaded: OrderedDict[Key, SAE] = OrderedDict()
         """(real path, hook point override) -> the SAE on the device, least recently used
         first."""
@@ -73,6 +84,7 @@ class SAERegistry:
         ``hook_point`` it is kept under and the ``version`` of its files (their modification
         times when read: what a TopK clamp's prefix-cache salt names)."""
         key = self.key(path, hook_point)
+        self._asked[key] = self._clock()
         if key in self._stamps and self._stamps[key] != _stamp(key[0]):  # changed on disk
             if key in self._loaded and key in held:
                 raise ValueError("its files changed while running requests read the copy "
@@ -101,6 +113,8 @@ class SAERegistry:
         so), wider ones as they are. An SAE that computes on the host makes its encoder's
         reordered copy here (``SAE.prepare``, counted), never in a forward pass."""
         key = self.key(path, hook_point)
+        now = self._clock()
+        self._asked[key] = now
         found = self.get(path, hook_point)
         if found is not None:
             return found
@@ -116,14 +130,17 @@ class SAERegistry:
         if sae.nbytes > self.max_bytes:
             raise ValueError(f"its weights take {sae.nbytes:,} bytes, more than "
                              f"VLLM_LENS_SAE_MAX_BYTES ({self.max_bytes:,})")
-        for other in [k for k in self._loaded if k not in held]:
+        self._asked = {k: t for k, t in self._asked.items() if now - t < self.grace_s}
+        for other in [k for k in self._loaded if k not in held and k not in self._asked]:
             if self.nbytes + sae.nbytes <= self.max_bytes:
                 break
             del self._loaded[other]
         if self.nbytes + sae.nbytes > self.max_bytes:
-            raise ValueError(f"the SAEs running requests read take {self.nbytes:,} bytes of "
-                             f"VLLM_LENS_SAE_MAX_BYTES ({self.max_bytes:,}); {sae.nbytes:,} "
-                             "more do not fit: retry when they finish, or raise the setting")
+            raise ValueError(f"the SAEs running requests read, or requests admitted in the "
+                             f"last {self.grace_s:g} s will read, take {self.nbytes:,} bytes "
+                             f"of VLLM_LENS_SAE_MAX_BYTES ({self.max_bytes:,}); "
+                             f"{sae.nbytes:,} more do not fit: retry when they finish, or "
+                             "raise the setting")
         self._loaded[key] = sae = sae.to(device)
         return sae
 

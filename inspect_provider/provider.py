@@ -51,10 +51,81 @@ _LOGGED_VALUE_MAX_CHARS = 200
 
 
 class VLLMLensAPI(VLLMAPI):
-    """Inspect's vLLM provider with vllm-lens requests and results (see the module docs)."""
+    """Inspect's vLLM provider with vllm-lens requests and results (see the module docs).
+
+    Inspect builds it for a model named ``vllm-lens/<model>`` (``get_model``, ``inspect eval
+    --model``); model args are passed to it as keyword arguments. It connects to the server
+    at ``base_url`` / ``port`` / ``VLLM_BASE_URL``, or starts one on ``127.0.0.1`` on its
+    first ``generate`` (``python -m vllm.entrypoints.openai.api_server``). Inspect passes
+    its arguments by keyword.
+
+    Keyword Args:
+        model_name (str): the served model's name or path, optionally
+            ``:adapter[@revision]`` for a LoRA adapter (as Inspect's ``vllm`` provider).
+        base_url (str | None): the base URL (``.../v1``) of a running lens-enabled vLLM
+            server; default ``None``: ``VLLM_BASE_URL``, else a server of its own.
+        port (int | None): the port of such a server on localhost (not with ``base_url``).
+        api_key (str | None): the server's API key; default ``VLLM_API_KEY``, else
+            ``"inspectai"``.
+        config (GenerateConfig): Inspect's default generation config for this model.
+        is_mistral (bool): fold user messages that follow tool messages (Mistral models);
+            default ``False``.
+        retry_delay (int | None): seconds between retries (default Inspect's, 5).
+        lazy_init (bool): start its own server on the first ``generate`` (default
+            ``True``) rather than now.
+        client_timeout (float | None): the HTTP client's timeout in seconds (default
+            Inspect's).
+        **server_args (Any): flags of the server it starts (``tensor_parallel_size=2``
+            becomes ``--tensor-parallel-size 2``), plus Inspect's ``timeout``, ``host``
+            (default ``127.0.0.1`` here), ``device`` / ``devices`` and ``enable_lora``.
+
+    Raises:
+        ValueError: both ``base_url`` and ``port`` are given.
+
+    Examples:
+        >>> from inspect_ai.model import GenerateConfig, get_model
+        >>> model = get_model("vllm-lens/tiny", base_url="http://127.0.0.1:9/v1", api_key="k")
+        >>> type(model.api).__name__
+        'VLLMLensAPI'
+        >>> lens = GenerateConfig(extra_body={"extra_args": {"output_residual_stream": [1]}})
+        >>> # Skipped: generating needs a lens-enabled vLLM server at base_url.
+        >>> output = await model.generate("Hello", config=lens)  # doctest: +SKIP
+    """
 
     async def generate(self, input: Any, tools: Any, tool_choice: Any,
                        config: GenerateConfig) -> Any:
+        """One generation, with the lens keys of ``config`` sent and their results decoded.
+
+        Inspect's ``Model.generate`` calls it. Lens keys in
+        ``config.extra_body["extra_args"]`` are encoded into ``vllm_xargs`` (with
+        ``return_token_ids``); a ``lora_request`` there (a ``LoRARequest`` or an adapter
+        name) becomes the request's model. Without lens keys it is Inspect's call unchanged.
+
+        Args:
+            input: the conversation (a list of Inspect ``ChatMessage``).
+            tools: the tools offered (a list of ``ToolInfo``).
+            tool_choice: Inspect's ``ToolChoice``.
+            config: the ``GenerateConfig``; ``extra_body={"extra_args": {...}}`` carries the
+                lens keys (``output_residual_stream``, ``apply_steering_vectors`` as
+                ``SteeringVector`` objects, dicts or wire strings, ``activations_transport``
+                ...).
+
+        Returns:
+            What Inspect's vLLM provider returns: ``(output, model_call)``, where
+            ``output`` is a ``ModelOutput`` (or the exception for a refused request).
+            With lens keys, ``output.metadata`` gains ``"activations"``: the first choice's
+            decoded tensors (``residual_stream``, ``positions`` ...) plus
+            ``prompt_token_ids`` and ``completion_token_ids``, and
+            ``"choice_activations"`` (every choice's, when there are several); likewise
+            ``"sae_features"`` / ``"choice_sae_features"`` for ``output_sae_features``.
+            Binary-transport activations are fetched, then freed on the server. The logged
+            call keeps only the tensors' shapes and dtypes, and elides long lens values.
+
+        Raises:
+            LensHTTPError: (through Inspect, from ``handle_bad_request``) the server
+                refused the lens request with a 400; not retried.
+            WireError: activations that do not decode.
+        """
         config, has_lens = _with_lens_body(config)
         result = await super().generate(input, tools, tool_choice, config)
         output, call = result if isinstance(result, tuple) else (result, None)
@@ -96,6 +167,17 @@ class VLLMLensAPI(VLLMAPI):
                 "completion_token_ids": choice.get("token_ids")}
 
     def handle_bad_request(self, ex: APIStatusError) -> ModelOutput | Exception:
+        """A server's refusal as a ``LensHTTPError`` when it is a bad lens request.
+
+        Args:
+            ex: the ``openai`` SDK's error for a refused call (400, 413, 422 ...).
+
+        Returns:
+            A ``LensHTTPError(400, message, param)`` (``param``: the offending lens field)
+            when the status is 400 and the message names vllm-lens, which Inspect raises
+            without retrying; otherwise what Inspect's vLLM provider returns (a
+            ``ModelOutput`` for an input-length error, or an exception).
+        """
         body = ex.body if isinstance(ex.body, dict) else {}
         error = body["error"] if isinstance(body.get("error"), dict) else body  # SDKs differ
         message = str(error.get("message") or ex.message)

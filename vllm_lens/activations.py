@@ -17,7 +17,7 @@ A choice of an OpenAI-style response carries ``"activations"`` in one of two for
   ``POST /v1/lens/activations/fetch`` with ``{"handle": …}`` (the handle stays out of URLs,
   hence out of access logs) returns ``application/octet-stream``: msgpack of the same dict, tensors as the
   same records with raw (not base64) ``data`` (``wire.dumps``), read by
-  :func:`decode_activation_bytes`.
+  ``decode_activation_bytes``.
 """
 
 from __future__ import annotations
@@ -45,14 +45,52 @@ ACTIVATIONS_PATH = "/v1/lens/activations"
 
 
 def activations_to_json(acts: Mapping[str, Any]) -> dict[str, Any]:
-    """The json form of one choice's activations."""
+    """The json form of one choice's activations.
+
+    What the API server puts in a choice's ``"activations"`` with the default json
+    transport; ``decode_activations`` reverses it.
+
+    Args:
+        acts: one output's activations (``out.activations``): names to tensors, and other
+            values (lists, ``qk_meta`` dicts ...) that JSON carries as they are.
+
+    Returns:
+        A new dict with the same keys: each tensor becomes a record ``{"dtype", "shape",
+        "compression": "zstd", "data"}`` (``data``: base64 of the zstd frame of the raw
+        bytes), other values are kept.
+
+    Examples:
+        >>> import torch
+        >>> from vllm_lens.activations import activations_to_json
+        >>> record = activations_to_json({"residual_stream": torch.zeros(2, 3, 128)})
+        >>> sorted(record["residual_stream"]), record["residual_stream"]["shape"]
+        (['compression', 'data', 'dtype', 'shape'], [2, 3, 128])
+    """
     return {k: wire.tensor_to_json(v) if isinstance(v, torch.Tensor) else v
             for k, v in acts.items()}
 
 
 def hook_results_to_json(value: Any) -> Any:
     """Hook results as JSON: tensors as records, containers recursively; anything else that
-    JSON cannot carry becomes its ``repr`` (the server never sends pickles)."""
+    JSON cannot carry becomes its ``repr`` (the server never sends pickles).
+
+    Args:
+        value: an output's ``hook_results`` (``{"0": saved, ...}``), or any part of it.
+
+    Returns:
+        The JSON form: a tensor becomes a tensor record (as in
+        ``activations_to_json``), a ``HookError`` ``{"error": message, "traceback":
+        traceback}``, a dict a dict with ``str`` keys, a list or tuple a list; ``None``,
+        ``str``, ``int``, ``float`` and ``bool`` are kept; anything else becomes its
+        ``repr``.
+
+    Examples:
+        >>> import torch
+        >>> from vllm_lens.activations import hook_results_to_json
+        >>> out = hook_results_to_json({"0": {"rows": [torch.ones(2, 128)], "n": 3}})
+        >>> out["0"]["rows"][0]["shape"], out["0"]["n"]
+        ([2, 128], 3)
+    """
     from vllm_lens.hooks import HookError
 
     if isinstance(value, torch.Tensor):
@@ -69,8 +107,28 @@ def hook_results_to_json(value: Any) -> Any:
 
 
 def decode_json_tensors(value: Any) -> Any:
-    """Inverse of :func:`hook_results_to_json` for what it can invert: tensor records back to
-    tensors, containers recursively."""
+    """Inverse of ``hook_results_to_json`` for what it can invert: tensor records back to
+    tensors, containers recursively.
+
+    Args:
+        value: JSON as a response carries it (a choice's ``hook_results`` or
+            ``sae_features``, or any part of them).
+
+    Returns:
+        The same structure with every tensor record (a dict with ``dtype`` and ``data``)
+        decoded to a CPU ``torch.Tensor``; dicts and lists are rebuilt, everything else is
+        kept (``repr`` strings stay strings).
+
+    Raises:
+        WireError: a tensor record is malformed (bad base64, shape, dtype or frame).
+
+    Examples:
+        >>> import torch
+        >>> from vllm_lens.activations import decode_json_tensors, hook_results_to_json
+        >>> sent = hook_results_to_json({"0": {"scores": torch.ones(4)}})
+        >>> decode_json_tensors(sent)["0"]["scores"].shape
+        torch.Size([4])
+    """
     if _is_tensor_record(value):
         return wire.tensor_from_json(value)
     if isinstance(value, dict):
@@ -81,7 +139,27 @@ def decode_json_tensors(value: Any) -> Any:
 
 
 def binary_descriptor(acts: Mapping[str, Any], handle: str, nbytes: int) -> dict[str, Any]:
-    """The binary form of one choice's activations, once its bytes are stored under ``handle``."""
+    """The binary form of one choice's activations, once its bytes are stored under ``handle``.
+
+    Args:
+        acts: one output's activations (names to tensors and other values).
+        handle: the handle the server stored the encoded activations under.
+        nbytes: the size of those stored bytes.
+
+    Returns:
+        ``{"transport": "binary", "handle": handle, "nbytes": nbytes, "shapes": {name:
+        shape list} (for each tensor), "dtype": str | None}``; ``dtype`` is that of
+        ``residual_stream``, else of the first tensor whose name does not end in
+        ``positions`` (``None`` when there is none), without the ``torch.`` prefix.
+
+    Examples:
+        >>> import torch
+        >>> from vllm_lens.activations import binary_descriptor, is_binary_descriptor
+        >>> acts = {"residual_stream": torch.zeros(2, 3, 128), "positions": torch.arange(3)}
+        >>> desc = binary_descriptor(acts, "a" * 43, nbytes=3072)
+        >>> desc["shapes"], desc["dtype"], is_binary_descriptor(desc)
+        ({'residual_stream': [2, 3, 128], 'positions': [3]}, 'float32', True)
+    """
     tensors = {k: v for k, v in acts.items() if isinstance(v, torch.Tensor)}
     stream = tensors.get("residual_stream")
     if stream is None:  # a capture at tap points only: the first signal's dtype
@@ -113,12 +191,47 @@ def valid_handle(value: Any) -> str:
 def is_binary_descriptor(value: Any) -> bool:
     """Whether a choice's ``activations`` is the binary transport's handle (``{"transport":
     "binary", "handle", ...}``: fetch it with ``LensClient.fetch_activations``) rather than
-    the tensors themselves."""
+    the tensors themselves.
+
+    Args:
+        value: anything; typically a choice's ``"activations"``.
+
+    Returns:
+        ``True`` if ``value`` is a mapping whose ``"transport"`` is ``"binary"``, else
+        ``False`` (never raises).
+
+    Examples:
+        >>> from vllm_lens.activations import is_binary_descriptor
+        >>> is_binary_descriptor({"transport": "binary", "handle": "a" * 43})
+        True
+        >>> is_binary_descriptor({"dtype": "float32", "data": ""}), is_binary_descriptor(None)
+        (False, False)
+    """
     return isinstance(value, Mapping) and value.get("transport") == "binary"
 
 
 def decode_activation_bytes(blob: bytes) -> dict[str, torch.Tensor]:
-    """Decode the body of ``GET /v1/lens/activations/{handle}``."""
+    """Decode the body that ``POST /v1/lens/activations/fetch`` returns for a handle.
+
+    Args:
+        blob: the response body (``application/octet-stream``): msgpack of the
+            activations dict, tensors as records with raw ``data`` (``wire.dumps``).
+
+    Returns:
+        The activations dict, as the json form decodes to: names to CPU tensors, other
+        values as sent.
+
+    Raises:
+        WireError: ``blob`` is not bytes, is empty or corrupt, or does not hold a map.
+
+    Examples:
+        >>> import torch
+        >>> from vllm_lens import wire
+        >>> from vllm_lens.activations import decode_activation_bytes
+        >>> body = wire.dumps({"residual_stream": torch.zeros(2, 3, 128)})
+        >>> decode_activation_bytes(body)["residual_stream"].shape
+        torch.Size([2, 3, 128])
+    """
     decoded = wire.loads(blob)
     if not isinstance(decoded, dict):
         raise WireError("activation bytes do not hold a map")
@@ -139,7 +252,31 @@ def decode_activations(
     choices) are taken as they are (through their ``model_dump()``).
 
     Binary-transport activations hold a handle, not tensors: fetch their bytes
-    (``LensClient`` does) and use :func:`decode_activation_bytes`.
+    (``LensClient`` does) and use ``decode_activation_bytes``.
+
+    Args:
+        x: a response, a choice or an activations dict (plain JSON as parsed, or an
+            ``openai`` SDK object).
+
+    Returns:
+        A dict of names to CPU tensors (other values, such as ``qk_meta``, as sent); for a
+        whole response with several choices a list of them (``None`` entries for choices
+        without activations); ``None`` for a choice without activations.
+
+    Raises:
+        TypeError: ``x`` is neither a mapping nor an object with ``model_dump()``.
+        WireError: ``x`` (or a choice's activations) is a binary descriptor, or a tensor
+            record is malformed.
+
+    Examples:
+        >>> from vllm import SamplingParams
+        >>> from vllm_lens import decode_activations
+        >>> from vllm_lens.activations import activations_to_json
+        >>> sp = SamplingParams(max_tokens=2, extra_args={"output_residual_stream": [1, 3]})
+        >>> out = llm.generate(["Hello world"], sp)[0]
+        >>> choice = {"index": 0, "activations": activations_to_json(out.activations)}
+        >>> decode_activations({"choices": [choice]})["residual_stream"].shape
+        torch.Size([2, ..., 128])
     """
     if not isinstance(x, Mapping) and callable(getattr(x, "model_dump", None)):
         x = x.model_dump()

@@ -38,6 +38,9 @@ def compute_attention_weights(
         q: ``[q_len, n_heads, head_dim]``; its rows are positions ``q_start ..``.
         k: ``[kv_len, n_kv_heads, head_dim]`` at positions ``0 .. kv_len - 1``; grouped-query
             heads are shared by ``n_heads / n_kv_heads`` query heads each.
+        scale: multiplies ``q · k`` (vLLM's ``qk_meta["scale"]``, usually
+            ``head_dim ** -0.5``).
+        causal: mask keys after each query's position (default ``True``).
         q_start: position of ``q[0]`` (default ``kv_len - q_len``: the queries are the last
             positions).
         q_positions: the position of each query row, for rows that are not consecutive
@@ -47,6 +50,25 @@ def compute_attention_weights(
         logits_soft_cap: ``cap * tanh(scores / cap)`` before masking (0: off).
         alibi_slopes: per head, ``slope * (key_pos - query_pos)`` is added to the scores.
         sinks: per head, a logit that joins each softmax's denominator only.
+        dtype: the dtype the scores are computed and returned in (default float32).
+
+    Returns:
+        ``[n_heads, q_len, kv_len]`` weights in ``dtype`` on ``q``'s device; each row sums
+        to 1 (less with ``sinks``); masked keys have weight 0.
+
+    Raises:
+        ValueError: ``q`` or ``k`` is not 3D, or ``n_heads`` is not a multiple of
+            ``n_kv_heads``.
+
+    Examples:
+        >>> import torch
+        >>> from vllm_lens.attention import compute_attention_weights
+        >>> q, k = torch.randn(5, 4, 32), torch.randn(5, 2, 32)
+        >>> w = compute_attention_weights(q, k, scale=32 ** -0.5)
+        >>> w.shape, bool(torch.allclose(w.sum(-1), torch.ones(4, 5)))
+        (torch.Size([4, 5, 5]), True)
+        >>> bool((w[:, 0, 1:] == 0).all())  # causal: the first query sees only itself
+        True
     """
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(f"q and k must be [positions, heads, head_dim], got {tuple(q.shape)} "
@@ -89,7 +111,38 @@ def compute_attention_weights(
 def attention_patterns(activations: Mapping[str, Any], layer: int, *,
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The attention weights ``[n_heads, seq, seq]`` of ``layer`` over every captured position
-    (from an ``output_qk`` result: ``out.activations``)."""
+    (from an ``output_qk`` result: ``out.activations``).
+
+    Uses the layer's ``qk_meta`` (scale, sliding window, soft cap, ALiBi slopes, sinks) so
+    that the weights are the ones vLLM's kernel computed, causal, queries at positions
+    ``0 .. seq - 1``.
+
+    Args:
+        activations: an output's activations with ``output_qk`` captured (``qk_layers``,
+            ``qk_meta``, ``attn_q`` ``[n_layers, seq, n_heads, head_dim]``, ``attn_k``
+            ``[n_layers, seq, n_kv_heads, head_dim]``, and optionally
+            ``attn_q_positions``); decoded HTTP activations work too.
+        layer: a decoder layer listed in ``qk_layers``.
+        dtype: the dtype of the computation and the result (default float32).
+
+    Returns:
+        ``[n_heads, seq, seq]`` softmax weights in ``dtype``; ``seq`` is the number of
+        captured positions.
+
+    Raises:
+        KeyError: ``layer`` was not captured with ``output_qk`` (the message lists those
+            that were), or ``activations`` lacks ``qk_meta``, ``attn_q`` or ``attn_k``.
+        ValueError: Q/K were not captured at positions ``0 .. seq - 1``.
+
+    Examples:
+        >>> from vllm import SamplingParams
+        >>> from vllm_lens.attention import attention_patterns
+        >>> sp = SamplingParams(max_tokens=1, extra_args={"output_qk": [0, 2]})
+        >>> out = llm.generate(["The quick brown fox"], sp)[0]
+        >>> pattern = attention_patterns(out.activations, 2)
+        >>> pattern.shape[0] == out.activations["qk_meta"][1]["num_heads"], pattern.dtype
+        (True, torch.float32)
+    """
     layers = list(activations.get("qk_layers") or [])
     if layer not in layers:
         raise KeyError(f"layer {layer} was not captured with output_qk (captured: {layers})")

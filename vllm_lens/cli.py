@@ -61,14 +61,18 @@ def _parser():
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser(prog="vllm-lens", description="vllm-lens tools")
+    parser = FlexibleArgumentParser(
+        prog="vllm-lens", description="vllm-lens tools: vLLM with per-request activation "
+        "capture, steering and hooks.\n`vllm-lens COMMAND --help` describes a command's flags.")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("serve", add_help=False,
                         help="vLLM's OpenAI-compatible server with vllm-lens: `vllm-lens serve "
                              "MODEL [vllm serve flags]`, on every vLLM distribution (its own "
                              "--help lists vLLM's flags)")
     extract = commands.add_parser(
-        "extract", help="write the activations of a prompt file to an activation dataset")
+        "extract", help="write the activations (and SAE features) of a prompt file to an "
+                        "activation dataset, locally, on a lens-enabled server (--server) or "
+                        "on Ray (--ray); a re-run resumes")
     add_extract_flags(extract)
     EngineArgs.add_cli_args(extract)
     return parser
@@ -80,13 +84,52 @@ _OWN = ("command", "input", "split", "output", "layers", "points", "positions", 
 
 
 def engine_kwargs(args: Any) -> dict[str, Any]:
-    """The vLLM engine arguments of the command line (everything that is not ``extract``'s)."""
+    """The vLLM engine arguments of the command line (everything that is not ``extract``'s).
+
+    Args:
+        args: the parsed ``extract`` command line (``argparse.Namespace``).
+
+    Returns:
+        The ``LLM(**kwargs)`` keyword arguments: every attribute of ``args`` except
+        extract's own flags.
+    """
     return {k: v for k, v in vars(args).items() if k not in _OWN}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``vllm-lens serve ...`` or ``vllm-lens extract ...`` with ``argv`` (default: the
-    process's arguments); returns the exit status."""
+    process's arguments); returns the exit status.
+
+    The ``vllm-lens`` console script. ``serve`` hands the rest of ``argv`` to vLLM's own
+    ``vllm serve`` parser and server (``vllm_lens.serve``); ``extract`` runs an extract job
+    (see the module docs) and prints a summary line to stderr. ``extract --help`` prints
+    extract's own flags, then vLLM's engine flag groups.
+
+    Args:
+        argv: the arguments after the program name, e.g. ``["extract", "--model", "M",
+            "--input", "p.jsonl", "--output", "acts", "--layers", "3"]``; default ``None``:
+            ``sys.argv[1:]``.
+
+    Returns:
+        The exit status: 0 when every example was extracted (or for ``--help``), 1 when some
+        input rows were bad or some examples were refused (the others are still written);
+        for ``serve``, 0 once the server has stopped.
+
+    Raises:
+        SystemExit: bad or conflicting flags (the message names the flag; argparse's own
+            errors exit with status 2), and ``--help`` for the top level and ``serve``.
+
+    Examples:
+        >>> from vllm_lens.cli import main
+        >>> try:
+        ...     main(["extract", "--input", "prompts.jsonl", "--output", str(tmp / "acts")])
+        ... except SystemExit as exc:
+        ...     print(exc)
+        vllm-lens extract: give --model (a model name or path)
+        >>> # Skipped: a real extraction starts a second engine beside the examples' one.
+        >>> main(["extract", "--model", tiny_path, "--input", "p.jsonl",  # doctest: +SKIP
+        ...       "--output", str(tmp / "acts"), "--layers", "1"])
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # vLLM's own serve parser, help included
         from vllm_lens import serve
@@ -106,7 +149,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def extract(args: Any) -> int:
-    """Run an extract job; ends with a summary line (examples, rows, bytes, time, where)."""
+    """Run an extract job; ends with a summary line (examples, rows, bytes, time, where).
+
+    Args:
+        args: the parsed ``extract`` command line (``argparse.Namespace``).
+
+    Returns:
+        The exit status (0, or 1 when some rows or examples failed).
+
+    Raises:
+        SystemExit: bad or conflicting flags, named in the message.
+    """
     import time
 
     from vllm_lens.extract_output import summary

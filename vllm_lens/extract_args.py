@@ -24,36 +24,48 @@ def add_extract_flags(parser: Any) -> None:
     """Add extract's own flags (not vLLM's) to ``parser``."""
     own = parser.add_argument_group("extract options")
     own.add_argument("--input", required=True, type=Path,
-                         help="JSONL, CSV or Parquet with prompt or messages, and key; or a "
-                              "directory, read with Hugging Face datasets (save_to_disk, or "
-                              "data files for load_dataset)")
+                         help="the prompt file: JSONL, CSV or Parquet whose rows have prompt "
+                              "(text) or messages (a chat, rendered with the model's chat "
+                              "template) and an optional key; or a directory, read with Hugging "
+                              "Face datasets (save_to_disk, or data files for load_dataset). "
+                              "Required")
     own.add_argument("--split", default=None,
-                         help="with a dataset directory of several splits: the one to read")
-    own.add_argument("--output", required=True, type=Path, help="the dataset directory")
+                         help="with a dataset directory of several splits: the one to read "
+                              "(default: its only split; not for a file)")
+    own.add_argument("--output", required=True, type=Path,
+                     help="the dataset directory, created if missing; a re-run skips the keys "
+                          "already written and refuses a dataset made with other settings. "
+                          "Required")
     own.add_argument("--layers", default=None,
-                         help="comma-separated layers, or all (optional with --sae)")
+                         help="comma-separated decoder layer indices (3,7), or all; required "
+                              "unless --sae is given")
     own.add_argument("--points", default=None,
-                         help="comma-separated tap points (default resid_post)")
+                         help="comma-separated tap points captured at every --layers layer "
+                              "(resid_pre, attn_out, resid_mid, mlp_out, resid_post ...; see "
+                              "vllm_lens.points); needs --layers (default resid_post)")
     own.add_argument("--sae", action="append", default=None,
                          help="an SAE whose top features to write per row (a directory; "
                               "with --server a name the server registered); repeatable")
     own.add_argument("--top-k", type=int, default=32,
                          help="with --sae: features kept per row (default 32)")
     own.add_argument("--sae-reconstruction", action="store_true",
-                         help="with --sae: also each row's NMSE and L0")
+                         help="with --sae: also write each row's reconstruction error (NMSE) "
+                              "and L0 (default off)")
     own.add_argument("--format", choices=("vllm-lens", "sae-lens"), default="vllm-lens",
                          help="vllm-lens (default), or sae-lens: one point at one layer in "
                               "sae-lens' cached-activations layout (a Hugging Face dataset), "
                               "to train SAEs on")
     own.add_argument("--context-size", type=int, default=128,
-                         help="with --format sae-lens: rows per context (default 128)")
+                         help="with --format sae-lens: token rows per context (default 128)")
     own.add_argument("--positions", default="all",
-                         help="a positions selector: all (default), prompt, generated, last_prompt, "
-                              "prompt[-4:] ...")
+                         help="which token rows to write, a positions selector: all (default), "
+                              "prompt, generated, last_prompt, or a slice such as prompt[-4:]")
     own.add_argument("--reduce", choices=("mean", "last"), default=None,
-                     help="one row per example: the mean or the last of the selected rows")
+                     help="one row per example and layer: the mean or the last of the "
+                          "selected rows (default: every selected row; not with --sae)")
     own.add_argument("--max-tokens", type=int, default=0,
-                         help="tokens to generate per prompt (default 0: the prompt only)")
+                         help="tokens to generate per prompt, greedily; the first N-1 get rows "
+                              "(default 0: the prompt only)")
     own.add_argument("--batch-size", type=int, default=256,
                          help="prompts handed to the engine at once (default 256; bounds memory)")
     own.add_argument("--rows-per-shard", type=int, default=65536,
@@ -71,7 +83,7 @@ def add_extract_flags(parser: Any) -> None:
                               "with the engine options below, TP/PP inside it), all writing "
                               "the one dataset at --output (the `ray` extra)")
     own.add_argument("--num-engines", type=int, default=None,
-                         help="with --ray: engine actors (default 1)")
+                         help="with --ray: how many engine actors (default 1)")
     own.add_argument("--ray-address", default=None,
                          help="with --ray: the Ray cluster to join (default: a local Ray "
                               "instance); --output must be a folder every node mounts at the "
@@ -85,9 +97,13 @@ def extract_help() -> str:
 
     own = argparse.ArgumentParser(prog="vllm-lens extract", usage=USAGE,
                                   description=_DESCRIPTION, add_help=False)
+    own.add_argument("-h", "--help", action="help",
+                     help="show this help and exit; --help=all lists every vLLM engine flag, "
+                          "--help=GROUP (e.g. --help=ModelConfig) one group's")
     own.add_argument_group("model").add_argument(
-        "--model", help="a Hugging Face name or a local directory (with --server: the "
-                        "served model's name, optional)")
+        "--model", help="the model: a Hugging Face name or a local directory; required "
+                        "(with --server: the served model's name, optional, default the "
+                        "server's first model)")
     add_extract_flags(own)
     engine = FlexibleArgumentParser(prog="vllm-lens extract", usage=argparse.SUPPRESS,
                                     add_help=False)

@@ -26,15 +26,48 @@ def _raise_problems(answers: Iterable[Any]) -> None:
 def flush_sinks(llm: Any) -> None:
     """Write every example queued in the engine's capture sinks; returns once it is on disk.
 
+    Sinks are the operator's (``VLLM_LENS_SINKS``, read when the workers start); requests
+    name one in ``extra_args["capture_sink"]``. On an engine without sinks this does
+    nothing.
+
+    Args:
+        llm: an offline ``vllm.LLM`` or ``LLMEngine`` with vllm-lens loaded (anything with
+            ``collective_rpc``); every worker flushes.
+
+    Returns:
+        ``None``, once every worker's queued examples are written.
+
     Raises:
         LensExecutionError: a shard could not be written since the last flush (in the
             background or now; its message names the dataset and the keys that were dropped).
+
+    Examples:
+        >>> from vllm_lens import flush_sinks
+        >>> flush_sinks(llm) is None  # this engine has no sinks: nothing to write
+        True
     """
     _raise_problems(llm.collective_rpc("lens_flush_sinks"))
 
 
 async def flush_sinks_async(engine: Any) -> None:
-    """``flush_sinks`` for an ``AsyncLLM`` (every data-parallel engine's workers)."""
+    """``flush_sinks`` for an ``AsyncLLM`` (every data-parallel engine's workers).
+
+    Args:
+        engine: a running ``vllm.v1.engine.async_llm.AsyncLLM`` with vllm-lens loaded; with
+            data parallelism every engine's workers flush.
+
+    Returns:
+        ``None``, once every worker's queued examples are written.
+
+    Raises:
+        LensExecutionError: a shard could not be written since the last flush (its message
+            names the dataset and the keys that were dropped).
+
+    Examples:
+        >>> from vllm_lens.sink_control import flush_sinks_async
+        >>> # Skipped: it needs an AsyncLLM (a second engine); run inside its event loop:
+        >>> await flush_sinks_async(engine)  # doctest: +SKIP
+    """
     from vllm_lens.frontend.rpc import all_workers
 
     _raise_problems(await all_workers(engine, "lens_flush_sinks"))

@@ -52,7 +52,25 @@ def _as_tensor(value: Any, what: str) -> Any:
 class SteeringCondition(BaseModel):
     """Steering gated by the model's own activations: at each token the vector's scale is
     ``scale * sigmoid(sharpness * (h · probe - threshold))``, with ``h`` the stream at
-    (``layer``, ``point``) earlier in the same forward pass (before any steering there)."""
+    (``layer``, ``point``) earlier in the same forward pass (before any steering there).
+
+    Set it as a ``SteeringVector``'s ``condition``; every field is a keyword argument.
+
+    Keyword Args:
+        probe (torch.Tensor | numpy.ndarray | list | dict): ``(hidden,)``, float32, float16
+            or bfloat16 (float64 is cast to float32), finite: the direction read.
+        layer (int): the layer read, at or before every steered layer.
+        point (str): the tap point read at ``layer`` (default ``"resid_post"``).
+        threshold (float): the value of ``h · probe`` where the gate is one half (default
+            ``0.0``; finite).
+        sharpness (float): how steeply the gate opens around ``threshold`` (default
+            ``1.0``; finite).
+
+    Raises:
+        pydantic.ValidationError: (a ``ValueError``) a field breaks one of the rules above;
+            whether ``layer`` and ``point`` come early enough is checked when the request
+            is sent (``LensRequestError``).
+    """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
 
@@ -90,27 +108,67 @@ class SteeringVector(BaseModel):
     """Vectors added to the residual stream after the listed decoder layers (or, with
     ``mode="replace"``, written over it).
 
-    Example::
+    Pass a list of them as ``extra_args["apply_steering_vectors"]`` (offline), or their wire
+    strings (``to_wire``) or JSON dicts (``model_dump(mode="json")``) over HTTP. The
+    vector validates itself here; what depends on the model (hidden size, layer range,
+    context length) is checked when the request is sent, and a misfit raises
+    ``LensRequestError`` naming ``apply_steering_vectors[i]``.
 
-        sv = SteeringVector(activations=direction[None], layer_indices=[10], scale=4.0)
-        SamplingParams(max_tokens=20, extra_args={"apply_steering_vectors": [sv]})
+    Activation patching, where position 5 after layer 3 becomes a clean run's row:
 
-        # activation patching: position 5 after layer 3 becomes a clean run's row
         SteeringVector(activations=clean[3, 5][None, None], layer_indices=[3],
                        position_indices=[5], mode="replace")
+
+    Every field is a keyword argument of the constructor (a pydantic model):
+
+    Keyword Args:
+        activations (torch.Tensor | numpy.ndarray | dict): a tensor, numpy array or JSON
+            tensor record, float32, float16 or bfloat16 (float64 is cast to float32),
+            finite: ``(n_layers, hidden)`` or ``(n_layers, n_positions, hidden)`` (see the
+            attribute below).
+        layer_indices (list[int]): one decoder layer per row of ``activations``, distinct;
+            ``[-1]`` alone addresses the token embeddings.
+        scale (float): multiplies every vector (default ``1.0``; must be finite, and
+            ``1.0`` with ``mode="replace"``).
+        norm_match (bool): scale relative to the stream's norm (default ``False``; needs
+            non-zero rows).
+        position_indices (list[int] | None): with 3D activations, the distinct
+            non-negative absolute position of each row (default ``None``: ``0 ..
+            n_positions - 1``).
+        hook_point (str): the tap point steered (default ``"resid_post"``).
+        mode (str): ``"add"`` (default) or ``"replace"``.
+        phase (str): ``"all"`` (default), ``"prefill"`` or ``"decode"``.
+        condition (SteeringCondition | None): gates an ``"add"`` without ``norm_match``
+            (default ``None``).
+
+    Raises:
+        pydantic.ValidationError: (a ``ValueError``) on construction, when a field breaks
+            one of the rules above, or an unknown field is given; the message names it.
+
+    Examples:
+        >>> import torch
+        >>> from vllm import SamplingParams
+        >>> from vllm_lens import SteeringVector
+        >>> sv = SteeringVector(activations=torch.randn(1, 128), layer_indices=[2], scale=4.0)
+        >>> sp = SamplingParams(max_tokens=3, ignore_eos=True,
+        ...                     extra_args={"apply_steering_vectors": [sv]})
+        >>> len(llm.generate(["Hello"], sp)[0].outputs[0].token_ids)
+        3
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True, extra="forbid")
 
     activations: torch.Tensor
     """``(n_layers, hidden)``: added at every position; or ``(n_layers, n_positions, hidden)``:
-    row ``j`` added at absolute position ``position_indices[j]``."""
+    row ``j`` added at absolute position ``position_indices[j]``. Cast to the model dtype on
+    the worker."""
     layer_indices: list[int]
     """Decoder layer after which each ``activations[i]`` is added; ``[-1]`` addresses the token
     embeddings: the stream entering layer 0 (also ``hook_point="embed"``), i.e. layer 0's
     ``resid_pre``, which includes what the model adds before its first layer (position
     embeddings in GPT-2-style models, Gemma's embedding scale)."""
     scale: float = 1.0
+    """Multiplies every vector before it is added."""
     norm_match: bool = False
     """Add ``scale * ||h|| * v / ||v||`` instead of ``scale * v`` (``h``: the residual stream at
     that token and layer), so the push is relative to the stream's size."""
@@ -217,19 +275,41 @@ class SteeringVector(BaseModel):
 
     @property
     def positions(self) -> list[int] | None:
-        """Absolute positions of 3D rows (``None`` for 2D vectors, which apply everywhere)."""
+        """Absolute positions of 3D rows (``None`` for 2D vectors, which apply everywhere).
+
+        Returns:
+            ``position_indices`` if given, else ``[0, 1, ..., n_positions - 1]``, for 3D
+            activations; ``None`` for 2D ones.
+        """
         if self.activations.dim() == 2:
             return None
         return self.position_indices or list(range(self.activations.shape[1]))
 
     def to_wire(self) -> str:
-        """Compact ASCII form: base64 of msgpack + zstd (what ``vllm_xargs`` can carry)."""
+        """Compact ASCII form: base64 of msgpack + zstd (what ``vllm_xargs`` can carry).
+
+        Returns:
+            An ASCII string holding every field, the tensor in its own dtype; an
+            ``apply_steering_vectors`` item over HTTP, read back by ``from_wire``.
+        """
         fields = self.model_dump(exclude={"activations"})
         return base64.b64encode(wire.dumps({**fields, "activations": self.activations})).decode()
 
     @classmethod
     def from_wire(cls, text: str) -> SteeringVector:
-        """Inverse of :meth:`to_wire`; undecodable input raises :class:`WireError`."""
+        """Inverse of ``to_wire``; undecodable input raises ``WireError``.
+
+        Args:
+            text: a ``to_wire`` string.
+
+        Returns:
+            The ``SteeringVector`` it holds, validated again.
+
+        Raises:
+            WireError: ``text`` is not base64, not a valid compressed msgpack payload, or
+                does not hold a map of fields.
+            pydantic.ValidationError: the fields decode but do not make a valid vector.
+        """
         try:
             blob = base64.b64decode(text, validate=True)
         except (binascii.Error, ValueError, TypeError):

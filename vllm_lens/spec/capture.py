@@ -34,6 +34,30 @@ class CaptureSpec:
     ``positions`` is a selector (``"prompt"``, ``"prompt[1:]"``, ``"generated[-5:]"`` ...;
     see ``vllm_lens.positions``) or a sorted tuple of absolute token positions; ``reduce``
     collapses the selected positions per layer (``"mean"`` or ``"last"``).
+
+    This is the validated form of one capture: the front end builds it from a request's
+    ``output_residual_stream``, each entry of ``output_activations`` and ``output_qk`` (a Q
+    and a K spec), checking the layers, positions and reduction against the model (bad
+    values raise ``LensRequestError`` naming the field), and sends it to the workers inside
+    the request. Requests are written as those dicts, not as ``CaptureSpec`` objects;
+    constructing one directly checks nothing.
+
+    Args:
+        layers: decoder layer indices, sorted and distinct (``0 .. n_layers - 1``).
+        positions: a selector string or a sorted tuple of absolute positions; default
+            ``"all"`` (every position of the prompt and the generated tokens).
+        reduce: ``None`` (default: one row per selected position), ``"mean"`` or
+            ``"last"`` (one row per layer).
+        signal: what is captured (see the attribute below); default ``"residual_stream"``.
+
+    Examples:
+        >>> from vllm_lens import CaptureSpec
+        >>> spec = CaptureSpec(layers=(1, 3), positions="prompt[-2:]", reduce="mean")
+        >>> spec.to_payload()
+        {'layers': [1, 3], 'signal': 'residual_stream', 'reduce': 'mean',
+         'positions': 'prompt[-2:]'}
+        >>> CaptureSpec.from_payload(spec.to_payload()) == spec, spec.wants_prompt_rows()
+        (True, True)
     """
 
     layers: tuple[int, ...]
@@ -44,20 +68,44 @@ class CaptureSpec:
     (``output_activations``), or ``attn_q`` / ``attn_k`` (``output_qk``)."""
 
     def to_payload(self) -> dict[str, Any]:
-        """Plain msgpack types, as the spec travels to the workers inside the request."""
+        """Plain msgpack types, as the spec travels to the workers inside the request.
+
+        Returns:
+            ``{"layers": [int, ...], "signal": str, "reduce": str | None, "positions":
+            str | [int, ...]}`` (a tuple of positions becomes a list); the inverse of
+            ``from_payload``.
+        """
         return {"layers": list(self.layers), "signal": self.signal, "reduce": self.reduce,
                 "positions": self.positions if isinstance(self.positions, str)
                 else list(self.positions)}
 
     @classmethod
     def from_payload(cls, d: Mapping[str, Any]) -> CaptureSpec:
+        """Inverse of ``to_payload`` (run on the workers); it re-checks nothing.
+
+        Args:
+            d: a ``to_payload`` dict; ``signal`` may be missing (then
+                ``"residual_stream"``).
+
+        Returns:
+            The ``CaptureSpec`` the payload describes (a list of positions becomes a tuple).
+
+        Raises:
+            KeyError: ``d`` lacks ``layers``, ``positions`` or ``reduce``.
+        """
         positions = d["positions"]
         return cls(layers=tuple(int(x) for x in d["layers"]),
                    positions=positions if isinstance(positions, str) else tuple(positions),
                    reduce=d["reduce"], signal=str(d.get("signal", tap_points.RESIDUAL_SIGNAL)))
 
     def wants_prompt_rows(self) -> bool:
-        """True if any prompt position may be selected (so prefix-cache hits must be recomputed)."""
+        """True if any prompt position may be selected (so prefix-cache hits must be recomputed).
+
+        Returns:
+            ``True`` for explicit positions and for selectors that may read the prompt
+            (``"all"``, ``"prompt..."``, ``"last_prompt"``, or one that does not parse);
+            ``False`` for ``"generated"`` and its slices.
+        """
         if isinstance(self.positions, tuple):
             return True
         selector = parse_selector(self.positions)

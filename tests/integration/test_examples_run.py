@@ -116,3 +116,58 @@ def test_sae_features_example_closes_the_loop_with_sae_lens(tmp_path):
     assert all(v > read_back["plain"] for v in steered), read_back  # measured 0.16 vs 0.00
     assert out.stat().st_size > 10_000
     assert (tmp_path / "work" / "sae" / "cfg.json").exists()
+
+
+def test_tour_notebook_runs_every_step(tmp_path, monkeypatch):
+    """examples/notebooks/tour.ipynb, executed by nbclient in a fresh kernel of this Python:
+    the capture has every layer, the logit lens's last layer agrees with vLLM's token, the
+    steered and clamped texts differ from the plain ones, the SAE's features come back and
+    the clamped feature reads its target, and the lens draws its picture."""
+    import json
+    import time
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    # A kernel spec of its own naming this interpreter (a "python3" spec elsewhere on the
+    # machine could start another Python, without vLLM).
+    spec = tmp_path / "jupyter" / "kernels" / "vllm-lens-tour"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "vllm-lens tour", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    nb = nbformat.read(ROOT / "examples" / "notebooks" / "tour.ipynb", as_version=4)
+    client = NotebookClient(nb, kernel_name="vllm-lens-tour", timeout=600,
+                            resources={"metadata": {"path": str(tmp_path)}})
+    started = time.monotonic()
+    client.execute()  # a cell that raises fails here, with its traceback
+    print(f"tour.ipynb ran in {time.monotonic() - started:.0f} s")
+
+    def printed(cell_id: str) -> str:
+        (cell,) = [c for c in nb.cells if c.get("id") == cell_id]
+        return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+
+    assert "engine: 30 layers, hidden size 576" in printed("start")
+    assert re.search(r"captured residual_stream: shape \(30, \d+, 576\)", printed("capture"))
+    lens = printed("lens")
+    found = re.search(r"the last layer predicts (.+); vLLM generated (.+)$", lens, re.M)
+    assert found and found.group(1) == found.group(2), lens
+    assert len(re.findall(r"^\s*\d+  ", lens, re.M)) == 30, lens  # one row per layer
+    (plot,) = [c for c in nb.cells if c.get("id") == "lens-plot"]
+    assert any("image/png" in o.get("data", {}) for o in plot.outputs)
+    steered = dict(re.findall(r"^\[steering scale ([+-][\d.]+)\] (.*)$", printed("steer"),
+                              re.M))
+    assert set(steered) == {"+0.0", "+0.3", "-0.3"}, printed("steer")
+    assert steered["+0.3"] != steered["+0.0"] != steered["-0.3"], steered
+    assert "RANDOM JumpReLU SAE" in printed("sae-make")
+    assert re.search(r"SAE features: \d+ positions", printed("sae-read")), printed("sae-read")
+    clamp = printed("clamp")
+    found = re.search(r"to (\d+): it reads ([\d.]+)\.\.([\d.]+)", clamp)
+    assert found, clamp
+    target, low, high = (float(g) for g in found.groups())
+    # c where the feature was active; where it was off, c plus its pre-activation, which is
+    # below the notebook's threshold of 15 (and above -c/2 on these few tokens).
+    assert target / 2 < low <= high <= target + 15, clamp
+    texts = dict(re.findall(r"^\[(plain|clamped)\]\s+(.*)$", clamp, re.M))
+    assert texts["plain"] != texts["clamped"], texts

@@ -125,16 +125,26 @@ def write(lens: LensRequest, captures: Mapping[str, Mapping[str, Any]], model: s
     whole = lens.captures[0] if lens.captures else None
     held = [int(x) for x in captures[first.signal]["layers"]] if specs else []
     part = (held != (list(whole.layers) if whole else [])) or len(saes) < len(lens.saes)
+    if whole and lens.sink.row_shapes is not None:
+        # Every stage writes the front end's dtype and shapes, so that all stages' manifests
+        # agree; rows of another dtype here are an error, not a second manifest.
+        dtype = str(lens.sink.dtype)
+        row_shapes = {c.signal: list(lens.sink.row_shapes[c.signal]) for c in lens.captures}
+        for signal, t in rows.items():
+            if str(t.dtype).removeprefix("torch.") != dtype:
+                raise ValueError(f"the {signal} rows are {t.dtype}, but the dataset's manifest "
+                                 f"says {dtype}: nothing was written")
+    else:
+        dtype = str(rows[first.signal].dtype).removeprefix("torch.") if specs else "float32"
+        row_shapes = {c.signal: list(rows[c.signal].shape[2:]) for c in lens.captures}
     settings = {
         "model": model,
         "vllm_version": vllm.__version__,
         "vllm_lens_version": _version("vllm-lens"),
         "points": [c.signal for c in lens.captures],
         "layers": list(whole.layers) if whole else [],
-        "dtype": str(rows[first.signal].dtype).removeprefix("torch.") if specs
-        else lens.sink.dtype if whole else "float32",
-        "row_shapes": {c.signal: list(rows[c.signal].shape[2:]) if c.signal in rows
-                       else list(lens.sink.row_shapes[c.signal]) for c in lens.captures},
+        "dtype": dtype,
+        "row_shapes": row_shapes,
         "positions": first.positions if isinstance(first.positions, str)
         else list(first.positions),
         "reduce": first.reduce,

@@ -61,6 +61,18 @@
   at once (default 2); more get HTTP 429. A sweep whose client disconnects is cancelled.
 - ``VLLM_LENS_HOOK_RESULTS_MAX``: results of persistent hooks kept per worker, in requests
   (default 10000); past it the oldest requests' results are dropped.
+- ``VLLM_LENS_ATTENTION_HOOK_MAX_ROWS``: most rows (positions × layers × samples) one request
+  may run the ``attention_to_span`` named hook on (default 65536; read by
+  ``vllm_lens.named_hooks``).
+- ``VLLM_LENS_INNER_TAPS``: ``0`` puts no tap ops inside the decoder layers (the points read
+  there are then refused), for plain traffic's speed; default ``1``.
+- ``VLLM_LENS_HTTP_STORE_DIR``: the directory under which each OpenAI server makes the
+  directory its API processes share (binary-transport store, preset log; default: the
+  system's temporary directory; ``frontend.shared_dir``).
+- ``VLLM_LENS_SERVER_DIR``: set by a server's launcher for the API processes it starts (that
+  shared directory); not a setting.
+- ``VLLM_LENS_CACHE``: where the demo models are built (default ``~/.cache/vllm_lens``;
+  ``vllm_lens.demo_models``).
 """
 
 from __future__ import annotations

@@ -14,19 +14,41 @@ plugin loads itself in every process, as it does under ``vllm serve``.
 
 from __future__ import annotations
 
+import re
 import sys
+import textwrap
 from collections.abc import Sequence
 
-__all__ = ["main"]
+__all__ = ["main", "settings_help"]
+
+
+def settings_help() -> str:
+    """What ``vllm-lens serve --help`` prints before vLLM's own flags: the vllm-lens settings
+    (environment variables, from ``vllm_lens.envs``' list)."""
+    from vllm_lens import envs
+
+    lines = ["vllm-lens serve MODEL [vllm serve flags]: vLLM's OpenAI-compatible server with "
+             "vllm-lens loaded (every flag below is vLLM's own).",
+             "", "vllm-lens settings (environment variables; details: the docs' Settings and "
+             "errors page):"]
+    entries = re.findall(r"^- ``(VLLM_LENS_\w+)``: (.*?)(?=^- ``|\Z)", envs.__doc__ or "",
+                         re.S | re.M)
+    for name, text in entries:
+        lines.append(textwrap.fill(f"{name}: {' '.join(text.split()).replace('``', '')}",
+                                   width=100, initial_indent="  ", subsequent_indent="      "))
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str]) -> int:
-    """Run ``vllm serve`` with ``argv`` (the model and vLLM's serve flags)."""
+    """Run ``vllm serve`` with ``argv`` (the model and vLLM's serve flags); with ``-h`` /
+    ``--help`` print the vllm-lens settings, then vLLM's serve help."""
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    if any(arg in ("-h", "--help") or arg.startswith("--help=") for arg in argv):
+        print(settings_help())
     cli_env_setup()
     parser = FlexibleArgumentParser(prog="vllm-lens", description="vLLM's OpenAI-compatible "
                                     "server with vllm-lens: the flags of `vllm serve`")

@@ -32,3 +32,24 @@ def test_the_command_prints_it_and_vllm_answers_a_group(capsys):
     with pytest.raises(SystemExit) as done:
         cli.main(["extract", "--help=ParallelConfig"])
     assert done.value.code == 0 and "--tensor-parallel-size" in capsys.readouterr().out
+
+
+def test_serve_help_lists_every_setting_before_vllms_flags(capsys):
+    """``vllm-lens serve --help``: the vllm-lens settings (every ``VLLM_LENS_*`` variable the
+    package reads), then vLLM's own serve help."""
+    import pathlib
+
+    import vllm_lens
+    from vllm_lens import cli
+
+    read = set()
+    for path in pathlib.Path(vllm_lens.__file__).parent.rglob("*.py"):
+        read |= set(re.findall(r"[\"'](VLLM_LENS_[A-Z0-9_]+)[\"']", path.read_text()))
+    with pytest.raises(SystemExit) as done:
+        cli.main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    settings, vllm_help = out.split("usage: vllm serve", 1)
+    listed = set(re.findall(r"^  (VLLM_LENS_[A-Z0-9_]+):", settings, flags=re.M))
+    assert read - {"VLLM_LENS_"} <= listed, sorted(read - listed)
+    assert "--help=all" in vllm_help

@@ -34,22 +34,23 @@ def test_the_command_prints_it_and_vllm_answers_a_group(capsys):
     assert done.value.code == 0 and "--tensor-parallel-size" in capsys.readouterr().out
 
 
-def test_serve_help_lists_every_setting_before_vllms_flags(capsys):
-    """``vllm-lens serve --help``: the vllm-lens settings (every ``VLLM_LENS_*`` variable the
-    package reads), then vLLM's own serve help."""
+def test_serve_help_lists_every_setting_before_vllms_flags():
+    """``vllm-lens serve --help`` (in a process of its own, as a user runs it): the vllm-lens
+    settings (every ``VLLM_LENS_*`` variable the package reads), then vLLM's own serve help."""
     import pathlib
+    import subprocess
+    import sys
 
     import vllm_lens
-    from vllm_lens import cli
 
     read = set()
     for path in pathlib.Path(vllm_lens.__file__).parent.rglob("*.py"):
         read |= set(re.findall(r"[\"'](VLLM_LENS_[A-Z0-9_]+)[\"']", path.read_text()))
-    with pytest.raises(SystemExit) as done:
-        cli.main(["serve", "--help"])
-    out = capsys.readouterr().out
-    assert done.value.code == 0
-    settings, vllm_help = out.split("usage: vllm serve", 1)
+    done = subprocess.run([sys.executable, "-c", "import sys; from vllm_lens import cli; "
+                           "sys.exit(cli.main(['serve', '--help']))"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    settings, vllm_help = done.stdout.split("usage: vllm serve", 1)
     listed = set(re.findall(r"^  (VLLM_LENS_[A-Z0-9_]+):", settings, flags=re.M))
     assert read - {"VLLM_LENS_"} <= listed, sorted(read - listed)
     assert "--help=all" in vllm_help

@@ -51,7 +51,39 @@ _Steps = Generator[httpx.Request, httpx.Response, Any]
 
 
 class LensHTTPError(LensError):
-    """The server answered with an error (bad lens input is status 400, ``param`` its field)."""
+    """The server answered with an error (bad lens input is status 400, ``param`` its field).
+
+    Raised by every method of :class:`LensClient` and :class:`AsyncLensClient` that gets an
+    error status, a body of the OpenAI error form (``{"error": {"message", "param",
+    "code"}}``) or, while streaming, an error chunk. What the statuses mean: 400 a bad lens
+    value, refused before anything runs; 403 a route or kind of request the operator did not
+    open (pickled hooks, ``/v1/hooks/*``, the steering-preset routes, a sink not open to
+    clients); 404 a binary handle that is missing, deleted or expired; 409 a capture sink's
+    dataset conflict; 413 a patching sweep's body over ``VLLM_LENS_MAX_REQUEST_BYTES`` (a
+    lens value over it on the completion routes is a 400); 429 too many patching sweeps at
+    once; 500 a request the worker failed while serving it (a hook that raised: its message
+    and traceback summary); 503 a full store or worker budget.
+
+    Args:
+        status: the HTTP status (the error body's ``code`` where it has one).
+        message: the server's message.
+        param: the request field the error names (``"output_residual_stream[0]"``,
+            ``"apply_hooks"``, ``"name"`` ...), or ``None``.
+
+    Attributes:
+        status (int): as above.
+        message (str): as above; ``str(exc)`` is ``"HTTP <status>: <message>"``.
+        param (str | None): as above.
+
+    Examples:
+        >>> from vllm_lens.client import LensClient, LensHTTPError
+        >>> with LensClient(server) as client:
+        ...     try:
+        ...         client.generate("Hi", max_tokens=2, capture_layers=[99])
+        ...     except LensHTTPError as exc:
+        ...         print(exc.status, exc.param)
+        400 output_residual_stream[0]
+    """
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         self.status = status
@@ -68,6 +100,71 @@ class LensResult:
     piece; ``activations`` is set on the last result of each choice, or, with
     ``stream_activations=True``, on every result that brought rows: the rows computed since
     the previous one (laid end to end along positions, they are the whole capture).
+
+    The clients make these (``generate``, ``chat``); tensors arrive decoded, on the CPU.
+    Each field below is an attribute of the result.
+
+    Args:
+        index (int): the choice's index in the response (0, 1, ... for ``n > 1`` or several
+            prompts).
+        text (str): the generated text (for ``chat``, the message's content); while
+            streaming, the text so far.
+        token_ids (list[int]): the generated token ids (so far, while streaming).
+        finish_reason (str | None): vLLM's (``"stop"``, ``"length"`` ...); ``None`` until the
+            choice's last token has arrived.
+        activations (dict[str, torch.Tensor] | None): the choice's captured rows, in the
+            served model's dtype (``"positions"`` and the other position lists int64), or
+            ``None`` when the request captured nothing or sent its rows to a capture sink.
+            ``"residual_stream"`` ``[n_layers, n_positions, hidden]`` for ``capture_layers``
+            / ``capture`` (row ``[i, p]``: the stream after layer ``layers[i]`` at position
+            ``positions[p]``; every prompt token and every generated token but the last),
+            ``"positions"`` ``[n_positions]``; with ``output_activations``, per point
+            ``<point>`` ``[n_layers, n_positions, *point shape]`` and ``"<point>_positions"``;
+            with ``output_qk``, ``"attn_q"`` ``[n_layers, n_positions, n_heads, head_dim]``,
+            ``"attn_k"`` and their metadata (``vllm_lens.attention``). Reduced captures
+            (``"reduce": "mean"`` or ``"last"``) have no positions axis:
+            ``[n_layers, hidden]``.
+        raw (dict[str, Any]): the response JSON (or, when streaming, the chunk this result
+            came from).
+        prompt_token_ids (list[int] | None): the prompt's token ids, as the server
+            tokenized it.
+        hook_results (dict[str, Any] | None): for requests with ``hooks=``, ``{"0": saved of
+            the first hook, "1": saved of the second, ...}``, each what the hook kept in
+            ``ctx.saved`` (tensors decoded; a named hook documents its own, e.g.
+            ``logit_lens_topk``'s ``{"token_ids": {"<layer>": [n_positions, k]},
+            "positions": {"<layer>": [n_positions]}}``).
+        capture_receipt (dict[str, Any] | None): for requests with ``capture_sink=``, where
+            the rows went (``vllm_lens.sinks``): ``{"sink", "dataset", "key", "shard",
+            "offset", "rows", "shapes", "durable"}`` (and ``"writer"`` from a named writer;
+            under pipeline parallelism ``"parts"`` instead of ``"shard"`` and ``"offset"``).
+        steering_gates (dict[str, Any] | None): for conditional steering vectors,
+            ``{"<vector index>": {"positions", "gates"}}``: where each gated vector was
+            tested and its gate there.
+        sae_features (list[dict[str, Any]] | None): for requests with ``sae_features=``,
+            one entry per SAE asked for: ``{"sae", "layer", "point", "positions" int64 [n],
+            "indices" int32 [n, top_k], "values" float32 [n, top_k]}`` (index -1, value 0
+            where fewer features were active), with ``"reconstruction": true`` also
+            ``"nmse"`` float32 [n] and ``"l0"`` int32 [n]. On the last result of each
+            choice or, with ``stream_activations=True``, like ``activations``
+            (``vllm_lens.saes.to_sparse`` makes a sparse tensor of an entry).
+        delta (str): while streaming, the text this result added (``""`` otherwise).
+        choices (list[LensResult]): every choice of the same response, in index order (this
+            one among them); empty while streaming.
+
+    Examples:
+        >>> from vllm_lens import NamedHook
+        >>> from vllm_lens.client import LensClient
+        >>> with LensClient(server) as client:
+        ...     r = client.generate(["Hello", "Bonjour"], max_tokens=3, ignore_eos=True,
+        ...                         capture_layers=[5], hooks=[NamedHook("logit_lens_topk",
+        ...                                                              [29], {"k": 2})])
+        >>> [c.index for c in r.choices], len(r.token_ids), r.finish_reason
+        ([0, 1], 3, 'length')
+        >>> n = len(r.prompt_token_ids) + 2   # rows: the prompt and all but the last token
+        >>> r.activations["residual_stream"].shape == (1, n, 576)
+        True
+        >>> r.hook_results["0"]["token_ids"]["29"].shape == (n, 2)
+        True
     """
 
     index: int
@@ -233,10 +330,31 @@ class _StreamState:
 class LensClient:
     """Synchronous client (httpx) for a lens-enabled vLLM OpenAI server.
 
-    >>> client = LensClient("http://127.0.0.1:8000")            # doctest: +SKIP
-    >>> r = client.generate("The capital of France is", max_tokens=5, capture_layers=[3, 7])
-    ... # doctest: +SKIP
-    >>> r.text, r.activations["residual_stream"].shape          # doctest: +SKIP
+    Use it as a context manager (or call :meth:`close`) to close its connections. Every
+    method raises :class:`LensHTTPError` when the server answers with an error, and lets
+    httpx's own errors through when none comes (``httpx.ConnectError`` for a server that is
+    not there, ``httpx.TimeoutException`` past ``timeout``: both ``httpx.TransportError``).
+
+    Args:
+        base_url: the server's address without ``/v1`` (``"http://host:port"``; a trailing
+            ``/`` is dropped).
+        model: the model name sent with each request; default: the first model
+            ``GET /v1/models`` lists, asked once, at the first request.
+        api_key: sent as ``Authorization: Bearer <api_key>`` (a server started with
+            ``--api-key``); default: no header.
+        timeout: seconds httpx waits to connect, and for each read or write (not for the whole
+            response); default 600.
+
+    Examples:
+        >>> from vllm_lens.client import LensClient
+        >>> with LensClient(server) as client:
+        ...     r = client.generate("The capital of France is", max_tokens=4,
+        ...                         capture_layers=[3, 7])
+        >>> acts = r.activations
+        >>> acts["residual_stream"].shape[::2], acts["residual_stream"].dtype
+        (torch.Size([2, 576]), torch.float32)
+        >>> acts["positions"].tolist() == list(range(acts["residual_stream"].shape[1]))
+        True
     """
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None,
@@ -253,7 +371,73 @@ class LensClient:
         of partial ones. ``output_activations=``, ``output_qk=``, ``capture_sink=``,
         ``stream_activations=`` and ``sae_features=`` (``output_sae_features``: SAEs the
         server registered, by name) are sent as those lens keys; other ``openai_kwargs`` go into
-        the request body (``n``, ``seed``, ...)."""
+        the request body (``n``, ``seed``, ...).
+
+        Args:
+            prompt: the prompt: a string, a list of token ids, or a list of strings (several
+                prompts: one choice each, in ``choices``).
+            max_tokens: tokens to generate (default 16).
+            temperature: sampling temperature (default 0.0: greedy).
+            capture_layers: the residual stream (``output_residual_stream``) at these layer
+                indices, or ``True`` for every layer, every position; ``None`` (default):
+                none. Not a string: ``[12]``, not ``"12"``.
+            capture: the extended form of ``output_residual_stream`` instead,
+                ``{"layers": [...] or True, "positions": ..., "reduce": None | "mean" |
+                "last"}``; not together with ``capture_layers``.
+            steering_vectors: ``apply_steering_vectors``: a ``SteeringVector``, its
+                ``model_dump(mode="json")`` dict or ``to_wire()`` string, an item steering by
+                a served SAE's feature (``{"sae", "feature", "scale" | "clamp"}``),
+                ``"preset:<name>"`` (a preset the server registered), or a list of these.
+            hooks: ``apply_hooks``: a list of ``NamedHook`` (any server) or ``Hook`` (pickled:
+                only where the operator set ``VLLM_LENS_ALLOW_PICKLED_HOOKS=1``); their
+                results come back in ``hook_results``.
+            stream: ``False`` (default): wait for the whole response; ``True``: server-sent
+                events, returned as an iterator of partial results.
+            transport: ``"json"`` (default): the tensors travel inside the response;
+                ``"binary"``: the response holds a handle, and the client fetches the bytes
+                (msgpack) in a second request, which frees them on the server.
+            **openai_kwargs: lens keys by name, sent as such in ``vllm_xargs``:
+                ``output_activations=`` (tap points), ``output_qk=`` (layers),
+                ``capture_sink=`` (``{"sink", "dataset", "key"}``), ``stream_activations=``
+                (``True``), ``output_sae_features=`` or its short name ``sae_features=``
+                (``{"sae": name the server registered, "top_k", "reconstruction"}`` or a
+                list of them). Anything else goes into the request body as it is (``n``,
+                ``seed``, ``stop``, ``ignore_eos`` ...; ``vllm_xargs`` is merged with the
+                lens keys).
+
+        Returns:
+            Without ``stream``: the first choice's :class:`LensResult`, every choice in its
+            ``choices``. With ``stream=True``: an iterator of ``LensResult`` (one per choice
+            per chunk, each with the text so far and ``delta``); the request is sent when
+            iteration starts, and the last result of each choice carries its
+            ``activations`` (with ``stream_activations=True``, every result that brought
+            rows carries those rows).
+
+        Raises:
+            ValueError: ``transport`` is neither ``"json"`` nor ``"binary"``, or both
+                ``capture_layers`` and ``capture`` are given.
+            TypeError: ``capture_layers`` is a string.
+            LensHTTPError: the server refused or failed the request (400 naming the field
+                in ``param`` for a bad lens value; see :class:`LensHTTPError`); with
+                ``stream=True`` raised while iterating.
+            vllm_lens.WireError: binary activations that are not a valid payload, or a
+                steering vector given as a wire string that does not decode.
+            httpx.TransportError: no answer from the server (not reachable, timed out).
+
+        Examples:
+            >>> from vllm_lens.client import LensClient
+            >>> with LensClient(server) as client:
+            ...     parts = list(client.generate("Once upon a time", max_tokens=4,
+            ...                                  ignore_eos=True, stream=True, capture_layers=[5]))
+            ...     r = client.generate("Hi", max_tokens=2, sae_features={"sae": "smol-l10",
+            ...                                                           "top_k": 4})
+            >>> "".join(p.delta for p in parts) == parts[-1].text, len(parts[-1].token_ids)
+            (True, 4)
+            >>> parts[-1].activations["residual_stream"].shape[0]
+            1
+            >>> sorted(r.sae_features[0]), r.sae_features[0]["indices"].shape[1]
+            (['indices', 'layer', 'point', 'positions', 'sae', 'values'], 4)
+        """
         return self._run("/v1/completions", "prompt", prompt, stream, dict(
             max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
             capture=capture, steering_vectors=steering_vectors, hooks=hooks,
@@ -264,71 +448,372 @@ class LensClient:
              capture: Mapping[str, Any] | None = None, steering_vectors: Any = None,
              hooks: Any = None, stream: bool = False, transport: str = "json",
              **openai_kwargs: Any) -> Any:
-        """``/v1/chat/completions``; arguments and result as for :meth:`generate`."""
+        """``/v1/chat/completions``; arguments and result as for :meth:`generate`.
+
+        The server renders ``messages`` with the model's chat template; positions count the
+        rendered prompt's tokens.
+
+        Args:
+            messages: the chat, OpenAI style: ``[{"role": "user", "content": "..."}, ...]``.
+            max_tokens: as for :meth:`generate` (default 16).
+            temperature: as for :meth:`generate` (default 0.0).
+            capture_layers: as for :meth:`generate`.
+            capture: as for :meth:`generate`.
+            steering_vectors: as for :meth:`generate`.
+            hooks: as for :meth:`generate`.
+            stream: as for :meth:`generate`.
+            transport: as for :meth:`generate`.
+            **openai_kwargs: as for :meth:`generate` (lens keys by name; the rest into the
+                chat request's body).
+
+        Returns:
+            As :meth:`generate`: a :class:`LensResult` whose ``text`` is the message's
+            content, or with ``stream=True`` an iterator of them.
+
+        Raises:
+            ValueError: as for :meth:`generate`.
+            TypeError: as for :meth:`generate`.
+            LensHTTPError: as for :meth:`generate`.
+            httpx.TransportError: as for :meth:`generate`.
+
+        Examples:
+            >>> from vllm_lens.client import LensClient
+            >>> with LensClient(server) as client:
+            ...     r = client.chat([{"role": "user", "content": "Hi"}], max_tokens=3,
+            ...                     capture={"layers": [2], "reduce": "mean"})
+            >>> r.activations["residual_stream"].shape
+            torch.Size([1, 576])
+        """
         return self._run("/v1/chat/completions", "messages", messages, stream, dict(
             max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
             capture=capture, steering_vectors=steering_vectors, hooks=hooks,
             transport=transport, openai_kwargs=openai_kwargs))
 
     def served_model(self) -> str:
-        """The model requests go to: the one given, else the server's first."""
+        """The model requests go to: the one given, else the server's first.
+
+        Returns:
+            The model name: ``model`` as given to the client, else the first ``id`` of
+            ``GET /v1/models`` (asked once, then kept).
+
+        Raises:
+            LensHTTPError: ``/v1/models`` answered with an error (401 without the server's
+                API key).
+            httpx.TransportError: no answer from the server.
+        """
         return self._drive(self._protocol.model_steps())
 
     def fetch_activations(self, payload: Any) -> dict[str, torch.Tensor] | None:
         """Decode one choice's ``activations`` from any response (e.g. one the ``openai`` SDK
-        returned): JSON tensors are decoded; a binary handle is fetched, then deleted."""
+        returned): JSON tensors are decoded; a binary handle is fetched, then deleted.
+
+        Only the handle is taken from a binary descriptor: the bytes are asked of this
+        client's own server (``POST /v1/lens/activations/fetch``), never of a URL the
+        response names.
+
+        Args:
+            payload: a choice's ``"activations"`` value: a dict of JSON tensor records, the
+                binary transport's ``{"transport": "binary", "handle", ...}``, or ``None``.
+                (Other forms ``vllm_lens.decode_activations`` takes, a whole response or a
+                choice, are decoded as it decodes them; a binary descriptor inside them is
+                refused: pass the choice's ``"activations"`` itself.)
+
+        Returns:
+            ``{name: tensor}`` as :attr:`LensResult.activations` lays it out, or ``None``
+            for ``None``.
+
+        Raises:
+            ValueError: the descriptor's handle is not a well-formed handle.
+            LensHTTPError: 404 for a handle that is missing, already fetched or expired.
+            vllm_lens.WireError: the fetched bytes are not a valid payload, or a response or
+                choice holding a binary descriptor was passed.
+            TypeError: ``payload`` is not a mapping (nor an ``openai`` SDK object).
+            httpx.TransportError: no answer from the server.
+
+        Examples:
+            >>> import httpx
+            >>> from vllm_lens.client import LensClient
+            >>> with LensClient(server) as client:
+            ...     body = {"model": client.served_model(), "prompt": "Hi", "max_tokens": 2,
+            ...             "vllm_xargs": {"output_residual_stream": "[1]",
+            ...                            "activations_transport": "binary"}}
+            ...     choice = httpx.post(server + "/v1/completions", json=body).json()["choices"][0]
+            ...     acts = client.fetch_activations(choice["activations"])
+            >>> choice["activations"]["transport"], acts["residual_stream"].shape[0]
+            ('binary', 1)
+        """
         return self._drive(self._protocol.activations_steps(payload))
 
     # -- persistent hooks (``/v1/hooks/*``) ------------------------------------------------------
     def register_hooks(self, hooks: Sequence[Any], prefetch_params: Sequence[str] | None = None
                        ) -> Any:
         """Run ``hooks`` (``NamedHook`` objects, or ``Hook`` objects where the server opted
-        in to pickled code) on every request until :meth:`clear_hooks`."""
+        in to pickled code) on every request until :meth:`clear_hooks`.
+
+        They run on every client's requests and see the tokens each step computes (prompt
+        tokens served from the prefix cache are not run again). Their results are kept per
+        request: :meth:`collect_hook_results`.
+
+        Args:
+            hooks: the hooks: ``NamedHook``, ``Hook`` (pickled: 403 unless the operator set
+                ``VLLM_LENS_ALLOW_PICKLED_HOOKS=1``) or their JSON dicts. Registering again
+                replaces the hooks registered before. Hooks at ``attn_qk`` run per request
+                only.
+            prefetch_params: parameter names to make available to the hooks on every
+                pipeline stage, as :meth:`prefetch_params` does; default none.
+
+        Returns:
+            ``None`` (the server's ``result``).
+
+        Raises:
+            LensHTTPError: 403 unless the operator started the server with
+                ``VLLM_LENS_ALLOW_PERSISTENT_HOOKS=1`` (persistent hooks see every client's
+                traffic), 403 for pickled hooks the operator did not allow, 400 naming the
+                field for a hook that does not fit the model (an unknown named hook, a layer
+                out of range ...) or an unknown parameter name (``param`` ``"names"``).
+            httpx.TransportError: no answer from the server.
+
+        Examples:
+            >>> from vllm_lens import NamedHook
+            >>> from vllm_lens.client import LensClient
+            >>> with LensClient(server) as client:
+            ...     probe = NamedHook("linear_probe", [5], {"weight": [0.01] * 576})
+            ...     client.register_hooks([probe])
+            ...     r = client.generate("A persistent hook sees this", max_tokens=2)
+            ...     collected = client.collect_hook_results()
+            ...     client.clear_hooks()
+            ...     client.clear_hook_results()
+            >>> mine = [v for k, v in collected.items() if k.startswith(r.raw["id"])]
+            >>> sorted(mine[0]["0"]), mine[0]["0"]["scores"]["5"].ndim
+            (['positions', 'scores'], 1)
+        """
         return self._drive(self._protocol.hooks_steps(
             "POST", "/v1/hooks/register", _register_body(hooks, prefetch_params)))
 
     def collect_hook_results(self) -> dict[str, Any]:
-        """``{request id: {"0": saved, ...}}`` of the persistent hooks (non-destructive)."""
+        """``{request id: {"0": saved, ...}}`` of the persistent hooks (non-destructive).
+
+        Returns:
+            ``{request id: {"0": saved of the first hook, ...}}`` with tensors decoded, for
+            the last ``VLLM_LENS_HOOK_RESULTS_MAX`` requests the hooks ran on (a completion's
+            request id starts with the response's ``id``: ``LensResult.raw["id"]``); a
+            request whose hook raised holds ``{"error", "traceback"}`` instead. Calling it
+            again returns the same until :meth:`clear_hook_results`.
+
+        Raises:
+            LensHTTPError: 403 unless the operator started the server with
+                ``VLLM_LENS_ALLOW_PERSISTENT_HOOKS=1`` (persistent hooks see every client's
+                traffic).
+            httpx.TransportError: no answer from the server.
+        """
         return self._drive(self._protocol.hooks_steps("GET", "/v1/hooks/collect"))
 
     def clear_hook_results(self) -> None:
-        """Drop the persistent hooks' results kept so far (the hooks stay registered)."""
+        """Drop the persistent hooks' results kept so far (the hooks stay registered).
+
+        Raises:
+            LensHTTPError: 403 unless the operator started the server with
+                ``VLLM_LENS_ALLOW_PERSISTENT_HOOKS=1`` (persistent hooks see every client's
+                traffic).
+            httpx.TransportError: no answer from the server.
+        """
         self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_results"))
 
     def clear_hooks(self) -> None:
         """Unregister every persistent hook (results kept so far stay until
-        :meth:`clear_hook_results`)."""
+        :meth:`clear_hook_results`).
+
+        Raises:
+            LensHTTPError: 403 unless the operator started the server with
+                ``VLLM_LENS_ALLOW_PERSISTENT_HOOKS=1`` (persistent hooks see every client's
+                traffic).
+            httpx.TransportError: no answer from the server.
+        """
         self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear"))
 
     def prefetch_params(self, names: Sequence[str]) -> dict[str, Any]:
-        """Make these parameters available to hooks on every pipeline stage; returns shapes."""
+        """Make these parameters available to hooks on every pipeline stage; returns shapes.
+
+        Under pipeline parallelism a hook's ``ctx.get_parameter(name)`` reaches a parameter
+        another stage holds (the unembedding, from an early stage) only once it was
+        prefetched; they stay until :meth:`clear_prefetched`.
+
+        Args:
+            names: parameter names as the served model (vLLM's module) names them, e.g.
+                ``"model.norm.weight"``.
+
+        Returns:
+            ``{name: shape}``, each shape a list of ints.
+
+        Raises:
+            LensHTTPError: 403 unless the operator started the server with
+                ``VLLM_LENS_ALLOW_PERSISTENT_HOOKS=1`` (persistent hooks see every client's
+                traffic); 400 with ``param`` ``"names"`` when no stage has one of ``names``.
+            httpx.TransportError: no answer from the server.
+
+        Examples:
+            >>> from vllm_lens.client import LensClient
+            >>> with LensClient(server) as client:
+            ...     shapes = client.prefetch_params(["model.norm.weight"])
+            ...     client.clear_prefetched()
+            >>> shapes
+            {'model.norm.weight': [576]}
+        """
         return self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/prefetch",
                                                       {"names": list(names)}))
 
     def clear_prefetched(self) -> None:
-        """Drop the parameters :meth:`prefetch_params` made available to hooks."""
+        """Drop the parameters :meth:`prefetch_params` made available to hooks.
+
+        Raises:
+            LensHTTPError: 403 unless the operator started the server with
+                ``VLLM_LENS_ALLOW_PERSISTENT_HOOKS=1`` (persistent hooks see every client's
+                traffic).
+            httpx.TransportError: no answer from the server.
+        """
         self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_prefetched"))
 
     def patching_sweep(self, prompt: str | list[int], clean: Any, layers: Sequence[int],
                        positions: Sequence[int], metric: Mapping[str, Any], corrupt: Any = None,
                        point: str = "resid_post") -> dict[str, Any]:
         """An activation-patching sweep on the server (``frontend.patching``): the metric
-        per (layer, position) cell as ``grid`` [len(layers), len(positions)]."""
+        per (layer, position) cell as ``grid`` [len(layers), len(positions)].
+
+        Cell ``(i, j)`` runs the prompt with ``corrupt`` plus ``clean[i, j]`` written over
+        ``point`` of layer ``layers[i]`` at position ``positions[j]`` (a ``mode="replace"``
+        steering vector), one forward pass and one greedy token each, and reads the metric
+        from the raw logprobs at the last prompt position. No code travels: a shared server
+        accepts it like any steering request.
+
+        Args:
+            prompt: a string (tokenized by the server) or a non-empty list of token ids.
+            clean: the rows to restore, ``[len(layers), len(positions), hidden]`` (a tensor
+                or nested lists; e.g. a capture of the clean prompt).
+            layers: layer indices, without duplicates.
+            positions: prompt positions, without duplicates.
+            metric: ``{"logit_diff": [a, b]}`` (logprob of token ``a`` minus that of ``b``),
+                ``{"logprob": a}`` or ``{"prob": a}``, token ids.
+            corrupt: the corruption, steering vectors as for ``steering_vectors`` of
+                :meth:`generate` (e.g. noise added to the subject's embeddings:
+                ``layer_indices=[-1]``), or an item steering by a served SAE's feature;
+                default ``None``: no corruption.
+            point: the tap point written (default ``"resid_post"``; any point steering may
+                write: ``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out``).
+
+        Returns:
+            ``{"grid": float64 tensor [len(layers), len(positions)], "corrupted": the metric
+            of the corrupted run alone, "uncorrupted": that of the prompt without
+            ``corrupt``, "layers": [...], "positions": [...]}`` (``corrupted`` and
+            ``uncorrupted`` are ``None`` where the metric is not finite).
+
+        Raises:
+            LensHTTPError: 400 naming the field for a bad argument (a layer or position out
+                of range, a bad metric, ``clean`` of the wrong shape, more cells than
+                ``VLLM_LENS_MAX_SWEEP_CELLS`` ...), 413 for a body over
+                ``VLLM_LENS_MAX_REQUEST_BYTES``, 429 when the server runs its limit of
+                sweeps, 500 when a variant failed.
+            httpx.TransportError: no answer from the server.
+
+        Examples:
+            >>> from vllm_lens.client import LensClient
+            >>> with LensClient(server) as client:
+            ...     r = client.generate("The Eiffel Tower is in", max_tokens=1,
+            ...                         capture_layers=[4, 8])
+            ...     clean = r.activations["residual_stream"][:, [1, 2]]
+            ...     out = client.patching_sweep(r.prompt_token_ids, clean, [4, 8], [1, 2],
+            ...                                 {"prob": r.token_ids[0]})
+            >>> out["grid"].shape, out["grid"].dtype, sorted(out)
+            (torch.Size([2, 2]), torch.float64,
+             ['corrupted', 'grid', 'layers', 'positions', 'uncorrupted'])
+        """
         return self._drive(self._protocol.sweep_steps(
             _sweep_body(prompt, clean, layers, positions, metric, corrupt, point)))
 
     def steering_presets(self) -> list[dict[str, Any]]:
         """The server's named steering presets (select one with ``"preset:<name>"`` in
-        ``steering_vectors``)."""
+        ``steering_vectors``).
+
+        Listing and selecting presets needs no opt-in; only registering does.
+
+        Returns:
+            One dict per preset, by name: ``{"name", "model" (or None), "vectors": [{"layers",
+            "point", "mode", "phase", "scale", "norm_match", "positions", "shape"}, ...]}``
+            (never the vectors themselves).
+
+        Raises:
+            LensHTTPError: the server answered with an error.
+            httpx.TransportError: no answer from the server.
+
+        Examples:
+            >>> from vllm_lens.client import LensClient
+            >>> with LensClient(server) as client:
+            ...     presets = {p["name"]: p for p in client.steering_presets()}
+            ...     r = client.generate("Hi", max_tokens=3, steering_vectors=["preset:calm"])
+            >>> presets["calm"]["vectors"][0]["layers"], len(r.token_ids) > 0
+            ([10], True)
+        """
         return self._drive(self._protocol.presets_steps())
 
     def saes(self) -> list[dict[str, Any]]:
         """The SAEs the server serves by name (``sae_features={"sae": name, ...}``): name,
-        layout, architecture, hook point, ``d_in``, ``d_sae``."""
+        layout, architecture, hook point, ``d_in``, ``d_sae``.
+
+        Returns:
+            One dict per SAE the operator registered (``VLLM_LENS_SAES``): ``{"name",
+            "layout", "architecture", "hook_name", "point", "layer", "d_in", "d_sae",
+            "dtype"}`` (never a path or weights).
+
+        Raises:
+            LensHTTPError: the server answered with an error.
+            httpx.TransportError: no answer from the server.
+
+        Examples:
+            >>> from vllm_lens.client import LensClient
+            >>> with LensClient(server) as client:
+            ...     (sae,) = [s for s in client.saes() if s["name"] == "smol-l10"]
+            >>> sae["point"], sae["layer"], sae["d_in"], sae["d_sae"]
+            ('resid_post', 10, 576, 512)
+        """
         return self._drive(self._protocol.saes_steps())
 
     def register_steering(self, name: str, vectors: Any, model: str | None = None) -> Any:
-        """Register a preset (needs the operator's ``VLLM_LENS_ALLOW_STEERING_ROUTES=1``)."""
+        """Register a preset (needs the operator's ``VLLM_LENS_ALLOW_STEERING_ROUTES=1``).
+
+        The vectors are checked against the served model as a request's are; a preset steers
+        every client that selects it (``"preset:<name>"``).
+
+        Args:
+            name: 1 to 64 letters, digits, ``.``, ``_`` or ``-``, starting with a letter or
+                digit; a name registered again is replaced.
+            vectors: steering vectors as for ``steering_vectors`` of :meth:`generate` (a
+                ``SteeringVector``, its JSON dict or wire string, an item steering by a
+                feature of an SAE the server serves by name, or a list of these).
+            model: the model the preset is for; refused if the server serves another.
+                Default ``None``: any.
+
+        Returns:
+            The preset's description, as :meth:`steering_presets` lists it.
+
+        Raises:
+            LensHTTPError: 403 unless the operator opened the routes; 400 naming the field
+                (``"name"``, ``"model"``, ``"presets.<name>[i]..."``) for a bad name, another
+                model or a vector that does not fit the model; 503 when a server of several
+                API processes could not share the change with the others (nothing changed).
+            vllm_lens.WireError: a vector given as a wire string that does not decode.
+            httpx.TransportError: no answer from the server.
+
+        Examples:
+            >>> import torch
+            >>> from vllm_lens import SteeringVector
+            >>> from vllm_lens.client import LensClient
+            >>> sv = SteeringVector(activations=torch.randn(1, 576), layer_indices=[10])
+            >>> with LensClient(server) as client:
+            ...     info = client.register_steering("doc-example", [sv])
+            ...     r = client.generate("Hi", max_tokens=2, steering_vectors=["preset:doc-example"])
+            ...     removed = client.unregister_steering("doc-example")
+            >>> info["name"], info["vectors"][0]["shape"], removed
+            ('doc-example', [1, 576], True)
+        """
         return self._drive(self._protocol.hooks_steps(
             "POST", "/v1/steering/register", _preset_body(name, vectors, model)))
 
@@ -336,9 +821,26 @@ class LensClient:
         """Remove the steering preset ``name`` (needs the operator's
         ``VLLM_LENS_ALLOW_STEERING_ROUTES=1``); a request still selecting it is then refused.
 
+        Args:
+            name: the preset's name.
+
+        Returns:
+            ``True``.
+
         Raises:
             LensHTTPError: no such preset (``status`` 400, ``param`` ``"name"``), or the
-                operator did not open the routes (403)."""
+                operator did not open the routes (403).
+            httpx.TransportError: no answer from the server.
+
+        Examples:
+            >>> from vllm_lens.client import LensClient, LensHTTPError
+            >>> with LensClient(server) as client:
+            ...     try:
+            ...         client.unregister_steering("no-such-preset")
+            ...     except LensHTTPError as exc:
+            ...         print(exc.status, exc.param)
+            400 name
+        """
         return self._drive(self._protocol.hooks_steps("POST", "/v1/steering/unregister",
                                                       {"name": name}))
 
@@ -384,7 +886,32 @@ class LensClient:
 
 
 class AsyncLensClient:
-    """Asynchronous twin of :class:`LensClient` (same methods, awaited)."""
+    """Asynchronous twin of :class:`LensClient` (same methods, awaited).
+
+    Each method is a coroutine taking the same arguments as the :class:`LensClient` method of
+    that name, returning the same and raising the same errors; ``generate`` and ``chat`` with
+    ``stream=True`` return an async iterator. Use it as an async context manager (or await
+    :meth:`aclose`).
+
+    Args:
+        base_url: as for :class:`LensClient` (the server's address, without ``/v1``).
+        model: as for :class:`LensClient` (default: the server's first model).
+        api_key: as for :class:`LensClient` (sent as a bearer token).
+        timeout: as for :class:`LensClient` (seconds per connect, read or write; default
+            600).
+
+    Examples:
+        >>> import asyncio
+        >>> from vllm_lens.client import AsyncLensClient
+        >>> async def main():
+        ...     async with AsyncLensClient(server) as client:
+        ...         one, two = await asyncio.gather(
+        ...             client.generate("Hello", max_tokens=2, capture_layers=[0]),
+        ...             client.chat([{"role": "user", "content": "Hi"}], max_tokens=2))
+        ...         return one.activations["residual_stream"].shape[0], two.activations
+        >>> asyncio.run(main())
+        (1, None)
+    """
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None,
                  api_key: str | None = None, timeout: float = 600.0) -> None:
@@ -397,7 +924,31 @@ class AsyncLensClient:
                        capture: Mapping[str, Any] | None = None, steering_vectors: Any = None,
                        hooks: Any = None, stream: bool = False, transport: str = "json",
                        **openai_kwargs: Any) -> Any:
-        """See :meth:`LensClient.generate`; with ``stream=True`` an async iterator."""
+        """See :meth:`LensClient.generate`; with ``stream=True`` an async iterator.
+
+        Args:
+            prompt: as for :meth:`LensClient.generate`.
+            max_tokens: as for :meth:`LensClient.generate`.
+            temperature: as for :meth:`LensClient.generate`.
+            capture_layers: as for :meth:`LensClient.generate`.
+            capture: as for :meth:`LensClient.generate`.
+            steering_vectors: as for :meth:`LensClient.generate`.
+            hooks: as for :meth:`LensClient.generate`.
+            stream: as for :meth:`LensClient.generate`.
+            transport: as for :meth:`LensClient.generate`.
+            **openai_kwargs: as for :meth:`LensClient.generate`.
+
+        Returns:
+            The first choice's :class:`LensResult` (every choice in its ``choices``), or with
+            ``stream=True`` an async iterator of partial ones (the request is sent when
+            iteration starts).
+
+        Raises:
+            ValueError: as for :meth:`LensClient.generate`.
+            TypeError: as for :meth:`LensClient.generate`.
+            LensHTTPError: as for :meth:`LensClient.generate`.
+            httpx.TransportError: no answer from the server.
+        """
         return await self._run("/v1/completions", "prompt", prompt, stream, dict(
             max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
             capture=capture, steering_vectors=steering_vectors, hooks=hooks,
@@ -409,70 +960,226 @@ class AsyncLensClient:
                    capture: Mapping[str, Any] | None = None, steering_vectors: Any = None,
                    hooks: Any = None, stream: bool = False, transport: str = "json",
                    **openai_kwargs: Any) -> Any:
-        """See :meth:`LensClient.chat`."""
+        """See :meth:`LensClient.chat`.
+
+        Args:
+            messages: as for :meth:`LensClient.chat`.
+            max_tokens: as for :meth:`LensClient.chat`.
+            temperature: as for :meth:`LensClient.chat`.
+            capture_layers: as for :meth:`LensClient.chat`.
+            capture: as for :meth:`LensClient.chat`.
+            steering_vectors: as for :meth:`LensClient.chat`.
+            hooks: as for :meth:`LensClient.chat`.
+            stream: as for :meth:`LensClient.chat`.
+            transport: as for :meth:`LensClient.chat`.
+            **openai_kwargs: as for :meth:`LensClient.chat`.
+
+        Returns:
+            As :meth:`LensClient.chat`; with ``stream=True`` an async iterator.
+
+        Raises:
+            ValueError: as for :meth:`LensClient.chat`.
+            TypeError: as for :meth:`LensClient.chat`.
+            LensHTTPError: as for :meth:`LensClient.chat`.
+            httpx.TransportError: no answer from the server.
+        """
         return await self._run("/v1/chat/completions", "messages", messages, stream, dict(
             max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,
             capture=capture, steering_vectors=steering_vectors, hooks=hooks,
             transport=transport, openai_kwargs=openai_kwargs))
 
     async def served_model(self) -> str:
-        """See :meth:`LensClient.served_model`."""
+        """See :meth:`LensClient.served_model`.
+
+        Returns:
+            As :meth:`LensClient.served_model`.
+
+        Raises:
+            LensHTTPError: as for :meth:`LensClient.served_model`.
+            httpx.TransportError: no answer from the server.
+        """
         return await self._drive(self._protocol.model_steps())
 
     async def fetch_activations(self, payload: Any) -> dict[str, torch.Tensor] | None:
-        """See :meth:`LensClient.fetch_activations`."""
+        """See :meth:`LensClient.fetch_activations`.
+
+        Args:
+            payload: as for :meth:`LensClient.fetch_activations`.
+
+        Returns:
+            As :meth:`LensClient.fetch_activations`.
+
+        Raises:
+            ValueError: as for :meth:`LensClient.fetch_activations`.
+            vllm_lens.WireError: as for :meth:`LensClient.fetch_activations`.
+            LensHTTPError: as for :meth:`LensClient.fetch_activations`.
+            httpx.TransportError: no answer from the server.
+        """
         return await self._drive(self._protocol.activations_steps(payload))
 
     # -- persistent hooks: see LensClient -------------------------------------------------------
     async def register_hooks(self, hooks: Sequence[Any],
                              prefetch_params: Sequence[str] | None = None) -> Any:
-        """See :meth:`LensClient.register_hooks`."""
+        """See :meth:`LensClient.register_hooks`.
+
+        Args:
+            hooks: as for :meth:`LensClient.register_hooks`.
+            prefetch_params: as for :meth:`LensClient.register_hooks`.
+
+        Returns:
+            As :meth:`LensClient.register_hooks`.
+
+        Raises:
+            LensHTTPError: as for :meth:`LensClient.register_hooks`.
+            httpx.TransportError: no answer from the server.
+        """
         return await self._drive(self._protocol.hooks_steps(
             "POST", "/v1/hooks/register", _register_body(hooks, prefetch_params)))
 
     async def collect_hook_results(self) -> dict[str, Any]:
-        """See :meth:`LensClient.collect_hook_results`."""
+        """See :meth:`LensClient.collect_hook_results`.
+
+        Returns:
+            As :meth:`LensClient.collect_hook_results`.
+
+        Raises:
+            LensHTTPError: as for :meth:`LensClient.collect_hook_results`.
+            httpx.TransportError: no answer from the server.
+        """
         return await self._drive(self._protocol.hooks_steps("GET", "/v1/hooks/collect"))
 
     async def clear_hook_results(self) -> None:
-        """See :meth:`LensClient.clear_hook_results`."""
+        """See :meth:`LensClient.clear_hook_results`.
+
+        Returns:
+            ``None``.
+
+        Raises:
+            LensHTTPError: as for :meth:`LensClient.clear_hook_results`.
+            httpx.TransportError: no answer from the server.
+        """
         await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_results"))
 
     async def clear_hooks(self) -> None:
-        """See :meth:`LensClient.clear_hooks`."""
+        """See :meth:`LensClient.clear_hooks`.
+
+        Returns:
+            ``None``.
+
+        Raises:
+            LensHTTPError: as for :meth:`LensClient.clear_hooks`.
+            httpx.TransportError: no answer from the server.
+        """
         await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear"))
 
     async def prefetch_params(self, names: Sequence[str]) -> dict[str, Any]:
-        """See :meth:`LensClient.prefetch_params`."""
+        """See :meth:`LensClient.prefetch_params`.
+
+        Args:
+            names: as for :meth:`LensClient.prefetch_params`.
+
+        Returns:
+            As :meth:`LensClient.prefetch_params`.
+
+        Raises:
+            LensHTTPError: as for :meth:`LensClient.prefetch_params`.
+            httpx.TransportError: no answer from the server.
+        """
         return await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/prefetch",
                                                             {"names": list(names)}))
 
     async def clear_prefetched(self) -> None:
-        """See :meth:`LensClient.clear_prefetched`."""
+        """See :meth:`LensClient.clear_prefetched`.
+
+        Returns:
+            ``None``.
+
+        Raises:
+            LensHTTPError: as for :meth:`LensClient.clear_prefetched`.
+            httpx.TransportError: no answer from the server.
+        """
         await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_prefetched"))
 
     async def patching_sweep(self, prompt: str | list[int], clean: Any, layers: Sequence[int],
                              positions: Sequence[int], metric: Mapping[str, Any],
                              corrupt: Any = None, point: str = "resid_post") -> dict[str, Any]:
-        """See :meth:`LensClient.patching_sweep`."""
+        """See :meth:`LensClient.patching_sweep`.
+
+        Args:
+            prompt: as for :meth:`LensClient.patching_sweep`.
+            clean: as for :meth:`LensClient.patching_sweep`.
+            layers: as for :meth:`LensClient.patching_sweep`.
+            positions: as for :meth:`LensClient.patching_sweep`.
+            metric: as for :meth:`LensClient.patching_sweep`.
+            corrupt: as for :meth:`LensClient.patching_sweep`.
+            point: as for :meth:`LensClient.patching_sweep`.
+
+        Returns:
+            As :meth:`LensClient.patching_sweep`.
+
+        Raises:
+            LensHTTPError: as for :meth:`LensClient.patching_sweep`.
+            httpx.TransportError: no answer from the server.
+        """
         return await self._drive(self._protocol.sweep_steps(
             _sweep_body(prompt, clean, layers, positions, metric, corrupt, point)))
 
     async def steering_presets(self) -> list[dict[str, Any]]:
-        """See :meth:`LensClient.steering_presets`."""
+        """See :meth:`LensClient.steering_presets`.
+
+        Returns:
+            As :meth:`LensClient.steering_presets`.
+
+        Raises:
+            LensHTTPError: as for :meth:`LensClient.steering_presets`.
+            httpx.TransportError: no answer from the server.
+        """
         return await self._drive(self._protocol.presets_steps())
 
     async def saes(self) -> list[dict[str, Any]]:
-        """See :meth:`LensClient.saes`."""
+        """See :meth:`LensClient.saes`.
+
+        Returns:
+            As :meth:`LensClient.saes`.
+
+        Raises:
+            LensHTTPError: as for :meth:`LensClient.saes`.
+            httpx.TransportError: no answer from the server.
+        """
         return await self._drive(self._protocol.saes_steps())
 
     async def register_steering(self, name: str, vectors: Any, model: str | None = None) -> Any:
-        """See :meth:`LensClient.register_steering`."""
+        """See :meth:`LensClient.register_steering`.
+
+        Args:
+            name: as for :meth:`LensClient.register_steering`.
+            vectors: as for :meth:`LensClient.register_steering`.
+            model: as for :meth:`LensClient.register_steering`.
+
+        Returns:
+            As :meth:`LensClient.register_steering`.
+
+        Raises:
+            vllm_lens.WireError: as for :meth:`LensClient.register_steering`.
+            LensHTTPError: as for :meth:`LensClient.register_steering`.
+            httpx.TransportError: no answer from the server.
+        """
         return await self._drive(self._protocol.hooks_steps(
             "POST", "/v1/steering/register", _preset_body(name, vectors, model)))
 
     async def unregister_steering(self, name: str) -> Any:
-        """See :meth:`LensClient.unregister_steering`."""
+        """See :meth:`LensClient.unregister_steering`.
+
+        Args:
+            name: as for :meth:`LensClient.unregister_steering`.
+
+        Returns:
+            As :meth:`LensClient.unregister_steering`.
+
+        Raises:
+            LensHTTPError: as for :meth:`LensClient.unregister_steering`.
+            httpx.TransportError: no answer from the server.
+        """
         return await self._drive(self._protocol.hooks_steps("POST", "/v1/steering/unregister",
                                                             {"name": name}))
 
@@ -529,6 +1236,34 @@ def encode_xargs(extra_args: Mapping[str, Any]) -> dict[str, Any]:
     ``vllm_xargs`` carries only strings, numbers and flat lists of them: ``True`` becomes
     ``"true"``, dicts and nested lists become JSON strings, steering vectors (live objects,
     dicts or wire strings) a JSON list of their ``model_dump(mode="json")``.
+
+    For a request sent with another HTTP client (the ``openai`` SDK's
+    ``extra_body={"vllm_xargs": ...}``, plain httpx); ``LensClient`` calls it itself.
+
+    Args:
+        extra_args: lens keys and their values as ``SamplingParams.extra_args`` takes them
+            (``"output_residual_stream": [3, 7]`` or ``True``, ``"output_activations":
+            {...}``, ``"apply_steering_vectors": [SteeringVector, ...]``, ``"apply_hooks":
+            [NamedHook, ...]`` ...). ``apply_steering_vectors`` also takes
+            ``"preset:<name>"``, kept as it is; ``apply_hooks`` one hook or a list (a
+            ``Hook`` is pickled with cloudpickle, a ``NamedHook`` sent as its JSON).
+
+    Returns:
+        A new dict with the same keys: flat lists of strings and numbers as lists, other
+        lists and dicts as JSON strings, ``True`` as ``"true"``, anything else as it is.
+
+    Raises:
+        vllm_lens.WireError: a steering vector given as a wire string that does not decode
+            (a ``ValueError``).
+
+    Examples:
+        >>> from vllm_lens.client import encode_xargs
+        >>> encode_xargs({"output_residual_stream": True, "output_qk": [3, 7],
+        ...               "output_activations": {"attn_out": [1]}})
+        {'output_residual_stream': 'true', 'output_qk': [3, 7],
+         'output_activations': '{"attn_out": [1]}'}
+        >>> encode_xargs({"apply_steering_vectors": ["preset:calm"]})
+        {'apply_steering_vectors': '["preset:calm"]'}
     """
     out: dict[str, Any] = {}
     for key, value in extra_args.items():

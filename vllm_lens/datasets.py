@@ -49,7 +49,38 @@ _DTYPES = {
 
 
 def open(path: str | os.PathLike) -> ActivationDataset:  # noqa: A001 - the documented name
-    """Open the dataset directory ``path`` (written by a capture sink or ``ShardWriter``)."""
+    """Open the dataset directory ``path`` (written by a capture sink or ``ShardWriter``).
+
+    The same as ``ActivationDataset(path)``. The manifest and the index are read now (the
+    shards only when rows are asked for): open it again to see examples written since.
+
+    Args:
+        path: the dataset's directory (``vllm-lens extract --output``, a capture sink's
+            ``<root>/<dataset>``, or a ``ShardWriter``'s ``root``).
+
+    Returns:
+        The :class:`ActivationDataset` of its complete examples.
+
+    Raises:
+        FileNotFoundError: ``path`` holds no ``manifest.json``.
+        ValueError: the manifest's ``format`` is not this reader's
+            (``vllm-lens-activations/1``), the manifest is not JSON, or a line of
+            ``index.jsonl`` other than a last one cut short is not an entry (a damaged
+            dataset).
+
+    Examples:
+        >>> import torch
+        >>> from vllm_lens import datasets
+        >>> from vllm_lens.shard_writer import ShardWriter
+        >>> manifest = {"points": ["resid_post"], "layers": [1, 3], "dtype": "float32",
+        ...             "row_shapes": {"resid_post": [128]}}
+        >>> with ShardWriter(tmp / "acts", manifest) as writer:   # 2 examples, 5 and 3 rows
+        ...     for key, n in (("a", 5), ("b", 3)):
+        ...         _ = writer.add(key, {"resid_post": torch.randn(2, n, 128)}, range(n))
+        >>> ds = datasets.open(tmp / "acts")
+        >>> len(ds), ds.keys(), ds.points, ds.layers
+        (2, ['a', 'b'], ('resid_post',), (1, 3))
+    """
     return ActivationDataset(path)
 
 
@@ -65,6 +96,53 @@ class ActivationDataset(torch.utils.data.Dataset):
     Also a ``torch.utils.data.Dataset`` of examples (``ds[i]`` as above), for a
     ``DataLoader`` with a collate function of your own (examples have different lengths).
     The index is read when the dataset is opened: open it again to see what was written since.
+
+    ``ds[i]`` (and ``ds.get(key)``, and each item of iteration) is one example: ``{"key":
+    str, "prompt_token_ids": list[int], "token_ids": list[int] (the generated tokens' ids
+    the writer recorded), "positions": int64 [n_rows], <point>: [n_layers, n_rows,
+    *row_shape]}``, one entry per point the dataset holds, in the manifest's dtype, its
+    layers in ``layers`` order (for a reduced dataset ``n_rows`` is 1 and ``positions`` the
+    positions reduced into it); a dataset that read SAE features adds ``"sae_features"``,
+    per SAE as ``LensResult.sae_features`` lays it out: ``{"sae", "layer", "point",
+    "positions", "indices" int32 [n_rows, top_k], "values" float32 [n_rows, top_k]}`` (with
+    reconstruction also ``"nmse"`` float32 and ``"l0"`` int32 [n_rows]). ``ds[i]`` raises
+    ``IndexError`` past the end.
+
+    Args:
+        path: the dataset's directory.
+
+    Attributes:
+        root (pathlib.Path): the directory.
+        manifest (dict): ``manifest.json`` as written: ``format``, ``points``, ``layers``,
+            ``dtype``, ``row_shapes``, and what the writer added (model, versions,
+            positions spec, ``sae_features`` ...).
+        points (tuple[str, ...]): the tap points it holds (``resid_post`` ...).
+        layers (tuple[int, ...]): the layers it holds, in the order of the rows' first
+            axis.
+        saes (tuple[dict, ...]): per SAE it read: ``sae``, ``point``, ``layer``, ``d_sae``,
+            ``top_k``, ``reconstruction``.
+        entries (list[dict]): per complete example, its (first) index line: ``key``,
+            ``shard``, ``offset``, ``rows``, ``positions``, ``prompt_token_ids``,
+            ``token_ids`` (and ``writer``, ``layers``, ``saes`` from named writers).
+
+    Raises:
+        FileNotFoundError: ``path`` holds no ``manifest.json``.
+        ValueError: another format, or a damaged index (as :func:`open`).
+
+    Examples:
+        >>> import torch
+        >>> from vllm_lens import datasets
+        >>> from vllm_lens.shard_writer import ShardWriter
+        >>> manifest = {"points": ["resid_post"], "layers": [1, 3], "dtype": "float32",
+        ...             "row_shapes": {"resid_post": [128]}}
+        >>> with ShardWriter(tmp / "acts", manifest) as writer:   # 2 examples, 5 and 3 rows
+        ...     for key, n in (("a", 5), ("b", 3)):
+        ...         _ = writer.add(key, {"resid_post": torch.randn(2, n, 128)}, range(n))
+        >>> ds = datasets.ActivationDataset(tmp / "acts")
+        >>> ex = ds.get("b")
+        >>> sorted(ex), ex["resid_post"].shape, ds.tensor("resid_post", 3).shape
+        (['key', 'positions', 'prompt_token_ids', 'resid_post', 'token_ids'],
+         torch.Size([2, 3, 128]), torch.Size([8, 128]))
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -128,13 +206,29 @@ class ActivationDataset(torch.utils.data.Dataset):
         return out
 
     def get(self, key: str) -> dict[str, Any]:
-        """The example with ``key`` (``KeyError`` if the dataset has none)."""
+        """The example with ``key`` (``KeyError`` if the dataset has none).
+
+        Args:
+            key: the example's key (as given to the writer: ``capture_sink``'s ``key``, the
+                prompt file's ``key`` column or line number).
+
+        Returns:
+            The example, as ``ds[i]`` gives it (see :class:`ActivationDataset`).
+
+        Raises:
+            KeyError: no complete example has ``key`` (one whose pipeline-stage parts are
+                not all in yet counts as absent).
+        """
         return self[self._by_key[key]]
 
     def keys(self) -> list[str]:
         """The keys of the complete examples, in the order ``ds[i]`` and iteration give
         them (the order they were written; with several writers, the order they became
-        complete)."""
+        complete).
+
+        Returns:
+            A new list of the keys (strings).
+        """
         return [entry["key"] for entry in self.entries]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -146,7 +240,32 @@ class ActivationDataset(torch.utils.data.Dataset):
         the examples' order. A view of the shard file's memory map when they lie in one
         shard, one after the other (copy-on-write: writing to it never reaches the file);
         otherwise this point and layer are read into memory (``shard_tensors`` gives the
-        memory-mapped parts)."""
+        memory-mapped parts).
+
+        Args:
+            point: one of ``points``.
+            layer: one of ``layers`` (a layer index, not a position in ``layers``).
+
+        Returns:
+            ``[total_rows, *row_shape]`` in the manifest's dtype; row ``r`` is the ``r``-th
+            row counting through the examples in order (their ``positions`` tell which
+            token each is); ``[0, *row_shape]`` for a dataset without examples.
+
+        Raises:
+            KeyError: the dataset does not hold ``point`` or ``layer``.
+
+        Examples:
+            >>> import torch
+            >>> from vllm_lens import datasets
+            >>> from vllm_lens.shard_writer import ShardWriter
+            >>> manifest = {"points": ["attn_out"], "layers": [0], "dtype": "bfloat16",
+            ...             "row_shapes": {"attn_out": [128]}}
+            >>> with ShardWriter(tmp / "acts", manifest) as writer:
+            ...     _ = writer.add("a", {"attn_out": torch.randn(1, 4, 128)}, range(4))
+            >>> x = datasets.open(tmp / "acts").tensor("attn_out", 0)
+            >>> x.shape, x.dtype
+            (torch.Size([4, 128]), torch.bfloat16)
+        """
         parts = self.shard_tensors(point, layer)
         if not parts:
             dtype = getattr(torch, str(self.manifest["dtype"]))
@@ -157,7 +276,23 @@ class ActivationDataset(torch.utils.data.Dataset):
         """One field (``indices``, ``values``; with reconstruction ``nmse``, ``l0``) of the
         ``number``-th SAE's features, for every row of every example in order (as
         ``tensor``: memory-mapped if they lie in one shard). ``vllm_lens.saes.to_sparse``
-        turns ``{"indices", "values"}`` into a sparse ``[rows, d_sae]`` tensor."""
+        turns ``{"indices", "values"}`` into a sparse ``[rows, d_sae]`` tensor.
+
+        Args:
+            number: the SAE's place in ``saes`` (0 for the first the job read).
+            field: ``"indices"`` or ``"values"``; with the SAE's ``reconstruction``, also
+                ``"nmse"`` or ``"l0"``.
+
+        Returns:
+            ``indices`` int32 and ``values`` float32 ``[total_rows, top_k]`` (-1 and 0 where
+            fewer features were active), ``nmse`` float32 and ``l0`` int32 ``[total_rows]``,
+            rows in the examples' order (as :meth:`tensor`); zero rows for a dataset
+            without examples.
+
+        Raises:
+            KeyError: no SAE ``number``, or it does not store ``field`` (the message lists
+                what the dataset holds).
+        """
         if not 0 <= number < len(self.saes) or field not in sae_fields(self.saes[number]):
             raise KeyError(f"the dataset holds {len(self.saes)} SAE(s), with fields "
                            f"{[list(sae_fields(s)) for s in self.saes]}; not {field} of "
@@ -172,7 +307,19 @@ class ActivationDataset(torch.utils.data.Dataset):
     def shard_tensors(self, point: str, layer: int) -> list[torch.Tensor]:
         """The rows of ``point`` at ``layer``, memory-mapped (read-only: do not write to
         them), one tensor per run of examples lying one after the other in one shard (for a
-        dataset one writer wrote, one per shard), in the examples' order."""
+        dataset one writer wrote, one per shard), in the examples' order.
+
+        Args:
+            point: one of ``points``.
+            layer: one of ``layers``.
+
+        Returns:
+            A list of ``[rows, *row_shape]`` tensors in the manifest's dtype which,
+            concatenated, are :meth:`tensor`; empty for a dataset without examples.
+
+        Raises:
+            KeyError: the dataset does not hold ``point`` or ``layer``.
+        """
         if point not in self.points or layer not in self.layers:
             raise KeyError(f"the dataset holds {', '.join(self.points)} at layers "
                            f"{list(self.layers)}, not {point} at {layer}")

@@ -7,7 +7,7 @@ process; the worker that serves features loads them itself).
 ['gemma-scope', 'sae-lens', 'sparsify']
 
 Serving features per request (``output_sae_features``), steering and clamping by feature, and
-the operator's registry of named SAEs build on this module (issue 29: not yet in the engine).
+the operator's registry of named SAEs build on this module (issue 29).
 """
 
 from __future__ import annotations
@@ -46,6 +46,20 @@ def load_sae(path: str | Path, hook_point: str | None = None) -> SAE:
     Raises:
         SAEFormatError: the directory holds no layout read here, its files disagree or use a
             flag that is not honoured, or its hook point is missing or not a tap point.
+
+    Examples:
+        >>> import json, torch
+        >>> from safetensors.torch import save_file
+        >>> from vllm_lens.saes import load_sae
+        >>> cfg = {"architecture": "standard",
+        ...        "metadata": {"hook_name": "blocks.2.hook_resid_post"}}
+        >>> _ = (tmp / "cfg.json").write_text(json.dumps(cfg))      # sae-lens' layout
+        >>> save_file({"W_enc": torch.randn(128, 512), "b_enc": torch.zeros(512),
+        ...            "W_dec": torch.randn(512, 128), "b_dec": torch.zeros(128)},
+        ...           tmp / "sae_weights.safetensors")
+        >>> sae = load_sae(tmp)
+        >>> sae.layout, sae.architecture, sae.point, sae.layer, sae.d_in, sae.d_sae
+        ('sae-lens', 'standard', 'resid_post', 2, 128, 512)
     """
     path = Path(path)
     sae = read_sae(path)
@@ -70,11 +84,32 @@ def to_sparse(entry: Mapping[str, Any], d_sae: int) -> torch.Tensor:
     """One ``sae_features`` entry as a ``torch.sparse_coo_tensor`` ``[n, d_sae]`` (the top
     features of each position; the padding, index -1, left out).
 
-    >>> entry = {"indices": torch.tensor([[3, -1], [0, 2]], dtype=torch.int32),
-    ...          "values": torch.tensor([[0.5, 0.0], [1.0, 0.25]])}
-    >>> to_sparse(entry, 4).to_dense()
-    tensor([[0.0000, 0.0000, 0.0000, 0.5000],
-            [1.0000, 0.0000, 0.2500, 0.0000]])
+    Indices are not checked against ``d_sae`` (torch's sparse invariant checks are off by
+    default): pass the ``d_sae`` of the SAE the entry came from.
+
+    Args:
+        entry: an entry of ``sae_features`` (``LensResult.sae_features``, a request
+            output's, a dataset example's) or ``{"indices", "values"}`` of
+            ``ActivationDataset.sae_tensor``: at least ``"indices"`` (integer ``[n, top_k]``,
+            -1 for padding) and ``"values"`` (``[n, top_k]``).
+        d_sae: the SAE's number of features (``SAE.d_sae``, the ``d_sae`` of
+            ``LensClient.saes()`` or of the dataset's ``saes``).
+
+    Returns:
+        A coalesced sparse COO tensor ``[n, d_sae]`` in ``values``' dtype: row ``i`` holds
+        position ``i``'s top features, zero elsewhere.
+
+    Raises:
+        KeyError: ``entry`` lacks ``"indices"`` or ``"values"``.
+
+    Examples:
+        >>> import torch
+        >>> from vllm_lens.saes import to_sparse
+        >>> entry = {"indices": torch.tensor([[3, -1], [0, 2]], dtype=torch.int32),
+        ...          "values": torch.tensor([[0.5, 0.0], [1.0, 0.25]])}
+        >>> to_sparse(entry, 4).to_dense()
+        tensor([[0.0000, 0.0000, 0.0000, 0.5000],
+                [1.0000, 0.0000, 0.2500, 0.0000]])
     """
     indices, values = entry["indices"].long(), entry["values"]
     rows, slots = torch.nonzero(indices >= 0, as_tuple=True)

@@ -40,11 +40,45 @@ LAYOUTS = {
 
 class SAEFormatError(ValueError):
     """A directory that does not hold an SAE vllm-lens can read, or one whose files
-    disagree; the message names the file and field."""
+    disagree; the message names the file and field.
+
+    Raised by :func:`load_sae`, :func:`read_sae` and :func:`detect_layout` (a
+    ``ValueError``, so ``except ValueError`` catches it too).
+
+    Examples:
+        >>> from vllm_lens.saes import SAEFormatError, load_sae
+        >>> try:
+        ...     load_sae(tmp)                      # an empty directory
+        ... except SAEFormatError as exc:
+        ...     print("holds no SAE layout" in str(exc), isinstance(exc, ValueError))
+        True True
+    """
 
 
 def detect_layout(path: Path) -> str:
-    """Which of ``LAYOUTS`` the directory ``path`` holds."""
+    """Which of ``LAYOUTS`` the directory ``path`` holds.
+
+    Only the files' names are looked at (the first layout whose files are all there, in
+    ``LAYOUTS`` order), not their contents.
+
+    Args:
+        path: the directory, a ``pathlib.Path`` (a ``str`` is not accepted here;
+            :func:`load_sae` and :func:`read_sae` take either).
+
+    Returns:
+        ``"sae-lens"``, ``"sparsify"`` or ``"gemma-scope"``.
+
+    Raises:
+        SAEFormatError: ``path`` is not a directory, or holds none of the layouts (the
+            message lists each layout's files).
+
+    Examples:
+        >>> from vllm_lens.saes import detect_layout
+        >>> for name in ("cfg.json", "sae.safetensors"):
+        ...     (tmp / name).touch()
+        >>> detect_layout(tmp)
+        'sparsify'
+    """
     if not path.is_dir():
         raise SAEFormatError(f"{path} is not a directory holding an SAE")
     for layout, files in LAYOUTS.items():
@@ -55,7 +89,25 @@ def detect_layout(path: Path) -> str:
 
 
 def read_sae(path: str | Path) -> SAE:
-    """The SAE in directory ``path`` (any of ``LAYOUTS``), on the CPU, in its own dtype."""
+    """The SAE in directory ``path`` (any of ``LAYOUTS``), on the CPU, in its own dtype.
+
+    Unlike :func:`load_sae` it does not resolve where the SAE reads: ``point`` and ``layer``
+    stay ``None``, and ``hook_name`` is what the files say (``None`` for sparsify and Gemma
+    Scope).
+
+    Args:
+        path: the directory (``str`` or ``pathlib.Path``).
+
+    Returns:
+        The :class:`SAE`, with ``layout`` set.
+
+    Raises:
+        SAEFormatError: no layout found, a file that is damaged (not JSON, an unreadable
+            safetensors or npz file: the message names it and the error), lacks a tensor or
+            disagrees with the others, or an architecture or flag that is not served
+            (``normalize_activations`` other than ``none``, a transcoder, ``batchtopk``
+            training checkpoints ...).
+    """
     path = Path(path)
     layout = detect_layout(path)
     try:

@@ -33,7 +33,52 @@ ARCHITECTURES = ("standard", "jumprelu", "topk")
 
 @dataclass(eq=False)
 class SAE:
-    """A sparse autoencoder's weights and what they mean."""
+    """A sparse autoencoder's weights and what they mean.
+
+    Usually read from files (:func:`load_sae`); made directly from tensors it computes as
+    the sae-lens class of its architecture would (see the module's docstring). The fields
+    are its attributes as well.
+
+    Args:
+        architecture: ``"standard"``, ``"jumprelu"`` or ``"topk"`` (``ARCHITECTURES``).
+        W_enc: the encoder, ``[d_in, d_sae]``; its dtype is the SAE's.
+        b_enc: the encoder bias, ``[d_sae]``.
+        W_dec: the decoder, ``[d_sae, d_in]``: row ``i`` is feature ``i``'s direction as
+            stored.
+        b_dec: the decoder bias, ``[d_in]``.
+        layout: the on-disk layout it was read from (``formats.LAYOUTS``); any label for
+            one made by hand.
+        threshold: JumpReLU only (required there): ``[d_sae]``; default ``None``.
+        k: TopK only (required there): features kept per row, 1 to ``d_sae``; default
+            ``None``.
+        apply_b_dec_to_input: subtract ``b_dec`` from rows before encoding (default
+            ``True``, as sae-lens).
+        rescale_acts_by_decoder_norm: TopK only (sae-lens): pre-activations are scaled by
+            each feature's decoder norm, and features divided by it again before decoding
+            (default ``False``).
+        hook_name: where it reads, as its files name it (``"blocks.12.hook_resid_post"``),
+            if they do; default ``None``.
+        point: the vllm-lens tap point it reads (``points.POINTS``), set by
+            :func:`load_sae`; default ``None``.
+        layer: the layer it reads, set by :func:`load_sae`; default ``None``.
+
+    Raises:
+        ValueError: an architecture not in ``ARCHITECTURES``, a tensor whose shape does not
+            fit ``W_enc``'s ``[d_in, d_sae]``, a JumpReLU SAE without ``threshold``, or a
+            TopK SAE without a ``k`` from 1 to ``d_sae``.
+
+    Examples:
+        >>> import torch
+        >>> from vllm_lens.saes import SAE
+        >>> sae = SAE(architecture="topk", W_enc=torch.randn(128, 512), b_enc=torch.zeros(512),
+        ...           W_dec=torch.randn(512, 128), b_dec=torch.zeros(128), layout="mine", k=8)
+        >>> x = torch.randn(5, 128)                    # 5 rows of a 128-wide hook point
+        >>> f = sae.encode(x)
+        >>> f.shape, bool(((f > 0).sum(-1) <= 8).all()), sae.decode(f).shape
+        (torch.Size([5, 512]), True, torch.Size([5, 128]))
+        >>> {name: (tuple(t.shape), t.dtype) for name, t in sae.top_features(x, 4).items()}
+        {'indices': ((5, 4), torch.int32), 'values': ((5, 4), torch.float32)}
+    """
 
     architecture: str
     """``standard``, ``jumprelu`` or ``topk`` (``ARCHITECTURES``)."""
@@ -105,7 +150,16 @@ class SAE:
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> SAE:
         """The same SAE with its tensors on ``device`` (and in ``dtype``, if given); ``self``
-        (with the copies it made) if they are there already."""
+        (with the copies it made) if they are there already.
+
+        Args:
+            device: a torch device or its name (``"cuda:0"``, ``"cpu"``).
+            dtype: a floating dtype for every tensor; default ``None``: each keeps its own.
+
+        Returns:
+            ``self``, or a new ``SAE`` (``dataclasses.replace``: the other fields the same,
+            none of the copies the arithmetic made).
+        """
         names = ("W_enc", "b_enc", "W_dec", "b_dec",
                  *(() if self.threshold is None else ("threshold",)))
         move = {name: getattr(self, name).to(device, dtype) for name in names}
@@ -143,15 +197,40 @@ class SAE:
         """Make what encoding rows of ``dtype`` (default: its own) computes with now, not at
         the first row: the weights cast wider if needed, and on the host oneDNN's reordered
         copy of ``W_enc`` (``linear``; ~25 ms and ``W_enc``'s size again for a 576 x 9216
-        encoder). The decoder's copy is made at the first ``decode``."""
+        encoder). The decoder's copy is made at the first ``decode``.
+
+        Args:
+            dtype: the dtype of the rows that will be encoded; default ``None``: the SAE's
+                own. The copies are made for the wider of the two.
+        """
         self._product("enc", torch.promote_types(self.dtype, dtype or self.dtype))
 
     def compute_dtype(self, rows: torch.Tensor) -> torch.dtype:
-        """The wider of the SAE's and the rows' dtypes."""
+        """The wider of the SAE's and the rows' dtypes.
+
+        Args:
+            rows: the rows to be encoded (only their dtype is read).
+
+        Returns:
+            ``torch.promote_types`` of the two: what :meth:`encode` computes and returns
+            in.
+        """
         return torch.promote_types(self.dtype, rows.dtype)
 
     def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
-        """``h`` for rows ``x`` ``[n, d_in]`` (before the activation function)."""
+        """``h`` for rows ``x`` ``[n, d_in]`` (before the activation function).
+
+        Args:
+            x: rows ``[n, d_in]`` on the SAE's device, any floating dtype.
+
+        Returns:
+            ``(x - b_dec) @ W_enc + b_enc`` (without ``- b_dec`` unless
+            ``apply_b_dec_to_input``; times each feature's decoder norm for a TopK SAE with
+            ``rescale_acts_by_decoder_norm``), ``[n, d_sae]`` in :meth:`compute_dtype`.
+
+        Raises:
+            RuntimeError: ``x``'s last dimension is not ``d_in`` (torch's error).
+        """
         dtype = self.compute_dtype(x)
         w = self._weights(dtype)
         x = x.to(dtype)
@@ -163,7 +242,19 @@ class SAE:
         return h
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """Feature activations ``[n, d_sae]`` of rows ``x`` ``[n, d_in]``."""
+        """Feature activations ``[n, d_sae]`` of rows ``x`` ``[n, d_in]``.
+
+        Args:
+            x: rows ``[n, d_in]`` on the SAE's device, any floating dtype.
+
+        Returns:
+            ``[n, d_sae]`` in :meth:`compute_dtype`, dense: ``relu(h)`` (standard),
+            ``relu(h)`` where ``h > threshold`` else 0 (jumprelu), or the ``k`` largest of
+            ``h`` ReLU'd and 0 elsewhere (topk).
+
+        Raises:
+            RuntimeError: ``x``'s last dimension is not ``d_in`` (torch's error).
+        """
         h = self.pre_activations(x)
         if self.architecture == "standard":
             return h.relu()
@@ -180,7 +271,19 @@ class SAE:
         return torch.zeros_like(h).scatter_(-1, indices, values.relu())
 
     def decode(self, features: torch.Tensor) -> torch.Tensor:
-        """Rows ``[n, d_in]`` reconstructed from feature activations ``[n, d_sae]``."""
+        """Rows ``[n, d_in]`` reconstructed from feature activations ``[n, d_sae]``.
+
+        Args:
+            features: feature activations ``[n, d_sae]`` (e.g. :meth:`encode`'s, edited).
+
+        Returns:
+            ``features @ W_dec + b_dec`` (a TopK SAE with ``rescale_acts_by_decoder_norm``
+            first divides each feature by its decoder norm), ``[n, d_in]`` in the wider of
+            the SAE's and ``features``' dtypes.
+
+        Raises:
+            RuntimeError: ``features``' last dimension is not ``d_sae`` (torch's error).
+        """
         dtype = torch.promote_types(self.dtype, features.dtype)
         f = features.to(dtype)
         if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
@@ -195,6 +298,21 @@ class SAE:
         padded with index -1 and value 0 where fewer than ``top_k`` features are active; with
         ``reconstruction`` also ``"nmse"`` float32 ``[n]`` (``|x - x_hat|^2 / |x|^2``) and
         ``"l0"`` int32 ``[n]`` (active features, before ``top_k``).
+
+        This is what a request's ``output_sae_features`` returns per position.
+
+        Args:
+            x: rows ``[n, d_in]`` on the SAE's device, any floating dtype.
+            top_k: features kept per row, 1 to ``d_sae``.
+            reconstruction: also compute ``"nmse"`` and ``"l0"`` (default ``False``).
+
+        Returns:
+            ``{"indices", "values"}`` (and ``"nmse"``, ``"l0"``), as above, on ``x``'s
+            device.
+
+        Raises:
+            ValueError: ``top_k`` is not between 1 and ``d_sae``.
+            RuntimeError: ``x``'s last dimension is not ``d_in`` (torch's error).
         """
         if not 1 <= top_k <= self.d_sae:
             raise ValueError(f"top_k must be between 1 and d_sae={self.d_sae}, got {top_k}")

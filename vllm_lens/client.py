@@ -263,7 +263,9 @@ class _Protocol:
     def sweep_steps(self, body: dict[str, Any]) -> _Steps:
         response = yield self.request("POST", "/v1/lens/patching_sweep", body)
         result = _json_or_raise(response)
-        return {**result, "grid": torch.tensor(result["grid"], dtype=torch.float64)}
+        # The server sends null for a cell whose metric is not finite: NaN here.
+        grid = [[float("nan") if v is None else v for v in row] for row in result["grid"]]
+        return {**result, "grid": torch.tensor(grid, dtype=torch.float64)}
 
     def presets_steps(self) -> _Steps:
         response = yield self.request("GET", "/v1/steering")

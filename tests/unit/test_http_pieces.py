@@ -148,3 +148,21 @@ def test_lens_keys_off_the_lens_routes_are_refused_only_when_they_ask_for_work()
         _refuse_off_route(SimpleNamespace(extra_args={"activations_transport": "binary",
                                                       "apply_steering_vectors": "[]"}))
     assert info.value.field == "apply_steering_vectors"
+
+
+def test_a_sweep_cell_the_server_sent_as_null_is_nan_in_the_grid():
+    """The server sends ``null`` for a cell whose metric is not finite (JSON has no NaN);
+    the client's grid holds NaN there instead of failing to build the tensor."""
+    import httpx
+
+    from vllm_lens.client import _Protocol
+
+    steps = _Protocol("http://127.0.0.1:1", "m", None).sweep_steps({"prompt": "x"})
+    request = next(steps)
+    assert request.url.path == "/v1/lens/patching_sweep"
+    with pytest.raises(StopIteration) as done:
+        steps.send(httpx.Response(200, json={"grid": [[0.5, None], [1.0, 2.0]],
+                                             "clean": 1.0, "corrupted": 0.0}))
+    grid = done.value.value["grid"]
+    assert grid.dtype == torch.float64 and grid.shape == (2, 2)
+    assert torch.isnan(grid[0, 1]) and grid[1, 1] == 2.0

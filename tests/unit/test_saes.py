@@ -879,3 +879,15 @@ def test_a_sweeps_corruption_steers_by_feature_but_never_clamps_where_it_patches
     with pytest.raises(LensRequestError, match="VLLM_LENS_MAX_DECODED_BYTES") as bad:
         plan([1], six, positions=(1, 2))
     assert bad.value.field == "corrupt"
+
+
+def test_to_sparse_refuses_indices_past_d_sae_and_detect_layout_takes_a_string(tmp_path):
+    from vllm_lens.saes import detect_layout, to_sparse
+
+    entry = {"indices": torch.tensor([[3, -1]], dtype=torch.int32), "values": torch.ones(1, 2)}
+    assert to_sparse(entry, 4).to_dense().tolist() == [[0.0, 0.0, 0.0, 1.0]]
+    with pytest.raises(ValueError, match="feature index 3 is not below d_sae=3"):
+        to_sparse(entry, 3)
+    for name in ("cfg.json", "sae.safetensors"):
+        (tmp_path / name).touch()
+    assert detect_layout(str(tmp_path)) == detect_layout(tmp_path) == "sparsify"

@@ -84,8 +84,8 @@ def to_sparse(entry: Mapping[str, Any], d_sae: int) -> torch.Tensor:
     """One ``sae_features`` entry as a ``torch.sparse_coo_tensor`` ``[n, d_sae]`` (the top
     features of each position; the padding, index -1, left out).
 
-    Indices are not checked against ``d_sae`` (torch's sparse invariant checks are off by
-    default): pass the ``d_sae`` of the SAE the entry came from.
+    Indices at or past ``d_sae`` are refused (torch's own sparse checks are off by default
+    and would build an invalid tensor): pass the ``d_sae`` of the SAE the entry came from.
 
     Args:
         entry: an entry of ``sae_features`` (``LensResult.sae_features``, a request
@@ -101,6 +101,7 @@ def to_sparse(entry: Mapping[str, Any], d_sae: int) -> torch.Tensor:
 
     Raises:
         KeyError: ``entry`` lacks ``"indices"`` or ``"values"``.
+        ValueError: an index is ``d_sae`` or more.
 
     Examples:
         >>> import torch
@@ -112,6 +113,9 @@ def to_sparse(entry: Mapping[str, Any], d_sae: int) -> torch.Tensor:
                 [1.0000, 0.0000, 0.2500, 0.0000]])
     """
     indices, values = entry["indices"].long(), entry["values"]
+    if indices.numel() and int(indices.max()) >= d_sae:
+        raise ValueError(f"feature index {int(indices.max())} is not below d_sae={d_sae}: "
+                         "pass the d_sae of the SAE the entry came from")
     rows, slots = torch.nonzero(indices >= 0, as_tuple=True)
     return torch.sparse_coo_tensor(torch.stack([rows, indices[rows, slots]]),
                                    values[rows, slots], (indices.shape[0], d_sae)).coalesce()

@@ -21,6 +21,7 @@ the libraries that wrote them (runs in: whichever process loads an SAE).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -55,15 +56,14 @@ class SAEFormatError(ValueError):
     """
 
 
-def detect_layout(path: Path) -> str:
+def detect_layout(path: str | os.PathLike) -> str:
     """Which of ``LAYOUTS`` the directory ``path`` holds.
 
     Only the files' names are looked at (the first layout whose files are all there, in
     ``LAYOUTS`` order), not their contents.
 
     Args:
-        path: the directory, a ``pathlib.Path`` (a ``str`` is not accepted here;
-            :func:`load_sae` and :func:`read_sae` take either).
+        path: the directory (a ``str`` or a path).
 
     Returns:
         ``"sae-lens"``, ``"sparsify"`` or ``"gemma-scope"``.
@@ -79,6 +79,7 @@ def detect_layout(path: Path) -> str:
         >>> detect_layout(tmp)
         'sparsify'
     """
+    path = Path(path)
     if not path.is_dir():
         raise SAEFormatError(f"{path} is not a directory holding an SAE")
     for layout, files in LAYOUTS.items():

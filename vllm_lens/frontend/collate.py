@@ -28,6 +28,7 @@ from vllm_lens.errors import (
 from vllm_lens.frontend.receipts import join_receipts, unwritten
 from vllm_lens.hooks import HookError
 from vllm_lens.points import RESIDUAL_SIGNAL, SHARDED, SITES, shard_dim
+from vllm_lens.sinks.config import SinkSpec
 from vllm_lens.spec import (
     PAYLOAD_KEY,
     SINK_KEY,
@@ -358,26 +359,7 @@ class LensSession:
                                           saes=saes if saes is not None else self.describe_sae)
         if lens is None:
             return params, None
-        if lens.stream and params.n != 1:
-            raise LensRequestError(STREAM_KEY, f"streams the rows of one sample; n={params.n} "
-                                   "is not supported with it (send n requests)",
-                                   request_id=request_id)
-        if lens.sink is not None and any(other.sink == lens.sink
-                                         for other in self.in_flight.values()):
-            raise LensRequestError(
-                f"{SINK_KEY}.key", f"{lens.sink.key!r} of dataset {lens.sink.dataset!r} is "
-                "already being written by a running request (several prompts with one "
-                "capture_sink? give each its own key)", request_id=request_id)
-        if params.n != 1 and any(s.condition is not None and s.phase != "decode"
-                                 for s in lens.steer):
-            raise LensRequestError(STEER_KEY, f"conditional steering reports a gate for every "
-                                   f"steered prompt position, which n={params.n} samples "
-                                   "compute once between them; send n requests, or use "
-                                   "phase='decode'", request_id=request_id)
-        if lens.sink is not None and params.n != 1:
-            raise LensRequestError(SINK_KEY, f"writes one example per request; n={params.n} "
-                                   "samples would need one key each (send n requests)",
-                                   request_id=request_id)
+        self.check_beside(lens, params.n, request_id)
         facts = self._facts()
         check_admission(lens, facts, prompt_length(prompt), params.max_tokens, params.n,
                         request_id)
@@ -392,6 +374,34 @@ class LensSession:
             engine_params.skip_reading_prefix_cache = True
         self.in_flight[request_id] = lens
         return engine_params, lens
+
+    def check_beside(self, lens: LensRequest, n: int, request_id: str | None = None,
+                     added: Sequence[SinkSpec] = ()) -> None:
+        """Refuse what ``lens`` cannot do with ``n`` samples, or beside the running requests
+        and those of the same call added before it (``added``: their sinks): every sample
+        streams, is gated or writes one example of its own, and no two requests write one key.
+
+        Raises:
+            LensRequestError: naming the field.
+        """
+        if lens.stream and n != 1:
+            raise LensRequestError(STREAM_KEY, f"streams the rows of one sample; n={n} is not "
+                                   "supported with it (send n requests)", request_id=request_id)
+        if lens.sink is not None and (lens.sink in added or any(
+                other.sink == lens.sink for other in self.in_flight.values())):
+            raise LensRequestError(
+                f"{SINK_KEY}.key", f"{lens.sink.key!r} of dataset {lens.sink.dataset!r} is "
+                "already being written by a running request (several prompts with one "
+                "capture_sink? give each its own key)", request_id=request_id)
+        if n != 1 and any(s.condition is not None and s.phase != "decode" for s in lens.steer):
+            raise LensRequestError(STEER_KEY, f"conditional steering reports a gate for every "
+                                   f"steered prompt position, which n={n} samples compute once "
+                                   "between them; send n requests, or use phase='decode'",
+                                   request_id=request_id)
+        if lens.sink is not None and n != 1:
+            raise LensRequestError(SINK_KEY, f"writes one example per request; n={n} samples "
+                                   "would need one key each (send n requests)",
+                                   request_id=request_id)
 
     def _facts(self) -> ModelFacts:
         assert self.facts is not None, "call the engine's lens_describe before prepare()"

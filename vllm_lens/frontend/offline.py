@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -24,7 +25,7 @@ from vllm_lens.frontend.collate import (
     prompt_length,
 )
 from vllm_lens.frontend.sae_names import offline_describer
-from vllm_lens.spec import has_lens_keys, parse_extra_args
+from vllm_lens.spec import parse_extra_args
 
 __all__ = ["install"]
 
@@ -44,7 +45,8 @@ def _wrap_render_and_add(original):
     names its index in the caller's list (not vLLM's internal request id)."""
 
     def render_and_add(self, prompts, params, *args, **kwargs):
-        if not any(has_lens_keys(getattr(p, "extra_args", None)) for p in params):
+        # Every request add_request would parse (a misspelt key alone is no lens key).
+        if not any(isinstance(p, SamplingParams) and p.extra_args for p in params):
             return original(self, prompts, params, *args, **kwargs)
         engine = self.llm_engine
         session = LensSession.of(engine)
@@ -52,10 +54,11 @@ def _wrap_render_and_add(original):
             session.describe_sae = offline_describer(engine)
         prompts = list(prompts)  # engine inputs, tokenized: admission needs their lengths
         parsed: dict[int, tuple[Any, Any]] = {}
+        sinks: list[Any] = []  # of the requests before this one: two may not write one example
         for index, p in enumerate(params):
-            if not has_lens_keys(getattr(p, "extra_args", None)):
+            if not isinstance(p, SamplingParams) or not p.extra_args:
                 continue
-            if session.facts is None:
+            if session.needs_facts(p):
                 session.facts = facts_from_describe(engine.collective_rpc("lens_describe"))
             try:
                 if id(p) not in parsed:
@@ -64,6 +67,9 @@ def _wrap_render_and_add(original):
                                                 saes=session.describe_sae)
                     parsed[id(p)] = (dict(p.extra_args), lens)
                 lens = parsed[id(p)][1]
+                if lens is not None:
+                    session.check_beside(lens, p.n, added=sinks)
+                    sinks.append(lens.sink)
                 if lens is not None and index < len(prompts):
                     check_admission(lens, session.facts, prompt_length(prompts[index]),
                                     p.max_tokens, p.n)

@@ -180,14 +180,18 @@ def test_a_worker_keeps_saes_within_its_budget_and_never_unloads_a_held_one(tmp_
     now = [0.0]
     registry = SAERegistry(max_bytes=2 * size, grace_s=60, clock=lambda: now[0])
     cpu = torch.device("cpu")
-    # One asked for in the last minute was loaded for a request maybe not started yet: kept.
-    for i in range(2):
-        registry.load(str(paths[i]), None, cpu, held=set())
-    with pytest.raises(ValueError, match="admitted in the last 60 s"):
-        registry.load(str(paths[2]), None, cpu, held=set())
-    now[0] = 61.0  # a minute later, the least recently used one may go
+    # One asked for in the last minute was loaded for a request maybe not started yet: the
+    # others go first, even more recently used ones (a running request's step used 0).
+    registry.load(str(paths[0]), None, cpu, held=set())
+    now[0] = 100.0
+    registry.load(str(paths[1]), None, cpu, held=set())
+    registry.get(str(paths[0]), None)  # least recently used: 1, but asked for at 100
+    now[0] = 101.0
     registry.load(str(paths[2]), None, cpu, held=set())
-    assert registry.get(str(paths[0]), None) is None and len(registry) == 2
+    assert registry.get(str(paths[0]), None) is None
+    # Only recently asked ones left: the least recently used goes rather than refusing.
+    registry.load(str(paths[0]), None, cpu, held=set())
+    assert registry.get(str(paths[1]), None) is None and len(registry) == 2
     registry = SAERegistry(max_bytes=2 * size, grace_s=0)
     first = registry.load(str(paths[0]), None, cpu, held=set())
     assert registry.load(str(paths[0]), None, cpu, held=set()) is first  # loaded once

@@ -5,9 +5,10 @@ so loading (reading the files, moving the weights to the model's device) never h
 forward pass. An SAE whose files changed since it was read (their modification times) is read
 again at the next such request. The weights kept are bounded by ``VLLM_LENS_SAE_MAX_BYTES``: to load another,
 the least recently used SAE that no request holds is unloaded; if that is not enough the
-load is refused. An SAE asked for in the last ``ADMISSION_GRACE_S`` seconds counts as held:
-the request it was loaded for was admitted but may not have started yet (only a running
-request holds its SAEs), and unloading it then would fail that request. A rank keeps an SAE where it captures the SAE's layer, and also, for a
+load is refused. SAEs asked for in the last ``ADMISSION_GRACE_S`` seconds are unloaded last:
+the request one was loaded for was admitted but may not have started yet (only a running
+request holds its SAEs), and unloading it then would fail that request; when room is needed
+and only they are left, they go too (least recently used first) rather than refusing. A rank keeps an SAE where it captures the SAE's layer, and also, for a
 request clamping a TopK SAE's features, on every TP rank of the stage holding that layer
 (``worker.steer``: the clamp encodes whole rows with it).
 """
@@ -26,7 +27,7 @@ from vllm_lens.saes import SAE, load_sae
 
 __all__ = ["ADMISSION_GRACE_S", "SAERegistry"]
 
-#: How long an SAE loaded or described for a request's admission is kept as if held.
+#: How long an SAE asked for at a request's admission is unloaded only after all others.
 ADMISSION_GRACE_S = 60.0
 
 Key = tuple[str, "str | None"]
@@ -50,6 +51,14 @@ class SAERegistry:
         self._elsewhere: dict[Key, dict[str, Any]] = {}
         """Descriptions of SAEs read here but kept by other ranks (their layer is not
         captured here), so that they are read once, not at every request."""
+
+    def _touch(self, key: Key) -> set[Key]:
+        """Note that ``key`` was asked for now; returns the keys asked for within the grace
+        period (those older are forgotten, so the record stays small)."""
+        now = self._clock()
+        self._asked = {k: t for k, t in self._asked.items() if now - t < self.grace_s}
+        self._asked[key] = now
+        return set(self._asked)
 
     @staticmethod
     def key(path: str, hook_point: str | None) -> Key:
@@ -84,7 +93,7 @@ class SAERegistry:
         ``hook_point`` it is kept under and the ``version`` of its files (their modification
         times when read: what a TopK clamp's prefix-cache salt names)."""
         key = self.key(path, hook_point)
-        self._asked[key] = self._clock()
+        self._touch(key)
         if key in self._stamps and self._stamps[key] != _stamp(key[0]):  # changed on disk
             if key in self._loaded and key in held:
                 raise ValueError("its files changed while running requests read the copy "
@@ -113,8 +122,7 @@ class SAERegistry:
         so), wider ones as they are. An SAE that computes on the host makes its encoder's
         reordered copy here (``SAE.prepare``, counted), never in a forward pass."""
         key = self.key(path, hook_point)
-        now = self._clock()
-        self._asked[key] = now
+        recent = self._touch(key)
         found = self.get(path, hook_point)
         if found is not None:
             return found
@@ -130,17 +138,15 @@ class SAERegistry:
         if sae.nbytes > self.max_bytes:
             raise ValueError(f"its weights take {sae.nbytes:,} bytes, more than "
                              f"VLLM_LENS_SAE_MAX_BYTES ({self.max_bytes:,})")
-        self._asked = {k: t for k, t in self._asked.items() if now - t < self.grace_s}
-        for other in [k for k in self._loaded if k not in held and k not in self._asked]:
+        free = [k for k in self._loaded if k not in held]  # least recently used first
+        for other in [k for k in free if k not in recent] + [k for k in free if k in recent]:
             if self.nbytes + sae.nbytes <= self.max_bytes:
                 break
             del self._loaded[other]
         if self.nbytes + sae.nbytes > self.max_bytes:
-            raise ValueError(f"the SAEs running requests read, or requests admitted in the "
-                             f"last {self.grace_s:g} s will read, take {self.nbytes:,} bytes "
-                             f"of VLLM_LENS_SAE_MAX_BYTES ({self.max_bytes:,}); "
-                             f"{sae.nbytes:,} more do not fit: retry when they finish, or "
-                             "raise the setting")
+            raise ValueError(f"the SAEs running requests read take {self.nbytes:,} bytes of "
+                             f"VLLM_LENS_SAE_MAX_BYTES ({self.max_bytes:,}); {sae.nbytes:,} "
+                             "more do not fit: retry when they finish, or raise the setting")
         self._loaded[key] = sae = sae.to(device)
         return sae
 

@@ -581,10 +581,12 @@ class LensClient:
             >>> with LensClient(server) as client:
             ...     probe = NamedHook("linear_probe", [5], {"weight": [0.01] * 576})
             ...     client.register_hooks([probe])
-            ...     r = client.generate("A persistent hook sees this", max_tokens=2)
-            ...     collected = client.collect_hook_results()
-            ...     client.clear_hooks()
-            ...     client.clear_hook_results()
+            ...     try:
+            ...         r = client.generate("A persistent hook sees this", max_tokens=2)
+            ...         collected = client.collect_hook_results()
+            ...     finally:  # (persistent hooks run on every request until cleared)
+            ...         client.clear_hooks()
+            ...         client.clear_hook_results()
             >>> mine = [v for k, v in collected.items() if k.startswith(r.raw["id"])]
             >>> sorted(mine[0]["0"]), mine[0]["0"]["scores"]["5"].ndim
             (['positions', 'scores'], 1)
@@ -811,8 +813,11 @@ class LensClient:
             >>> sv = SteeringVector(activations=torch.randn(1, 576), layer_indices=[10])
             >>> with LensClient(server) as client:
             ...     info = client.register_steering("doc-example", [sv])
-            ...     r = client.generate("Hi", max_tokens=2, steering_vectors=["preset:doc-example"])
-            ...     removed = client.unregister_steering("doc-example")
+            ...     try:
+            ...         r = client.generate("Hi", max_tokens=2,
+            ...                             steering_vectors=["preset:doc-example"])
+            ...     finally:
+            ...         removed = client.unregister_steering("doc-example")
             >>> info["name"], info["vectors"][0]["shape"], removed
             ('doc-example', [1, 576], True)
         """

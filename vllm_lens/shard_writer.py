@@ -17,8 +17,9 @@ A dataset is a directory::
                              fewer were active), with ``reconstruction`` also ``"sae.<i>.nmse"``
                              float32 and ``"sae.<i>.l0"`` int32 ``[rows]``
 
-Every file appears under its final name only once complete (written beside it, synced, then
-renamed, and the directory synced; a shard's pages are then dropped from the page cache), and
+Every file appears under its final name only once complete (written beside it, a shard in a
+staging directory of its writer's, synced, then renamed, and the directory synced; a shard's
+pages are then dropped from the page cache), and
 an example enters the index only after the shard holding its rows is on disk, so a job killed
 at any moment leaves a valid dataset: the examples not yet in the index are absent. A failed
 index append is cut back; a writer reopened on the directory
@@ -58,6 +59,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import struct
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -203,6 +205,9 @@ class ShardWriter:
         """What the index holds of each key (other writers' lines read as they come)."""
         self._seen = (0, 0)
         """The index's inode and how many of its bytes ``_view`` has read."""
+        self._seen_tail = b""
+        """The last line ``_view`` read (its bytes end at ``_seen``'s offset): still there
+        at the next read, or lines read were cut back since."""
         self._mine: set[str] = set()
         """Keys whose part this writer writes is in the index (written or found there)."""
         self._next_shard = 0
@@ -266,14 +271,21 @@ class ShardWriter:
             # Temp files left by a killed writer: ours, or anyone's when we hold the directory.
             found = ({*self.root.glob(".*.tmp-*"), *self.root.glob(".*.tmp+*")}
                      if self.writer is None else set(self.root.glob(f".*.tmp+{self.writer}+*")))
-            for tmp in found:
-                tmp.unlink(missing_ok=True)
+            for tmp in found:  # (a shard's staging directory, or a file)
+                if tmp.is_dir():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    tmp.unlink(missing_ok=True)
             self._check_manifest()
             for entry in self._recover(index_path):
                 self._view.add(entry)
             if index_path.exists():
-                stat = index_path.stat()
-                self._seen = (stat.st_ino, stat.st_size)
+                with open(index_path, "rb") as f:
+                    stat = os.fstat(f.fileno())
+                    end = f.seek(0, os.SEEK_END)
+                    tail = os.pread(f.fileno(), min(end, 1 << 16), end - min(end, 1 << 16))
+                self._seen = (stat.st_ino, end)
+                self._seen_tail = tail[tail.rfind(b"\n", 0, len(tail) - 1) + 1:]
 
     def _check_manifest(self) -> None:
         """Write the manifest if it is missing (under the index lock: only one writer
@@ -343,7 +355,8 @@ class ShardWriter:
             return -1
         except OSError as exc:
             raise OSError(exc.errno, f"{path}: cannot read the shard's header to check it "
-                          f"before resuming ({exc.strerror}); nothing was changed") from exc
+                          f"before resuming ({exc.strerror}); the resume stopped, leaving "
+                          "the shard and its index lines as they were") from exc
         except (ValueError, KeyError, TypeError, IndexError, StopIteration, struct.error):
             return -1
 
@@ -357,21 +370,24 @@ class ShardWriter:
         try:
             inode, seen = self._seen
             stat = os.fstat(fd)
+            tail = self._seen_tail
             # Read it all again if a resuming writer rewrote it (another file), or if lines
             # read before were cut back since (an append that failed is rolled back: the file
-            # shrank, or grew again with other lines, so the byte before ``seen`` no longer
-            # ends a line).
+            # shrank, or grew again with other lines, so the last line read is no longer
+            # where it was; a line written again there byte for byte is the same line).
             if (stat.st_ino != inode or stat.st_size < seen
-                    or (seen and os.pread(fd, 1, seen - 1) != b"\n")):
+                    or (tail and os.pread(fd, len(tail), seen - len(tail)) != tail)):
                 self._view = IndexView(self.layers, len(self.saes))
-                inode, seen = stat.st_ino, 0
+                inode, seen, tail = stat.st_ino, 0, b""
             if stat.st_size > seen:
                 data = os.pread(fd, stat.st_size - seen, seen)
                 data = data[:data.rfind(b"\n") + 1]
-                for line in data.splitlines():
+                for line in data.splitlines(keepends=True):
                     self._view.add(parse_line(line, self.root / INDEX, f"the line at byte {seen}"))
-                    seen += len(line) + 1
+                    seen += len(line)
+                    tail = line
             self._seen = (inode, seen)
+            self._seen_tail = tail
         finally:
             os.close(fd)
 
@@ -553,9 +569,14 @@ class ShardWriter:
         from safetensors.torch import save_file
 
         path = self.root / shard_name(shard.number, self.writer)
-        tmp = _temp_name(path, self.writer)
+        # safetensors writes a temp file of its own beside its target (".tmpXXXXXX") before
+        # renaming it: in a staging directory named like our temp files, a killed writer's
+        # is told from another writer's, and removed when it resumes.
+        staging = _temp_name(path, self.writer)
+        tmp = staging / path.name
         part_layers, part_saes = shard.part
         try:
+            staging.mkdir(exist_ok=True)
             tensors = {}
             for point in self.points if part_layers else ():
                 for i, layer in enumerate(part_layers):
@@ -568,6 +589,7 @@ class ShardWriter:
             save_file(tensors, tmp)
             del tensors
             _publish(tmp, path, uncache=True)
+            staging.rmdir()
             offset, lines = 0, []
             for entry, _ in shard.examples:
                 lines.append(json.dumps({**entry, "shard": shard.number, "offset": offset}))
@@ -575,7 +597,7 @@ class ShardWriter:
             with index_locked(self.root, self.writer is not None):
                 append_lines(self.root / INDEX, "".join(line + "\n" for line in lines).encode())
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
             path.unlink(missing_ok=True)
             self._unseal(shard)
             raise
@@ -613,7 +635,10 @@ class ShardWriter:
         if exc_type is None:
             self.close()
         else:
-            self._release()
+            try:  # (shards handed off are written under this writer's locks, or dropped)
+                self.wait_written()
+            finally:
+                self._release()
 
 
 def jsonable(value: Any) -> Any:

@@ -159,7 +159,7 @@ def test_tour_notebook_runs_every_step(tmp_path, monkeypatch):
     steered = dict(re.findall(r"^\[steering scale ([+-][\d.]+)\] (.*)$", printed("steer"),
                               re.M))
     assert set(steered) == {"+0.0", "+0.3", "-0.3"}, printed("steer")
-    assert steered["+0.3"] != steered["+0.0"] != steered["-0.3"], steered
+    assert len(set(steered.values())) == 3, steered  # each scale its own answer
     assert "RANDOM JumpReLU SAE" in printed("sae-make")
     assert re.search(r"SAE features: \d+ positions", printed("sae-read")), printed("sae-read")
     clamp = printed("clamp")

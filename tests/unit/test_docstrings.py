@@ -25,11 +25,18 @@ def _public(module_name):
                     yield f"{module_name}.{name}.{attr}", value
 
 
+def _own_doc(obj) -> str:
+    """``obj``'s own docstring, cleaned (``inspect.getdoc`` would inherit a base class's or
+    an overridden method's, hiding a name that has none of its own)."""
+    doc = (obj.fget if isinstance(obj, property) else obj).__doc__
+    return inspect.cleandoc(doc) if doc else ""
+
+
 @pytest.mark.parametrize("module_name", MODULES)
 def test_every_public_name_has_a_docstring(module_name):
     found = list(_public(module_name))
     assert found or module_name == "vllm_lens.cli"
-    missing = [name for name, obj in found if not (inspect.getdoc(obj) or "").strip()]
+    missing = [name for name, obj in found if not _own_doc(obj).strip()]
     assert not missing, f"public names without a docstring: {missing}"
 
 
@@ -80,7 +87,7 @@ def test_every_top_level_public_name_has_an_example(module_name):
     admonition whose ``>>>`` lines Markdown turns into nested quotes."""
     missing = [name for name, obj in _top_level(module_name)
                if not any(">>>" in line
-                          for line in _section(inspect.getdoc(obj) or "", "Examples") or ())]
+                          for line in _section(_own_doc(obj), "Examples") or ())]
     assert not missing, ("public names without an 'Examples:' section (plural: 'Example:' "
                          f"renders as an admonition, not code) holding >>>: {missing}")
 
@@ -91,5 +98,5 @@ def test_every_public_callable_with_parameters_documents_them(module_name):
     ``Keyword Args:``, for keyword-only constructors the API reference cannot see, such as
     a pydantic model's)."""
     missing = [name for name, obj in _public(module_name) if _named_parameters(obj)
-               and _section(inspect.getdoc(obj) or "", "Args", "Keyword Args") is None]
+               and _section(_own_doc(obj), "Args", "Keyword Args") is None]
     assert not missing, f"public callables with parameters but no Args: section: {missing}"

@@ -266,24 +266,29 @@ def test_lines_read_then_rolled_back_are_forgotten_by_the_other_writers(tmp_path
     index = tmp_path / INDEX
     real = index.read_bytes()
     x_line = json.loads(real.decode().splitlines()[0])
-    for ghost, then in (("g", "shrink"), ("ghost-two", "regrow")):
+    for ghost, then in (("g", "shrink"), ("ghost-two", "regrow"), ("g3", "same length")):
         before = index.stat().st_size
+        ghost_line = json.dumps({**x_line, "key": ghost, "shard": 7}) + "\n"
         with open(index, "a") as f:  # as if b's append got this far, then failed
-            f.write(json.dumps({**x_line, "key": ghost}) + "\n")
+            f.write(ghost_line)
         add_whole(a, f"after-{ghost}", 1)  # a reads the ghost's line
         with open(index, "r+b") as f:
             f.truncate(before)
         if then == "regrow":  # b appends again, a longer line where the ghost's ended
             add_whole(b, "a-much-longer-key-than-the-ghost-had", 1)
-            assert index.stat().st_size > before + len(json.dumps({**x_line, "key": ghost}))
+            assert index.stat().st_size > before + len(ghost_line)
+        if then == "same length":  # b's next line ends exactly where the ghost's did
+            add_whole(b, "q3", 1)
+            assert index.stat().st_size == before + len(ghost_line)
         add_whole(a, ghost, 1)  # not "already in the dataset"
-    with pytest.raises(DatasetConflictError, match="already in the dataset"):
-        add_whole(a, "a-much-longer-key-than-the-ghost-had", 1)  # b's, read whole
+    for key in ("a-much-longer-key-than-the-ghost-had", "q3"):  # b's, read whole
+        with pytest.raises(DatasetConflictError, match="already in the dataset"):
+            add_whole(a, key, 1)
     a.close()
     b.close()
     assert sorted(datasets.open(tmp_path).keys()) == sorted(
         ["x", "y", "after-g", "g", "after-ghost-two", "ghost-two",
-         "a-much-longer-key-than-the-ghost-had"])
+         "a-much-longer-key-than-the-ghost-had", "after-g3", "g3", "q3"])
 
 
 def test_a_shard_that_cannot_be_read_is_not_taken_for_a_torn_one(tmp_path):

@@ -295,8 +295,10 @@ def test_writes_return_while_the_disk_is_busy_until_the_queue_is_full(tmp_path, 
     ds = datasets.open(tmp_path / "d")
     assert ds.keys() == [f"k{i}" for i in range(6)]
     assert [ds.get(f"k{i}")["resid_post"][0, 0, 0].item() for i in range(6)] == list(range(6))
-    assert [Path(p).name for p in seen] == [
-        f".shard-0000{i}.safetensors.tmp-{os.getpid()}" for i in range(3)]
+    assert [(Path(p).parent.name, Path(p).name) for p in seen] == [  # (staged, then renamed)
+        (f".shard-0000{i}.safetensors.tmp-{os.getpid()}", f"shard-0000{i}.safetensors")
+        for i in range(3)]
+    assert [p.name for p in (tmp_path / "d").iterdir() if ".tmp" in p.name] == []
     sink.close()
 
 

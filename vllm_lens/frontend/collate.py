@@ -391,8 +391,9 @@ class LensSession:
                 other.sink == lens.sink for other in self.in_flight.values())):
             raise LensRequestError(
                 f"{SINK_KEY}.key", f"{lens.sink.key!r} of dataset {lens.sink.dataset!r} is "
-                "already being written by a running request (several prompts with one "
-                "capture_sink? give each its own key)", request_id=request_id)
+                "already being written by a running request or an earlier request of this "
+                "call (several prompts with one capture_sink? give each its own key)",
+                request_id=request_id)
         if n != 1 and any(s.condition is not None and s.phase != "decode" for s in lens.steer):
             raise LensRequestError(STEER_KEY, f"conditional steering reports a gate for every "
                                    f"steered prompt position, which n={n} samples compute once "

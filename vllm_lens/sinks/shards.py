@@ -55,6 +55,9 @@ __all__ = ["ShardSink"]
 
 logger = logging.getLogger(__name__)
 
+#: Failed shard writes kept for the next ``flush`` (and per dataset for its next request);
+#: more are logged only.
+_MAX_FAILURES = 100
 _OPTIONS = ("rows_per_shard", "max_shard_bytes", "flush_s", "max_open_datasets", "idle_close_s",
             "max_queued_shards")
 
@@ -175,7 +178,7 @@ class ShardSink:
             writer = ShardWriter(path, settings, rows_per_shard=self.rows_per_shard,
                                  max_shard_bytes=self.max_shard_bytes, resume=True,
                                  writer=name, hand_off=self._hand_off)
-        except (ValueError, RuntimeError) as exc:  # another manifest, another writer, ...
+        except (ValueError, RuntimeError, OSError) as exc:  # another manifest, writer, ...
             problem = str(exc).replace(f"{path}: ", "").replace(str(path), dataset)
             # Examples with other settings are the caller's to resolve; another writer of the
             # directory, or a damaged manifest or index, the operator's.
@@ -264,8 +267,14 @@ class ShardSink:
                    "dataset holds what its index lists, and a resumed job writes them again")
         logger.error("vllm-lens: %s", message)
         with self._queue_changed:
-            self._failures.append(message)
-            self._unheard.setdefault(dataset, []).append((message, keys))
+            if len(self._failures) < _MAX_FAILURES:  # (until a flush reports them)
+                self._failures.append(message)
+            elif len(self._failures) == _MAX_FAILURES:
+                self._failures.append("... and more shard writes failed since (see the "
+                                      "worker's log)")
+            unheard = self._unheard.setdefault(dataset, [])
+            if len(unheard) < _MAX_FAILURES:
+                unheard.append((message, keys))
 
     def _drain(self) -> None:
         """Wait until the writer thread has written (or dropped) every queued shard."""

@@ -127,13 +127,10 @@ def write(lens: LensRequest, captures: Mapping[str, Mapping[str, Any]], model: s
     part = (held != (list(whole.layers) if whole else [])) or len(saes) < len(lens.saes)
     if whole and lens.sink.row_shapes is not None:
         # Every stage writes the front end's dtype and shapes, so that all stages' manifests
-        # agree; rows of another dtype here are an error, not a second manifest.
+        # agree (rows of a point computed in another dtype are cast to it when written, as
+        # without pipeline parallelism).
         dtype = str(lens.sink.dtype)
         row_shapes = {c.signal: list(lens.sink.row_shapes[c.signal]) for c in lens.captures}
-        for signal, t in rows.items():
-            if str(t.dtype).removeprefix("torch.") != dtype:
-                raise ValueError(f"the {signal} rows are {t.dtype}, but the dataset's manifest "
-                                 f"says {dtype}: nothing was written")
     else:
         dtype = str(rows[first.signal].dtype).removeprefix("torch.") if specs else "float32"
         row_shapes = {c.signal: list(rows[c.signal].shape[2:]) for c in lens.captures}

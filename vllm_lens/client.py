@@ -53,7 +53,7 @@ _Steps = Generator[httpx.Request, httpx.Response, Any]
 class LensHTTPError(LensError):
     """The server answered with an error (bad lens input is status 400, ``param`` its field).
 
-    Raised by every method of :class:`LensClient` and :class:`AsyncLensClient` that gets an
+    Raised by every method of `LensClient` and `AsyncLensClient` that gets an
     error status, a body of the OpenAI error form (``{"error": {"message", "param",
     "code"}}``) or, while streaming, an error chunk. What the statuses mean: 400 a bad lens
     value, refused before anything runs; 403 a route or kind of request the operator did not
@@ -332,8 +332,8 @@ class _StreamState:
 class LensClient:
     """Synchronous client (httpx) for a lens-enabled vLLM OpenAI server.
 
-    Use it as a context manager (or call :meth:`close`) to close its connections. Every
-    method raises :class:`LensHTTPError` when the server answers with an error, and lets
+    Use it as a context manager (or call `close`) to close its connections. Every
+    method raises `LensHTTPError` when the server answers with an error, and lets
     httpx's own errors through when none comes (``httpx.ConnectError`` for a server that is
     not there, ``httpx.TimeoutException`` past ``timeout``: both ``httpx.TransportError``).
 
@@ -408,7 +408,7 @@ class LensClient:
                 lens keys).
 
         Returns:
-            Without ``stream``: the first choice's :class:`LensResult`, every choice in its
+            Without ``stream``: the first choice's `LensResult`, every choice in its
             ``choices``. With ``stream=True``: an iterator of ``LensResult`` (one per choice
             per chunk, each with the text so far and ``delta``); the request is sent when
             iteration starts, and the last result of each choice carries its
@@ -420,7 +420,7 @@ class LensClient:
                 ``capture_layers`` and ``capture`` are given.
             TypeError: ``capture_layers`` is a string.
             LensHTTPError: the server refused or failed the request (400 naming the field
-                in ``param`` for a bad lens value; see :class:`LensHTTPError`); with
+                in ``param`` for a bad lens value; see `LensHTTPError`); with
                 ``stream=True`` raised while iterating.
             vllm_lens.WireError: binary activations that are not a valid payload, or a
                 steering vector given as a wire string that does not decode.
@@ -450,33 +450,33 @@ class LensClient:
              capture: Mapping[str, Any] | None = None, steering_vectors: Any = None,
              hooks: Any = None, stream: bool = False, transport: str = "json",
              **openai_kwargs: Any) -> Any:
-        """``/v1/chat/completions``; arguments and result as for :meth:`generate`.
+        """``/v1/chat/completions``; arguments and result as for `generate`.
 
         The server renders ``messages`` with the model's chat template; positions count the
         rendered prompt's tokens.
 
         Args:
             messages: the chat, OpenAI style: ``[{"role": "user", "content": "..."}, ...]``.
-            max_tokens: as for :meth:`generate` (default 16).
-            temperature: as for :meth:`generate` (default 0.0).
-            capture_layers: as for :meth:`generate`.
-            capture: as for :meth:`generate`.
-            steering_vectors: as for :meth:`generate`.
-            hooks: as for :meth:`generate`.
-            stream: as for :meth:`generate`.
-            transport: as for :meth:`generate`.
-            **openai_kwargs: as for :meth:`generate` (lens keys by name; the rest into the
+            max_tokens: as for `generate` (default 16).
+            temperature: as for `generate` (default 0.0).
+            capture_layers: as for `generate`.
+            capture: as for `generate`.
+            steering_vectors: as for `generate`.
+            hooks: as for `generate`.
+            stream: as for `generate`.
+            transport: as for `generate`.
+            **openai_kwargs: as for `generate` (lens keys by name; the rest into the
                 chat request's body).
 
         Returns:
-            As :meth:`generate`: a :class:`LensResult` whose ``text`` is the message's
+            As `generate`: a `LensResult` whose ``text`` is the message's
             content, or with ``stream=True`` an iterator of them.
 
         Raises:
-            ValueError: as for :meth:`generate`.
-            TypeError: as for :meth:`generate`.
-            LensHTTPError: as for :meth:`generate`.
-            httpx.TransportError: as for :meth:`generate`.
+            ValueError: as for `generate`.
+            TypeError: as for `generate`.
+            LensHTTPError: as for `generate`.
+            httpx.TransportError: as for `generate`.
 
         Examples:
             >>> from vllm_lens.client import LensClient
@@ -550,11 +550,11 @@ class LensClient:
     def register_hooks(self, hooks: Sequence[Any], prefetch_params: Sequence[str] | None = None
                        ) -> Any:
         """Run ``hooks`` (``NamedHook`` objects, or ``Hook`` objects where the server opted
-        in to pickled code) on every request until :meth:`clear_hooks`.
+        in to pickled code) on every request until `clear_hooks`.
 
         They run on every client's requests and see the tokens each step computes (prompt
         tokens served from the prefix cache are not run again). Their results are kept per
-        request: :meth:`collect_hook_results`.
+        request: `collect_hook_results`.
 
         Args:
             hooks: the hooks: ``NamedHook``, ``Hook`` (pickled: 403 unless the operator set
@@ -562,7 +562,7 @@ class LensClient:
                 replaces the hooks registered before. Hooks at ``attn_qk`` run per request
                 only.
             prefetch_params: parameter names to make available to the hooks on every
-                pipeline stage, as :meth:`prefetch_params` does; default none.
+                pipeline stage, as `prefetch_params` does; default none.
 
         Returns:
             ``None`` (the server's ``result``).
@@ -602,7 +602,7 @@ class LensClient:
             the last ``VLLM_LENS_HOOK_RESULTS_MAX`` requests the hooks ran on (a completion's
             request id starts with the response's ``id``: ``LensResult.raw["id"]``); a
             request whose hook raised holds ``{"error", "traceback"}`` instead. Calling it
-            again returns the same until :meth:`clear_hook_results`.
+            again returns the same until `clear_hook_results`.
 
         Raises:
             LensHTTPError: 403 unless the operator started the server with
@@ -625,7 +625,7 @@ class LensClient:
 
     def clear_hooks(self) -> None:
         """Unregister every persistent hook (results kept so far stay until
-        :meth:`clear_hook_results`).
+        `clear_hook_results`).
 
         Raises:
             LensHTTPError: 403 unless the operator started the server with
@@ -640,7 +640,7 @@ class LensClient:
 
         Under pipeline parallelism a hook's ``ctx.get_parameter(name)`` reaches a parameter
         another stage holds (the unembedding, from an early stage) only once it was
-        prefetched; they stay until :meth:`clear_prefetched`.
+        prefetched; they stay until `clear_prefetched`.
 
         Args:
             names: parameter names as the served model (vLLM's module) names them, e.g.
@@ -667,7 +667,7 @@ class LensClient:
                                                       {"names": list(names)}))
 
     def clear_prefetched(self) -> None:
-        """Drop the parameters :meth:`prefetch_params` made available to hooks.
+        """Drop the parameters `prefetch_params` made available to hooks.
 
         Raises:
             LensHTTPError: 403 unless the operator started the server with
@@ -698,7 +698,7 @@ class LensClient:
             metric: ``{"logit_diff": [a, b]}`` (logprob of token ``a`` minus that of ``b``),
                 ``{"logprob": a}`` or ``{"prob": a}``, token ids.
             corrupt: the corruption, steering vectors as for ``steering_vectors`` of
-                :meth:`generate` (e.g. noise added to the subject's embeddings:
+                `generate` (e.g. noise added to the subject's embeddings:
                 ``layer_indices=[-1]``), or an item steering by a served SAE's feature;
                 default ``None``: no corruption.
             point: the tap point written (default ``"resid_post"``; any point steering may
@@ -789,14 +789,14 @@ class LensClient:
         Args:
             name: 1 to 64 letters, digits, ``.``, ``_`` or ``-``, starting with a letter or
                 digit; a name registered again is replaced.
-            vectors: steering vectors as for ``steering_vectors`` of :meth:`generate` (a
+            vectors: steering vectors as for ``steering_vectors`` of `generate` (a
                 ``SteeringVector``, its JSON dict or wire string, an item steering by a
                 feature of an SAE the server serves by name, or a list of these).
             model: the model the preset is for; refused if the server serves another.
                 Default ``None``: any.
 
         Returns:
-            The preset's description, as :meth:`steering_presets` lists it.
+            The preset's description, as `steering_presets` lists it.
 
         Raises:
             LensHTTPError: 403 unless the operator opened the routes; 400 naming the field
@@ -893,18 +893,18 @@ class LensClient:
 
 
 class AsyncLensClient:
-    """Asynchronous twin of :class:`LensClient` (same methods, awaited).
+    """Asynchronous twin of `LensClient` (same methods, awaited).
 
-    Each method is a coroutine taking the same arguments as the :class:`LensClient` method of
+    Each method is a coroutine taking the same arguments as the `LensClient` method of
     that name, returning the same and raising the same errors; ``generate`` and ``chat`` with
     ``stream=True`` return an async iterator. Use it as an async context manager (or await
-    :meth:`aclose`).
+    `aclose`).
 
     Args:
-        base_url: as for :class:`LensClient` (the server's address, without ``/v1``).
-        model: as for :class:`LensClient` (default: the server's first model).
-        api_key: as for :class:`LensClient` (sent as a bearer token).
-        timeout: as for :class:`LensClient` (seconds per connect, read or write; default
+        base_url: as for `LensClient` (the server's address, without ``/v1``).
+        model: as for `LensClient` (default: the server's first model).
+        api_key: as for `LensClient` (sent as a bearer token).
+        timeout: as for `LensClient` (seconds per connect, read or write; default
             600).
 
     Examples:
@@ -931,29 +931,18 @@ class AsyncLensClient:
                        capture: Mapping[str, Any] | None = None, steering_vectors: Any = None,
                        hooks: Any = None, stream: bool = False, transport: str = "json",
                        **openai_kwargs: Any) -> Any:
-        """See :meth:`LensClient.generate`; with ``stream=True`` an async iterator.
+        """See `LensClient.generate`; with ``stream=True`` an async iterator.
 
-        Args:
-            prompt: as for :meth:`LensClient.generate`.
-            max_tokens: as for :meth:`LensClient.generate`.
-            temperature: as for :meth:`LensClient.generate`.
-            capture_layers: as for :meth:`LensClient.generate`.
-            capture: as for :meth:`LensClient.generate`.
-            steering_vectors: as for :meth:`LensClient.generate`.
-            hooks: as for :meth:`LensClient.generate`.
-            stream: as for :meth:`LensClient.generate`.
-            transport: as for :meth:`LensClient.generate`.
-            **openai_kwargs: as for :meth:`LensClient.generate`.
 
         Returns:
-            The first choice's :class:`LensResult` (every choice in its ``choices``), or with
+            The first choice's `LensResult` (every choice in its ``choices``), or with
             ``stream=True`` an async iterator of partial ones (the request is sent when
             iteration starts).
 
         Raises:
-            ValueError: as for :meth:`LensClient.generate`.
-            TypeError: as for :meth:`LensClient.generate`.
-            LensHTTPError: as for :meth:`LensClient.generate`.
+            ValueError: as for `LensClient.generate`.
+            TypeError: as for `LensClient.generate`.
+            LensHTTPError: as for `LensClient.generate`.
             httpx.TransportError: no answer from the server.
         """
         return await self._run("/v1/completions", "prompt", prompt, stream, dict(
@@ -967,27 +956,16 @@ class AsyncLensClient:
                    capture: Mapping[str, Any] | None = None, steering_vectors: Any = None,
                    hooks: Any = None, stream: bool = False, transport: str = "json",
                    **openai_kwargs: Any) -> Any:
-        """See :meth:`LensClient.chat`.
+        """See `LensClient.chat`.
 
-        Args:
-            messages: as for :meth:`LensClient.chat`.
-            max_tokens: as for :meth:`LensClient.chat`.
-            temperature: as for :meth:`LensClient.chat`.
-            capture_layers: as for :meth:`LensClient.chat`.
-            capture: as for :meth:`LensClient.chat`.
-            steering_vectors: as for :meth:`LensClient.chat`.
-            hooks: as for :meth:`LensClient.chat`.
-            stream: as for :meth:`LensClient.chat`.
-            transport: as for :meth:`LensClient.chat`.
-            **openai_kwargs: as for :meth:`LensClient.chat`.
 
         Returns:
-            As :meth:`LensClient.chat`; with ``stream=True`` an async iterator.
+            As `LensClient.chat`; with ``stream=True`` an async iterator.
 
         Raises:
-            ValueError: as for :meth:`LensClient.chat`.
-            TypeError: as for :meth:`LensClient.chat`.
-            LensHTTPError: as for :meth:`LensClient.chat`.
+            ValueError: as for `LensClient.chat`.
+            TypeError: as for `LensClient.chat`.
+            LensHTTPError: as for `LensClient.chat`.
             httpx.TransportError: no answer from the server.
         """
         return await self._run("/v1/chat/completions", "messages", messages, stream, dict(
@@ -996,30 +974,28 @@ class AsyncLensClient:
             transport=transport, openai_kwargs=openai_kwargs))
 
     async def served_model(self) -> str:
-        """See :meth:`LensClient.served_model`.
+        """See `LensClient.served_model`.
 
         Returns:
-            As :meth:`LensClient.served_model`.
+            As `LensClient.served_model`.
 
         Raises:
-            LensHTTPError: as for :meth:`LensClient.served_model`.
+            LensHTTPError: as for `LensClient.served_model`.
             httpx.TransportError: no answer from the server.
         """
         return await self._drive(self._protocol.model_steps())
 
     async def fetch_activations(self, payload: Any) -> dict[str, torch.Tensor] | None:
-        """See :meth:`LensClient.fetch_activations`.
+        """See `LensClient.fetch_activations`.
 
-        Args:
-            payload: as for :meth:`LensClient.fetch_activations`.
 
         Returns:
-            As :meth:`LensClient.fetch_activations`.
+            As `LensClient.fetch_activations`.
 
         Raises:
-            ValueError: as for :meth:`LensClient.fetch_activations`.
-            vllm_lens.WireError: as for :meth:`LensClient.fetch_activations`.
-            LensHTTPError: as for :meth:`LensClient.fetch_activations`.
+            ValueError: as for `LensClient.fetch_activations`.
+            vllm_lens.WireError: as for `LensClient.fetch_activations`.
+            LensHTTPError: as for `LensClient.fetch_activations`.
             httpx.TransportError: no answer from the server.
         """
         return await self._drive(self._protocol.activations_steps(payload))
@@ -1027,82 +1003,77 @@ class AsyncLensClient:
     # -- persistent hooks: see LensClient -------------------------------------------------------
     async def register_hooks(self, hooks: Sequence[Any],
                              prefetch_params: Sequence[str] | None = None) -> Any:
-        """See :meth:`LensClient.register_hooks`.
+        """See `LensClient.register_hooks`.
 
-        Args:
-            hooks: as for :meth:`LensClient.register_hooks`.
-            prefetch_params: as for :meth:`LensClient.register_hooks`.
 
         Returns:
-            As :meth:`LensClient.register_hooks`.
+            As `LensClient.register_hooks`.
 
         Raises:
-            LensHTTPError: as for :meth:`LensClient.register_hooks`.
+            LensHTTPError: as for `LensClient.register_hooks`.
             httpx.TransportError: no answer from the server.
         """
         return await self._drive(self._protocol.hooks_steps(
             "POST", "/v1/hooks/register", _register_body(hooks, prefetch_params)))
 
     async def collect_hook_results(self) -> dict[str, Any]:
-        """See :meth:`LensClient.collect_hook_results`.
+        """See `LensClient.collect_hook_results`.
 
         Returns:
-            As :meth:`LensClient.collect_hook_results`.
+            As `LensClient.collect_hook_results`.
 
         Raises:
-            LensHTTPError: as for :meth:`LensClient.collect_hook_results`.
+            LensHTTPError: as for `LensClient.collect_hook_results`.
             httpx.TransportError: no answer from the server.
         """
         return await self._drive(self._protocol.hooks_steps("GET", "/v1/hooks/collect"))
 
     async def clear_hook_results(self) -> None:
-        """See :meth:`LensClient.clear_hook_results`.
+        """See `LensClient.clear_hook_results`.
 
         Returns:
             ``None``.
 
         Raises:
-            LensHTTPError: as for :meth:`LensClient.clear_hook_results`.
+            LensHTTPError: as for `LensClient.clear_hook_results`.
             httpx.TransportError: no answer from the server.
         """
         await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_results"))
 
     async def clear_hooks(self) -> None:
-        """See :meth:`LensClient.clear_hooks`.
+        """See `LensClient.clear_hooks`.
 
         Returns:
             ``None``.
 
         Raises:
-            LensHTTPError: as for :meth:`LensClient.clear_hooks`.
+            LensHTTPError: as for `LensClient.clear_hooks`.
             httpx.TransportError: no answer from the server.
         """
         await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear"))
 
     async def prefetch_params(self, names: Sequence[str]) -> dict[str, Any]:
-        """See :meth:`LensClient.prefetch_params`.
+        """See `LensClient.prefetch_params`.
 
-        Args:
-            names: as for :meth:`LensClient.prefetch_params`.
 
         Returns:
-            As :meth:`LensClient.prefetch_params`.
+            As `LensClient.prefetch_params`.
 
         Raises:
-            LensHTTPError: as for :meth:`LensClient.prefetch_params`.
+            LensHTTPError: as for `LensClient.prefetch_params`.
             httpx.TransportError: no answer from the server.
         """
         return await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/prefetch",
                                                             {"names": list(names)}))
 
     async def clear_prefetched(self) -> None:
-        """See :meth:`LensClient.clear_prefetched`.
+        """See `LensClient.clear_prefetched`.
 
         Returns:
             ``None``.
 
         Raises:
-            LensHTTPError: as for :meth:`LensClient.clear_prefetched`.
+            LensHTTPError: as for `LensClient.clear_prefetched`.
             httpx.TransportError: no answer from the server.
         """
         await self._drive(self._protocol.hooks_steps("POST", "/v1/hooks/clear_prefetched"))
@@ -1110,81 +1081,67 @@ class AsyncLensClient:
     async def patching_sweep(self, prompt: str | list[int], clean: Any, layers: Sequence[int],
                              positions: Sequence[int], metric: Mapping[str, Any],
                              corrupt: Any = None, point: str = "resid_post") -> dict[str, Any]:
-        """See :meth:`LensClient.patching_sweep`.
+        """See `LensClient.patching_sweep`.
 
-        Args:
-            prompt: as for :meth:`LensClient.patching_sweep`.
-            clean: as for :meth:`LensClient.patching_sweep`.
-            layers: as for :meth:`LensClient.patching_sweep`.
-            positions: as for :meth:`LensClient.patching_sweep`.
-            metric: as for :meth:`LensClient.patching_sweep`.
-            corrupt: as for :meth:`LensClient.patching_sweep`.
-            point: as for :meth:`LensClient.patching_sweep`.
 
         Returns:
-            As :meth:`LensClient.patching_sweep`.
+            As `LensClient.patching_sweep`.
 
         Raises:
-            LensHTTPError: as for :meth:`LensClient.patching_sweep`.
+            LensHTTPError: as for `LensClient.patching_sweep`.
             httpx.TransportError: no answer from the server.
         """
         return await self._drive(self._protocol.sweep_steps(
             _sweep_body(prompt, clean, layers, positions, metric, corrupt, point)))
 
     async def steering_presets(self) -> list[dict[str, Any]]:
-        """See :meth:`LensClient.steering_presets`.
+        """See `LensClient.steering_presets`.
 
         Returns:
-            As :meth:`LensClient.steering_presets`.
+            As `LensClient.steering_presets`.
 
         Raises:
-            LensHTTPError: as for :meth:`LensClient.steering_presets`.
+            LensHTTPError: as for `LensClient.steering_presets`.
             httpx.TransportError: no answer from the server.
         """
         return await self._drive(self._protocol.presets_steps())
 
     async def saes(self) -> list[dict[str, Any]]:
-        """See :meth:`LensClient.saes`.
+        """See `LensClient.saes`.
 
         Returns:
-            As :meth:`LensClient.saes`.
+            As `LensClient.saes`.
 
         Raises:
-            LensHTTPError: as for :meth:`LensClient.saes`.
+            LensHTTPError: as for `LensClient.saes`.
             httpx.TransportError: no answer from the server.
         """
         return await self._drive(self._protocol.saes_steps())
 
     async def register_steering(self, name: str, vectors: Any, model: str | None = None) -> Any:
-        """See :meth:`LensClient.register_steering`.
+        """See `LensClient.register_steering`.
 
-        Args:
-            name: as for :meth:`LensClient.register_steering`.
-            vectors: as for :meth:`LensClient.register_steering`.
-            model: as for :meth:`LensClient.register_steering`.
 
         Returns:
-            As :meth:`LensClient.register_steering`.
+            As `LensClient.register_steering`.
 
         Raises:
-            vllm_lens.WireError: as for :meth:`LensClient.register_steering`.
-            LensHTTPError: as for :meth:`LensClient.register_steering`.
+            vllm_lens.WireError: as for `LensClient.register_steering`.
+            LensHTTPError: as for `LensClient.register_steering`.
             httpx.TransportError: no answer from the server.
         """
         return await self._drive(self._protocol.hooks_steps(
             "POST", "/v1/steering/register", _preset_body(name, vectors, model)))
 
     async def unregister_steering(self, name: str) -> Any:
-        """See :meth:`LensClient.unregister_steering`.
+        """See `LensClient.unregister_steering`.
 
-        Args:
-            name: as for :meth:`LensClient.unregister_steering`.
 
         Returns:
-            As :meth:`LensClient.unregister_steering`.
+            As `LensClient.unregister_steering`.
 
         Raises:
-            LensHTTPError: as for :meth:`LensClient.unregister_steering`.
+            LensHTTPError: as for `LensClient.unregister_steering`.
             httpx.TransportError: no answer from the server.
         """
         return await self._drive(self._protocol.hooks_steps("POST", "/v1/steering/unregister",

@@ -209,6 +209,8 @@ class ShardWriter:
         """The last line ``_view`` read (its bytes end at ``_seen``'s offset): still there
         at the next read, or lines read were cut back since."""
         self._mine: set[str] = set()
+        self._placements: dict[str, list[tuple[frozenset, int, int]]] | None = None
+        """Key -> (what a line holds, its shard, its offset), for ``_placed``."""
         """Keys whose part this writer writes is in the index (written or found there)."""
         self._next_shard = 0
         self._pending: list[tuple[dict[str, Any], dict[str, torch.Tensor]]] = []
@@ -508,11 +510,19 @@ class ShardWriter:
         return fields
 
     def _placed(self, key: str, part: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[int, int]:
-        """The shard and offset of the line that already holds ``key``'s ``part``."""
+        """The shard and offset of the line that already holds ``key``'s ``part``. (A
+        resumed pipeline job sends many such parts: the index is read once into
+        ``_placements``, and again only for a key it did not hold then.)"""
         slots = self._view.slots(self._line_fields(part))
-        for entry in read_index(self.root / INDEX)[0]:
-            if entry["key"] == key and slots & self._view.slots(entry):
-                return entry["shard"], entry["offset"]
+        for fresh in (False, True):
+            if fresh or self._placements is None:
+                self._placements = {}
+                for entry in read_index(self.root / INDEX)[0]:
+                    self._placements.setdefault(entry["key"], []).append(
+                        (self._view.slots(entry), entry["shard"], entry["offset"]))
+            for held, shard, offset in self._placements.get(key, ()):
+                if slots & held:
+                    return shard, offset
         raise DatasetConflictError(f"example key {key!r}: its part left the index while it "
                                    "was written")
 

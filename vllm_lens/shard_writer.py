@@ -599,7 +599,7 @@ class ShardWriter:
             save_file(tensors, tmp)
             del tensors
             _publish(tmp, path, uncache=True)
-            staging.rmdir()
+            shutil.rmtree(staging, ignore_errors=True)  # (published: tidying cannot fail it)
             offset, lines = 0, []
             for entry, _ in shard.examples:
                 lines.append(json.dumps({**entry, "shard": shard.number, "offset": offset}))

@@ -521,7 +521,7 @@ class LensClient:
                 refused: pass the choice's ``"activations"`` itself.)
 
         Returns:
-            ``{name: tensor}`` as :attr:`LensResult.activations` lays it out, or ``None``
+            ``{name: tensor}`` as `LensResult.activations` lays it out, or ``None``
             for ``None``.
 
         Raises:

@@ -59,7 +59,7 @@ def open(path: str | os.PathLike) -> ActivationDataset:  # noqa: A001 - the docu
             ``<root>/<dataset>``, or a ``ShardWriter``'s ``root``).
 
     Returns:
-        The :class:`ActivationDataset` of its complete examples.
+        The `ActivationDataset` of its complete examples.
 
     Raises:
         FileNotFoundError: ``path`` holds no ``manifest.json``.
@@ -127,7 +127,7 @@ class ActivationDataset(torch.utils.data.Dataset):
 
     Raises:
         FileNotFoundError: ``path`` holds no ``manifest.json``.
-        ValueError: another format, or a damaged index (as :func:`open`).
+        ValueError: another format, or a damaged index (as `open`).
 
     Examples:
         >>> import torch
@@ -213,7 +213,7 @@ class ActivationDataset(torch.utils.data.Dataset):
                 prompt file's ``key`` column or line number).
 
         Returns:
-            The example, as ``ds[i]`` gives it (see :class:`ActivationDataset`).
+            The example, as ``ds[i]`` gives it (see `ActivationDataset`).
 
         Raises:
             KeyError: no complete example has ``key`` (one whose pipeline-stage parts are
@@ -286,7 +286,7 @@ class ActivationDataset(torch.utils.data.Dataset):
         Returns:
             ``indices`` int32 and ``values`` float32 ``[total_rows, top_k]`` (-1 and 0 where
             fewer features were active), ``nmse`` float32 and ``l0`` int32 ``[total_rows]``,
-            rows in the examples' order (as :meth:`tensor`); zero rows for a dataset
+            rows in the examples' order (as `tensor`); zero rows for a dataset
             without examples.
 
         Raises:
@@ -315,7 +315,7 @@ class ActivationDataset(torch.utils.data.Dataset):
 
         Returns:
             A list of ``[rows, *row_shape]`` tensors in the manifest's dtype which,
-            concatenated, are :meth:`tensor`; empty for a dataset without examples.
+            concatenated, are `tensor`; empty for a dataset without examples.
 
         Raises:
             KeyError: the dataset does not hold ``point`` or ``layer``.

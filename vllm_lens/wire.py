@@ -156,7 +156,7 @@ def reserve(nbytes: int, shape: list[int], dtype: str) -> None:
 
 
 def charge(blob: bytes, *, check: bool = True) -> None:
-    """Charge the tensors ``blob`` (from :func:`dumps`) declares against the active
+    """Charge the tensors ``blob`` (from `dumps`) declares against the active
     ``decode_limit`` without decompressing them: tensors validated earlier (a registered
     preset) still count towards the request that uses them. ``check=False``: their shapes are
     not vetted again (an SAE's rows and columns, whose shapes are the deployment's)."""
@@ -180,7 +180,7 @@ def charge(blob: bytes, *, check: bool = True) -> None:
 
 
 def unpack_tensor(obj: dict[str, Any]) -> torch.Tensor:
-    """Inverse of :func:`pack_tensor`; validates dtype, shape and byte count.
+    """Inverse of `pack_tensor`; validates dtype, shape and byte count.
 
     The declared dtype × shape is checked (against ``decode_limit``, when one is active) before
     decompression, and decompression never produces more than that many bytes.
@@ -276,7 +276,7 @@ def dumps(obj: Any, compress: bool = True) -> bytes:
 
 
 def loads(blob: bytes) -> Any:
-    """Decode bytes from :func:`dumps`; any corruption raises :class:`WireError`."""
+    """Decode bytes from `dumps`; any corruption raises `WireError`."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise WireError(f"expected bytes, got {type(blob).__name__}")
     if not blob:
@@ -301,7 +301,7 @@ def tensor_to_json(tensor: torch.Tensor) -> dict[str, Any]:
 
 
 def tensor_from_json(obj: dict[str, Any]) -> torch.Tensor:
-    """Inverse of :func:`tensor_to_json`.
+    """Inverse of `tensor_to_json`.
 
     Also reads the older vllm-lens form, where ``dtype`` is numpy's storage dtype and
     ``original_dtype`` (e.g. ``"torch.bfloat16"``) the tensor's own.

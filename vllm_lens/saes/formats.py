@@ -43,7 +43,7 @@ class SAEFormatError(ValueError):
     """A directory that does not hold an SAE vllm-lens can read, or one whose files
     disagree; the message names the file and field.
 
-    Raised by :func:`load_sae`, :func:`read_sae` and :func:`detect_layout` (a
+    Raised by `load_sae`, `read_sae` and `detect_layout` (a
     ``ValueError``, so ``except ValueError`` catches it too).
 
     Examples:
@@ -92,7 +92,7 @@ def detect_layout(path: str | os.PathLike) -> str:
 def read_sae(path: str | Path) -> SAE:
     """The SAE in directory ``path`` (any of ``LAYOUTS``), on the CPU, in its own dtype.
 
-    Unlike :func:`load_sae` it does not resolve where the SAE reads: ``point`` and ``layer``
+    Unlike `load_sae` it does not resolve where the SAE reads: ``point`` and ``layer``
     stay ``None``, and ``hook_name`` is what the files say (``None`` for sparsify and Gemma
     Scope).
 
@@ -100,7 +100,7 @@ def read_sae(path: str | Path) -> SAE:
         path: the directory (``str`` or ``pathlib.Path``).
 
     Returns:
-        The :class:`SAE`, with ``layout`` set.
+        The `SAE`, with ``layout`` set.
 
     Raises:
         SAEFormatError: no layout found, a file that is damaged (not JSON, an unreadable

@@ -35,7 +35,7 @@ ARCHITECTURES = ("standard", "jumprelu", "topk")
 class SAE:
     """A sparse autoencoder's weights and what they mean.
 
-    Usually read from files (:func:`load_sae`); made directly from tensors it computes as
+    Usually read from files (`load_sae`); made directly from tensors it computes as
     the sae-lens class of its architecture would (see the module's docstring). The fields
     are its attributes as well.
 
@@ -59,8 +59,8 @@ class SAE:
         hook_name: where it reads, as its files name it (``"blocks.12.hook_resid_post"``),
             if they do; default ``None``.
         point: the vllm-lens tap point it reads (``points.POINTS``), set by
-            :func:`load_sae`; default ``None``.
-        layer: the layer it reads, set by :func:`load_sae`; default ``None``.
+            `load_sae`; default ``None``.
+        layer: the layer it reads, set by `load_sae`; default ``None``.
 
     Raises:
         ValueError: an architecture not in ``ARCHITECTURES``, a tensor whose shape does not
@@ -212,7 +212,7 @@ class SAE:
             rows: the rows to be encoded (only their dtype is read).
 
         Returns:
-            ``torch.promote_types`` of the two: what :meth:`encode` computes and returns
+            ``torch.promote_types`` of the two: what `encode` computes and returns
             in.
         """
         return torch.promote_types(self.dtype, rows.dtype)
@@ -226,7 +226,7 @@ class SAE:
         Returns:
             ``(x - b_dec) @ W_enc + b_enc`` (without ``- b_dec`` unless
             ``apply_b_dec_to_input``; times each feature's decoder norm for a TopK SAE with
-            ``rescale_acts_by_decoder_norm``), ``[n, d_sae]`` in :meth:`compute_dtype`.
+            ``rescale_acts_by_decoder_norm``), ``[n, d_sae]`` in `compute_dtype`.
 
         Raises:
             RuntimeError: ``x``'s last dimension is not ``d_in`` (torch's error).
@@ -248,7 +248,7 @@ class SAE:
             x: rows ``[n, d_in]`` on the SAE's device, any floating dtype.
 
         Returns:
-            ``[n, d_sae]`` in :meth:`compute_dtype`, dense: ``relu(h)`` (standard),
+            ``[n, d_sae]`` in `compute_dtype`, dense: ``relu(h)`` (standard),
             ``relu(h)`` where ``h > threshold`` else 0 (jumprelu), or the ``k`` largest of
             ``h`` ReLU'd and 0 elsewhere (topk).
 
@@ -274,7 +274,7 @@ class SAE:
         """Rows ``[n, d_in]`` reconstructed from feature activations ``[n, d_sae]``.
 
         Args:
-            features: feature activations ``[n, d_sae]`` (e.g. :meth:`encode`'s, edited).
+            features: feature activations ``[n, d_sae]`` (e.g. `encode`'s, edited).
 
         Returns:
             ``features @ W_dec + b_dec`` (a TopK SAE with ``rescale_acts_by_decoder_norm``

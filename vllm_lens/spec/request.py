@@ -144,7 +144,7 @@ class LensRequest:
 
     @classmethod
     def from_payload(cls, payload: Any) -> LensRequest:
-        """Decode a payload written by :meth:`to_payload` (raises ``ValueError`` otherwise)."""
+        """Decode a payload written by `to_payload` (raises ``ValueError`` otherwise)."""
         if not isinstance(payload, Mapping) or payload.get("v") != PAYLOAD_VERSION:
             raise ValueError(f"not a vllm-lens v{PAYLOAD_VERSION} payload")
         capture = None

@@ -20,10 +20,13 @@ plain one, writes the residual stream of all 30 layers to a safetensors shard da
   extras: ``pip install nnsight transformer_lens``), else reported as skipped.
 
 The two vLLM engines run in child processes that stay up; in each round every plugin job runs
-beside a plain job of its own, and its ratio is to that plain job. Every vLLM job sends its
-prompts in the same four ``generate`` calls, and the two jobs of a pair take turns quarter by
-quarter (which goes first alternates; the disk's dirty pages are written out before each
-quarter), so that load from other processes falls on both alike; a sink job's quarter ends once
+beside a plain job of its own, and its ratio is to that plain job; each plugin engine also runs
+the plain job's requests (without lens keys) in the same turns, and the job's ratio to those is
+reported too: one engine process can run 10-15% faster than another of the same configuration
+for its whole life on this machine, which that ratio, within one process, does not see. Every
+vLLM job sends its prompts in the same four ``generate`` calls, and the jobs of a round take
+turns quarter by quarter (which goes first rotates; the disk's dirty pages are written out
+before each quarter), so that load from other processes falls on both alike; a sink job's quarter ends once
 its rows are on disk (``flush_sinks``: a writer thread does not go on writing while the plain
 job runs). As wall-clock ratios on a shared 2-core machine carry noise of several percent, the
 plugin engine also reports the share of each job's time spent in vllm-lens' own code (the tap
@@ -116,15 +119,16 @@ def serve_engine(cfg: dict) -> None:
     quarter = max(1, len(prompts) // 4)
     llm.generate(prompts[:16], SamplingParams(max_tokens=1))  # warm-up
     print("READY", flush=True)
-    outs: list[Any] = []
-    memory: list[float] = []
-    elapsed = 0.0
+    # Per job (a plugin engine runs its sink job and keyless plain requests in turns): its
+    # outputs, memory by quarter, time, and its share of the timers' totals.
+    jobs: dict[str, dict[str, Any]] = {}
     for line in sys.stdin:
         job, run, q = line.split()
         if q == "0":
-            spent.clear()
-            writer.clear()
-            outs, memory, elapsed = [], [], 0.0
+            jobs[job] = {"outs": [], "memory": [], "elapsed": 0.0, "spent": {}, "writer": {}}
+        state = jobs[job]
+        outs, memory = state["outs"], state["memory"]
+        timers_before = {"spent": dict(spent), "writer": dict(writer)}
         part = range(int(q) * quarter, min((int(q) + 1) * quarter, len(prompts)))
         last = part.stop >= len(prompts)
         start = time.perf_counter()
@@ -152,20 +156,25 @@ def serve_engine(cfg: dict) -> None:
                 sys.exit(f"sink job failed: {failed[0]}")
         if job == "returned_last" and last:
             _write_returned(outs, root / f"{job}-{run}")
-        elapsed += time.perf_counter() - start
+        state["elapsed"] += time.perf_counter() - start
         memory.append(_rss_mb())
+        for name, totals in (("spent", spent), ("writer", writer)):
+            mine = state[name]
+            for key, total in totals.items():
+                mine[key] = mine.get(key, 0.0) + total - timers_before[name].get(key, 0.0)
         if not last:
             print("RESULT {}", flush=True)
             continue
+        elapsed, mine = state["elapsed"], dict(state["spent"])
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         written = sum(f.stat().st_size for f in (root / f"{job}-{run}").glob("*")) \
             if job != "plain" else 0
-        waited = spent.pop("_hand_off", 0.0) + spent.get("lens_flush_sinks", 0.0)
+        waited = mine.pop("_hand_off", 0.0) + mine.get("lens_flush_sinks", 0.0)
         print("RESULT " + json.dumps({
             "tps": tokens / elapsed, "memory_mb": memory, "seconds": elapsed, "bytes": written,
-            "share": sum(spent.values()) / elapsed, "waited": waited / elapsed,
-            "writer_busy": writer.get("wall", 0.0) / elapsed,
-            "writer_cpu": writer.get("cpu", 0.0) / elapsed}), flush=True)
+            "share": sum(mine.values()) / elapsed, "waited": waited / elapsed,
+            "writer_busy": state["writer"].get("wall", 0.0) / elapsed,
+            "writer_cpu": state["writer"].get("cpu", 0.0) / elapsed}), flush=True)
 
 
 def _time_writer_thread(cls: type) -> dict[str, float]:
@@ -395,28 +404,35 @@ def _measure(args: argparse.Namespace, jobs: list[str], work: Path) -> None:
     found: dict[tuple[str, str], list[dict[str, Any]]] = {
         (job, v): [] for job in jobs for v in variants}
     ratios: dict[tuple[str, str], list[float]] = {key: [] for key in found}
+    here: dict[tuple[str, str], list[float]] = {key: [] for key in found}
     try:
         for r in range(args.rounds):
             for j, job in enumerate(jobs):
                 # Each plugin job beside its own plain job, quarter by quarter (so that they
                 # meet the same load from other processes), taking turns at going first; the
                 # disk's dirty pages are written out before each quarter.
-                group = ["plain", *variants]
+                # Each plugin engine also runs the plain job (requests without lens keys) in
+                # the same turns: a ratio within one process, free of the differences between
+                # processes (on this machine one engine process can run 10-15% faster than
+                # another, the same configuration, for its whole life).
+                group = [("plain", "plain"), *((v, run) for v in variants
+                                               for run in (job, "plain"))]
                 got = {}
                 for q in range(4):
                     turn = (r + j + q) % len(group)
-                    for variant in group[turn:] + group[:turn]:
+                    for variant, run in group[turn:] + group[:turn]:
                         os.sync()
-                        got[variant] = engines[variant].run(
-                            "plain" if variant == "plain" else job, r, q)
-                base.append(got["plain"]["tps"])
-                plain_seconds.append(got["plain"]["seconds"])
+                        got[variant, run] = engines[variant].run(run, r, q)
+                plain = got["plain", "plain"]
+                base.append(plain["tps"])
+                plain_seconds.append(plain["seconds"])
                 for v in variants:
-                    found[job, v].append(got[v])
-                    ratios[job, v].append(got[v]["tps"] / got["plain"]["tps"])
-                    print(f"round {r}: {job}{f' ({v})' if v else ''} {got[v]['tps']:.0f} "
-                          f"tok/s, {ratios[job, v][-1]:.3f}x plain", file=sys.stderr,
-                          flush=True)
+                    found[job, v].append(got[v, job])
+                    ratios[job, v].append(got[v, job]["tps"] / plain["tps"])
+                    here[job, v].append(got[v, job]["tps"] / got[v, "plain"]["tps"])
+                    print(f"round {r}: {job}{f' ({v})' if v else ''} {got[v, job]['tps']:.0f} "
+                          f"tok/s, {ratios[job, v][-1]:.3f}x plain, {here[job, v][-1]:.3f}x "
+                          "plain requests on its engine", file=sys.stderr, flush=True)
     finally:
         for engine in engines.values():
             engine.close()
@@ -452,11 +468,12 @@ def _measure(args: argparse.Namespace, jobs: list[str], work: Path) -> None:
           f"{disk[1]:.0f} MB/s after. 'disk alone' is a job's bytes at the slower of the two, "
           f"against the median plain job's {plain_s:.1f} s.\n")
     print("| job | prompt tokens/s | ratio to plain vLLM (median) | lowest | highest | "
+          "ratio to plain requests on its engine (median, lowest–highest) | "
           "time in vllm-lens | of which waiting for the writer thread | writer thread busy "
           "(CPU) | MB written | disk alone |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print(f"| plain vLLM (nothing written; median of its {len(base)} runs) | {plain_tps:.0f} "
-          "| 1 | | | | | | | |")
+          "| 1 | | | | | | | | |")
     for key, results in found.items():
         def median(field: str, results: list[dict[str, Any]] = results) -> float:
             return statistics.median(r.get(field, 0.0) for r in results)
@@ -464,15 +481,17 @@ def _measure(args: argparse.Namespace, jobs: list[str], work: Path) -> None:
         label = labels[key[0]] + (f" ({key[1]}: {args.baseline})" if key[1] else "")
         written = median("bytes") / 1e6
         print(f"| {label} | {median('tps'):.0f} | {statistics.median(ratios[key]):.3f} | "
-              f"{min(ratios[key]):.3f} | {max(ratios[key]):.3f} | {median('share'):.1%} | "
+              f"{min(ratios[key]):.3f} | {max(ratios[key]):.3f} | "
+              f"{statistics.median(here[key]):.3f} ({min(here[key]):.3f}–{max(here[key]):.3f})"
+              f" | {median('share'):.1%} | "
               f"{median('waited'):.1%} | {median('writer_busy'):.1%} "
               f"({median('writer_cpu'):.1%}) | {written:.0f} | {written / speed:.1f} s "
               f"({written / speed / plain_s:.0%}) |")
     for name, r in others.items():
         if "tps" in r:
-            print(f"| {name} | {r['tps']:.0f} | {r['tps'] / plain_tps:.3f} | | | | | | | |")
+            print(f"| {name} | {r['tps']:.0f} | {r['tps'] / plain_tps:.3f} | | | | | | | | |")
         else:
-            print(f"| {name} | {r['skipped']} | | | | | | | | |")
+            print(f"| {name} | {r['skipped']} | | | | | | | | | |")
     memory = found["sink_all", ""][-1]["memory_mb"] if "sink_all" in jobs else []
     print("\nResident memory of the plugin engine's process (front end and worker) after each "
           "quarter of the last 'every prompt position' sink job (MB): "

@@ -69,6 +69,7 @@ from typing import Any
 
 import torch
 
+from vllm_lens import safetensors_file
 from vllm_lens.dataset_index import (
     INDEX, IndexView, append_lines, check_writer, index_locked, parse_line, read_index,
     rewrite_index)
@@ -572,32 +573,39 @@ class ShardWriter:
             self._next_shard = shard.number
             raise
 
-    def write_shard(self, shard: Shard) -> None:
+    def write_shard(self, shard: Shard, rows_written: Callable[[], None] | None = None) -> None:
         """Write a sealed shard, then its examples' index lines (from any thread, the shards
         in the order they were sealed). On failure nothing of it is left behind, its
-        examples are dropped (their keys may be added again), and the error is raised."""
-        from safetensors.torch import save_file
+        examples are dropped (their keys may be added again), and the error is raised.
 
+        ``rows_written``: called once the shard's rows are in its file (not yet synced), after
+        the shard has let go of them: a handed-off shard waits for the disk without its rows
+        in memory (its examples are dropped if the rest fails, never written again from
+        memory)."""
         path = self.root / shard_name(shard.number, self.writer)
-        # safetensors writes a temp file of its own beside its target (".tmpXXXXXX") before
-        # renaming it: in a staging directory named like our temp files, a killed writer's
-        # is told from another writer's, and removed when it resumes.
+        # Written in a staging directory named like our temp files: a killed writer's is told
+        # from another writer's, and removed when it resumes.
         staging = _temp_name(path, self.writer)
         tmp = staging / path.name
         part_layers, part_saes = shard.part
         try:
             staging.mkdir(exist_ok=True)
-            tensors = {}
+            # Each column's parts are written where they lie, one after the other: no copy
+            # of the shard is made to join them (``safetensors_file``).
+            columns: dict[str, list[torch.Tensor]] = {}
             for point in self.points if part_layers else ():
                 for i, layer in enumerate(part_layers):
-                    parts = [rows[point][i] for _, rows in shard.examples]
-                    tensors[tensor_name(point, layer)] = torch.cat(parts).contiguous()
+                    columns[tensor_name(point, layer)] = [rows[point][i]
+                                                          for _, rows in shard.examples]
             for sae in part_saes:
                 for field in sae_fields(self.saes[sae]):
                     name = sae_column(sae, field)
-                    tensors[name] = torch.cat([rows[name] for _, rows in shard.examples])
-            save_file(tensors, tmp)
-            del tensors
+                    columns[name] = [rows[name] for _, rows in shard.examples]
+            safetensors_file.write(tmp, columns)
+            del columns
+            if rows_written is not None:
+                shard.examples = [(entry, {}) for entry, _ in shard.examples]
+                rows_written()
             _publish(tmp, path, uncache=True)
             shutil.rmtree(staging, ignore_errors=True)  # (published: tidying cannot fail it)
             offset, lines = 0, []

@@ -186,23 +186,23 @@ def test_a_shard_that_cannot_be_written_is_dropped_alone_and_reported_twice(tmp_
     """A failed background write drops its shard's examples and no other; the next flush and
     the next request writing to the dataset each learn it (that request's example is not
     written), and the sink carries on."""
-    import safetensors.torch
+    from vllm_lens import safetensors_file
 
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 4,
                                                "flush_s": 0}}))["acts"]
     sink = ShardSink(config)
     sink.write("d", _example("a", 4, SETTINGS))  # shard 0
     assert sink.flush() == []
-    real = safetensors.torch.save_file
+    real = safetensors_file.write
     queued = threading.Event()
 
-    def shard_1_fails(tensors, path):
+    def shard_1_fails(path, columns):
         if "shard-00001" in str(path):
             queued.wait(10)
             raise OSError(28, "No space left on device")
-        real(tensors, path)
+        real(path, columns)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", shard_1_fails)
+    monkeypatch.setattr(safetensors_file, "write", shard_1_fails)
     sink.write("d", _example("b", 2, SETTINGS))
     receipt = sink.write("d", _example("c", 2, SETTINGS))  # shard 1: handed off, it fails
     assert not receipt["durable"]
@@ -220,7 +220,7 @@ def test_a_shard_that_cannot_be_written_is_dropped_alone_and_reported_twice(tmp_
     assert datasets.open(tmp_path / "d").keys() == ["a", "e", "f"]
     assert sorted(p.name for p in (tmp_path / "d").glob("*shard*")) == [
         "shard-00000.safetensors", "shard-00002.safetensors", "shard-00003.safetensors"]
-    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    monkeypatch.setattr(safetensors_file, "write", real)
     sink.write("d", _example("b", 2, SETTINGS))  # a dropped key may be written again
     sink.close()
     assert datasets.open(tmp_path / "d").keys() == ["a", "e", "f", "b"]
@@ -231,7 +231,7 @@ def test_with_max_queued_shards_0_the_write_completing_a_shard_waits_for_it(tmp_
     """No queue: the write whose example completes a shard returns once the shard is on disk
     (its receipt durable, naming shard and offset), and a failure fails that request, naming
     the keys dropped with it (and is reported by the next flush too)."""
-    import safetensors.torch
+    from vllm_lens import safetensors_file
 
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 4,
                                                "flush_s": 0, "max_queued_shards": 0}}))["acts"]
@@ -240,14 +240,14 @@ def test_with_max_queued_shards_0_the_write_completing_a_shard_waits_for_it(tmp_
     second = sink.write("d", _example("b", 2, SETTINGS))
     assert (second["shard"], second["offset"], second["durable"]) == (0, 2, True)
     sink.write("d", _example("c", 2, SETTINGS))
-    real = safetensors.torch.save_file
-    monkeypatch.setattr(safetensors.torch, "save_file",
+    real = safetensors_file.write
+    monkeypatch.setattr(safetensors_file, "write",
                         lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
     with pytest.raises(RuntimeError, match=r"No space left.*keys \['c', 'e'\]") as info:
         sink.write("d", _example("e", 2, SETTINGS))
     assert "not written (send it again)" not in str(info.value)  # it was, and was dropped
     assert datasets.open(tmp_path / "d").keys() == ["a", "b"]
-    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    monkeypatch.setattr(safetensors_file, "write", real)
     assert not sink.write("d", _example("e", 2, SETTINGS))["durable"]  # sent again
     problems = sink.flush()
     assert len(problems) == 1 and "['c', 'e']" in problems[0]
@@ -258,17 +258,17 @@ def test_with_max_queued_shards_0_the_write_completing_a_shard_waits_for_it(tmp_
 def _gated_save(monkeypatch):
     """A disk that writes a shard only when the test opens the gate: returns (gate, the number
     of shards the writer thread had queued each time it began one)."""
-    import safetensors.torch
+    from vllm_lens import safetensors_file
 
-    real = safetensors.torch.save_file
+    real = safetensors_file.write
     gate, seen = threading.Event(), []
 
-    def slow(tensors, path):
+    def slow(path, columns):
         seen.append(path)
         assert gate.wait(30), "the test never opened the gate"
-        real(tensors, path)
+        real(path, columns)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", slow)
+    monkeypatch.setattr(safetensors_file, "write", slow)
     return gate, seen
 
 
@@ -335,16 +335,16 @@ def test_many_small_shards_from_two_writers_of_one_dataset_read_back_exactly(tmp
     flush timer cutting shards too: every example reads back exactly, in each writer's order."""
     import random
 
-    import safetensors.torch
+    from vllm_lens import safetensors_file
 
-    real = safetensors.torch.save_file
+    real = safetensors_file.write
     pace = random.Random(0)
 
-    def jittery(tensors, path):
+    def jittery(path, columns):
         time.sleep(pace.random() * 0.004)
-        real(tensors, path)
+        real(path, columns)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", jittery)
+    monkeypatch.setattr(safetensors_file, "write", jittery)
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 3,
                                                "flush_s": 0.05, "max_queued_shards": 1}}))
     written: dict[str, list[str]] = {}
@@ -388,7 +388,7 @@ def test_many_small_shards_from_two_writers_of_one_dataset_read_back_exactly(tmp
 def _write_then_die(root, acks):
     """A worker whose disk stops mid-shard after its first flush: it acknowledges the flushed
     keys and the receipts of the rest, then waits to be killed."""
-    import safetensors.torch
+    from vllm_lens import safetensors_file
 
     config = parse_config(json.dumps({"acts": {"root": str(root), "rows_per_shard": 2,
                                                "flush_s": 0}}))["acts"]
@@ -396,13 +396,13 @@ def _write_then_die(root, acks):
     for i in range(5):
         sink.write("d", _example(f"a{i}", 1, SETTINGS, i))
     assert sink.flush() == []
-    real = safetensors.torch.save_file
+    real = safetensors_file.write
 
-    def stuck(tensors, path):
-        real(tensors, path)  # the temp file is complete, never renamed
+    def stuck(path, columns):
+        real(path, columns)  # the temp file is complete, never renamed
         time.sleep(3600)
 
-    safetensors.torch.save_file = stuck
+    safetensors_file.write = stuck
     receipts = [sink.write("d", _example(f"b{i}", 1, SETTINGS, 10 + i)) for i in range(5)]
     lines = [f"a{i} flushed" for i in range(5)]
     lines += [f"{r['key']} {'durable' if r['durable'] else 'queued'}" for r in receipts]
@@ -463,11 +463,11 @@ def test_unknown_options_and_kinds(tmp_path):
 def test_a_failed_timer_write_is_reported_by_the_next_flush(tmp_path, monkeypatch):
     import time
 
-    import safetensors.torch
+    from vllm_lens import safetensors_file
 
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "flush_s": 0.1}}))
     sink = ShardSink(config["acts"])
-    monkeypatch.setattr(safetensors.torch, "save_file",
+    monkeypatch.setattr(safetensors_file, "write",
                         lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
     sink.write("d", _example("a", 2, SETTINGS))
     deadline = time.monotonic() + 10
@@ -643,3 +643,49 @@ def test_each_engine_and_stage_names_its_writer(monkeypatch):
     monkeypatch.setenv("VLLM_LENS_SINK_WRITER", "a/b")
     with pytest.raises(ValueError, match="VLLM_LENS_SINK_WRITER='a/b' must be"):
         writer_name(alone, 0, shared=False)
+
+
+def test_a_shard_being_synced_holds_no_rows_and_leaves_room_for_the_next(tmp_path,
+                                                                        monkeypatch):
+    """Once a shard's rows are in its file, it lets go of them: while the disk syncs it, the
+    next shard may be handed off (the queue bounds the rows in memory, not the syncs)."""
+    from vllm_lens import shard_writer
+
+    synced, gate, syncing = [], threading.Event(), threading.Event()
+    real = shard_writer._publish
+
+    def slow_sync(tmp, path, **kwargs):
+        if not path.name.startswith("shard-"):  # (the manifest)
+            return real(tmp, path, **kwargs)
+        syncing.set()
+        assert gate.wait(30), "the test never opened the gate"
+        synced.append(path.name)
+        real(tmp, path, **kwargs)
+
+    monkeypatch.setattr(shard_writer, "_publish", slow_sync)
+    config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 1,
+                                               "flush_s": 0, "max_queued_shards": 1}}))["acts"]
+    sink = ShardSink(config)
+    sink.write("d", _example("k0", 1, SETTINGS, 0))  # shard 0: its rows written, then synced
+    assert syncing.wait(30)
+    first = sink._queue[0][1]
+    assert first.examples == [(first.examples[0][0], {})]  # its rows let go
+    done = threading.Event()
+    writer = threading.Thread(target=lambda: (sink.write("d", _example("k1", 1, SETTINGS, 1)),
+                                              done.set()))
+    writer.start()
+    assert done.wait(10), "a shard being synced kept the next one waiting"
+    assert len(sink._queue) == 2 and synced == []
+    # A third shard waits: shard 1 holds its rows (queued behind the one being synced).
+    third = threading.Thread(target=sink.write, args=("d", _example("k2", 1, SETTINGS, 2)))
+    third.start()
+    third.join(0.5)
+    assert third.is_alive()
+    gate.set()
+    third.join(30)
+    writer.join(30)
+    assert sink.flush() == []
+    ds = datasets.open(tmp_path / "d")
+    assert ds.keys() == ["k0", "k1", "k2"]
+    assert [ds.get(k)["resid_post"][0, 0, 0].item() for k in ds.keys()] == [0, 1, 2]
+    sink.close()

@@ -9,8 +9,9 @@ engines differ only in how they call ``collective_rpc``, so everything else live
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -291,7 +292,11 @@ class LensSession:
     def __init__(self) -> None:
         self.facts: ModelFacts | None = None
         self.in_flight: dict[str, LensRequest] = {}
-        """External request id -> its lens request, until it finishes or is aborted."""
+        """External request id -> its lens request, until it finishes or is aborted (changed
+        only by ``prepare`` and ``forget``, which keep ``_sinks`` in step)."""
+        self._sinks: collections.Counter[SinkSpec] = collections.Counter()
+        """The examples the requests in flight write: a call of thousands of requests checks
+        each against them in constant time, not against every request in flight."""
         self.parsed_by_params: dict[int, tuple[Mapping[str, Any], LensRequest]] = {}
         """During one ``LLM.generate`` call: ``id(SamplingParams)`` -> (its ``extra_args``, the
         lens request parsed from them), so each request's values are parsed once."""
@@ -373,12 +378,14 @@ class LensSession:
             # Prompt tokens served from the prefix cache never run through the layers.
             engine_params.skip_reading_prefix_cache = True
         self.in_flight[request_id] = lens
+        if lens.sink is not None:
+            self._sinks[lens.sink] += 1
         return engine_params, lens
 
     def check_beside(self, lens: LensRequest, n: int, request_id: str | None = None,
-                     added: Sequence[SinkSpec] = ()) -> None:
+                     added: Container[SinkSpec] = ()) -> None:
         """Refuse what ``lens`` cannot do with ``n`` samples, or beside the running requests
-        and those of the same call added before it (``added``: their sinks): every sample
+        and those of the same call added before it (``added``: their sinks, best a set): every sample
         streams, is gated or writes one example of its own, and no two requests write one key.
 
         Raises:
@@ -387,8 +394,7 @@ class LensSession:
         if lens.stream and n != 1:
             raise LensRequestError(STREAM_KEY, f"streams the rows of one sample; n={n} is not "
                                    "supported with it (send n requests)", request_id=request_id)
-        if lens.sink is not None and (lens.sink in added or any(
-                other.sink == lens.sink for other in self.in_flight.values())):
+        if lens.sink is not None and (lens.sink in added or lens.sink in self._sinks):
             raise LensRequestError(
                 f"{SINK_KEY}.key", f"{lens.sink.key!r} of dataset {lens.sink.dataset!r} is "
                 "already being written by a running request or an earlier request of this "
@@ -644,4 +650,14 @@ class LensSession:
     def forget(self, request_ids: Sequence[str]) -> list[str]:
         """Stop tracking finished or aborted requests; returns their lens keys (whose worker
         buffers an aborted request should release)."""
-        return [lens.key for rid in request_ids if (lens := self.in_flight.pop(rid, None))]
+        keys = []
+        for rid in request_ids:
+            lens = self.in_flight.pop(rid, None)
+            if lens is None:
+                continue
+            keys.append(lens.key)
+            if lens.sink is not None:
+                self._sinks[lens.sink] -= 1
+                if not self._sinks[lens.sink]:
+                    del self._sinks[lens.sink]
+        return keys

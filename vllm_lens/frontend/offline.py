@@ -54,7 +54,7 @@ def _wrap_render_and_add(original):
             session.describe_sae = offline_describer(engine)
         prompts = list(prompts)  # engine inputs, tokenized: admission needs their lengths
         parsed: dict[int, tuple[Any, Any]] = {}
-        sinks: list[Any] = []  # of the requests before this one: two may not write one example
+        sinks: set[Any] = set()  # of the requests before this one: two may not write one example
         for index, p in enumerate(params):
             if not isinstance(p, SamplingParams) or not p.extra_args:
                 continue
@@ -69,7 +69,7 @@ def _wrap_render_and_add(original):
                 lens = parsed[id(p)][1]
                 if lens is not None:
                     session.check_beside(lens, p.n, added=sinks)
-                    sinks.append(lens.sink)
+                    sinks.add(lens.sink)
                 if lens is not None and index < len(prompts):
                     check_admission(lens, session.facts, prompt_length(prompts[index]),
                                     p.max_tokens, p.n)

@@ -7,8 +7,9 @@ Examples are queued per dataset and cut into shards (``rows_per_shard`` rows or
 (``vllm_lens.flush_sinks``), and when the worker exits. A shard cut is handed to the sink's
 writer thread, which writes the shards one after the other (temp file, fsync, rename, then the
 index lines), and ``write`` returns at once: the engine's step does not wait for the disk. At
-most ``max_queued_shards`` (default 2) shards wait or are being written; a ``write`` whose
-example cuts one more waits for room (back-pressure: the engine goes at the disk's pace
+most ``max_queued_shards`` (default 2) shards hold their rows in memory, waiting or being
+written (a shard whose rows are in its file lets go of them while the disk syncs it); a
+``write`` whose example cuts one more waits for room (back-pressure: the engine goes at the disk's pace
 instead of piling rows up in memory); with ``max_queued_shards`` 0 a ``write`` waits until the
 shard its example completed is written (the engine's step waits for the disk, and that
 request's receipt says ``durable``). At most ``max_open_datasets`` (default 16) datasets are
@@ -39,9 +40,11 @@ fails with it without its own example being written.
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -88,6 +91,10 @@ class ShardSink:
         self._queue_bound = max(1, self.max_queued_shards)
         self._last_write: dict[str, float] = {}
         """Dataset -> when it was last written (its writer is open)."""
+        self._accepted: weakref.WeakKeyDictionary[ShardWriter, Any] = \
+            weakref.WeakKeyDictionary()
+        """Open dataset's writer -> the last example settings found to agree with its
+        manifest."""
         self._writers: dict[str, ShardWriter] = {}
         """Open datasets, least recently written first (at most ``max_open_datasets``)."""
         self._oldest: dict[str, float] = {}
@@ -104,6 +111,8 @@ class ShardSink:
         """Dataset -> its failed shard writes (message, dropped keys) that no request writing
         to it was told of."""
         self._queue_changed = threading.Condition()
+        self._released = 0
+        """1 while the first queued shard, being written, holds its rows no longer."""
         self._writer_thread: threading.Thread | None = None
 
     def write(self, dataset: str, example: Example) -> dict[str, Any]:
@@ -159,6 +168,8 @@ class ShardSink:
                              f"as writer {writer.writer!r}, not {name!r} (for the sink's "
                              "operator to resolve, not the request)")
         if writer is not None:
+            if self._accepted.get(writer) == settings:
+                return writer  # (compared with the manifest once, not once per example)
             for field in sorted(set(writer.manifest) | set(settings)):
                 if field in VERSION_FIELDS or field == "format":
                     continue
@@ -167,6 +178,7 @@ class ShardSink:
                         f"dataset {dataset!r} of sink {self.config.name!r} holds examples with "
                         f"{field}={writer.manifest.get(field)!r}, not "
                         f"{jsonable(settings.get(field))!r}; write these to another dataset")
+            self._accepted[writer] = copy.deepcopy(settings)
             return writer
         while len(self._writers) >= self.max_open_datasets:
             oldest = self._closable(dataset)
@@ -226,7 +238,7 @@ class ShardSink:
         ``max_queued_shards`` are queued (the caller holds ``_lock``); with 0, until the
         writer thread has written or dropped it."""
         with self._queue_changed:
-            while len(self._queue) >= self._queue_bound:
+            while self._holding_rows() >= self._queue_bound:
                 self._queue_changed.wait()
             self._queue.append((writer, shard))
             self._queue_changed.notify_all()
@@ -249,13 +261,25 @@ class ShardSink:
                     return  # (``close`` drained the queue first)
                 writer, shard = self._queue[0]
             try:
-                writer.write_shard(shard)
+                writer.write_shard(shard, rows_written=self._rows_written)
             except BaseException as exc:  # noqa: BLE001 - reported; the next shards go on
                 self._lost(writer, shard, exc)
             finally:
                 with self._queue_changed:
                     self._queue.popleft()
+                    self._released = 0
                     self._queue_changed.notify_all()
+
+    def _holding_rows(self) -> int:
+        """Queued shards whose rows are in memory (the one being synced has none)."""
+        return len(self._queue) - self._released
+
+    def _rows_written(self) -> None:
+        """The shard being written let go of its rows (they are in its file): room for the
+        next one while this one is synced."""
+        with self._queue_changed:
+            self._released = 1
+            self._queue_changed.notify_all()
 
     def _lost(self, writer: ShardWriter, shard: Shard, exc: BaseException) -> None:
         """Record a shard that could not be written, for the next ``flush`` and the next

@@ -5,7 +5,7 @@ rank 0 of each pipeline stage; every TP rank for the signals split across ranks)
 During a step each capturing layer does one gather and one copy into its capture group's
 staging tensor; after the step the store splits the staging tensor per request (one copy per
 request per step, ``CaptureStore.settle``). At fetch time a request's per-step chunks are
-concatenated once.
+concatenated once (a request whose rows came in one step keeps its chunk as it is).
 """
 
 from __future__ import annotations
@@ -122,30 +122,33 @@ def assemble(entry: Entry, valid_len: int) -> dict[str, Any]:
         stream = _rows_at(entry.chunks, positions.size, int(keep[-1])).clone()
         kept_positions = kept_positions[-1:]
     else:
-        stream = torch.empty((first.shape[0], keep.size, *tail), dtype=first.dtype)
-        _concat_rows(entry.chunks, keep, stream)
+        stream = _concat_rows(entry.chunks, keep)
         if entry.reduce == "mean":
             stream = stream.float().mean(dim=1).to(first.dtype)
     return {"layers": list(entry.layers), "positions": kept_positions, "signal": entry.signal,
             "tensor": stream}
 
 
-def _concat_rows(chunks: list[torch.Tensor], keep: np.ndarray, out: torch.Tensor) -> None:
-    """``out[:, i] = rows[:, keep[i]]`` of the chunks laid end to end, copying each row once."""
+def _concat_rows(chunks: list[torch.Tensor], keep: np.ndarray) -> torch.Tensor:
+    """``rows[:, keep]`` of the chunks laid end to end, each row copied at most once: a
+    request whose rows came in one step and are all kept (a prompt read in one step, the
+    usual case for a dataset job) gets its chunk itself, which the store handed over."""
+    first = chunks[0]
     if keep.size == 0:
-        return
+        return first.new_empty((first.shape[0], 0, *first.shape[2:]))
     if np.array_equal(keep, np.arange(keep.size)):
         # The usual case: rows arrived in order, only a surplus tail (if any) to drop.
+        if first.shape[1] == keep.size:
+            return first
         parts, total = [], 0
         for chunk in chunks:
             if total >= keep.size:
                 break
             parts.append(chunk[:, : keep.size - total])
             total += parts[-1].shape[1]
-        torch.cat(parts, dim=1, out=out)
-        return
+        return torch.cat(parts, dim=1)
     index = torch.from_numpy(keep.astype(np.int64))
-    torch.index_select(torch.cat(chunks, dim=1), 1, index, out=out)
+    return torch.index_select(torch.cat(chunks, dim=1), 1, index)
 
 
 def _rows_at(chunks: list[torch.Tensor], total: int, row: int) -> torch.Tensor:

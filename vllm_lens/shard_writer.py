@@ -81,6 +81,9 @@ __all__ = ["FORMAT", "INDEX", "MANIFEST", "SAE_FIELDS", "VERSION_FIELDS", "Shard
 FORMAT = "vllm-lens-activations/1"
 MANIFEST = "manifest.json"
 _SHARD = re.compile(r"^shard-(?:(.+)-)?(\d{5,})\.safetensors$")
+#: Parts (one example's rows at one layer) smaller than this on average are joined before a
+#: shard is written (``ShardWriter.write_shard``); larger ones are written in place.
+_JOIN_BELOW = 64 << 10
 #: Manifest fields that may differ between the runs that wrote one dataset.
 VERSION_FIELDS = ("vllm_version", "vllm_lens_version")
 
@@ -590,19 +593,26 @@ class ShardWriter:
         part_layers, part_saes = shard.part
         try:
             staging.mkdir(exist_ok=True)
-            # Each column's parts are written where they lie, one after the other: no copy
-            # of the shard is made to join them (``safetensors_file``).
+            # Large parts are written where they lie, one after the other, without a copy of
+            # the shard to join them (``safetensors_file``); small ones (a row or a few per
+            # example and layer) are joined first, in one call per point, where handling
+            # each part alone would cost more than copying it.
+            join = shard.nbytes < _JOIN_BELOW * len(shard.examples) * max(1, len(part_layers))
             columns: dict[str, list[torch.Tensor]] = {}
+            joined: torch.Tensor | None = None
             for point in self.points if part_layers else ():
+                if join:
+                    joined = torch.cat([rows[point] for _, rows in shard.examples], dim=1)
                 for i, layer in enumerate(part_layers):
-                    columns[tensor_name(point, layer)] = [rows[point][i]
-                                                          for _, rows in shard.examples]
+                    columns[tensor_name(point, layer)] = [joined[i]] if join else [
+                        rows[point][i] for _, rows in shard.examples]
             for sae in part_saes:
                 for field in sae_fields(self.saes[sae]):
                     name = sae_column(sae, field)
-                    columns[name] = [rows[name] for _, rows in shard.examples]
+                    parts = [rows[name] for _, rows in shard.examples]
+                    columns[name] = [torch.cat(parts)] if join else parts
             safetensors_file.write(tmp, columns)
-            del columns
+            columns = joined = None  # (the rows, written)
             if rows_written is not None:
                 shard.examples = [(entry, {}) for entry, _ in shard.examples]
                 rows_written()

@@ -31,7 +31,14 @@ def write(root, keys, rows_per_shard=5, resume=False):
     return written
 
 
-def test_examples_come_back_exactly_by_index_key_and_point(tmp_path):
+@pytest.mark.parametrize("parts", ["joined", "in place"])
+def test_examples_come_back_exactly_by_index_key_and_point(tmp_path, monkeypatch, parts):
+    """Small parts (these) are joined before a shard is written, large ones written where
+    they lie: the shard reads back the same either way."""
+    from vllm_lens import shard_writer
+
+    if parts == "in place":
+        monkeypatch.setattr(shard_writer, "_JOIN_BELOW", 0)
     written = write(tmp_path, [(i, f"ex{i}") for i in range(7)])
     ds = datasets.open(tmp_path)
     assert len(ds) == 7 and ds.keys() == [f"ex{i}" for i in range(7)]
@@ -172,9 +179,14 @@ SAES = [{"sae": "l1", "point": "resid_post", "layer": 1, "d_sae": 50, "top_k": 3
          "reconstruction": False}]
 
 
+@pytest.mark.parametrize("parts", ["joined", "in place"])
 @pytest.mark.parametrize("with_points", [True, False])
-def test_sae_features_are_written_beside_the_rows_and_read_back_per_example(tmp_path,
-                                                                            with_points):
+def test_sae_features_are_written_beside_the_rows_and_read_back_per_example(
+        tmp_path, monkeypatch, with_points, parts):
+    from vllm_lens import shard_writer
+
+    if parts == "in place":
+        monkeypatch.setattr(shard_writer, "_JOIN_BELOW", 0)
     manifest = {**MANIFEST, "sae_features": SAES}
     if not with_points:
         manifest = {**manifest, "points": [], "layers": [], "row_shapes": {}}

@@ -33,11 +33,20 @@ import numpy as np
 import torch
 
 from vllm_lens.dataset_index import INDEX, IndexView, read_index
-from vllm_lens.safetensors_file import DTYPES
 from vllm_lens.shard_writer import (
     FORMAT, MANIFEST, sae_column, sae_fields, shard_name, tensor_name)
 
 __all__ = ["ActivationDataset", "open"]
+
+# safetensors dtype names -> (numpy dtype to map the bytes as, torch dtype to view them as)
+_DTYPES = {
+    "F64": (np.float64, torch.float64), "F32": (np.float32, torch.float32),
+    "F16": (np.float16, torch.float16), "BF16": (np.uint16, torch.bfloat16),
+    "I64": (np.int64, torch.int64), "I32": (np.int32, torch.int32),
+    "I16": (np.int16, torch.int16), "I8": (np.int8, torch.int8),
+    "U8": (np.uint8, torch.uint8), "BOOL": (np.bool_, torch.bool),
+}
+
 
 def open(path: str | os.PathLike) -> ActivationDataset:  # noqa: A001 - the documented name
     """Open the dataset directory ``path`` (written by a capture sink or ``ShardWriter``).
@@ -337,7 +346,7 @@ class ActivationDataset(torch.utils.data.Dataset):
         data, header = self._shard(shard)
         info = header[name]
         start, end = info["data_offsets"]
-        np_dtype, torch_dtype = DTYPES[info["dtype"]]
+        np_dtype, torch_dtype = _DTYPES[info["dtype"]]
         shape = tuple(info["shape"])
         if end == start:
             return torch.empty(shape, dtype=torch_dtype)

@@ -69,7 +69,6 @@ from typing import Any
 
 import torch
 
-from vllm_lens import safetensors_file
 from vllm_lens.dataset_index import (
     INDEX, IndexView, append_lines, check_writer, index_locked, parse_line, read_index,
     rewrite_index)
@@ -81,9 +80,6 @@ __all__ = ["FORMAT", "INDEX", "MANIFEST", "SAE_FIELDS", "VERSION_FIELDS", "Shard
 FORMAT = "vllm-lens-activations/1"
 MANIFEST = "manifest.json"
 _SHARD = re.compile(r"^shard-(?:(.+)-)?(\d{5,})\.safetensors$")
-#: Parts (one example's rows at one layer) smaller than this on average are joined before a
-#: shard is written (``ShardWriter.write_shard``); larger ones are written in place.
-_JOIN_BELOW = 64 << 10
 #: Manifest fields that may differ between the runs that wrote one dataset.
 VERSION_FIELDS = ("vllm_version", "vllm_lens_version")
 
@@ -585,34 +581,28 @@ class ShardWriter:
         the shard has let go of them: a handed-off shard waits for the disk without its rows
         in memory (its examples are dropped if the rest fails, never written again from
         memory)."""
+        from safetensors.torch import save_file
+
         path = self.root / shard_name(shard.number, self.writer)
-        # Written in a staging directory named like our temp files: a killed writer's is told
-        # from another writer's, and removed when it resumes.
+        # safetensors writes a temp file of its own beside its target (".tmpXXXXXX") before
+        # renaming it: in a staging directory named like our temp files, a killed writer's
+        # is told from another writer's, and removed when it resumes.
         staging = _temp_name(path, self.writer)
         tmp = staging / path.name
         part_layers, part_saes = shard.part
         try:
             staging.mkdir(exist_ok=True)
-            # Large parts are written where they lie, one after the other, without a copy of
-            # the shard to join them (``safetensors_file``); small ones (a row or a few per
-            # example and layer) are joined first, in one call per point, where handling
-            # each part alone would cost more than copying it.
-            join = shard.nbytes < _JOIN_BELOW * len(shard.examples) * max(1, len(part_layers))
-            columns: dict[str, list[torch.Tensor]] = {}
-            joined: torch.Tensor | None = None
+            tensors = {}
             for point in self.points if part_layers else ():
-                if join:
-                    joined = torch.cat([rows[point] for _, rows in shard.examples], dim=1)
                 for i, layer in enumerate(part_layers):
-                    columns[tensor_name(point, layer)] = [joined[i]] if join else [
-                        rows[point][i] for _, rows in shard.examples]
+                    parts = [rows[point][i] for _, rows in shard.examples]
+                    tensors[tensor_name(point, layer)] = torch.cat(parts).contiguous()
             for sae in part_saes:
                 for field in sae_fields(self.saes[sae]):
                     name = sae_column(sae, field)
-                    parts = [rows[name] for _, rows in shard.examples]
-                    columns[name] = [torch.cat(parts)] if join else parts
-            safetensors_file.write(tmp, columns)
-            columns = joined = None  # (the rows, written)
+                    tensors[name] = torch.cat([rows[name] for _, rows in shard.examples])
+            save_file(tensors, tmp)
+            del tensors
             if rows_written is not None:
                 shard.examples = [(entry, {}) for entry, _ in shard.examples]
                 rows_written()

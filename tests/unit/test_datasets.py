@@ -31,14 +31,7 @@ def write(root, keys, rows_per_shard=5, resume=False):
     return written
 
 
-@pytest.mark.parametrize("parts", ["joined", "in place"])
-def test_examples_come_back_exactly_by_index_key_and_point(tmp_path, monkeypatch, parts):
-    """Small parts (these) are joined before a shard is written, large ones written where
-    they lie: the shard reads back the same either way."""
-    from vllm_lens import shard_writer
-
-    if parts == "in place":
-        monkeypatch.setattr(shard_writer, "_JOIN_BELOW", 0)
+def test_examples_come_back_exactly_by_index_key_and_point(tmp_path):
     written = write(tmp_path, [(i, f"ex{i}") for i in range(7)])
     ds = datasets.open(tmp_path)
     assert len(ds) == 7 and ds.keys() == [f"ex{i}" for i in range(7)]
@@ -100,21 +93,21 @@ def test_a_shard_whose_lines_did_not_all_arrive_is_dropped_on_resume(tmp_path):
 
 
 def test_a_failed_flush_leaves_nothing_behind_and_keeps_the_examples(tmp_path, monkeypatch):
-    from vllm_lens import safetensors_file
+    import safetensors.torch
 
     w = ShardWriter(tmp_path, MANIFEST)
     w.add("a", example(0, 2), positions=[0, 1])
-    real = safetensors_file.write
+    real = safetensors.torch.save_file
 
-    def full_disk(path, columns):
-        real(path, columns)
+    def full_disk(tensors, path):
+        real(tensors, path)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors_file, "write", full_disk)
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
     with pytest.raises(OSError, match="No space"):
         w.flush()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "manifest.json"]
-    monkeypatch.setattr(safetensors_file, "write", real)
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
     w.close()
     assert datasets.open(tmp_path).keys() == ["a"]
 
@@ -179,14 +172,9 @@ SAES = [{"sae": "l1", "point": "resid_post", "layer": 1, "d_sae": 50, "top_k": 3
          "reconstruction": False}]
 
 
-@pytest.mark.parametrize("parts", ["joined", "in place"])
 @pytest.mark.parametrize("with_points", [True, False])
-def test_sae_features_are_written_beside_the_rows_and_read_back_per_example(
-        tmp_path, monkeypatch, with_points, parts):
-    from vllm_lens import shard_writer
-
-    if parts == "in place":
-        monkeypatch.setattr(shard_writer, "_JOIN_BELOW", 0)
+def test_sae_features_are_written_beside_the_rows_and_read_back_per_example(tmp_path,
+                                                                            with_points):
     manifest = {**MANIFEST, "sae_features": SAES}
     if not with_points:
         manifest = {**manifest, "points": [], "layers": [], "row_shapes": {}}

@@ -26,8 +26,8 @@ reported too: one engine process can run 10-15% faster than another of the same 
 for its whole life on this machine, which that ratio, within one process, does not see. Every
 vLLM job sends its prompts in the same four ``generate`` calls, and the jobs of a round take
 turns quarter by quarter (which goes first rotates; the disk's dirty pages are written out
-before each quarter), so that load from other processes falls on both alike; a sink job's quarter ends once
-its rows are on disk (``flush_sinks``: a writer thread does not go on writing while the plain
+before each quarter), so that load from other processes falls on all alike; a sink job's
+quarter ends once its rows are on disk (``flush_sinks``: a writer thread does not go on writing while the plain
 job runs). As wall-clock ratios on a shared 2-core machine carry noise of several percent, the
 plugin engine also reports the share of each job's time spent in vllm-lens' own code (the tap
 handler, the fetch that assembles and writes the rows, validation, collation), of which waiting
@@ -165,6 +165,7 @@ def serve_engine(cfg: dict) -> None:
         if not last:
             print("RESULT {}", flush=True)
             continue
+        del jobs[job]  # (its outputs: not held while the next jobs run)
         elapsed, mine = state["elapsed"], dict(state["spent"])
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         written = sum(f.stat().st_size for f in (root / f"{job}-{run}").glob("*")) \

@@ -127,3 +127,34 @@ def test_a_request_no_worker_vouches_for_fails_instead_of_passing_silently():
     ran = output()
     session.attach(ran, lens, [{"k": {"7-abc": {"held": True}}}], 1)
     assert ran.lens_error is None
+
+
+def test_two_requests_in_flight_never_write_one_example(tmp_path, monkeypatch):
+    """The sinks of the requests in flight are counted, not searched: an example another
+    running request writes is refused, and free again once that request is forgotten
+    (forgetting it twice is harmless)."""
+    import json
+
+    from vllm import SamplingParams
+
+    from vllm_lens.frontend.collate import LensSession
+
+    monkeypatch.setenv("VLLM_LENS_SINKS", json.dumps({"acts": {"root": str(tmp_path)}}))
+    session = LensSession()
+    session.facts = FACTS
+
+    def params(key):
+        return SamplingParams(max_tokens=1, extra_args={
+            "output_residual_stream": {"layers": [0], "positions": "last_prompt"},
+            "capture_sink": {"sink": "acts", "dataset": "d", "key": key}})
+
+    _, first = session.prepare(params("k1"), "r1", [1, 2, 3])
+    with pytest.raises(LensRequestError, match="'k1' of dataset 'd' is already being written"):
+        session.prepare(params("k1"), "r2", [1, 2, 3])
+    with pytest.raises(LensRequestError, match="an earlier request of this call"):
+        session.check_beside(first, 1, added={first.sink})
+    session.prepare(params("k2"), "r3", [1, 2, 3])
+    assert session.forget(["r1"]) == [first.key] and session.forget(["r1"]) == []
+    session.prepare(params("k1"), "r2", [1, 2, 3])
+    session.forget(["r2", "r3"])
+    assert not session._sinks and not session.in_flight

@@ -689,3 +689,36 @@ def test_a_shard_being_synced_holds_no_rows_and_leaves_room_for_the_next(tmp_pat
     assert ds.keys() == ["k0", "k1", "k2"]
     assert [ds.get(k)["resid_post"][0, 0, 0].item() for k in ds.keys()] == [0, 1, 2]
     sink.close()
+
+
+def test_a_shard_that_fails_after_letting_go_of_its_rows_is_dropped_and_reported(
+        tmp_path, monkeypatch):
+    """A sync that fails once the rows are gone from memory drops that shard's examples (no
+    row is written again from memory), reports them, and the next shards go on."""
+    from vllm_lens import shard_writer
+
+    real = shard_writer._publish
+
+    def sync_fails_once(tmp, path, **kwargs):
+        if path.name == "shard-00000.safetensors":
+            raise OSError(5, "Input/output error")
+        return real(tmp, path, **kwargs)
+
+    monkeypatch.setattr(shard_writer, "_publish", sync_fails_once)
+    config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 2,
+                                               "flush_s": 0}}))["acts"]
+    sink = ShardSink(config)
+    for i in range(2):
+        sink.write("d", _example(f"a{i}", 1, SETTINGS, i))  # shard 0: its sync fails
+    problems = sink.flush()
+    assert len(problems) == 1 and "Input/output error" in problems[0]
+    assert "['a0', 'a1']" in problems[0] and sink._released == 0
+    with pytest.raises(RuntimeError, match=r"keys \['a0', 'a1'\].*was not written"):
+        sink.write("d", _example("b0", 1, SETTINGS, 5))  # told once
+    for key, fill in (("b0", 5), ("b1", 6), ("a0", 0)):  # a dropped key may come again
+        sink.write("d", _example(key, 1, SETTINGS, fill))
+    assert sink.flush() == []
+    ds = datasets.open(tmp_path / "d")
+    assert ds.keys() == ["b0", "b1", "a0"]
+    assert [ds.get(k)["resid_post"][0, 0, 0].item() for k in ds.keys()] == [5, 6, 0]
+    sink.close()

@@ -199,6 +199,24 @@ def test_store_byte_budget_refuses_new_rows_and_keeps_finished_ones():
         assert list(store.pop(f"k{i}")) == [req_id]
 
 
+def test_rows_read_in_one_step_are_handed_over_without_a_copy():
+    """A prompt read in one step (a dataset job's usual request): its chunk is the fetched
+    tensor itself; rows from several steps, or with a surplus tail, are joined into one."""
+    store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
+    h = torch.randn(3, 4)
+    _run_steps(store, [([_slice("a", 0, 3, 0, 3, (0, 1))], h, None, [0, 1])])
+    (entry,) = _entries(store, "a")
+    out = assemble(entry, valid_len=3)
+    assert out["tensor"] is entry.chunks[0] and torch.equal(out["tensor"][1], h)
+    _run_steps(store, [([_slice("b", 0, 3, 0, 3, (0, 1))], h, None, [0, 1]),
+                       ([_slice("b", 0, 1, 3, 3, (0, 1))], h[:1], None, [0, 1])])
+    (entry,) = _entries(store, "b")
+    for valid, expected in ((4, torch.cat([h, h[:1]])), (2, h[:2])):
+        out = assemble(entry, valid_len=valid)["tensor"]
+        assert all(out is not chunk for chunk in entry.chunks)
+        assert torch.equal(out[0], expected)
+
+
 def test_assemble_with_no_valid_rows_is_empty():
     store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
     _run_steps(store, [([_slice("a", 0, 2, 5, 2, (0, 1))], torch.randn(2, 4), None, [0, 1])])

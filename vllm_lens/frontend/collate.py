@@ -385,8 +385,9 @@ class LensSession:
     def check_beside(self, lens: LensRequest, n: int, request_id: str | None = None,
                      added: Container[SinkSpec] = ()) -> None:
         """Refuse what ``lens`` cannot do with ``n`` samples, or beside the running requests
-        and those of the same call added before it (``added``: their sinks, best a set): every sample
-        streams, is gated or writes one example of its own, and no two requests write one key.
+        and those of the same call added before it (``added``: their sinks, best a set):
+        every sample streams, is gated or writes one example of its own, and no two requests
+        write one key.
 
         Raises:
             LensRequestError: naming the field.

@@ -9,8 +9,8 @@ writer thread, which writes the shards one after the other (temp file, fsync, re
 index lines), and ``write`` returns at once: the engine's step does not wait for the disk. At
 most ``max_queued_shards`` (default 2) shards hold their rows in memory, waiting or being
 written (a shard whose rows are in its file lets go of them while the disk syncs it); a
-``write`` whose example cuts one more waits for room (back-pressure: the engine goes at the disk's pace
-instead of piling rows up in memory); with ``max_queued_shards`` 0 a ``write`` waits until the
+``write`` whose example cuts one more waits for room (back-pressure: the engine goes at the
+disk's pace instead of piling rows up in memory); with ``max_queued_shards`` 0 a ``write`` waits until the
 shard its example completed is written (the engine's step waits for the disk, and that
 request's receipt says ``durable``). At most ``max_open_datasets`` (default 16) datasets are
 open at once, so the rows in memory are bounded by ``max_queued_shards`` (at least one) +
@@ -103,8 +103,9 @@ class ShardSink:
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
         self._queue: collections.deque[tuple[ShardWriter, Shard]] = collections.deque()
-        """Shards handed to the writer thread, oldest first; the first is being written
-        (at most ``max_queued_shards``, or the one a ``write`` waits for if that is 0)."""
+        """Shards handed to the writer thread, oldest first; the first is being written. At
+        most ``max_queued_shards`` of them hold rows (or the one a ``write`` waits for, if
+        that is 0), and the first may be being synced without its rows besides."""
         self._failures: list[str] = []
         """Shard writes that failed since the last ``flush``, which reports them."""
         self._unheard: dict[str, list[tuple[str, list[str]]]] = {}
@@ -235,8 +236,8 @@ class ShardSink:
 
     def _hand_off(self, writer: ShardWriter, shard: Shard) -> None:
         """Queue a sealed shard for the writer thread, first waiting while
-        ``max_queued_shards`` are queued (the caller holds ``_lock``); with 0, until the
-        writer thread has written or dropped it."""
+        ``max_queued_shards`` queued shards hold rows (the caller holds ``_lock``); with 0,
+        until the writer thread has written or dropped it."""
         with self._queue_changed:
             while self._holding_rows() >= self._queue_bound:
                 self._queue_changed.wait()
@@ -343,7 +344,7 @@ class ShardSink:
                     if now - since < self.flush_s:
                         continue
                     with self._queue_changed:
-                        if len(self._queue) >= self._queue_bound:
+                        if self._holding_rows() >= self._queue_bound:
                             break  # no room: next time (the timer waits for no room)
                     self._writers[dataset].flush()  # (to the writer thread)
                     self._oldest.pop(dataset, None)

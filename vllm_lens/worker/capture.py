@@ -130,9 +130,9 @@ def assemble(entry: Entry, valid_len: int) -> dict[str, Any]:
 
 
 def _concat_rows(chunks: list[torch.Tensor], keep: np.ndarray) -> torch.Tensor:
-    """``rows[:, keep]`` of the chunks laid end to end, each row copied at most once: a
-    request whose rows came in one step and are all kept (a prompt read in one step, the
-    usual case for a dataset job) gets its chunk itself, which the store handed over."""
+    """``rows[:, keep]`` of the chunks laid end to end, each row copied at most once: where
+    the first chunk holds exactly the kept rows (a prompt read in one step, the usual case
+    for a dataset job), that chunk itself, which the store handed over."""
     first = chunks[0]
     if keep.size == 0:
         return first.new_empty((first.shape[0], 0, *first.shape[2:]))

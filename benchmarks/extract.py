@@ -27,8 +27,8 @@ for its whole life on this machine, which that ratio, within one process, does n
 vLLM job sends its prompts in the same four ``generate`` calls, and the jobs of a round take
 turns quarter by quarter (which goes first rotates; the disk's dirty pages are written out
 before each quarter), so that load from other processes falls on all alike; a sink job's
-quarter ends once its rows are on disk (``flush_sinks``: a writer thread does not go on writing while the plain
-job runs). As wall-clock ratios on a shared 2-core machine carry noise of several percent, the
+quarter ends once its rows are on disk (``flush_sinks``: a writer thread does not go on
+writing while the plain job runs). As wall-clock ratios on a shared 2-core machine carry noise of several percent, the
 plugin engine also reports the share of each job's time spent in vllm-lens' own code (the tap
 handler, the fetch that assembles and writes the rows, validation, collation), of which waiting
 for the sink's writer thread (room in its queue, the flushes), and how long that thread spent

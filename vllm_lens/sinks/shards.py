@@ -10,11 +10,11 @@ index lines), and ``write`` returns at once: the engine's step does not wait for
 most ``max_queued_shards`` (default 2) shards hold their rows in memory, waiting or being
 written (a shard whose rows are in its file lets go of them while the disk syncs it); a
 ``write`` whose example cuts one more waits for room (back-pressure: the engine goes at the
-disk's pace instead of piling rows up in memory); with ``max_queued_shards`` 0 a ``write`` waits until the
-shard its example completed is written (the engine's step waits for the disk, and that
-request's receipt says ``durable``). At most ``max_open_datasets`` (default 16) datasets are
-open at once, so the rows in memory are bounded by ``max_queued_shards`` (at least one) +
-``max_open_datasets`` shards. To open another dataset, the least recently written is flushed
+disk's pace instead of piling rows up in memory); with ``max_queued_shards`` 0 a ``write``
+waits until the shard its example completed is written (the engine's step waits for the disk,
+and that request's receipt says ``durable``). At most ``max_open_datasets`` (default 16)
+datasets are open at once, so the rows in memory are bounded by ``max_queued_shards`` (at
+least one) + ``max_open_datasets`` shards. To open another dataset, the least recently written is flushed
 and closed (once its shards are written); on a sink open to HTTP clients (``"clients": true``)
 only a dataset with nothing queued or being written and no write for ``idle_close_s`` (default
 300) is, and a write to a new dataset when none is idle is refused (``CapacityError`` naming

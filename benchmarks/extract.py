@@ -27,23 +27,23 @@ for its whole life on this machine, which that ratio, within one process, does n
 vLLM job sends its prompts in the same four ``generate`` calls, and the jobs of a round take
 turns quarter by quarter (which goes first rotates; the disk's dirty pages are written out
 before each quarter), so that load from other processes falls on all alike; a sink job's
-quarter ends once its rows are on disk (``flush_sinks``: a writer thread does not go on
-writing while the plain job runs). As wall-clock ratios on a shared 2-core machine carry noise of several percent, the
-plugin engine also reports the share of each job's time spent in vllm-lens' own code (the tap
-handler, the fetch that assembles and writes the rows, validation, collation), of which waiting
-for the sink's writer thread (room in its queue, the flushes), and how long that thread spent
-writing shards (wall and CPU time). Prompt tokens per second exclude start-up. The engines run
-in-process (vLLM's engine-core busy loop would otherwise compete with the model for the cores),
-so the plugin engine's process holds front end and worker: it reports its resident memory after
-each quarter of a sink job, whose shards are cut at 64 MiB (the rows never pile up in the front
-end, so it should stay flat). The disk's own sequential write speed is measured in the same run,
-before the first job and after the last (files of a shard's size, 64 MiB, each written and
-``fsync``ed in the output's directory), and each job's bytes written are divided by it: the time
-the disk alone needs, a floor under the job's time whatever the plugin does. ``--baseline DIR``
-runs every plugin job a third time, in the same turns beside the same plain job, on an engine
-importing the ``vllm_lens`` in ``DIR`` (the previous commit, unpacked by ``git archive``): a
-change and what it replaces, measured under the same load. Prints a Markdown table for
-``benchmarks/RESULTS.md``.
+quarter ends once its rows are on disk (``flush_sinks``: a writer thread does not go on writing
+while the plain job runs). As wall-clock ratios on a shared 2-core machine carry noise of
+several percent, the plugin engine also reports the share of each job's time spent in
+vllm-lens' own code (the tap handler, the fetch that assembles and writes the rows, validation,
+collation), of which waiting for the sink's writer thread (room in its queue, the flushes), and
+how long that thread spent writing shards (wall and CPU time). Prompt tokens per second exclude
+start-up. The engines run in-process (vLLM's engine-core busy loop would otherwise compete with
+the model for the cores), so the plugin engine's process holds front end and worker: it reports
+its resident memory after each quarter of a sink job, whose shards are cut at 64 MiB (the rows
+never pile up in the front end, so it should stay flat). The disk's own sequential write speed
+is measured in the same run, before the first job and after the last (files of a shard's size,
+64 MiB, each written and ``fsync``ed in the output's directory), and each job's bytes written
+are divided by it: the time the disk alone needs, a floor under the job's time whatever the
+plugin does. ``--baseline DIR`` runs every plugin job a third time, in the same turns beside
+the same plain job, on an engine importing the ``vllm_lens`` in ``DIR`` (the previous commit,
+unpacked by ``git archive``): a change and what it replaces, measured under the same load.
+Prints a Markdown table for ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations

@@ -13,14 +13,14 @@ written (a shard whose rows are in its file lets go of them while the disk syncs
 disk's pace instead of piling rows up in memory); with ``max_queued_shards`` 0 a ``write``
 waits until the shard its example completed is written (the engine's step waits for the disk,
 and that request's receipt says ``durable``). At most ``max_open_datasets`` (default 16)
-datasets are open at once, so the rows in memory are bounded by ``max_queued_shards`` (at
-least one) + ``max_open_datasets`` shards. To open another dataset, the least recently written is flushed
-and closed (once its shards are written); on a sink open to HTTP clients (``"clients": true``)
-only a dataset with nothing queued or being written and no write for ``idle_close_s`` (default
-300) is, and a write to a new dataset when none is idle is refused (``CapacityError`` naming
-the option): a client rotating over many names then cannot make every request flush and reopen
-datasets (re-reading their index) between engine steps, and an open dataset keeps its written
-keys in memory for as long as it is in use.
+datasets are open at once, so the rows in memory are bounded by ``max_queued_shards`` (at least
+one) + ``max_open_datasets`` shards. To open another dataset, the least recently written is
+flushed and closed (once its shards are written); on a sink open to HTTP clients (``"clients":
+true``) only a dataset with nothing queued or being written and no write for ``idle_close_s``
+(default 300) is, and a write to a new dataset when none is idle is refused (``CapacityError``
+naming the option): a client rotating over many names then cannot make every request flush and
+reopen datasets (re-reading their index) between engine steps, and an open dataset keeps its
+written keys in memory for as long as it is in use.
 
 An example is in the dataset once its key is in ``index.jsonl``; the receipt says whether that
 was so when the request finished (``durable``, false for an example queued or in a shard not

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_lens.engine_stop import stop_engine
 from vllm_lens.extract_args import add_extract_flags, extract_help
 from vllm_lens.extract_checks import check_against_model
 from vllm_lens.extract_job import ExtractJob, sink_settings
@@ -258,7 +259,7 @@ def _extract(args: Any) -> int:
     try:
         ExtractJob(args, llm, sp, output).run(todo, bad)
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        stop_engine(llm)
     return export_sae_lens(args, output, final, points, finish(bad))
 
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_lens.engine_stop import stop_engine
 from vllm_lens.extract_job import check_written, engine_input
 from vllm_lens.extract_output import fail
 
@@ -64,7 +65,7 @@ async def _extract(args: Any, engine: dict[str, Any], sp: Any, todo: list[Any],
                 bar.update(len(batch))
         check_written(output, accepted, bad)
     finally:
-        llm.shutdown()
+        stop_engine(llm)
 
 
 async def _one(llm: Any, example: Any, tokenizer: Any, sp: Any, output: Path,

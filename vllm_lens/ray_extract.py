@@ -31,6 +31,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import IO, Any
 
+from vllm_lens.engine_stop import stop_engine
+
 __all__ = ["EngineActor", "MAX_ENGINES", "check_ray_args", "claim_writer", "extract_over_ray"]
 
 #: Writer names an actor may claim (``ray0`` ... ): engines of one job.
@@ -228,4 +230,4 @@ class EngineActor:
     def __del__(self) -> None:
         llm = getattr(self, "llm", None)
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            stop_engine(llm)

@@ -14,6 +14,8 @@ from typing import Any
 
 from vllm import LLM
 
+from vllm_lens.engine_stop import stop_engine
+
 #: Small, deterministic engines: float32 for exact comparisons, a bounded KV cache so that
 #: two or three engines fit in memory at once.
 DEFAULTS: dict[str, Any] = dict(
@@ -34,7 +36,7 @@ def running_llm(model: str, **overrides: Any) -> Iterator[LLM]:
     try:
         yield llm
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        stop_engine(llm)
         del llm
         gc.collect()
 
@@ -54,7 +56,7 @@ def running_async_llm(model: str, **overrides: Any) -> Iterator[tuple[Any, Any]]
     try:
         yield engine, loop.run_until_complete
     finally:
-        engine.shutdown()
+        stop_engine(engine)
         # Let the engine's background tasks finish in their own loop, or their zmq sockets
         # stay open and block interpreter exit.
         pending = asyncio.all_tasks(loop)

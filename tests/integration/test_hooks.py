@@ -9,6 +9,7 @@ from vllm import SamplingParams
 from tests.integration.engines import env, running_llm
 from tests.integration.reference import max_relative_error
 from vllm_lens import Hook, HookError, LensRequestError, NamedHook, SteeringVector
+from vllm_lens.engine_stop import stop_engine
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 LONG = ("A long prompt for the tiny model, long enough to be prefilled in several chunks of "
@@ -199,7 +200,7 @@ def test_async_engine_raises_for_the_failing_request_only(tiny_path):
                                         final("bad", [Hook(_raise, [0])]),
                                         return_exceptions=True)
         finally:
-            engine.shutdown()
+            stop_engine(engine)
 
     ok, bad = asyncio.run(run())
     assert ok.hook_results["0"]["rows"]

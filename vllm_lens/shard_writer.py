@@ -18,15 +18,14 @@ A dataset is a directory::
                              float32 and ``"sae.<i>.l0"`` int32 ``[rows]``
 
 Every file appears under its final name only once complete (written beside it, a shard in a
-staging directory of its writer's, synced, then renamed, and the directory synced; a shard's
-pages are then dropped from the page cache), and
-an example enters the index only after the shard holding its rows is on disk, so a job killed
-at any moment leaves a valid dataset: the examples not yet in the index are absent. A failed
-index append is cut back; a writer reopened on the directory
+staging directory of its writer's and past the page cache where the filesystem allows,
+``vllm_lens.shard_file``; synced, then renamed, and the directory synced; pages of a shard still
+cached are then dropped), and an example enters the index only after the shard holding its rows
+is on disk, so a job killed at any moment leaves a valid dataset: the examples not yet in the
+index are absent. A failed index append is cut back; a writer reopened on the directory
 (``ShardWriter(..., resume=True)``) drops a last line cut short, a last shard whose lines did
-not all arrive and any orphan files, then skips the keys the index has.
-``vllm_lens.datasets`` reads it back; numpy or safetensors users can read the shards and the
-JSON files directly.
+not all arrive and any orphan files, then skips the keys the index has. ``vllm_lens.datasets``
+reads it back; numpy or safetensors users can read the shards and the JSON files directly.
 
 **One writer or several.** A writer without a name (``writer=None``) holds the directory
 alone (an exclusive ``flock`` of ``.lock``) and writes the files above. Several *named*
@@ -73,6 +72,7 @@ from vllm_lens.dataset_index import (
     INDEX, IndexView, append_lines, check_writer, index_locked, parse_line, read_index,
     rewrite_index)
 from vllm_lens.errors import DatasetConflictError
+from vllm_lens.shard_file import write_shard_file
 
 __all__ = ["FORMAT", "INDEX", "MANIFEST", "SAE_FIELDS", "VERSION_FIELDS", "Shard", "ShardWriter",
            "jsonable", "read_index", "sae_column", "sae_fields", "shard_name", "tensor_name"]
@@ -581,12 +581,9 @@ class ShardWriter:
         the shard has let go of them: a handed-off shard waits for the disk without its rows
         in memory (its examples are dropped if the rest fails, never written again from
         memory)."""
-        from safetensors.torch import save_file
-
         path = self.root / shard_name(shard.number, self.writer)
-        # safetensors writes a temp file of its own beside its target (".tmpXXXXXX") before
-        # renaming it: in a staging directory named like our temp files, a killed writer's
-        # is told from another writer's, and removed when it resumes.
+        # Written in a staging directory named like our temp files, then renamed into place:
+        # a killed writer's is told from another writer's, and removed when it resumes.
         staging = _temp_name(path, self.writer)
         tmp = staging / path.name
         part_layers, part_saes = shard.part
@@ -595,13 +592,13 @@ class ShardWriter:
             tensors = {}
             for point in self.points if part_layers else ():
                 for i, layer in enumerate(part_layers):
-                    parts = [rows[point][i] for _, rows in shard.examples]
-                    tensors[tensor_name(point, layer)] = torch.cat(parts).contiguous()
+                    tensors[tensor_name(point, layer)] = [
+                        rows[point][i] for _, rows in shard.examples]
             for sae in part_saes:
                 for field in sae_fields(self.saes[sae]):
                     name = sae_column(sae, field)
-                    tensors[name] = torch.cat([rows[name] for _, rows in shard.examples])
-            save_file(tensors, tmp)
+                    tensors[name] = [rows[name] for _, rows in shard.examples]
+            write_shard_file(tmp, tensors)
             del tensors
             if rows_written is not None:
                 shard.examples = [(entry, {}) for entry, _ in shard.examples]

@@ -93,21 +93,21 @@ def test_a_shard_whose_lines_did_not_all_arrive_is_dropped_on_resume(tmp_path):
 
 
 def test_a_failed_flush_leaves_nothing_behind_and_keeps_the_examples(tmp_path, monkeypatch):
-    import safetensors.torch
+    from vllm_lens import shard_writer
 
     w = ShardWriter(tmp_path, MANIFEST)
     w.add("a", example(0, 2), positions=[0, 1])
-    real = safetensors.torch.save_file
+    real = shard_writer.write_shard_file
 
-    def full_disk(tensors, path):
-        real(tensors, path)
+    def full_disk(path, tensors):
+        real(path, tensors)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    monkeypatch.setattr(shard_writer, "write_shard_file", full_disk)
     with pytest.raises(OSError, match="No space"):
         w.flush()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "manifest.json"]
-    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    monkeypatch.setattr(shard_writer, "write_shard_file", real)
     w.close()
     assert datasets.open(tmp_path).keys() == ["a"]
 

@@ -186,23 +186,23 @@ def test_a_shard_that_cannot_be_written_is_dropped_alone_and_reported_twice(tmp_
     """A failed background write drops its shard's examples and no other; the next flush and
     the next request writing to the dataset each learn it (that request's example is not
     written), and the sink carries on."""
-    import safetensors.torch
+    from vllm_lens import shard_writer
 
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 4,
                                                "flush_s": 0}}))["acts"]
     sink = ShardSink(config)
     sink.write("d", _example("a", 4, SETTINGS))  # shard 0
     assert sink.flush() == []
-    real = safetensors.torch.save_file
+    real = shard_writer.write_shard_file
     queued = threading.Event()
 
-    def shard_1_fails(tensors, path):
+    def shard_1_fails(path, tensors):
         if "shard-00001" in str(path):
             queued.wait(10)
             raise OSError(28, "No space left on device")
-        real(tensors, path)
+        real(path, tensors)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", shard_1_fails)
+    monkeypatch.setattr(shard_writer, "write_shard_file", shard_1_fails)
     sink.write("d", _example("b", 2, SETTINGS))
     receipt = sink.write("d", _example("c", 2, SETTINGS))  # shard 1: handed off, it fails
     assert not receipt["durable"]
@@ -220,7 +220,7 @@ def test_a_shard_that_cannot_be_written_is_dropped_alone_and_reported_twice(tmp_
     assert datasets.open(tmp_path / "d").keys() == ["a", "e", "f"]
     assert sorted(p.name for p in (tmp_path / "d").glob("*shard*")) == [
         "shard-00000.safetensors", "shard-00002.safetensors", "shard-00003.safetensors"]
-    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    monkeypatch.setattr(shard_writer, "write_shard_file", real)
     sink.write("d", _example("b", 2, SETTINGS))  # a dropped key may be written again
     sink.close()
     assert datasets.open(tmp_path / "d").keys() == ["a", "e", "f", "b"]
@@ -231,7 +231,7 @@ def test_with_max_queued_shards_0_the_write_completing_a_shard_waits_for_it(tmp_
     """No queue: the write whose example completes a shard returns once the shard is on disk
     (its receipt durable, naming shard and offset), and a failure fails that request, naming
     the keys dropped with it (and is reported by the next flush too)."""
-    import safetensors.torch
+    from vllm_lens import shard_writer
 
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 4,
                                                "flush_s": 0, "max_queued_shards": 0}}))["acts"]
@@ -240,14 +240,14 @@ def test_with_max_queued_shards_0_the_write_completing_a_shard_waits_for_it(tmp_
     second = sink.write("d", _example("b", 2, SETTINGS))
     assert (second["shard"], second["offset"], second["durable"]) == (0, 2, True)
     sink.write("d", _example("c", 2, SETTINGS))
-    real = safetensors.torch.save_file
-    monkeypatch.setattr(safetensors.torch, "save_file",
+    real = shard_writer.write_shard_file
+    monkeypatch.setattr(shard_writer, "write_shard_file",
                         lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
     with pytest.raises(RuntimeError, match=r"No space left.*keys \['c', 'e'\]") as info:
         sink.write("d", _example("e", 2, SETTINGS))
     assert "not written (send it again)" not in str(info.value)  # it was, and was dropped
     assert datasets.open(tmp_path / "d").keys() == ["a", "b"]
-    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    monkeypatch.setattr(shard_writer, "write_shard_file", real)
     assert not sink.write("d", _example("e", 2, SETTINGS))["durable"]  # sent again
     problems = sink.flush()
     assert len(problems) == 1 and "['c', 'e']" in problems[0]
@@ -258,17 +258,17 @@ def test_with_max_queued_shards_0_the_write_completing_a_shard_waits_for_it(tmp_
 def _gated_save(monkeypatch):
     """A disk that writes a shard only when the test opens the gate: returns (gate, the number
     of shards the writer thread had queued each time it began one)."""
-    import safetensors.torch
+    from vllm_lens import shard_writer
 
-    real = safetensors.torch.save_file
+    real = shard_writer.write_shard_file
     gate, seen = threading.Event(), []
 
-    def slow(tensors, path):
+    def slow(path, tensors):
         seen.append(path)
         assert gate.wait(30), "the test never opened the gate"
-        real(tensors, path)
+        real(path, tensors)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", slow)
+    monkeypatch.setattr(shard_writer, "write_shard_file", slow)
     return gate, seen
 
 
@@ -335,16 +335,16 @@ def test_many_small_shards_from_two_writers_of_one_dataset_read_back_exactly(tmp
     flush timer cutting shards too: every example reads back exactly, in each writer's order."""
     import random
 
-    import safetensors.torch
+    from vllm_lens import shard_writer
 
-    real = safetensors.torch.save_file
+    real = shard_writer.write_shard_file
     pace = random.Random(0)
 
-    def jittery(tensors, path):
+    def jittery(path, tensors):
         time.sleep(pace.random() * 0.004)
-        real(tensors, path)
+        real(path, tensors)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", jittery)
+    monkeypatch.setattr(shard_writer, "write_shard_file", jittery)
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 3,
                                                "flush_s": 0.05, "max_queued_shards": 1}}))
     written: dict[str, list[str]] = {}
@@ -388,7 +388,7 @@ def test_many_small_shards_from_two_writers_of_one_dataset_read_back_exactly(tmp
 def _write_then_die(root, acks):
     """A worker whose disk stops mid-shard after its first flush: it acknowledges the flushed
     keys and the receipts of the rest, then waits to be killed."""
-    import safetensors.torch
+    from vllm_lens import shard_writer
 
     config = parse_config(json.dumps({"acts": {"root": str(root), "rows_per_shard": 2,
                                                "flush_s": 0}}))["acts"]
@@ -396,13 +396,13 @@ def _write_then_die(root, acks):
     for i in range(5):
         sink.write("d", _example(f"a{i}", 1, SETTINGS, i))
     assert sink.flush() == []
-    real = safetensors.torch.save_file
+    real = shard_writer.write_shard_file
 
-    def stuck(tensors, path):
-        real(tensors, path)  # the temp file is complete, never renamed
+    def stuck(path, tensors):
+        real(path, tensors)  # the temp file is complete, never renamed
         time.sleep(3600)
 
-    safetensors.torch.save_file = stuck
+    shard_writer.write_shard_file = stuck
     receipts = [sink.write("d", _example(f"b{i}", 1, SETTINGS, 10 + i)) for i in range(5)]
     lines = [f"a{i} flushed" for i in range(5)]
     lines += [f"{r['key']} {'durable' if r['durable'] else 'queued'}" for r in receipts]
@@ -463,11 +463,11 @@ def test_unknown_options_and_kinds(tmp_path):
 def test_a_failed_timer_write_is_reported_by_the_next_flush(tmp_path, monkeypatch):
     import time
 
-    import safetensors.torch
+    from vllm_lens import shard_writer
 
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "flush_s": 0.1}}))
     sink = ShardSink(config["acts"])
-    monkeypatch.setattr(safetensors.torch, "save_file",
+    monkeypatch.setattr(shard_writer, "write_shard_file",
                         lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
     sink.write("d", _example("a", 2, SETTINGS))
     deadline = time.monotonic() + 10

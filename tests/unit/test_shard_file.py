@@ -1,0 +1,94 @@
+"""The shard file writer: plain safetensors, read back by ``safetensors.safe_open``, whichever
+way the bytes reach the disk."""
+
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from vllm_lens import shard_file
+from vllm_lens.shard_file import write_shard_file
+
+
+def _tensors():
+    base = torch.randn(3, 10, 7)
+    return {
+        "resid_post/0": [base[0, :4], base[1, 2:9], base[2, 1:3]],
+        "ids": [torch.arange(5, dtype=torch.int64)],
+        "empty": [torch.zeros(0, 3, dtype=torch.bfloat16)],
+        "flags": [torch.tensor([True, False])],
+        "half": [torch.randn(2, 3).to(torch.bfloat16), torch.randn(1, 3).to(torch.bfloat16)],
+        "sae.0.indices": [torch.arange(6, dtype=torch.int32).view(3, 2)],
+        "strided": [base.transpose(0, 1)[:, 0]],  # a view that is not contiguous
+    }
+
+
+def _read(path):
+    with safe_open(path, "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _check(path, tensors):
+    got = _read(path)
+    assert set(got) == set(tensors)
+    for name, parts in tensors.items():
+        want = torch.cat(parts)
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+    raw = path.read_bytes()
+    start = 8 + int.from_bytes(raw[:8], "little")
+    assert start % 4096 == 0  # the data starts where an O_DIRECT write may
+    data = sum(t.numel() * t.element_size() for t in map(torch.cat, tensors.values()))
+    assert len(raw) == start + data  # cut to its exact length
+
+
+def test_mixed_dtypes_views_and_empty_tensors_read_back(tmp_path):
+    tensors = _tensors()
+    write_shard_file(tmp_path / "shard.safetensors", tensors)
+    _check(tmp_path / "shard.safetensors", tensors)
+
+
+def test_through_the_page_cache_where_o_direct_is_missing(tmp_path, monkeypatch):
+    monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    tensors = _tensors()
+    write_shard_file(tmp_path / "shard.safetensors", tensors)
+    _check(tmp_path / "shard.safetensors", tensors)
+
+
+def test_a_rewritten_file_is_replaced_whole(tmp_path):
+    path = tmp_path / "shard.safetensors"
+    write_shard_file(path, {"big": [torch.randn(5000, 8)]})
+    small = {"small": [torch.randn(2, 8)]}
+    write_shard_file(path, small)
+    _check(path, small)
+
+
+def test_the_thread_keeps_one_buffer_for_every_shard(tmp_path):
+    write_shard_file(tmp_path / "a.safetensors", {"x": [torch.randn(10, 4)]})
+    kept = shard_file._local.buffer
+    write_shard_file(tmp_path / "b.safetensors", {"x": [torch.randn(20, 4)]})
+    assert shard_file._local.buffer is kept
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_shard_larger_than_the_buffer_goes_out_in_pieces(tmp_path, monkeypatch, direct):
+    """Parts, tensors and the header itself straddle the buffer's end."""
+    if not direct:
+        monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    monkeypatch.setattr(shard_file, "CHUNK_BYTES", 2 * 4096)
+    tensors = {f"layer/{i}": [torch.randn(n, 7) for n in (3, 30, 0, 41)] for i in range(200)}
+    tensors["ids"] = [torch.arange(999, dtype=torch.int64)]
+    tensors["half"] = [torch.randn(333, 5).to(torch.bfloat16)]
+    write_shard_file(tmp_path / "big.safetensors", tensors)
+    assert len(shard_file._local.buffer) == 2 * 4096
+    _check(tmp_path / "big.safetensors", tensors)
+
+
+def test_parts_that_do_not_match_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="'x'.*differ"):
+        write_shard_file(tmp_path / "a.safetensors",
+                         {"x": [torch.zeros(2, 3), torch.zeros(2, 4)]})
+    with pytest.raises(ValueError, match="'y'.*dtype"):
+        write_shard_file(tmp_path / "a.safetensors", {"y": [torch.zeros(2, dtype=torch.cfloat)]})
+    with pytest.raises(ValueError, match="'z' has no parts"):
+        write_shard_file(tmp_path / "a.safetensors", {"z": []})

@@ -1,7 +1,8 @@
 """Building an activation dataset: vllm-lens' sink vs plain vLLM and vs other tools, side by side.
 
-    python benchmarks/extract.py [--prompts 2000] [--rounds 2] [--batch 32] [--vllm-only]
-                                 [--jobs sink_last,sink_all,returned_last] [--baseline DIR]
+    python benchmarks/extract.py [--prompts 2000] [--rounds 2] [--turns 4] [--batch 32]
+                                 [--vllm-only] [--jobs sink_last,sink_all,returned_last]
+                                 [--baseline DIR]
 
 SmolLM2-135M (float32, eager, CPU). Every job reads the same ``--prompts`` short prompts once
 (prompt only: one token sampled, as ``vllm-lens extract --max-tokens 0``) and, except the
@@ -24,26 +25,29 @@ beside a plain job of its own, and its ratio is to that plain job; each plugin e
 the plain job's requests (without lens keys) in the same turns, and the job's ratio to those is
 reported too: one engine process can run 10-15% faster than another of the same configuration
 for its whole life on this machine, which that ratio, within one process, does not see. Every
-vLLM job sends its prompts in the same four ``generate`` calls, and the jobs of a round take
-turns quarter by quarter (which goes first rotates; the disk's dirty pages are written out
-before each quarter), so that load from other processes falls on all alike; a sink job's
-quarter ends once its rows are on disk (``flush_sinks``: a writer thread does not go on writing
-while the plain job runs). As wall-clock ratios on a shared 2-core machine carry noise of
-several percent, the plugin engine also reports the share of each job's time spent in
-vllm-lens' own code (the tap handler, the fetch that assembles and writes the rows, validation,
-collation), of which waiting for the sink's writer thread (room in its queue, the flushes), and
-how long that thread spent writing shards (wall and CPU time). Prompt tokens per second exclude
-start-up. The engines run in-process (vLLM's engine-core busy loop would otherwise compete with
-the model for the cores), so the plugin engine's process holds front end and worker: it reports
-its resident memory after each quarter of a sink job, whose shards are cut at 64 MiB (the rows
-never pile up in the front end, so it should stay flat). The disk's own sequential write speed
-is measured in the same run, before the first job and after the last (files of a shard's size,
-64 MiB, each written and ``fsync``ed in the output's directory), and each job's bytes written
-are divided by it: the time the disk alone needs, a floor under the job's time whatever the
-plugin does. ``--baseline DIR`` runs every plugin job a third time, in the same turns beside
-the same plain job, on an engine importing the ``vllm_lens`` in ``DIR`` (the previous commit,
-unpacked by ``git archive``): a change and what it replaces, measured under the same load.
-Prints a Markdown table for ``benchmarks/RESULTS.md``.
+vLLM job sends its prompts in the same ``--turns`` ``generate`` calls (four by default), and the
+jobs of a round take turns call by call (which goes first rotates; the disk's dirty pages are
+written out before each turn), so that load from other processes falls on all alike; a sink
+job's turn ends once its rows are on disk (``flush_sinks``: a writer thread does not go on
+writing while the plain job runs). Each turn thus ends with the wait for the sink's last shards,
+which an extraction job (``vllm-lens extract`` flushes once, at its end) pays once: ``--turns 1``
+runs each job whole, one ``generate`` call and one flush, as such a job does. As wall-clock
+ratios on a shared 2-core machine carry noise of several percent, the plugin engine also reports
+the share of each job's time spent in vllm-lens' own code (the tap handler, the fetch that
+assembles and writes the rows, validation, collation), of which waiting for the sink's writer
+thread (room in its queue, the flushes), and how long that thread spent writing shards (wall and
+CPU time). Prompt tokens per second exclude start-up. The engines run in-process (vLLM's
+engine-core busy loop would otherwise compete with the model for the cores), so the plugin
+engine's process holds front end and worker: it reports its resident memory after each turn of a
+sink job, whose shards are cut at 64 MiB (the rows never pile up in the front end, so it should
+stay flat). The disk's own sequential write speed is measured in the same run, before the first
+job and after the last (files of a shard's size, 64 MiB, each written and ``fsync``ed in the
+output's directory), and each job's bytes written are divided by it: the time the disk alone
+needs, a floor under the job's time whatever the plugin does. ``--baseline DIR`` runs every
+plugin job a third time, in the same turns beside the same plain job, on an engine importing the
+``vllm_lens`` in ``DIR`` (the previous commit, unpacked by ``git archive``): a change and what
+it replaces, measured under the same load. Prints a Markdown table for
+``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -89,9 +93,9 @@ def _rss_mb() -> float:
 
 # -- the engines (child processes) ------------------------------------------------------------
 def serve_engine(cfg: dict) -> None:
-    """In a child process: one engine; runs the quarters of the jobs named on stdin
-    (``JOB RUN QUARTER``), answering ``RESULT {json}``: after the last quarter, the job's
-    prompt tokens/s (and the front end's memory by quarter)."""
+    """In a child process: one engine; runs the turns of the jobs named on stdin
+    (``JOB RUN TURN``), answering ``RESULT {json}``: after the last turn, the job's prompt
+    tokens/s (and the front end's memory by turn)."""
     from vllm import LLM, SamplingParams
 
     import vllm_lens
@@ -116,11 +120,11 @@ def serve_engine(cfg: dict) -> None:
     llm = LLM(str(smollm2_dir()), **ENGINE)
     plain = SamplingParams(max_tokens=1, temperature=0)
     prompts = _prompts(cfg["prompts"])
-    quarter = max(1, len(prompts) // 4)
+    per_turn = -(-len(prompts) // cfg["turns"])
     llm.generate(prompts[:16], SamplingParams(max_tokens=1))  # warm-up
     print("READY", flush=True)
     # Per job (a plugin engine runs its sink job and keyless plain requests in turns): its
-    # outputs, memory by quarter, time, and its share of the timers' totals.
+    # outputs, memory by turn, time, and its share of the timers' totals.
     jobs: dict[str, dict[str, Any]] = {}
     for line in sys.stdin:
         job, run, q = line.split()
@@ -129,7 +133,7 @@ def serve_engine(cfg: dict) -> None:
         state = jobs[job]
         outs, memory = state["outs"], state["memory"]
         timers_before = {"spent": dict(spent), "writer": dict(writer)}
-        part = range(int(q) * quarter, min((int(q) + 1) * quarter, len(prompts)))
+        part = range(int(q) * per_turn, min((int(q) + 1) * per_turn, len(prompts)))
         last = part.stop >= len(prompts)
         start = time.perf_counter()
         if job == "plain":
@@ -148,8 +152,8 @@ def serve_engine(cfg: dict) -> None:
             raise SystemExit(f"unknown job {job}")
         outs += llm.generate([prompts[i] for i in part], params, use_tqdm=False)
         if job.startswith("sink"):
-            # Each quarter's rows are on disk before its time stops (a writer thread must not
-            # go on writing while the plain engine runs its next quarter).
+            # Each turn's rows are on disk before its time stops (a writer thread must not go
+            # on writing while the plain engine runs its next turn).
             flush_sinks(llm)
             failed = [o.lens_error for o in outs if o.lens_error is not None]
             if failed:
@@ -232,9 +236,9 @@ class _Engine(ChildEngine):
         super().__init__(__file__, cfg, disabled,
                          env={"PYTHONPATH": package} if package else None)
 
-    def run(self, job: str, run: int, quarter: int) -> dict[str, Any]:
-        """Run one quarter of a job; after the last, returns the job's result."""
-        return json.loads(self.ask(f"{job} {run} {quarter}"))
+    def run(self, job: str, run: int, turn: int) -> dict[str, Any]:
+        """Run one turn of a job; after the last, returns the job's result."""
+        return json.loads(self.ask(f"{job} {run} {turn}"))
 
 
 # -- the other tools (this process) -----------------------------------------------------------
@@ -364,6 +368,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=2000, help="prompts per job")
     parser.add_argument("--rounds", type=int, default=2, help="paired rounds per vLLM job")
+    parser.add_argument("--turns", type=int, default=4,
+                        help="generate calls per vLLM job, taken in turns with the other "
+                             "jobs; a sink job flushes at the end of each (1: each job whole)")
     parser.add_argument("--batch", type=int, default=32,
                         help="prompts per forward pass for the transformers-based tools")
     parser.add_argument("--vllm-only", action="store_true",
@@ -384,6 +391,8 @@ def main() -> None:
     unknown = sorted(set(jobs) - set(JOBS))
     if unknown:
         parser.error(f"--jobs: {unknown[0]!r} is not one of {', '.join(JOBS)}")
+    if not 1 <= args.turns <= args.prompts:
+        parser.error(f"--turns: {args.turns} is not between 1 and --prompts ({args.prompts})")
     work = Path(tempfile.mkdtemp(prefix="vllm_lens_extract_bench_"))
     try:
         _measure(args, jobs, work)
@@ -392,7 +401,7 @@ def main() -> None:
 
 
 def _measure(args: argparse.Namespace, jobs: list[str], work: Path) -> None:
-    cfg = {"prompts": args.prompts, "root": str(work / "sink")}
+    cfg = {"prompts": args.prompts, "turns": args.turns, "root": str(work / "sink")}
     disk = [disk_write_speed(work)]
     print(f"disk: {disk[0]:.0f} MB/s", file=sys.stderr, flush=True)
     engines = {"plain": _Engine(cfg, disabled=True), "": _Engine(cfg, disabled=False)}
@@ -409,9 +418,9 @@ def _measure(args: argparse.Namespace, jobs: list[str], work: Path) -> None:
     try:
         for r in range(args.rounds):
             for j, job in enumerate(jobs):
-                # Each plugin job beside its own plain job, quarter by quarter (so that they
-                # meet the same load from other processes), taking turns at going first; the
-                # disk's dirty pages are written out before each quarter.
+                # Each plugin job beside its own plain job, turn by turn (so that they meet the
+                # same load from other processes), taking turns at going first; the disk's
+                # dirty pages are written out before each turn.
                 # Each plugin engine also runs the plain job (requests without lens keys) in
                 # the same turns: a ratio within one process, free of the differences between
                 # processes (on this machine one engine process can run 10-15% faster than
@@ -419,7 +428,7 @@ def _measure(args: argparse.Namespace, jobs: list[str], work: Path) -> None:
                 group = [("plain", "plain"), *((v, run) for v in variants
                                                for run in (job, "plain"))]
                 got = {}
-                for q in range(4):
+                for q in range(args.turns):
                     turn = (r + j + q) % len(group)
                     for variant, run in group[turn:] + group[:turn]:
                         os.sync()
@@ -460,8 +469,8 @@ def _measure(args: argparse.Namespace, jobs: list[str], work: Path) -> None:
               "sink_all": "vllm-lens sink, all layers, every prompt position",
               "returned_last": "vllm-lens returned + ShardWriter, all layers, last_prompt"}
     print(f"\n{args.prompts} prompts, prompt only (1 token sampled), SmolLM2-135M float32 "
-          f"eager on the CPU, {args.rounds} rounds; a vLLM job's ratio is to the plain job run "
-          "beside it, the other tools' to the median plain job\n")
+          f"eager on the CPU, {args.rounds} rounds of {args.turns} turns; a vLLM job's ratio is "
+          "to the plain job run beside it, the other tools' to the median plain job\n")
     speed = min(disk)
     plain_s = statistics.median(plain_seconds)
     print(f"The disk's own sequential write speed ({SHARD_BYTES >> 20} MiB files written and "
@@ -495,7 +504,7 @@ def _measure(args: argparse.Namespace, jobs: list[str], work: Path) -> None:
             print(f"| {name} | {r['skipped']} | | | | | | | | | |")
     memory = found["sink_all", ""][-1]["memory_mb"] if "sink_all" in jobs else []
     print("\nResident memory of the plugin engine's process (front end and worker) after each "
-          "quarter of the last 'every prompt position' sink job (MB): "
+          "turn of the last 'every prompt position' sink job (MB): "
           + ", ".join(f"{m:.0f}" for m in memory))
 
 

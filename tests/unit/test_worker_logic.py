@@ -131,6 +131,48 @@ def test_requests_of_one_step_get_their_own_copies():
     assert torch.equal(assemble(b, 1)["tensor"][0], h[2:3])
 
 
+def _settle_one_step(store, slices, hidden, finished):
+    plan = StepPlan.build(slices, hidden.device, frozenset(range(4)), split=False)
+    for group in plan.groups:
+        store.stage(group)
+        capture_layer(group, 0, hidden, None)
+    assert store.settle(finished=finished) == []
+    return plan.groups[0].staging
+
+
+@pytest.mark.parametrize(("done", "viewed"), [
+    ({"a", "b"}, {"a", "b"}),  # finished, 3 of 4 rows: views of the staging tensor
+    ({"a"}, {"a"}),            # half of the rows: a view; b, still running, its own copy
+    ({"b"}, set()),            # a quarter of the rows: copies, or b would hold all four
+    (set(), set()),
+])
+def test_requests_finished_together_keep_views_only_of_rows_mostly_theirs(done, viewed):
+    store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
+    h = torch.randn(4, 3)
+    slices = [_slice("a", 0, 2, 0, 2, (0,)), _slice("b", 2, 3, 0, 1, (0,)),
+              _slice("c", 3, 4, 0, 1, (0,))]
+    staging = _settle_one_step(store, slices, h, lambda key, _req_id: key in done)
+    for key, rows in (("a", h[0:2]), ("b", h[2:3]), ("c", h[3:4])):
+        (entry,) = _entries(store, key)
+        (chunk,) = entry.chunks
+        shares = chunk.untyped_storage().data_ptr() == staging.untyped_storage().data_ptr()
+        assert shares == (key in viewed), key
+        assert entry.nbytes == rows.numel() * 4
+        assert torch.equal(assemble(entry, 9)["tensor"][0], rows)
+    assert store.nbytes == 0
+
+
+def test_without_word_of_finished_requests_every_request_gets_a_copy():
+    store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
+    h = torch.randn(3, 4)
+    staging = _settle_one_step(store, [_slice("a", 0, 2, 0, 2, (0,)),
+                                       _slice("b", 2, 3, 0, 1, (0,))], h, None)
+    for key in ("a", "b"):
+        (entry,) = _entries(store, key)
+        assert entry.chunks[0].untyped_storage().data_ptr() != \
+            staging.untyped_storage().data_ptr()
+
+
 def test_assemble_trims_surplus_and_deduplicates_recomputed_positions():
     store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
     h = [torch.full((2, 4), float(i)) for i in range(3)]

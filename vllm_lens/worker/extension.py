@@ -91,9 +91,10 @@ class LensWorkerExtension:
         """
         if _runtime is None:
             return {}
+        fetched = {key for key, *_ in requests}
         try:
             # Finishes the asynchronous device->host copies.
-            _runtime.settle(wait=True)
+            _runtime.settle(wait=True, finished=lambda key, _req_id: key in fetched)
         except Exception as exc:  # fail the requests this rank holds, nobody else's
             problem = {"error": f"vllm-lens failed at fetch: {describe(exc)}"}
             failed: dict[str, dict[str, dict[str, Any]]] = {}

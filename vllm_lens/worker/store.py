@@ -3,9 +3,13 @@
 Captured rows wait here, on the CPU, until the front end fetches them when the request
 finishes. During a step the taps fill one staging tensor per capture group (``stage``); once
 the step is over, ``settle`` copies each request's rows out of it into the request's own entry,
-so an entry never holds a view that keeps other requests' rows alive. On an accelerator the
-staging tensors are filled by asynchronous copies, and a group settles once its ``ready``
-event has completed.
+so that an entry does not keep other requests' rows alive. One exception saves that copy where
+it matters most, a dataset job's prompts read and finished in one step: the requests that
+finished by then (about to be fetched) keep views of a host staging tensor when together they
+own at least half of its rows, so the tensor never holds more than twice the bytes counted for
+them, and only until they are fetched (and, for a capture sink, written). On an accelerator
+the staging tensors are filled by asynchronous copies into pinned memory, which is always
+copied out, and a group settles once its ``ready`` event has completed.
 
 Entries are keyed by (lens key, vLLM request id, signal): the lens key is unique per user
 request, a request sampled ``n > 1`` times runs as ``n`` engine requests that share it, and a
@@ -21,7 +25,7 @@ went away) are dropped, and those requests fail too.
 from __future__ import annotations
 
 import time
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,13 +86,16 @@ class CaptureStore:
         """Take ``group``'s rows once its step is over (see ``settle``)."""
         self._pending.append(group)
 
-    def settle(self, wait: bool = False) -> list[tuple[str, str, str]]:
+    def settle(self, wait: bool = False,
+               finished: Callable[[str, str], bool] | None = None
+               ) -> list[tuple[str, str, str]]:
         """File the rows of finished steps into their requests' entries.
 
         Called between steps: every staged group whose copies have completed (at once on the
         CPU; ``wait`` blocks for the accelerator) is split per request. A group that failed
         is dropped (its requests failed already); one whose step did not write every layer's
-        rows (a tap did not run) fails its requests.
+        rows (a tap did not run) fails its requests. ``finished(lens key, request id)`` tells
+        the requests that will run no more steps (see the module's docstring).
 
         Returns (lens key, request id, problem) for each request whose rows could not be
         filed: their rows are gone and the caller fails those requests.
@@ -112,18 +119,25 @@ class CaptureStore:
                         self._pending.append(group)
                         continue
                     group.ready.synchronize()
-                failed.extend(self._file(group, refused))
+                failed.extend(self._file(group, refused, finished))
             except Exception:
                 failed.extend((o.key, o.req_id, "its captured rows could not be filed")
                               for o in group.owners)
         return failed
 
-    def _file(self, group: CaptureGroup,
-              refused: set[tuple[str, str]]) -> list[tuple[str, str, str]]:
+    def _file(self, group: CaptureGroup, refused: set[tuple[str, str]],
+              finished: Callable[[str, str], bool] | None) -> list[tuple[str, str, str]]:
         """File ``group``'s rows; returns the owners refused for the byte budget."""
         staging = group.staging
         assert staging is not None
-        whole = len(group.owners) == 1 and not staging.is_pinned()
+        pinned = staging.is_pinned()
+        whole = len(group.owners) == 1 and not pinned
+        viewed: set[int] = set()  # ids of the owners whose rows stay views of ``staging``
+        if not whole and not pinned and finished is not None:
+            done = [o for o in group.owners
+                    if o.key not in self._closed and finished(o.key, o.req_id)]
+            if 2 * sum(o.hi - o.lo for o in done) >= staging.shape[1]:
+                viewed = {id(o) for o in done}
         over = []
         for owner in group.owners:
             ident = (owner.key, owner.req_id)
@@ -140,9 +154,12 @@ class CaptureStore:
                 entry = self._entries[(*ident, group.signal)] = Entry(
                     owner.req_id, group.layers, owner.reduce, owner.window, owner.n_prompt,
                     group.signal)
-            # Copy out (unless the request owns the whole tensor): pinned memory is scarce,
-            # and a view would keep the other requests' rows alive.
-            rows = staging if whole else staging[:, owner.lo : owner.hi].clone()
+            # Copy out (unless the request owns the whole tensor, or finished beside others
+            # owning most of it): pinned memory is scarce, and a view would keep the other
+            # requests' rows alive.
+            rows = staging if whole else staging[:, owner.lo : owner.hi]
+            if not whole and id(owner) not in viewed:
+                rows = rows.clone()
             positions = owner.positions
             if entry.taken and positions.size and int(positions.min()) < entry.taken:
                 fresh = positions >= entry.taken  # streamed already: each position once

@@ -4,7 +4,7 @@ rank 0 of each pipeline stage; every TP rank for the signals split across ranks)
 
 During a step each capturing layer does one gather and one copy into its capture group's
 staging tensor; after the step the store splits the staging tensor per request (one copy per
-request per step, ``CaptureStore.settle``). At fetch time a request's per-step chunks are
+request per step, or none for requests that finished owning most of it: ``CaptureStore``). At fetch time a request's per-step chunks are
 concatenated once (a request whose rows came in one step keeps its chunk as it is).
 """
 

@@ -577,9 +577,10 @@ class ShardWriter:
         in the order they were sealed). On failure nothing of it is left behind, its
         examples are dropped (their keys may be added again), and the error is raised.
 
-        ``rows_written``: called once the shard's rows are in its file (not yet synced), after
-        the shard has let go of them: a handed-off shard waits for the disk without its rows
-        in memory (its examples are dropped if the rest fails, never written again from
+        ``rows_written``: called once the shard's rows are copied out for its file (the last
+        of them may still be on their way to the disk; nothing is synced yet), after the
+        shard has let go of them: a handed-off shard waits for the disk without its rows in
+        memory (its examples are dropped if the rest fails, never written again from
         memory)."""
         path = self.root / shard_name(shard.number, self.writer)
         # Written in a staging directory named like our temp files, then renamed into place:
@@ -598,11 +599,14 @@ class ShardWriter:
                 for field in sae_fields(self.saes[sae]):
                     name = sae_column(sae, field)
                     tensors[name] = [rows[name] for _, rows in shard.examples]
-            write_shard_file(tmp, tensors)
-            del tensors
-            if rows_written is not None:
+
+            def release() -> None:
+                assert rows_written is not None
+                tensors.clear()
                 shard.examples = [(entry, {}) for entry, _ in shard.examples]
                 rows_written()
+
+            write_shard_file(tmp, tensors, copied=None if rows_written is None else release)
             _publish(tmp, path, uncache=True)
             shutil.rmtree(staging, ignore_errors=True)  # (published: tidying cannot fail it)
             offset, lines = 0, []

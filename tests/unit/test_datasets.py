@@ -99,8 +99,8 @@ def test_a_failed_flush_leaves_nothing_behind_and_keeps_the_examples(tmp_path, m
     w.add("a", example(0, 2), positions=[0, 1])
     real = shard_writer.write_shard_file
 
-    def full_disk(path, tensors):
-        real(path, tensors)
+    def full_disk(path, tensors, **kw):
+        real(path, tensors, **kw)
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(shard_writer, "write_shard_file", full_disk)

@@ -84,6 +84,25 @@ def test_a_shard_larger_than_the_buffer_goes_out_in_pieces(tmp_path, monkeypatch
     _check(tmp_path / "big.safetensors", tensors)
 
 
+@pytest.mark.parametrize("chunk", [2 * 4096, 1 << 20])
+def test_the_parts_are_not_read_after_copied_is_called(tmp_path, monkeypatch, chunk):
+    """Once told, the caller may reuse or free the parts: the file holds what they held."""
+    monkeypatch.setattr(shard_file, "CHUNK_BYTES", chunk)
+    tensors = {f"layer/{i}": [torch.randn(n, 7) for n in (30, 41)] for i in range(20)}
+    want = {name: [p.clone() for p in parts] for name, parts in tensors.items()}
+    calls = []
+
+    def copied():
+        calls.append(True)
+        for parts in tensors.values():
+            for p in parts:
+                p.zero_()
+
+    write_shard_file(tmp_path / "a.safetensors", tensors, copied=copied)
+    assert calls == [True]
+    _check(tmp_path / "a.safetensors", want)
+
+
 def test_parts_that_do_not_match_are_refused(tmp_path):
     with pytest.raises(ValueError, match="'x'.*differ"):
         write_shard_file(tmp_path / "a.safetensors",

@@ -196,11 +196,11 @@ def test_a_shard_that_cannot_be_written_is_dropped_alone_and_reported_twice(tmp_
     real = shard_writer.write_shard_file
     queued = threading.Event()
 
-    def shard_1_fails(path, tensors):
+    def shard_1_fails(path, tensors, **kw):
         if "shard-00001" in str(path):
             queued.wait(10)
             raise OSError(28, "No space left on device")
-        real(path, tensors)
+        real(path, tensors, **kw)
 
     monkeypatch.setattr(shard_writer, "write_shard_file", shard_1_fails)
     sink.write("d", _example("b", 2, SETTINGS))
@@ -242,7 +242,7 @@ def test_with_max_queued_shards_0_the_write_completing_a_shard_waits_for_it(tmp_
     sink.write("d", _example("c", 2, SETTINGS))
     real = shard_writer.write_shard_file
     monkeypatch.setattr(shard_writer, "write_shard_file",
-                        lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+                        lambda *a, **kw: (_ for _ in ()).throw(OSError(28, "No space left")))
     with pytest.raises(RuntimeError, match=r"No space left.*keys \['c', 'e'\]") as info:
         sink.write("d", _example("e", 2, SETTINGS))
     assert "not written (send it again)" not in str(info.value)  # it was, and was dropped
@@ -263,10 +263,10 @@ def _gated_save(monkeypatch):
     real = shard_writer.write_shard_file
     gate, seen = threading.Event(), []
 
-    def slow(path, tensors):
+    def slow(path, tensors, **kw):
         seen.append(path)
         assert gate.wait(30), "the test never opened the gate"
-        real(path, tensors)
+        real(path, tensors, **kw)
 
     monkeypatch.setattr(shard_writer, "write_shard_file", slow)
     return gate, seen
@@ -340,9 +340,9 @@ def test_many_small_shards_from_two_writers_of_one_dataset_read_back_exactly(tmp
     real = shard_writer.write_shard_file
     pace = random.Random(0)
 
-    def jittery(path, tensors):
+    def jittery(path, tensors, **kw):
         time.sleep(pace.random() * 0.004)
-        real(path, tensors)
+        real(path, tensors, **kw)
 
     monkeypatch.setattr(shard_writer, "write_shard_file", jittery)
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 3,
@@ -398,8 +398,8 @@ def _write_then_die(root, acks):
     assert sink.flush() == []
     real = shard_writer.write_shard_file
 
-    def stuck(path, tensors):
-        real(path, tensors)  # the temp file is complete, never renamed
+    def stuck(path, tensors, **kw):
+        real(path, tensors, **kw)  # the temp file is complete, never renamed
         time.sleep(3600)
 
     shard_writer.write_shard_file = stuck
@@ -468,7 +468,7 @@ def test_a_failed_timer_write_is_reported_by_the_next_flush(tmp_path, monkeypatc
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "flush_s": 0.1}}))
     sink = ShardSink(config["acts"])
     monkeypatch.setattr(shard_writer, "write_shard_file",
-                        lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+                        lambda *a, **kw: (_ for _ in ()).throw(OSError(28, "No space left")))
     sink.write("d", _example("a", 2, SETTINGS))
     deadline = time.monotonic() + 10
     while not sink._failures and time.monotonic() < deadline:

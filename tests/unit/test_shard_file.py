@@ -63,11 +63,17 @@ def test_a_rewritten_file_is_replaced_whole(tmp_path):
     _check(path, small)
 
 
-def test_the_thread_keeps_one_buffer_for_every_shard(tmp_path):
+def test_the_thread_keeps_a_buffer_as_large_as_its_largest_shard(tmp_path, monkeypatch):
+    monkeypatch.setattr(shard_file._local, "buffer", None)  # (other tests' shards)
     write_shard_file(tmp_path / "a.safetensors", {"x": [torch.randn(10, 4)]})
     kept = shard_file._local.buffer
     write_shard_file(tmp_path / "b.safetensors", {"x": [torch.randn(20, 4)]})
-    assert shard_file._local.buffer is kept
+    assert shard_file._local.buffer is kept  # (it fits)
+    write_shard_file(tmp_path / "c.safetensors", {"x": [torch.randn(3000, 4)]})
+    grown = shard_file._local.buffer
+    assert len(grown) == 53248  # header and data, to the next 4 KiB: one write
+    write_shard_file(tmp_path / "d.safetensors", {"x": [torch.randn(10, 4)]})
+    assert shard_file._local.buffer is grown
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -75,7 +81,7 @@ def test_a_shard_larger_than_the_buffer_goes_out_in_pieces(tmp_path, monkeypatch
     """Parts, tensors and the header itself straddle the buffer's end."""
     if not direct:
         monkeypatch.delattr(os, "O_DIRECT", raising=False)
-    monkeypatch.setattr(shard_file, "CHUNK_BYTES", 2 * 4096)
+    monkeypatch.setattr(shard_file, "MAX_BUFFER_BYTES", 2 * 4096)
     tensors = {f"layer/{i}": [torch.randn(n, 7) for n in (3, 30, 0, 41)] for i in range(200)}
     tensors["ids"] = [torch.arange(999, dtype=torch.int64)]
     tensors["half"] = [torch.randn(333, 5).to(torch.bfloat16)]
@@ -87,7 +93,7 @@ def test_a_shard_larger_than_the_buffer_goes_out_in_pieces(tmp_path, monkeypatch
 @pytest.mark.parametrize("chunk", [2 * 4096, 1 << 20])
 def test_the_parts_are_not_read_after_copied_is_called(tmp_path, monkeypatch, chunk):
     """Once told, the caller may reuse or free the parts: the file holds what they held."""
-    monkeypatch.setattr(shard_file, "CHUNK_BYTES", chunk)
+    monkeypatch.setattr(shard_file, "MAX_BUFFER_BYTES", chunk)
     tensors = {f"layer/{i}": [torch.randn(n, 7) for n in (30, 41)] for i in range(20)}
     want = {name: [p.clone() for p in parts] for name, parts in tensors.items()}
     calls = []

@@ -6,15 +6,17 @@ Examples are queued per dataset and cut into shards (``rows_per_shard`` rows or
 ``flush_s`` seconds (default 10) after the oldest queued one arrived, when the front end asks
 (``vllm_lens.flush_sinks``), and when the worker exits. A shard cut is handed to the sink's
 writer thread, which writes the shards one after the other (temp file, fsync, rename, then the
-index lines), and ``write`` returns at once: the engine's step does not wait for the disk. At
-most ``max_queued_shards`` (default 2) shards hold their rows in memory, waiting or being
-written (a shard whose rows are in its file lets go of them while the disk syncs it); a
-``write`` whose example cuts one more waits for room (back-pressure: the engine goes at the
-disk's pace instead of piling rows up in memory); with ``max_queued_shards`` 0 a ``write``
-waits until the shard its example completed is written (the engine's step waits for the disk,
-and that request's receipt says ``durable``). At most ``max_open_datasets`` (default 16)
-datasets are open at once, so the rows in memory are bounded by ``max_queued_shards`` (at least
-one) + ``max_open_datasets`` shards. To open another dataset, the least recently written is
+index lines; ``vllm_lens.shard_file`` copies a shard into a buffer the thread keeps, as large as
+its largest shard up to 256 MiB, and writes it past the page cache where it can), and ``write``
+returns at once: the engine's step does not wait for the disk. At most ``max_queued_shards``
+(default 2) shards hold their rows in memory, waiting or being written (a shard lets go of its
+rows once they are copied into that buffer, while the disk takes them); a ``write`` whose
+example cuts one more waits for room (back-pressure: the engine goes at the disk's pace instead
+of piling rows up in memory); with ``max_queued_shards`` 0 a ``write`` waits until the shard its
+example completed is written (the engine's step waits for the disk, and that request's receipt
+says ``durable``). At most ``max_open_datasets`` (default 16) datasets are open at once, so the
+rows in memory are bounded by ``max_queued_shards`` (at least one) + ``max_open_datasets``
+shards, and the writer thread's buffer. To open another dataset, the least recently written is
 flushed and closed (once its shards are written); on a sink open to HTTP clients (``"clients":
 true``) only a dataset with nothing queued or being written and no write for ``idle_close_s``
 (default 300) is, and a write to a new dataset when none is idle is refused (``CapacityError``

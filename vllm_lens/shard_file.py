@@ -15,11 +15,11 @@ of one copy, not for the time the disk takes. Measured alone, a 64 MiB shard too
 the writing thread's CPU through ``save_file`` and ~7-13 ms this way.
 
 The file is plain safetensors (read by ``safetensors.safe_open``): the JSON header is padded
-with spaces (JSON whitespace) so that the data starts at a multiple of 4,096 bytes, tensors lie
-end to end in order of decreasing item size (each aligned to its own), and the file is cut to
-its exact length after the last write. Where ``O_DIRECT`` is unavailable (another OS) or
-refused (a filesystem without it, such as tmpfs on older kernels), the same buffers are written
-through the page cache.
+with spaces (JSON whitespace) so that the data starts at a multiple of the page size (4 KiB),
+tensors lie end to end in order of decreasing item size (each aligned to its own), and the file
+is cut to its exact length after the last write. Where ``O_DIRECT`` is unavailable (another OS)
+or refused (a filesystem without it, such as tmpfs on older kernels), the same buffers are
+written through the page cache.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DTYPE_NAMES", "write_shard_file"]
+__all__ = ["DTYPE_NAMES", "MAX_BUFFER_BYTES", "release_buffer", "write_shard_file"]
 
 #: safetensors' names of the dtypes a shard may hold.
 DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
@@ -114,7 +114,9 @@ class _Output:
         wanted = min(_aligned(total), _aligned(MAX_BUFFER_BYTES))
         buf = getattr(_local, "buffer", None)
         if buf is None or len(buf) < wanted or len(buf) > _aligned(MAX_BUFFER_BYTES):
-            buf = _local.buffer = mmap.mmap(-1, wanted)  # (page-aligned)
+            # Page-aligned; private, so that a child forked later writes into a copy of its
+            # own, never into its parent's.
+            buf = _local.buffer = mmap.mmap(-1, wanted, flags=mmap.MAP_PRIVATE)
         self.size = len(buf)  # the bytes of one write
         self.view = memoryview(buf)
         self.buf = torch.frombuffer(self.view, dtype=torch.uint8)
@@ -127,7 +129,8 @@ class _Output:
         return self
 
     def __exit__(self, *_: object) -> None:
-        os.close(self.fd)
+        if self.fd >= 0:
+            os.close(self.fd)
 
     def _open(self) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
@@ -193,11 +196,18 @@ class _Output:
                         and exc.errno == errno.EINVAL):
                     raise
                 os.close(self.fd)
+                self.fd = -1  # (not closed twice if the reopening fails)
                 self.direct = False
                 self.fd = self._open()
                 length = self.fill
         self.written += length
         self.fill = 0
+
+
+def release_buffer() -> None:
+    """Let go of the calling thread's buffer (a writer going idle or closing); the next shard
+    it writes maps a new one."""
+    _local.buffer = None
 
 
 def _aligned(n: int) -> int:

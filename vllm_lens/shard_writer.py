@@ -72,7 +72,7 @@ from vllm_lens.dataset_index import (
     INDEX, IndexView, append_lines, check_writer, index_locked, parse_line, read_index,
     rewrite_index)
 from vllm_lens.errors import DatasetConflictError
-from vllm_lens.shard_file import write_shard_file
+from vllm_lens.shard_file import DTYPE_NAMES, release_buffer, write_shard_file
 
 __all__ = ["FORMAT", "INDEX", "MANIFEST", "SAE_FIELDS", "VERSION_FIELDS", "Shard", "ShardWriter",
            "jsonable", "read_index", "sae_column", "sae_fields", "shard_name", "tensor_name"]
@@ -195,6 +195,10 @@ class ShardWriter:
         self.points: tuple[str, ...] = tuple(self.manifest["points"])
         self.layers: tuple[int, ...] = tuple(int(x) for x in self.manifest["layers"])
         self.dtype = getattr(torch, str(self.manifest["dtype"]))
+        if self.dtype not in DTYPE_NAMES:
+            known = sorted(str(d).removeprefix("torch.") for d in DTYPE_NAMES)
+            raise ValueError(f"manifest dtype {self.manifest['dtype']!r} is not one a shard "
+                             f"holds ({', '.join(known)})")
         self.row_shapes = {p: tuple(self.manifest["row_shapes"][p]) for p in self.points}
         self.saes: tuple[dict[str, Any], ...] = tuple(self.manifest.get("sae_features") or ())
         if not self.points and not self.saes:
@@ -646,6 +650,7 @@ class ShardWriter:
             self.wait_written()
         finally:
             self._release()
+            release_buffer()  # (the calling thread's, if it wrote shards)
 
     def __enter__(self) -> ShardWriter:
         return self

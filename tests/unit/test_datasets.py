@@ -130,6 +130,11 @@ def test_an_empty_dataset_and_a_second_writer(tmp_path):
     assert len(ds) == 0 and ds.tensor("attn_z", 3).shape == (0, 2, 4)
 
 
+def test_a_dtype_no_shard_can_hold_is_refused_at_once(tmp_path):
+    with pytest.raises(ValueError, match="'complex64' is not one a shard holds"):
+        ShardWriter(tmp_path, {**MANIFEST, "dtype": "complex64"})
+
+
 def test_bad_examples_and_reopening_without_resume_are_refused(tmp_path):
     write(tmp_path, [(0, "a")])
     with pytest.raises(FileExistsError, match="resume=True"):

@@ -1,6 +1,9 @@
 """The shard file writer: plain safetensors, read back by ``safetensors.safe_open``, whichever
 way the bytes reach the disk."""
 
+import errno
+import fcntl
+import multiprocessing
 import os
 
 import pytest
@@ -107,6 +110,71 @@ def test_the_parts_are_not_read_after_copied_is_called(tmp_path, monkeypatch, ch
     write_shard_file(tmp_path / "a.safetensors", tensors, copied=copied)
     assert calls == [True]
     _check(tmp_path / "a.safetensors", want)
+
+
+def test_o_direct_refused_at_open_or_first_write_falls_back(tmp_path, monkeypatch):
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this OS")
+    real_open, real_pwrite = os.open, os.pwrite
+    refused = []
+
+    def open_refusing(path, flags, *args):
+        if flags & os.O_DIRECT:
+            refused.append("open")
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", open_refusing)
+    tensors = _tensors()
+    write_shard_file(tmp_path / "a.safetensors", tensors)
+    _check(tmp_path / "a.safetensors", tensors)
+    monkeypatch.setattr(os, "open", real_open)
+
+    def pwrite_refusing(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append("write")
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite_refusing)
+    write_shard_file(tmp_path / "b.safetensors", tensors)
+    _check(tmp_path / "b.safetensors", tensors)
+    assert refused == ["open", "write"]
+
+
+def test_a_refused_write_after_the_first_is_an_error(tmp_path, monkeypatch):
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this OS")
+    monkeypatch.setattr(shard_file, "MAX_BUFFER_BYTES", 2 * 4096)
+    real_pwrite = os.pwrite
+
+    def second_refused(fd, data, offset):
+        if offset > 0:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", second_refused)
+    with pytest.raises(OSError, match="Invalid argument"):
+        write_shard_file(tmp_path / "a.safetensors", {"x": [torch.randn(1000, 4)]})
+
+
+def _write_in_child(path, value):
+    for i in range(30):
+        write_shard_file(f"{path}-{i}", {"x": [torch.full((500, 4), float(value))]})
+
+
+def test_a_forked_child_never_writes_into_its_parents_buffer(tmp_path):
+    write_shard_file(tmp_path / "first", {"x": [torch.zeros(500, 4)]})  # (the buffer exists)
+    child = multiprocessing.get_context("fork").Process(
+        target=_write_in_child, args=(str(tmp_path / "child"), 1))
+    child.start()
+    _write_in_child(str(tmp_path / "parent"), 2)
+    child.join(60)
+    assert child.exitcode == 0
+    for who, value in (("child", 1), ("parent", 2)):
+        for i in range(30):
+            assert torch.equal(_read(tmp_path / f"{who}-{i}")["x"],
+                               torch.full((500, 4), float(value))), (who, i)
 
 
 def test_parts_that_do_not_match_are_refused(tmp_path):

@@ -6,11 +6,12 @@ Examples are queued per dataset and cut into shards (``rows_per_shard`` rows or
 ``flush_s`` seconds (default 10) after the oldest queued one arrived, when the front end asks
 (``vllm_lens.flush_sinks``), and when the worker exits. A shard cut is handed to the sink's
 writer thread, which writes the shards one after the other (temp file, fsync, rename, then the
-index lines; ``vllm_lens.shard_file`` copies a shard into a buffer the thread keeps, as large as
-its largest shard up to 256 MiB, and writes it past the page cache where it can), and ``write``
-returns at once: the engine's step does not wait for the disk. At most ``max_queued_shards``
-(default 2) shards hold their rows in memory, waiting or being written (a shard lets go of its
-rows once they are copied into that buffer, while the disk takes them); a ``write`` whose
+index lines; ``vllm_lens.shard_file`` copies a shard into a buffer the thread keeps while it has
+shards to write, as large as its largest shard up to 256 MiB, and writes it past the page cache
+where it can), and ``write`` returns at once: the engine's step does not wait for the disk. At
+most ``max_queued_shards`` (default 2) shards hold their rows in memory, waiting or being
+written (a shard lets go of its rows once they are copied into that buffer, while the disk takes
+them; one larger than 256 MiB once all but its last 256 MiB are on disk); a ``write`` whose
 example cuts one more waits for room (back-pressure: the engine goes at the disk's pace instead
 of piling rows up in memory); with ``max_queued_shards`` 0 a ``write`` waits until the shard its
 example completed is written (the engine's step waits for the disk, and that request's receipt
@@ -52,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_lens.errors import CapacityError, DatasetConflictError
+from vllm_lens.shard_file import release_buffer
 from vllm_lens.shard_writer import VERSION_FIELDS, Shard, ShardWriter, jsonable, sae_column
 from vllm_lens.sinks import Example
 from vllm_lens.sinks.config import SinkConfig
@@ -63,6 +65,8 @@ logger = logging.getLogger(__name__)
 #: Failed shard writes kept for the next ``flush`` (and per dataset for its next request);
 #: more are logged only.
 _MAX_FAILURES = 100
+#: Seconds the writer thread waits for a shard before it lets go of its buffer.
+_IDLE_RELEASE_S = 30.0
 _OPTIONS = ("rows_per_shard", "max_shard_bytes", "flush_s", "max_open_datasets", "idle_close_s",
             "max_queued_shards")
 
@@ -259,7 +263,8 @@ class ShardSink:
         while True:
             with self._queue_changed:
                 while not self._queue and self._writer_thread is threading.current_thread():
-                    self._queue_changed.wait()
+                    if not self._queue_changed.wait(_IDLE_RELEASE_S):
+                        release_buffer()  # idle: its shard buffer goes back to the system
                 if self._writer_thread is not threading.current_thread():
                     return  # (``close`` drained the queue first)
                 writer, shard = self._queue[0]

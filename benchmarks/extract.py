@@ -120,7 +120,7 @@ def serve_engine(cfg: dict) -> None:
     llm = LLM(str(smollm2_dir()), **ENGINE)
     plain = SamplingParams(max_tokens=1, temperature=0)
     prompts = _prompts(cfg["prompts"])
-    per_turn = -(-len(prompts) // cfg["turns"])
+    turns = cfg["turns"]
     llm.generate(prompts[:16], SamplingParams(max_tokens=1))  # warm-up
     print("READY", flush=True)
     # Per job (a plugin engine runs its sink job and keyless plain requests in turns): its
@@ -133,8 +133,8 @@ def serve_engine(cfg: dict) -> None:
         state = jobs[job]
         outs, memory = state["outs"], state["memory"]
         timers_before = {"spent": dict(spent), "writer": dict(writer)}
-        part = range(int(q) * per_turn, min((int(q) + 1) * per_turn, len(prompts)))
-        last = part.stop >= len(prompts)
+        part = range(int(q) * len(prompts) // turns, (int(q) + 1) * len(prompts) // turns)
+        last = int(q) == turns - 1
         start = time.perf_counter()
         if job == "plain":
             params = [plain for _ in part]

@@ -131,46 +131,62 @@ def test_requests_of_one_step_get_their_own_copies():
     assert torch.equal(assemble(b, 1)["tensor"][0], h[2:3])
 
 
-def _settle_one_step(store, slices, hidden, finished):
+def _settle_one_step(store, slices, hidden, destination):
     plan = StepPlan.build(slices, hidden.device, frozenset(range(4)), split=False)
     for group in plan.groups:
         store.stage(group)
         capture_layer(group, 0, hidden, None)
-    assert store.settle(finished=finished) == []
-    return plan.groups[0].staging
+    failed = store.settle(destination=destination)
+    return plan.groups[0].staging, failed
 
 
-@pytest.mark.parametrize(("done", "viewed"), [
-    ({"a", "b"}, {"a", "b"}),  # finished, 3 of 4 rows: views of the staging tensor
-    ({"a"}, {"a"}),            # half of the rows: a view; b, still running, its own copy
-    ({"b"}, set()),            # a quarter of the rows: copies, or b would hold all four
-    (set(), set()),
+def _shares(entry, staging):
+    (chunk,) = entry.chunks
+    return chunk.untyped_storage().data_ptr() == staging.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize(("destinations", "viewed"), [
+    ({"a": "d", "b": "d"}, {"a", "b"}),  # one dataset, 3 of 4 rows: views of the staging
+    ({"a": "d"}, {"a"}),                 # half of the rows: a view; the others copies
+    ({"b": "d"}, set()),                 # a quarter: copies, or b would keep all four rows
+    ({"a": "d", "b": "e"}, {"a"}),       # two datasets: only the one holding half
+    ({"b": "d", "c": "d"}, {"b", "c"}),
+    ({}, set()),                         # nothing fetched for a sink now
 ])
-def test_requests_finished_together_keep_views_only_of_rows_mostly_theirs(done, viewed):
+def test_requests_fetched_for_one_dataset_keep_views_only_of_rows_mostly_theirs(destinations,
+                                                                              viewed):
     store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
     h = torch.randn(4, 3)
     slices = [_slice("a", 0, 2, 0, 2, (0,)), _slice("b", 2, 3, 0, 1, (0,)),
               _slice("c", 3, 4, 0, 1, (0,))]
-    staging = _settle_one_step(store, slices, h, lambda key, _req_id: key in done)
+    staging, failed = _settle_one_step(store, slices, h,
+                                       lambda key, _req_id: destinations.get(key))
+    assert failed == []
     for key, rows in (("a", h[0:2]), ("b", h[2:3]), ("c", h[3:4])):
         (entry,) = _entries(store, key)
-        (chunk,) = entry.chunks
-        shares = chunk.untyped_storage().data_ptr() == staging.untyped_storage().data_ptr()
-        assert shares == (key in viewed), key
+        assert _shares(entry, staging) == (key in viewed), key
         assert entry.nbytes == rows.numel() * 4
         assert torch.equal(assemble(entry, 9)["tensor"][0], rows)
     assert store.nbytes == 0
 
 
-def test_without_word_of_finished_requests_every_request_gets_a_copy():
+def test_rows_refused_or_closed_do_not_count_toward_a_view():
+    # a (3 of 4 rows) is refused for the byte budget: b's one row must not keep the rest.
+    store = CaptureStore(max_bytes=5 * 4 * 3, finished_ttl_s=60)
+    store._nbytes = 4 * 4 * 3  # (held for other requests)
+    h = torch.randn(4, 3)
+    slices = [_slice("a", 0, 3, 0, 3, (0,)), _slice("b", 3, 4, 0, 1, (0,))]
+    staging, failed = _settle_one_step(store, slices, h, lambda key, _req_id: "d")
+    assert [(k, r) for k, r, _ in failed] == [("a", "req-a")]
+    (b,) = _entries(store, "b")
+    assert not _shares(b, staging)
+    # a fetched already (closed): b alone, a quarter of the rows, is copied.
     store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
-    h = torch.randn(3, 4)
-    staging = _settle_one_step(store, [_slice("a", 0, 2, 0, 2, (0,)),
-                                       _slice("b", 2, 3, 0, 1, (0,))], h, None)
-    for key in ("a", "b"):
-        (entry,) = _entries(store, key)
-        assert entry.chunks[0].untyped_storage().data_ptr() != \
-            staging.untyped_storage().data_ptr()
+    store.pop("a")
+    staging, failed = _settle_one_step(store, slices, h, lambda key, _req_id: "d")
+    assert failed == [] and store.pop("a") == {}
+    (b,) = _entries(store, "b")
+    assert not _shares(b, staging)
 
 
 def test_assemble_trims_surplus_and_deduplicates_recomputed_positions():

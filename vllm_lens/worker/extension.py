@@ -92,9 +92,17 @@ class LensWorkerExtension:
         if _runtime is None:
             return {}
         fetched = {key for key, *_ in requests}
+        records = _runtime.requests.records
+
+        def sink_dataset(key: str, req_id: str) -> tuple[str, str] | None:
+            record = records.get(req_id) if key in fetched else None
+            sink = None if record is None else record.lens.sink
+            return None if sink is None else (sink.sink, sink.dataset)
+
         try:
-            # Finishes the asynchronous device->host copies.
-            _runtime.settle(wait=True, finished=lambda key, _req_id: key in fetched)
+            # Finishes the asynchronous device->host copies; the rows of requests fetched
+            # now for a sink may stay views of their staging tensor (``CaptureStore``).
+            _runtime.settle(wait=True, destination=sink_dataset)
         except Exception as exc:  # fail the requests this rank holds, nobody else's
             problem = {"error": f"vllm-lens failed at fetch: {describe(exc)}"}
             failed: dict[str, dict[str, dict[str, Any]]] = {}

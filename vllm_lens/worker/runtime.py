@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 import torch
 from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -160,10 +160,10 @@ class LensRuntime:
                 self.store.discard(record.lens.key, req_id)  # partial rows are never returned
 
     def settle(self, wait: bool = False,
-               finished: Callable[[str, str], bool] | None = None) -> None:
+               destination: Callable[[str, str], Hashable | None] | None = None) -> None:
         """File finished steps' captured rows; fail the requests whose rows could not be
-        (``finished``: see ``CaptureStore.settle``)."""
-        for key, req_id, problem in self.store.settle(wait=wait, finished=finished):
+        (``destination``: see ``CaptureStore.settle``)."""
+        for key, req_id, problem in self.store.settle(wait=wait, destination=destination):
             self.fail_owned([(key, req_id)], problem, "capture")
 
     def fail_owned(self, owners: Iterable[tuple[str, str]], problem: str, stage: str) -> None:
@@ -237,10 +237,9 @@ class LensRuntime:
         self._fail(ids, exc, "plan")
 
     def _build_plan(self, device: torch.device, dtype: torch.dtype) -> StepPlan:
-        # The previous step is over: file its captured rows. A request the runner no longer
-        # holds has finished (or was aborted): it runs no more steps.
+        # The previous step is over: file its captured rows.
+        self.settle()
         live = self.view.live()
-        self.settle(finished=lambda _key, req_id: req_id not in live)
         self.requests.finish_gone(live)
         if self._persistent_running:
             for req_id in [r for r in self._persistent_running if r not in live]:

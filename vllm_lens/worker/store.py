@@ -4,12 +4,13 @@ Captured rows wait here, on the CPU, until the front end fetches them when the r
 finishes. During a step the taps fill one staging tensor per capture group (``stage``); once
 the step is over, ``settle`` copies each request's rows out of it into the request's own entry,
 so that an entry does not keep other requests' rows alive. One exception saves that copy where
-it matters most, a dataset job's prompts read and finished in one step: the requests that
-finished by then (about to be fetched) keep views of a host staging tensor when together they
-own at least half of its rows, so the tensor never holds more than twice the bytes counted for
-them, and only until they are fetched (and, for a capture sink, written). On an accelerator
-the staging tensors are filled by asynchronous copies into pinned memory, which is always
-copied out, and a group settles once its ``ready`` event has completed.
+it matters most, a dataset job's prompts read and finished in one step: when the step settles
+as its requests are fetched, the ones whose rows go to one capture sink's dataset keep views
+of a host staging tensor if together they own at least half of its rows. The tensor then
+holds at most twice the bytes counted for them, for as long as that dataset's shards hold
+them (``_viewed``). On an accelerator the staging tensors are filled by asynchronous copies
+into pinned memory, which is always copied out, and a group settles once its ``ready`` event
+has completed.
 
 Entries are keyed by (lens key, vLLM request id, signal): the lens key is unique per user
 request, a request sampled ``n > 1`` times runs as ``n`` engine requests that share it, and a
@@ -25,8 +26,9 @@ went away) are dropped, and those requests fail too.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,15 +89,15 @@ class CaptureStore:
         self._pending.append(group)
 
     def settle(self, wait: bool = False,
-               finished: Callable[[str, str], bool] | None = None
+               destination: Callable[[str, str], Hashable | None] | None = None
                ) -> list[tuple[str, str, str]]:
         """File the rows of finished steps into their requests' entries.
 
         Called between steps: every staged group whose copies have completed (at once on the
         CPU; ``wait`` blocks for the accelerator) is split per request. A group that failed
         is dropped (its requests failed already); one whose step did not write every layer's
-        rows (a tap did not run) fails its requests. ``finished(lens key, request id)`` tells
-        the requests that will run no more steps (see the module's docstring).
+        rows (a tap did not run) fails its requests. ``destination(lens key, request id)``
+        names the capture sink's dataset of a request being fetched now (see ``_viewed``).
 
         Returns (lens key, request id, problem) for each request whose rows could not be
         filed: their rows are gone and the caller fails those requests.
@@ -119,52 +121,60 @@ class CaptureStore:
                         self._pending.append(group)
                         continue
                     group.ready.synchronize()
-                failed.extend(self._file(group, refused, finished))
+                failed.extend(self._file(group, refused, destination))
             except Exception:
                 failed.extend((o.key, o.req_id, "its captured rows could not be filed")
                               for o in group.owners)
         return failed
 
     def _file(self, group: CaptureGroup, refused: set[tuple[str, str]],
-              finished: Callable[[str, str], bool] | None) -> list[tuple[str, str, str]]:
+              destination: Callable[[str, str], Hashable | None] | None
+              ) -> list[tuple[str, str, str]]:
         """File ``group``'s rows; returns the owners refused for the byte budget."""
         staging = group.staging
         assert staging is not None
         pinned = staging.is_pinned()
         whole = len(group.owners) == 1 and not pinned
-        viewed: set[int] = set()  # ids of the owners whose rows stay views of ``staging``
-        if not whole and not pinned and finished is not None:
-            done = [o for o in group.owners
-                    if o.key not in self._closed and finished(o.key, o.req_id)]
-            if 2 * sum(o.hi - o.lo for o in done) >= staging.shape[1]:
-                viewed = {id(o) for o in done}
-        over = []
+        row_bytes = staging[:, :1].numel() * staging.element_size()
+        # First the byte budget: who is filed, and with how many rows.
+        over, admitted, added = [], [], 0
         for owner in group.owners:
             ident = (owner.key, owner.req_id)
             if owner.key in self._closed or ident in refused:
                 continue  # a surplus step after the fetch, or a request refused already
-            size = (owner.hi - owner.lo) * staging[:, :1].numel() * staging.element_size()
-            if self._nbytes + size > self.max_bytes:
+            size = (owner.hi - owner.lo) * row_bytes
+            if self._nbytes + added + size > self.max_bytes:
                 refused.add(ident)
                 self.discard(*ident)
                 over.append((*ident, self._over_budget(size)))
                 continue
             entry = self._entries.get((*ident, group.signal))
+            fresh = None
+            positions = owner.positions
+            if entry is not None and entry.taken and positions.size \
+                    and int(positions.min()) < entry.taken:
+                fresh = positions >= entry.taken  # streamed already: each position once
+                size = int(fresh.sum()) * row_bytes
+            added += size
+            admitted.append((owner, fresh, size))
+        viewed = set() if whole or pinned or destination is None \
+            else _viewed(staging, admitted, destination)
+        for owner, fresh, size in admitted:
+            ident = (owner.key, owner.req_id)
+            entry = self._entries.get((*ident, group.signal))
             if entry is None:
                 entry = self._entries[(*ident, group.signal)] = Entry(
                     owner.req_id, group.layers, owner.reduce, owner.window, owner.n_prompt,
                     group.signal)
-            # Copy out (unless the request owns the whole tensor, or finished beside others
-            # owning most of it): pinned memory is scarce, and a view would keep the other
-            # requests' rows alive.
+            # Copied out (unless the request owns the whole tensor, or is viewed: see
+            # ``_viewed``): pinned memory is scarce, and a view would keep the other requests'
+            # rows alive.
             rows = staging if whole else staging[:, owner.lo : owner.hi]
-            if not whole and id(owner) not in viewed:
-                rows = rows.clone()
             positions = owner.positions
-            if entry.taken and positions.size and int(positions.min()) < entry.taken:
-                fresh = positions >= entry.taken  # streamed already: each position once
+            if fresh is not None:
                 rows, positions = rows[:, torch.from_numpy(fresh)], positions[fresh]
-                size = rows.numel() * rows.element_size()
+            elif not whole and id(owner) not in viewed:
+                rows = rows.clone()
             entry.positions.append(positions)
             entry.chunks.append(rows)
             entry.nbytes += size
@@ -279,3 +289,21 @@ class CaptureStore:
                 if ident[:2] not in dropped:
                     dropped.append(ident[:2])
         return dropped
+
+
+def _viewed(staging: torch.Tensor, admitted: list[tuple[Any, Any, int]],
+            destination: Callable[[str, str], Hashable | None]) -> set[int]:
+    """Ids of the owners whose rows stay views of ``staging``: those of the one destination
+    (a capture sink's dataset, ``destination(lens key, request id)``; ``None`` for a request
+    not being fetched now or returning its rows) that holds at least half of its rows, so
+    the tensor they keep alive is at most twice the bytes counted for them, in that
+    dataset's shards until written. Rows already streamed in part are copied anyway."""
+    by_destination: dict[Hashable, list[Any]] = {}
+    for owner, fresh, _ in admitted:
+        if fresh is None and (where := destination(owner.key, owner.req_id)) is not None:
+            by_destination.setdefault(where, []).append(owner)
+    best = max(by_destination.values(), key=lambda owners: sum(o.hi - o.lo for o in owners),
+               default=[])
+    if 2 * sum(o.hi - o.lo for o in best) < staging.shape[1]:
+        return set()
+    return {id(o) for o in best}

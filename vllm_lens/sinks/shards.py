@@ -283,8 +283,8 @@ class ShardSink:
         return len(self._queue) - self._released
 
     def _rows_written(self) -> None:
-        """The shard being written let go of its rows (they are in its file): room for the
-        next one while this one is synced."""
+        """The shard being written let go of its rows (they are copied out for its file):
+        room for the next one while the disk takes this one."""
         with self._queue_changed:
             self._released = 1
             self._queue_changed.notify_all()

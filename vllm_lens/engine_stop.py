@@ -6,8 +6,9 @@ force-kills what is left, walking each process tree with psutil. A tensor parall
 a busy machine can take longer than 5 s to exit, and the walk races with workers that exit
 on their own while it runs: ``psutil.NoSuchProcess`` escapes vLLM's shutdown after the job's
 work is done, with the rest of the kill and of the clean-up (sockets, the coordinator, an
-``AsyncLLM``'s output task) skipped. A longer grace period makes the force-kill rare; when
-the race happens anyway, what is left is killed here and the clean-up run.
+``AsyncLLM``'s output task) skipped. Then what is left is killed here and the clean-up run.
+vLLM's grace period is kept: a longer one (60 s, tried) left an engine that never exits on
+SIGTERM waiting the whole time (a test's teardown took 61 s).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import psutil
 
 __all__ = ["GRACE_S", "stop_engine"]
 
-#: Seconds an engine may take to exit after SIGTERM before vLLM force-kills it.
-GRACE_S = 60.0
+#: Seconds an engine may take to exit after SIGTERM before vLLM force-kills it (vLLM's own
+#: default).
+GRACE_S = 5.0
 
 
 def stop_engine(engine: Any) -> None:

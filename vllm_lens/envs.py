@@ -4,6 +4,9 @@
 - ``VLLM_LENS_WORKER_MAX_BYTES``: budget of captured rows held on each worker, running and
   waiting for their fetch (default 4 GiB); rows that would exceed it are refused and their
   request fails (rows already held are never dropped to make room).
+- ``VLLM_LENS_STAGING_POOL_BYTES``: host memory each worker keeps, free, for the staging
+  tensors of the next steps' captures (default 512 MiB; ``0`` keeps none and allocates every
+  step's afresh; CPU backend only: ``worker.staging_pool``).
 - ``VLLM_LENS_SAE_MAX_BYTES``: weights of the SAEs one worker keeps loaded (default 4 GiB),
   with the copies it computes with (on CPU, a reordered encoder: ``saes.linear``); the least
   recently used that no request holds is unloaded to load another.
@@ -84,7 +87,8 @@ __all__ = [
     "finished_ttl_s", "hook_results_max", "http_store_max_bytes", "http_store_ttl_s",
     "max_capture_bytes", "max_concurrent_sweeps", "max_decoded_bytes", "max_hooks", "max_request_bytes",
     "max_steering_vectors", "max_sweep_cells", "sae_max_bytes",
-    "shm_handoff", "sink_writer", "steering_presets_path", "test_faults", "worker_max_bytes",
+    "shm_handoff", "sink_writer", "staging_pool_bytes", "steering_presets_path", "test_faults",
+    "worker_max_bytes",
 ]
 
 
@@ -150,6 +154,10 @@ def hook_results_max() -> int:
 
 def worker_max_bytes() -> int:
     return int(os.environ.get("VLLM_LENS_WORKER_MAX_BYTES", str(4 << 30)))
+
+
+def staging_pool_bytes() -> int:
+    return int(os.environ.get("VLLM_LENS_STAGING_POOL_BYTES", str(512 << 20)))
 
 
 def sae_max_bytes() -> int:

@@ -6,6 +6,7 @@ import torch
 from vllm_lens.spec import CaptureSpec, LensRequest
 from vllm_lens.worker.capture import assemble, capture_layer
 from vllm_lens.worker.plan import RequestSlice, StepPlan, select_rows
+from vllm_lens.worker.staging_pool import StagingPool
 from vllm_lens.worker.store import CaptureStore
 
 
@@ -131,11 +132,11 @@ def test_requests_of_one_step_get_their_own_copies():
     assert torch.equal(assemble(b, 1)["tensor"][0], h[2:3])
 
 
-def _settle_one_step(store, slices, hidden, destination):
+def _settle_one_step(store, slices, hidden, destination, pool=None):
     plan = StepPlan.build(slices, hidden.device, frozenset(range(4)), split=False)
     for group in plan.groups:
         store.stage(group)
-        capture_layer(group, 0, hidden, None)
+        capture_layer(group, 0, hidden, None, pool)
     failed = store.settle(destination=destination)
     return plan.groups[0].staging, failed
 
@@ -187,6 +188,32 @@ def test_rows_refused_or_closed_do_not_count_toward_a_view():
     assert failed == [] and store.pop("a") == {}
     (b,) = _entries(store, "b")
     assert not _shares(b, staging)
+
+
+def test_a_pooled_staging_tensor_waits_for_the_requests_viewing_it():
+    # Rows kept as views for a sink (a, b: one dataset) share the step's pooled staging
+    # tensor; the next steps must not be handed its memory until those rows are let go.
+    store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
+    pool = StagingPool()
+    h = torch.randn(4, 1 << 17)  # 2 MiB a step: pooled
+    slices = [_slice("a", 0, 3, 0, 3, (0,)), _slice("b", 3, 4, 0, 1, (0,))]
+    staging, failed = _settle_one_step(store, slices, h, lambda key, _req_id: "d", pool)
+    (a,) = _entries(store, "a")
+    assert failed == [] and _shares(a, staging)
+    viewed = staging.data_ptr()
+    del staging
+    for i in range(3):  # later steps, each fetched (copied out) at once
+        other = torch.full((4, 1 << 17), float(i))
+        staging, _ = _settle_one_step(store, [_slice(f"c{i}", 0, 4, 0, 4, (0,))], other,
+                                      None, pool)
+        assert staging.data_ptr() != viewed
+        store.pop(f"c{i}")
+        del staging
+    assert torch.equal(assemble(a, 9)["tensor"][0], h[0:3])
+    del a
+    store.pop("a"), store.pop("b")
+    staging, _ = _settle_one_step(store, [_slice("d", 0, 4, 0, 4, (0,))], h, None, pool)
+    assert staging.data_ptr() == viewed  # let go by a and b: handed out again
 
 
 def test_assemble_trims_surplus_and_deduplicates_recomputed_positions():

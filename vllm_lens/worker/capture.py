@@ -3,7 +3,7 @@ assemble a request's rows into one tensor when the front end fetches them (runs 
 rank 0 of each pipeline stage; every TP rank for the signals split across ranks).
 
 During a step each capturing layer does one gather and one copy into its capture group's staging
-tensor; after the step the store splits the staging tensor per request (one copy per request per
+tensor (on the CPU backend from memory kept between steps: ``staging_pool``); after the step the store splits the staging tensor per request (one copy per request per
 step, or none for the requests fetched for one sink's dataset that own most of it:
 ``CaptureStore``). At fetch time a request's per-step chunks are concatenated once (a request
 whose rows came in one step keeps its chunk as it is).
@@ -19,15 +19,16 @@ import torch
 from vllm_lens.points import operands
 from vllm_lens.positions import ROLLING_SLACK
 from vllm_lens.worker.plan import CaptureGroup
+from vllm_lens.worker.staging_pool import StagingPool
 from vllm_lens.worker.store import Entry
 
 __all__ = ["assemble", "capture_layer", "encode_top_features", "sae_chunk_rows"]
 
 
 def capture_layer(group: CaptureGroup, index: int, a: torch.Tensor,
-                  b: torch.Tensor | None) -> None:
+                  b: torch.Tensor | None, pool: StagingPool | None = None) -> None:
     """Write ``group``'s signal (from a tap's two tensors, see ``points.operands``) at its
-    rows into ``group.staging[index]``."""
+    rows into ``group.staging[index]`` (on the CPU a tensor from ``pool`` if given)."""
     hidden, residual = operands(group.signal, a, b)
     rows = group.rows
     if isinstance(rows, slice):
@@ -38,9 +39,10 @@ def capture_layer(group: CaptureGroup, index: int, a: torch.Tensor,
     if group.sae is not None:  # only the SAE's top features leave the device
         picked, extra = encode_top_features(group.sae, picked, extra), None
     if group.staging is None:
-        group.staging = torch.empty(
-            (len(group.layers), group.n_rows, *picked.shape[1:]), dtype=picked.dtype,
-            pin_memory=hidden.device.type != "cpu")
+        shape = (len(group.layers), group.n_rows, *picked.shape[1:])
+        on_host = hidden.device.type == "cpu"
+        group.staging = pool.empty(shape, picked.dtype) if on_host and pool is not None \
+            else torch.empty(shape, dtype=picked.dtype, pin_memory=not on_host)
     dest = group.staging[index]
     group.filled.add(index)
     last = len(group.filled) == len(group.layers)

@@ -41,6 +41,7 @@ from vllm_lens.worker.steer import (
     prepare,
 )
 from vllm_lens.worker.saes import SAERegistry
+from vllm_lens.worker.staging_pool import StagingPool
 from vllm_lens.worker.store import CaptureStore
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class LensRuntime:
         self.split = split
         """The model's layers add to the stream themselves (``points``: split layouts)."""
         self.store = CaptureStore(envs.worker_max_bytes(), envs.finished_ttl_s())
+        self.staging = StagingPool(envs.staging_pool_bytes())
+        """Host memory for the capture groups' staging tensors, reused between steps."""
         self.requests = RequestTable(envs.finished_ttl_s(), envs.worker_max_bytes())
         self.saes = SAERegistry(envs.sae_max_bytes())
         self.params = ParameterSource(runner.get_model(), tp_size)
@@ -144,7 +147,7 @@ class LensRuntime:
             if plan.faults:
                 for owner in group.owners:
                     faults.check(self._fault_of(owner.req_id), "capture")
-            capture_layer(group, index, hidden, residual)
+            capture_layer(group, index, hidden, residual, self.staging)
         except Exception as exc:
             group.failed = True  # its staging tensor is incomplete: nothing is filed
             self._fail([o.req_id for o in group.owners], exc, "capture")
@@ -165,6 +168,7 @@ class LensRuntime:
         (``destination``: see ``CaptureStore.settle``)."""
         for key, req_id, problem in self.store.settle(wait=wait, destination=destination):
             self.fail_owned([(key, req_id)], problem, "capture")
+        self.staging.trim()
 
     def fail_owned(self, owners: Iterable[tuple[str, str]], problem: str, stage: str) -> None:
         """Fail the requests behind (lens key, request id) pairs whose rows were lost."""

@@ -7,8 +7,8 @@ so that an entry does not keep other requests' rows alive. One exception saves t
 it matters most, a dataset job's prompts read and finished in one step: when the step settles
 as its requests are fetched, the ones whose rows go to one capture sink's dataset keep views
 of a host staging tensor if together they own at least half of its rows. The tensor then
-holds at most twice the bytes counted for them, for as long as that dataset's shards hold
-them (``_viewed``). On an accelerator the staging tensors are filled by asynchronous copies
+holds at most twice the bytes counted for them (2.25 times with the room of the pooled buffer
+under it: ``staging_pool``), for as long as that dataset's shards hold them (``_viewed``). On an accelerator the staging tensors are filled by asynchronous copies
 into pinned memory, which is always copied out, and a group settles once its ``ready`` event
 has completed.
 

@@ -3,10 +3,11 @@ assemble a request's rows into one tensor when the front end fetches them (runs 
 rank 0 of each pipeline stage; every TP rank for the signals split across ranks).
 
 During a step each capturing layer does one gather and one copy into its capture group's staging
-tensor (on the CPU backend from memory kept between steps: ``staging_pool``); after the step the store splits the staging tensor per request (one copy per request per
-step, or none for the requests fetched for one sink's dataset that own most of it:
-``CaptureStore``). At fetch time a request's per-step chunks are concatenated once (a request
-whose rows came in one step keeps its chunk as it is).
+tensor (on the CPU backend, memory kept from earlier steps: ``staging_pool``); after the step
+the store splits the staging tensor per request (one copy per request per step, or none for
+the requests fetched for one sink's dataset that own most of it: ``CaptureStore``). At fetch
+time a request's per-step chunks are concatenated once (a request whose rows came in one step
+keeps its chunk as it is).
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ pinned blocks and tracks the streams that use them.
 
 Bounds: a buffer is made 1/16 larger than the tensor that asked for it (a dataset job's steps
 differ by a few percent) and serves only a tensor of at least 8/9 of its bytes, so a view of
-the tensor keeps at most 1/8 more memory alive than it counts; free buffers are let go once they exceed
-``max_free_bytes`` together (least recently used first) or have not been used for ``idle_s``
-seconds, checked whenever a tensor is asked for and after every step (``trim``).
+the tensor keeps at most 1/8 more memory alive than it counts; free buffers are let go once
+they exceed ``max_free_bytes`` together (least recently used first) or were last handed out
+more than ``idle_s`` seconds ago, checked whenever a tensor is asked for and after every step
+(``trim``).
 ``VLLM_LENS_STAGING_POOL_BYTES`` sets ``max_free_bytes`` for the workers (``0``: no pool).
 """
 

@@ -191,29 +191,32 @@ def test_rows_refused_or_closed_do_not_count_toward_a_view():
 
 
 def test_a_pooled_staging_tensor_waits_for_the_requests_viewing_it():
-    # Rows kept as views for a sink (a, b: one dataset) share the step's pooled staging
-    # tensor; the next steps must not be handed its memory until those rows are let go.
+    # Rows kept as views for a sink (a and b: one dataset) share the step's pooled staging
+    # tensor; later steps must not be handed its memory while any of them is held: b's
+    # entry by the store, a's rows by whoever fetched them (a sink's shard).
     store = CaptureStore(max_bytes=1 << 30, finished_ttl_s=60)
     pool = StagingPool()
     h = torch.randn(4, 1 << 17)  # 2 MiB a step: pooled
     slices = [_slice("a", 0, 3, 0, 3, (0,)), _slice("b", 3, 4, 0, 1, (0,))]
     staging, failed = _settle_one_step(store, slices, h, lambda key, _req_id: "d", pool)
-    (a,) = _entries(store, "a")
+    (a,) = _entries(store, "a")  # fetched
     assert failed == [] and _shares(a, staging)
     viewed = staging.data_ptr()
     del staging
-    for i in range(3):  # later steps, each fetched (copied out) at once
+    held = []  # later steps' rows, fetched and still held (so each step needs a buffer)
+    for i in range(3):
         other = torch.full((4, 1 << 17), float(i))
         staging, _ = _settle_one_step(store, [_slice(f"c{i}", 0, 4, 0, 4, (0,))], other,
                                       None, pool)
         assert staging.data_ptr() != viewed
-        store.pop(f"c{i}")
+        held.append(store.pop(f"c{i}"))
+        if i == 1:
+            del a  # a let go: b's entry still holds the tensor
         del staging
-    assert torch.equal(assemble(a, 9)["tensor"][0], h[0:3])
-    del a
-    store.pop("a"), store.pop("b")
+    assert torch.equal(assemble(_entries(store, "b")[0], 9)["tensor"][0], h[3:4])
+    # b fetched and let go: its buffer, the only free one, is handed out again.
     staging, _ = _settle_one_step(store, [_slice("d", 0, 4, 0, 4, (0,))], h, None, pool)
-    assert staging.data_ptr() == viewed  # let go by a and b: handed out again
+    assert staging.data_ptr() == viewed
 
 
 def test_assemble_trims_surplus_and_deduplicates_recomputed_positions():

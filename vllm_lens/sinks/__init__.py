@@ -41,7 +41,9 @@ class Example:
     key: str
     rows: Mapping[str, torch.Tensor]
     """Point -> ``[n_layers, n_rows, *row]`` (a reduced capture has ``n_rows == 1``), on
-    the host, in the model's dtype."""
+    the host, in the model's dtype. They may view memory the worker reuses for later steps
+    once nothing refers to it (``worker.staging_pool``): a sink keeps these tensors (or
+    copies) for as long as it reads them, never only their storage's address."""
     positions: Sequence[int]
     """Token position of each row (a reduced capture: the positions reduced into its row)."""
     reduced: bool

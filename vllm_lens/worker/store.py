@@ -7,10 +7,11 @@ so that an entry does not keep other requests' rows alive. One exception saves t
 it matters most, a dataset job's prompts read and finished in one step: when the step settles
 as its requests are fetched, the ones whose rows go to one capture sink's dataset keep views
 of a host staging tensor if together they own at least half of its rows. The tensor then
-holds at most twice the bytes counted for them (2.25 times with the room of the pooled buffer
-under it: ``staging_pool``), for as long as that dataset's shards hold them (``_viewed``). On an accelerator the staging tensors are filled by asynchronous copies
-into pinned memory, which is always copied out, and a group settles once its ``ready`` event
-has completed.
+holds at most twice the bytes counted for them, for as long as that dataset's shards hold them
+(``_viewed``). (On the CPU backend the staging tensor views a pooled buffer up to 1/8 larger,
+``staging_pool``: 2.25 times; a request owning a whole staging tensor keeps it, 1.125 times.)
+On an accelerator the staging tensors are filled by asynchronous copies into pinned memory,
+which is always copied out, and a group settles once its ``ready`` event has completed.
 
 Entries are keyed by (lens key, vLLM request id, signal): the lens key is unique per user
 request, a request sampled ``n > 1`` times runs as ``n`` engine requests that share it, and a

@@ -135,6 +135,7 @@ IDLE = {"entries": 0, "bytes": 0, "records": 0, "device_bytes": 0}
 
 def held(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each rank's ``lens_stats`` without the SAEs it keeps loaded (``saes``, ``sae_bytes``:
-    shared by requests, kept after they finish): what it holds for requests, to compare with
-    ``IDLE``."""
-    return [{k: v for k, v in s.items() if k not in ("saes", "sae_bytes")} for s in stats]
+    shared by requests, kept after they finish) and its staging pool (``staging_bytes``, kept
+    for later steps): what it holds for requests, to compare with ``IDLE``."""
+    return [{k: v for k, v in s.items() if k not in ("saes", "sae_bytes", "staging_bytes")}
+            for s in stats]

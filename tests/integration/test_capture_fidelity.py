@@ -135,6 +135,9 @@ def test_buffers_are_freed_after_many_requests(smol_llm, n_requests):
         smol_llm.generate(PROMPTS * (n_requests // 3 // len(PROMPTS) + 1), sp)
         stats = smol_llm.collective_rpc("lens_stats")
         assert held(stats) == [IDLE]
+    # The prompts' steps (every layer, over 1 MiB each) took their staging tensors from the
+    # worker's pool, which keeps them (within VLLM_LENS_STAGING_POOL_BYTES) for later steps.
+    assert 0 < stats[0]["staging_bytes"] <= 512 << 20
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """The worker's pool of host staging tensors: a buffer is handed out again only once nothing
 refers to it, within its size rules and memory bounds."""
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -88,7 +90,7 @@ def test_small_tensors_and_other_dtypes():
 
 def test_free_buffers_are_let_go_past_the_byte_bound_least_recently_used_first():
     clock = Clock()
-    pool = StagingPool(max_free_bytes=5 * MIB, clock=clock)
+    pool = StagingPool(max_free_bytes=5 * MIB, clock=clock, sweep_s=3600)  # trims: ours
     held = []
     for i in range(3):  # three 2 MiB tensors (~2.1 MiB buffers), all in use
         clock.now = float(i)
@@ -103,7 +105,7 @@ def test_free_buffers_are_let_go_past_the_byte_bound_least_recently_used_first()
 
 def test_free_buffers_unused_for_idle_s_are_let_go():
     clock = Clock()
-    pool = StagingPool(idle_s=10.0, clock=clock)
+    pool = StagingPool(idle_s=10.0, clock=clock, sweep_s=3600)
     staged = pool.empty(SHAPE, torch.float32)
     clock.now = 60.0
     pool.trim()
@@ -135,4 +137,30 @@ def test_a_tensor_larger_than_the_free_bound_is_not_pooled():
     pool = StagingPool(max_free_bytes=4 * MIB)
     big = pool.empty((MIB,), torch.float32)  # 4 MiB, and its buffer would be 4.25 MiB
     assert pool.nbytes == 0 and big.numel() == MIB
-    assert StagingPool(max_free_bytes=0).empty(SHAPE, torch.float32).shape == SHAPE
+    none = StagingPool(max_free_bytes=0)
+    assert none.empty(SHAPE, torch.float32).shape == SHAPE and none.nbytes == 0
+
+
+def test_a_child_forked_while_the_pool_was_locked_can_use_it():
+    pool = StagingPool()
+    held = pool.empty(SHAPE, torch.float32)  # (a sweeper runs in the parent)
+    with pool._lock:  # as if the sweeper were trimming at the fork
+        pid = os.fork()
+        if pid == 0:  # the child: a fresh lock, no sweeper yet
+            ok = False
+            try:
+                ok = pool._sweeper is None and pool.empty(SHAPE, torch.float32).shape == SHAPE
+            finally:
+                os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the pool's lock")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert held.shape == SHAPE

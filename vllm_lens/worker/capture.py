@@ -41,9 +41,11 @@ def capture_layer(group: CaptureGroup, index: int, a: torch.Tensor,
         picked, extra = encode_top_features(group.sae, picked, extra), None
     if group.staging is None:
         shape = (len(group.layers), group.n_rows, *picked.shape[1:])
-        on_host = hidden.device.type == "cpu"
-        group.staging = pool.empty(shape, picked.dtype) if on_host and pool is not None \
-            else torch.empty(shape, dtype=picked.dtype, pin_memory=not on_host)
+        if hidden.device.type == "cpu" and pool is not None:
+            group.staging = pool.empty(shape, picked.dtype)
+        else:  # (an accelerator's: pinned, cached by PyTorch's host allocator)
+            group.staging = torch.empty(shape, dtype=picked.dtype,
+                                        pin_memory=hidden.device.type != "cpu")
     dest = group.staging[index]
     group.filled.add(index)
     last = len(group.filled) == len(group.layers)

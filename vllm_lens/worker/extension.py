@@ -244,15 +244,17 @@ class LensWorkerExtension:
     def lens_stats(self) -> dict[str, int]:
         """What this rank holds for lens requests (for tests and monitoring): captured
         ``entries`` and their host ``bytes``, request ``records`` and the ``device_bytes`` of
-        their steering vectors; and the SAEs it keeps loaded (``saes``) and their weights'
-        ``sae_bytes`` (``VLLM_LENS_SAE_MAX_BYTES``)."""
+        their steering vectors; the SAEs it keeps loaded (``saes``) and their weights'
+        ``sae_bytes`` (``VLLM_LENS_SAE_MAX_BYTES``); and the host memory its staging pool
+        keeps for the next steps' captures, in use or free (``staging_bytes``)."""
         if _runtime is None:
             return {"entries": 0, "bytes": 0, "records": 0, "device_bytes": 0, "saes": 0,
-                    "sae_bytes": 0}
+                    "sae_bytes": 0, "staging_bytes": 0}
         _runtime.settle(wait=True)
         return {"entries": len(_runtime.store), "bytes": _runtime.store.nbytes,
                 "records": len(_runtime.requests), "device_bytes": _runtime.requests.device_bytes,
-                "saes": len(_runtime.saes), "sae_bytes": _runtime.saes.nbytes}
+                "saes": len(_runtime.saes), "sae_bytes": _runtime.saes.nbytes,
+                "staging_bytes": _runtime.staging.nbytes}
 
     # -- persistent hooks ------------------------------------------------------------------------
     def lens_register_hooks(self, payloads: list[dict[str, Any]]) -> None:

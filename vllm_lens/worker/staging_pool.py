@@ -33,9 +33,11 @@ no more steps). ``VLLM_LENS_STAGING_POOL_BYTES`` sets ``max_free_bytes`` for the
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,7 +69,9 @@ class _Buffer:
 
     def free(self) -> bool:
         # The engine thread reads counts that another thread (a sink's writer) lowers once it
-        # is done with the rows; CPython's reference counting orders the two.
+        # is done with the rows; CPython's reference counting orders the two. ``held_refs``
+        # was measured with this same expression, so the attribute load and the call's own
+        # reference cancel out (exact under the GIL; vLLM does not run free-threaded).
         assert _use_count is not None
         return (_use_count(self.storage._cdata) <= self.held_count
                 and sys.getrefcount(self.storage) <= self.held_refs)
@@ -85,6 +89,8 @@ class StagingPool:
         self._buffers: list[_Buffer] = []
         self._lock = threading.Lock()
         self._sweeper: threading.Thread | None = None
+        pool = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (p := pool()) is not None and p._forked())
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised CPU tensor of ``shape`` and ``dtype``, from a free buffer that
@@ -150,10 +156,19 @@ class StagingPool:
     def _sweep(self) -> None:
         """Trims every ``sweep_s`` until the pool holds nothing (then a new buffer starts
         another sweeper)."""
-        while True:
-            time.sleep(self.sweep_s)
+        try:
+            while True:
+                time.sleep(self.sweep_s)
+                with self._lock:
+                    self._trim()
+                    if not self._buffers:
+                        return
+        finally:  # (also if a trim raised: the next new buffer starts a sweeper again)
             with self._lock:
-                self._trim()
-                if not self._buffers:
-                    self._sweeper = None
-                    return
+                self._sweeper = None
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's lock may have been held and its sweeper is
+        gone."""
+        self._lock = threading.Lock()
+        self._sweeper = None

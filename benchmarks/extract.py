@@ -101,7 +101,7 @@ def serve_engine(cfg: dict) -> None:
     import vllm_lens
     from vllm_lens import flush_sinks
     from vllm_lens.demo_models import smollm2_dir
-    from vllm_lens.shard_writer import ShardWriter
+    from vllm_lens.dataset.writer import ShardWriter
     from vllm_lens.sinks.shards import ShardSink
     from vllm_lens.worker.extension import LensWorkerExtension
 
@@ -201,7 +201,7 @@ def _time_writer_thread(cls: type) -> dict[str, float]:
 
 
 def _write_returned(outs: list[Any], path: Path) -> None:
-    from vllm_lens.shard_writer import ShardWriter
+    from vllm_lens.dataset.writer import ShardWriter
 
     first = outs[0].activations["residual_stream"]
     manifest = {"points": ["resid_post"], "layers": list(range(N_LAYERS)),
@@ -267,7 +267,7 @@ def _timed_job(root: Path, tokenizer: Any, prompts: list[str], batch: int, last_
     padded batch at a time, writing the rows; returns prompt tokens per second."""
     import torch
 
-    from vllm_lens.shard_writer import ShardWriter
+    from vllm_lens.dataset.writer import ShardWriter
 
     manifest = {"points": ["resid_post"], "layers": list(range(N_LAYERS)), "dtype": "float32",
                 "row_shapes": {"resid_post": [hidden]}}

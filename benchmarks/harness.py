@@ -61,7 +61,7 @@ def time_plugin_code(extra: tuple[tuple[type, str], ...] = ()) -> dict[str, floa
     the running totals by method name, which the caller may reset."""
     from vllm_lens.frontend.collate import LensSession
     from vllm_lens.worker.extension import LensWorkerExtension
-    from vllm_lens.worker.runtime import LensRuntime
+    from vllm_lens.worker.tap_handler import LensRuntime
 
     spent: dict[str, float] = {}
 

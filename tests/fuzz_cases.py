@@ -18,7 +18,8 @@ import torch
 import zstandard
 from hypothesis import strategies as st
 
-from vllm_lens import NamedHook, SteeringVector, wire
+from vllm_lens import NamedHook, SteeringVector
+from vllm_lens.common import wire
 from vllm_lens.hooks import Hook, hook_to_json
 
 N_LAYERS, HIDDEN, CONTEXT = 30, 576, 1024

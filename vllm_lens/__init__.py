@@ -32,7 +32,7 @@ from vllm_lens.hooks import Hook, HookContext, HookError, NamedHook
 from vllm_lens.spec import CaptureSpec
 from vllm_lens.activations import decode_activations
 from vllm_lens.steering import SteeringVector
-from vllm_lens.sink_control import flush_sinks
+from vllm_lens.frontend.sink_control import flush_sinks
 
 __all__ = [
     "CapacityError",

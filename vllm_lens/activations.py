@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from vllm_lens import wire
+from vllm_lens.common import wire
 from vllm_lens.errors import WireError
 
 __all__ = [
@@ -226,7 +226,7 @@ def decode_activation_bytes(blob: bytes) -> dict[str, torch.Tensor]:
 
     Examples:
         >>> import torch
-        >>> from vllm_lens import wire
+        >>> from vllm_lens.common import wire
         >>> from vllm_lens.activations import decode_activation_bytes
         >>> body = wire.dumps({"residual_stream": torch.zeros(2, 3, 128)})
         >>> decode_activation_bytes(body)["residual_stream"].shape

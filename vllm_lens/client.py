@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import torch
 
-from vllm_lens import wire
+from vllm_lens.common import wire
 from vllm_lens.activations import (
     FETCH_PATH,
     decode_activation_bytes,
@@ -680,7 +680,7 @@ class LensClient:
     def patching_sweep(self, prompt: str | list[int], clean: Any, layers: Sequence[int],
                        positions: Sequence[int], metric: Mapping[str, Any], corrupt: Any = None,
                        point: str = "resid_post") -> dict[str, Any]:
-        """An activation-patching sweep on the server (``frontend.patching``): the metric
+        """An activation-patching sweep on the server (``frontend.patching_sweep``): the metric
         per (layer, position) cell as ``grid`` [len(layers), len(positions)].
 
         Cell ``(i, j)`` runs the prompt with ``corrupt`` plus ``clean[i, j]`` written over

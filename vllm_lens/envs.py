@@ -38,16 +38,16 @@
   (msgpack + zstd), as it travels between hosts, instead of through ``/dev/shm`` on the same
   host (default ``1``).
 - ``VLLM_LENS_TEST_FAULTS``: ``1`` lets requests ask for an injected failure
-  (``vllm_lens.faults``); for the test suite only.
+  (``vllm_lens.common.faults``); for the test suite only.
 - ``VLLM_LENS_LOGIT_LENS_MAX_ROWS``: most rows (positions × layers × samples) one request may
   run the ``logit_lens_topk`` named hook on (default 65536; declared by the hook's factory,
-  read by ``vllm_lens.admission``).
+  read by ``vllm_lens.frontend.admission``).
 - ``VLLM_LENS_SINKS``: the capture sinks requests may write to (JSON, or a JSON file's path);
   parsed and validated by ``vllm_lens.sinks.config``.
 - ``VLLM_LENS_SINK_WRITER``: engine: a name (1 to 48 letters, digits, ``_``, ``.``, ``-``)
   this engine's workers write capture-sink datasets under, beside other engines writing the same
   datasets (independent engines of one job, e.g. Ray actors each starting its own); its
-  shards are ``shard-<name>-NNNNN.safetensors`` (``vllm_lens.shard_writer``). Under data or
+  shards are ``shard-<name>-NNNNN.safetensors`` (``vllm_lens.dataset.writer``). Under data or
   pipeline parallelism each worker adds its ranks (``<name>-dp<rank>-pp<rank>``; unset:
   ``dp<rank>-pp<rank>``). Unset with one engine and one stage: the worker writes alone.
 - ``VLLM_LENS_STEERING_PRESETS``: path of a JSON file of named steering presets the OpenAI

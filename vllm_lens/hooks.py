@@ -6,7 +6,7 @@ for that request only. ``hidden`` is the request's rows of the **full** residual
 step, ``(n_tokens_in_step, hidden_size)``: after the layer (``pre=False``) or entering it
 (``pre=True``); for fused-residual models (Llama, Qwen2) that is ``hidden + residual``, never
 half of it. ``hook_point`` picks another point of the layer (``attn_out``, ``resid_mid``,
-``mlp_out``; see ``vllm_lens.points``): the hook then sees and replaces that signal; at
+``mlp_out``; see ``vllm_lens.common.points``): the hook then sees and replaces that signal; at
 ``attn_qk`` it reads the attention kernel's Q (``hidden``) and K (``ctx.key``) and replaces
 nothing. ``hidden`` is a copy: returning a tensor of the same shape and dtype replaces the
 request's rows, returning ``None`` leaves them. At each tap the order is: steering, then
@@ -109,7 +109,7 @@ class Hook:
         layer_indices: the decoder layers to run at (``0 .. n_layers - 1``).
         pre: run on the stream entering each layer (``resid_pre``) instead of leaving it;
             default ``False``.
-        hook_point: the tap point to run at instead (``vllm_lens.points.STEERABLE``, or
+        hook_point: the tap point to run at instead (``vllm_lens.common.points.STEERABLE``, or
             ``attn_qk`` to read Q and K); default ``None``: ``resid_post``, or ``resid_pre``
             with ``pre=True``.
 
@@ -129,7 +129,7 @@ class Hook:
     layer_indices: Sequence[int]
     pre: bool = False
     hook_point: str | None = None
-    """Where the hook runs (``vllm_lens.points.STEERABLE``): default ``resid_post``, or
+    """Where the hook runs (``vllm_lens.common.points.STEERABLE``): default ``resid_post``, or
     ``resid_pre`` with ``pre=True``."""
 
 

@@ -207,7 +207,7 @@ def attention_to_span(args: Mapping[str, Any]) -> HookFn:
     ``VLLM_LENS_ATTENTION_HOOK_MAX_ROWS`` rows (positions × layers × samples; default 65536).
     """
     from vllm_lens.attention import compute_attention_weights
-    from vllm_lens.positions import parse_selector
+    from vllm_lens.common.positions import parse_selector
 
     unknown = set(args) - {"span", "queries"}
     if unknown:
@@ -296,7 +296,7 @@ attention_to_span.max_rows = (  # type: ignore[attr-defined]
 
 def _check_attention_hook(args: Mapping[str, Any], point: str,
                           row_shape: tuple[int, ...] | None) -> None:
-    from vllm_lens.points import QK_HOOK_POINT
+    from vllm_lens.common.points import QK_HOOK_POINT
 
     if point != QK_HOOK_POINT:
         raise HookArgumentError("hook_point", f"attention_to_span reads the attention kernel's "

@@ -9,13 +9,13 @@ each worker — possibly several times per process).
   (``frontend.prefix_cache``); ``LLM`` and ``AsyncLLM`` get the persistent-hook and
   steering-preset methods, ``register_sae`` / ``registered_saes`` and ``patching_sweep``
   (``frontend.persistent_hooks``, ``frontend.presets``, ``frontend.sae_names``,
-  ``frontend.patching``); in a process that builds vLLM's OpenAI server,
+  ``frontend.patching_sweep``); in a process that builds vLLM's OpenAI server,
   the server's completions and chat endpoints return activations, and the ``/v1/lens/*``,
   ``/v1/hooks/*`` and ``/v1/steering*`` routes are added (``frontend.server``,
-  ``frontend.steering_routes``, ``frontend.patching``);
+  ``frontend.steering_routes``, ``frontend.patching_sweep``);
 - engine core: blocks of generated tokens under decode-only steering get their own hash
   (``frontend.prefix_cache``); the front end's once-per-step worker calls get a method that
-  does not hold up the next step (``engine_core_rpc``);
+  does not hold up the next step (``engine_core.pipelined_rpc``);
 - worker: every model vLLM constructs gets taps on its decoder layers (``worker.taps``), by
   wrapping the class vLLM's model loader resolves for the architecture.
 
@@ -35,13 +35,13 @@ def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group (see pyproject.toml)."""
     if envs.disabled():
         return
-    from vllm_lens import engine_core_rpc
+    from vllm_lens.engine_core import pipelined_rpc
     from vllm_lens.frontend import (
         async_engine,
         collate,
         engine_args,
         offline,
-        patching,
+        patching_sweep,
         persistent_hooks,
         prefix_cache,
         presets,
@@ -54,11 +54,11 @@ def register() -> None:
     offline.install()
     async_engine.install()
     prefix_cache.install()
-    engine_core_rpc.install()
+    pipelined_rpc.install()
     persistent_hooks.install()
     presets.install()
     sae_names.install()
-    patching.install()
+    patching_sweep.install()
     taps.install_model_hook()
     # The API server imports its app builder before it creates the engine (which loads the
     # plugins); other processes never pay for importing the server stack.

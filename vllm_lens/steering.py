@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, field_serializer, field_validator, model_validator
 
-from vllm_lens import wire
+from vllm_lens.common import wire
 from vllm_lens.errors import WireError
 
 __all__ = ["EMBED_POINT", "STEERING_DTYPES", "SteeringCondition", "SteeringVector"]
@@ -176,7 +176,7 @@ class SteeringVector(BaseModel):
     """Absolute token positions for 3D activations (default ``0 .. n_positions - 1``)."""
     hook_point: str = "resid_post"
     """The tap point the vectors are added at: ``resid_pre``, ``attn_out``, ``resid_mid``,
-    ``mlp_out`` or ``resid_post`` (``vllm_lens.points``), or ``embed`` (with
+    ``mlp_out`` or ``resid_post`` (``vllm_lens.common.points``), or ``embed`` (with
     ``layer_indices=[-1]``); ``norm_match`` measures the signal at that point."""
     mode: Literal["add", "replace"] = "add"
     """``add``: the stream gets ``scale * v`` added; ``replace``: the stream at those layers,

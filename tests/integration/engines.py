@@ -14,7 +14,7 @@ from typing import Any
 
 from vllm import LLM
 
-from vllm_lens.engine_stop import stop_engine
+from vllm_lens.cli.extract.engine_stop import stop_engine
 
 #: Small, deterministic engines: float32 for exact comparisons, a bounded KV cache so that
 #: two or three engines fit in memory at once.

@@ -20,8 +20,8 @@ from vllm_lens import (
     LensRequestError,
     SteeringVector,
     WorkerCapacityError,
-    wire,
 )
+from vllm_lens.common import wire
 
 LONG = " ".join(["word"] * 150)
 

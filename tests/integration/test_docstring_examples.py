@@ -63,7 +63,7 @@ def test_the_examples_are_found():
     """The walk reaches internal modules' doctests and the clients' (a broken walk would
     leave the tests below with nothing to run)."""
     found = [p.id for p in _doctests(client=False)]
-    assert any(name.startswith("vllm_lens.points.") for name in found)
+    assert any(name.startswith("vllm_lens.common.points.") for name in found)
     assert any(name.startswith("vllm_lens.worker.plan.") for name in found)
     assert any(p.id.startswith(_CLIENT + ".") for p in _doctests(client=True))
 

@@ -16,7 +16,7 @@ from vllm_lens import (
     UnsupportedConfigError,
     decode_activations,
 )
-from vllm_lens.faults import FAULT_KEY, STAGES
+from vllm_lens.common.faults import FAULT_KEY, STAGES
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -9,7 +9,7 @@ from vllm import SamplingParams
 from tests.integration.engines import env, running_llm
 from tests.integration.reference import max_relative_error
 from vllm_lens import Hook, HookError, LensRequestError, NamedHook, SteeringVector
-from vllm_lens.engine_stop import stop_engine
+from vllm_lens.cli.extract.engine_stop import stop_engine
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 LONG = ("A long prompt for the tiny model, long enough to be prefilled in several chunks of "

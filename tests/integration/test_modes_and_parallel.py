@@ -102,7 +102,7 @@ LONG_SAE_PROMPT = ("Once upon a time in a quiet village by the sea, an old fishe
 def _assert_inline_handoff_equals_shared_memory(llm, monkeypatch):
     """Captures sent inline, as to a front end on another host (multi-node), equal the ones
     handed over through /dev/shm on this host (where a part is large enough for it)."""
-    from vllm_lens import handoff
+    from vllm_lens.common import handoff
 
     received = []
     receive = handoff.receive
@@ -186,7 +186,7 @@ def _assert_stages_write_one_dataset(llm, root, sae_path):
     of the SAE at its layer) into one dataset: read back, the examples are the rows and
     features the same requests return without a sink."""
     from vllm_lens.errors import SinkConflictError
-    from vllm_lens.sink_control import flush_sinks
+    from vllm_lens.frontend.sink_control import flush_sinks
 
     extra = {"output_residual_stream": [1, 3],  # one layer on each stage, the SAE on the second
              "output_sae_features": {"sae": str(sae_path), "top_k": 8}}
@@ -295,7 +295,7 @@ def test_data_parallel_2_fetches_from_the_engine_that_served_each_request(tiny_p
     from vllm.sampling_params import RequestOutputKind
 
     from vllm_lens.frontend.rpc import all_workers, pipelined
-    from vllm_lens.sink_control import flush_sinks_async
+    from vllm_lens.frontend.sink_control import flush_sinks_async
 
     prompts = [f"{p} Request number {i}." for i, p in enumerate(PROMPTS * 4)]
     sp = SamplingParams(max_tokens=5, temperature=0, extra_args={"output_residual_stream": [1, 3]})

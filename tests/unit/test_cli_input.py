@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 
-from vllm_lens.prompt_files import _example, _plain, read_examples
+from vllm_lens.cli.extract.prompts import _example, _plain, read_examples
 
 
 def test_jsonl_rows_keys_and_bad_rows(tmp_path):

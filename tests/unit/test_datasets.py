@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from vllm_lens import datasets
-from vllm_lens.shard_writer import INDEX, ShardWriter
+from vllm_lens.dataset.format import INDEX
+from vllm_lens.dataset.writer import ShardWriter
 
 MANIFEST = {"model": "tiny", "points": ["resid_post", "attn_z"], "layers": [1, 3],
             "dtype": "bfloat16", "row_shapes": {"resid_post": [8], "attn_z": [2, 4]},
@@ -93,21 +94,21 @@ def test_a_shard_whose_lines_did_not_all_arrive_is_dropped_on_resume(tmp_path):
 
 
 def test_a_failed_flush_leaves_nothing_behind_and_keeps_the_examples(tmp_path, monkeypatch):
-    from vllm_lens import shard_writer
+    from vllm_lens.dataset import writer
 
     w = ShardWriter(tmp_path, MANIFEST)
     w.add("a", example(0, 2), positions=[0, 1])
-    real = shard_writer.write_shard_file
+    real = writer.write_shard_file
 
     def full_disk(path, tensors, **kw):
         real(path, tensors, **kw)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(shard_writer, "write_shard_file", full_disk)
+    monkeypatch.setattr(writer, "write_shard_file", full_disk)
     with pytest.raises(OSError, match="No space"):
         w.flush()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "manifest.json"]
-    monkeypatch.setattr(shard_writer, "write_shard_file", real)
+    monkeypatch.setattr(writer, "write_shard_file", real)
     w.close()
     assert datasets.open(tmp_path).keys() == ["a"]
 

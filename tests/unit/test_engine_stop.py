@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import psutil
 
-from vllm_lens.engine_stop import GRACE_S, stop_engine
+from vllm_lens.cli.extract.engine_stop import GRACE_S, stop_engine
 
 
 def _stubborn(ready):

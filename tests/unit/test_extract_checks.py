@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_lens.extract_checks import check_against_model, parse_layer_list
+from vllm_lens.cli.extract.checks import check_against_model, parse_layer_list
 
 
 def _model(tmp_path, architecture="LlamaForCausalLM", model_type="llama", layers=4):

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from vllm_lens.extract_args import extract_help
+from vllm_lens.cli.extract.args import extract_help
 
 
 def test_own_flags_come_first_each_with_a_description():
@@ -25,7 +25,7 @@ def test_own_flags_come_first_each_with_a_description():
 
 
 def test_the_command_prints_it_and_vllm_answers_a_group(capsys):
-    from vllm_lens import cli
+    from vllm_lens.cli import main as cli
 
     assert cli.main(["extract", "--help"]) == 0
     assert capsys.readouterr().out.startswith("usage: vllm-lens extract --model")
@@ -46,7 +46,7 @@ def test_serve_help_lists_every_setting_before_vllms_flags():
     read = set()
     for path in pathlib.Path(vllm_lens.__file__).parent.rglob("*.py"):
         read |= set(re.findall(r"[\"'](VLLM_LENS_[A-Z0-9_]+)[\"']", path.read_text()))
-    done = subprocess.run([sys.executable, "-c", "import sys; from vllm_lens import cli; "
+    done = subprocess.run([sys.executable, "-c", "import sys; from vllm_lens.cli import main as cli; "
                            "sys.exit(cli.main(['serve', '--help']))"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -11,7 +11,7 @@ from vllm_lens import LensRequestError, UnsupportedConfigError
 from vllm_lens.frontend import engine_args
 from vllm_lens.frontend.engine_args import V2_RUNNER_ENV, cuda_graph_overrides
 from vllm_lens.spec import LensRequest, ModelFacts, parse_extra_args
-from vllm_lens.worker.requests import RequestTable
+from vllm_lens.worker.request_records import RequestTable
 from vllm_lens.worker.runner import unsupported_reason
 from vllm_lens.worker.taps import TAP_OPS
 

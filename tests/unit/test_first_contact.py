@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_lens import LensRequestError, SteeringVector, decode_activations, wire
+from vllm_lens import LensRequestError, SteeringVector, decode_activations
+from vllm_lens.common import wire
 from vllm_lens.spec import ModelFacts, parse_extra_args
 
 FACTS = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=8,

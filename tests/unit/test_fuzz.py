@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tests.fuzz_cases import ADMISSION, CLASSES, CONTEXT, HIDDEN, N_LAYERS, any_case, each_class
 from vllm_lens import LensRequestError
-from vllm_lens.admission import check_admission
+from vllm_lens.frontend.admission import check_admission
 from vllm_lens.spec import ModelFacts, parse_extra_args
 
 FACTS = ModelFacts(model_class="LlamaForCausalLM", n_layers=N_LAYERS, hidden_size=HIDDEN,

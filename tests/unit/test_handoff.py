@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_lens import handoff
+from vllm_lens.common import handoff
 from vllm_lens.errors import WireError
 
 HEADER = {"layers": [3, 7], "positions": torch.arange(5)}

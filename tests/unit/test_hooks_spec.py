@@ -143,7 +143,7 @@ def test_taps_report_whether_layer_inputs_are_tapped():
 def test_named_hooks_accumulate_rows_without_recopying_them():
     import torch
 
-    from vllm_lens import wire
+    from vllm_lens.common import wire
     from vllm_lens.named_hooks import _append
 
     saved, steps = {}, [torch.arange(6).reshape(3, 2)] + [torch.full((1, 2), i) for i in range(40)]
@@ -212,7 +212,7 @@ def test_logit_lens_in_chunks_equals_one_pass_and_declares_a_row_bound(monkeypat
 
 
 def test_admission_bounds_named_hook_rows(monkeypatch):
-    from vllm_lens.admission import check_admission
+    from vllm_lens.frontend.admission import check_admission
 
     monkeypatch.setenv("VLLM_LENS_LOGIT_LENS_MAX_ROWS", "100")
     lens = parse([NamedHook("linear_probe", [0, 1, 2, 3], {"weight": [0.0] * 8}),
@@ -241,7 +241,7 @@ def test_a_request_carries_a_bounded_number_of_hooks(monkeypatch):
 def test_admission_sums_a_named_hooks_rows_over_its_copies(monkeypatch):
     """Copies of one row-bounded hook cost what one hook on all their layers would: two
     copies on 3 layers each are refused where one passes."""
-    from vllm_lens.admission import check_admission
+    from vllm_lens.frontend.admission import check_admission
 
     monkeypatch.setenv("VLLM_LENS_LOGIT_LENS_MAX_ROWS", "100")
     one = NamedHook("logit_lens_topk", [0, 1, 2], {"k": 1})

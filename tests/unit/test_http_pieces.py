@@ -5,7 +5,8 @@ import time
 import pytest
 import torch
 
-from vllm_lens import WireError, decode_activations, wire
+from vllm_lens import WireError, decode_activations
+from vllm_lens.common import wire
 from vllm_lens.activations import (
     activations_to_json,
     binary_descriptor,

@@ -43,7 +43,7 @@ def test_a_failed_rpc_fails_every_waiting_request():
 
 def test_a_cancelled_request_does_not_stop_the_others(monkeypatch):
     discarded = []
-    monkeypatch.setattr("vllm_lens.handoff.discard_fetched", discarded.append)
+    monkeypatch.setattr("vllm_lens.common.handoff.discard_fetched", discarded.append)
     release = None
 
     async def rpc(requests):
@@ -72,7 +72,7 @@ def test_a_request_cancelled_after_its_answer_arrived_discards_its_rows(monkeypa
     right after its partial fetch): its hand-off files are deleted, not left until the next
     worker start."""
     discarded = []
-    monkeypatch.setattr("vllm_lens.handoff.discard_fetched", discarded.append)
+    monkeypatch.setattr("vllm_lens.common.handoff.discard_fetched", discarded.append)
     waiter = []
 
     async def rpc(requests):

@@ -8,9 +8,9 @@ import torch
 
 from vllm_lens import (LensRequestError, SteeringVector, UnsupportedConfigError,
                        UnsupportedModelError)
-from vllm_lens.admission import check_capture_size
+from vllm_lens.frontend.admission import check_capture_size
 from vllm_lens.attention import attention_patterns, compute_attention_weights
-from vllm_lens.points import POINTS, STEERABLE, resolve
+from vllm_lens.common.points import POINTS, STEERABLE, resolve
 from vllm_lens.spec import LensRequest, ModelFacts, parse_extra_args
 
 FACTS = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=8, max_model_len=64,
@@ -249,7 +249,7 @@ MOE = dataclasses.replace(FACTS, model_class="MixtralForCausalLM", n_experts=4, 
 
 
 def test_split_layouts_read_attn_out_and_mlp_out_at_the_sublayers():
-    from vllm_lens.points import site_of
+    from vllm_lens.common.points import site_of
 
     assert [site_of(p, split=False) for p in ("attn_out", "mlp_out", "resid_mid")] == [
         "mid", "post", "mid"]

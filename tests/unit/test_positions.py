@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from vllm_lens.errors import LensRequestError
-from vllm_lens.positions import Selector, parse_selector
+from vllm_lens.common.positions import Selector, parse_selector
 from vllm_lens.spec import CaptureSpec, LensRequest, ModelFacts, parse_extra_args
 from vllm_lens.worker.capture import assemble
 from vllm_lens.worker.plan import RequestSlice, StepPlan, select_rows
-from vllm_lens.worker.store import CaptureStore
+from vllm_lens.worker.capture_store import CaptureStore
 
 FACTS = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=8,
                    max_model_len=64, mapped=True)
@@ -189,7 +189,7 @@ def test_held_bounds_cover_what_is_held():
 
 
 def test_admission_bounds_generation_when_the_prompt_is_not_tokenized():
-    from vllm_lens.admission import capture_bound
+    from vllm_lens.frontend.admission import capture_bound
 
     facts = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=8,
                        max_model_len=1000, mapped=True)

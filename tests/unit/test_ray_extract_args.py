@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_lens.ray_extract import MAX_ENGINES, check_ray_args, claim_writer
+from vllm_lens.cli.extract.ray_actors import MAX_ENGINES, check_ray_args, claim_writer
 
 
 def _args(**fields):
@@ -41,7 +41,7 @@ def test_each_actor_claims_the_first_free_writer_name_until_it_lets_go(tmp_path)
     assert (first, second) == ("ray0", "ray1")
     # Another process (another actor) sees both taken.
     other = subprocess.run(
-        [sys.executable, "-c", "import sys, pathlib; from vllm_lens.ray_extract import "
+        [sys.executable, "-c", "import sys, pathlib; from vllm_lens.cli.extract.ray_actors import "
          "claim_writer; print(claim_writer(pathlib.Path(sys.argv[1]))[0])", str(tmp_path)],
         capture_output=True, text=True, check=True)
     assert other.stdout.strip() == "ray2"
@@ -55,10 +55,10 @@ def test_each_actor_claims_the_first_free_writer_name_until_it_lets_go(tmp_path)
 def test_a_second_job_on_the_same_output_is_refused_while_the_first_runs(tmp_path):
     """The first job holds the output from before its engines start (which take their own
     locks only minutes later) until it exits."""
-    from vllm_lens.extract_output import _hold_job_lock
+    from vllm_lens.cli.extract.output import _hold_job_lock
 
     first = subprocess.Popen(
-        [sys.executable, "-c", "import sys, pathlib; from vllm_lens.extract_output import "
+        [sys.executable, "-c", "import sys, pathlib; from vllm_lens.cli.extract.output import "
          "_hold_job_lock; _hold_job_lock(pathlib.Path(sys.argv[1])); print('held', flush=True);"
          " sys.stdin.read()", str(tmp_path)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

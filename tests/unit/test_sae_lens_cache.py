@@ -7,8 +7,8 @@ import torch
 
 from tests.sae_lens_reader import read_with_sae_lens
 from vllm_lens import datasets
-from vllm_lens.sae_lens_cache import write_sae_lens_cache
-from vllm_lens.shard_writer import ShardWriter
+from vllm_lens.dataset.sae_lens_cache import write_sae_lens_cache
+from vllm_lens.dataset.writer import ShardWriter
 
 MANIFEST = {"model": "tiny", "points": ["resid_post", "attn_out"], "layers": [2, 4],
             "dtype": "bfloat16", "row_shapes": {"resid_post": [8], "attn_out": [8]},

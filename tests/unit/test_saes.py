@@ -216,7 +216,7 @@ def test_a_worker_keeps_saes_within_its_budget_and_never_unloads_a_held_one(tmp_
 
 
 def test_sae_feature_requests_parse_travel_and_are_admitted_by_size(monkeypatch, tmp_path):
-    from vllm_lens.admission import capture_reservation, check_admission
+    from vllm_lens.frontend.admission import capture_reservation, check_admission
     from vllm_lens.errors import LensRequestError
     from vllm_lens.spec import LensRequest, ModelFacts, parse_extra_args
 
@@ -445,7 +445,7 @@ def test_the_server_registers_every_sae_of_its_file_or_names_each_that_does_not_
 
 
 def test_steering_by_feature_becomes_the_decoder_rows_as_a_steering_vector():
-    from vllm_lens import wire
+    from vllm_lens.common import wire
     from vllm_lens.errors import LensRequestError
     from vllm_lens.spec import ModelFacts, parse_extra_args
     from vllm_lens.spec.sae_steering import steering_sae_references
@@ -551,7 +551,7 @@ def test_a_clamp_sets_the_features_and_keeps_the_error_term():
     from sae_lens import JumpReLUSAEConfig
     from sae_lens.saes.sae import SAE as SaeLensSAE
 
-    from vllm_lens import wire
+    from vllm_lens.common import wire
     from vllm_lens.spec.steering import ClampSpec, SteerSpec
     from vllm_lens.worker.steer import prepare
 
@@ -589,7 +589,7 @@ def test_a_topk_clamp_adds_what_decoding_the_edited_features_adds(rescale):
     from sae_lens import TopKSAEConfig
     from sae_lens.saes.sae import SAE as SaeLensSAE
 
-    from vllm_lens import wire
+    from vllm_lens.common import wire
     from vllm_lens.saes import SAE
     from vllm_lens.spec.steering import ClampSpec, SteerSpec
     from vllm_lens.worker.steer import prepare
@@ -626,7 +626,7 @@ def test_a_topk_clamp_adds_what_decoding_the_edited_features_adds(rescale):
     torch.testing.assert_close(prepared.clamp.delta(stream), expected, rtol=1e-5, atol=1e-5)
     assert prepared.clamp.sae is sae and prepared.clamp.nbytes == 2 * 16 * 4  # not the SAE's
     from vllm_lens.spec import LensRequest
-    from vllm_lens.worker.requests import RequestRecord, RequestTable
+    from vllm_lens.worker.request_records import RequestRecord, RequestTable
 
     table = RequestTable(finished_ttl_s=60.0)
     table.records["r"] = RequestRecord("r", LensRequest(key="k", steer=(spec,)))
@@ -672,7 +672,7 @@ def test_a_clamp_on_a_bfloat16_stream_computes_in_float32_and_writes_bfloat16():
     """A bfloat16 model with a float32 SAE: the clamp reads the rows cast up (never the SAE
     down), and the site's ``apply_steering`` adds the delta in the stream's dtype, on the
     chosen rows only."""
-    from vllm_lens import wire
+    from vllm_lens.common import wire
     from vllm_lens.spec.steering import ClampSpec, SteerSpec
     from vllm_lens.worker.steer import SteerGroup, apply_steering, prepare
 
@@ -761,7 +761,8 @@ def test_presets_and_sweeps_describe_the_saes_they_steer_by_before_parsing():
     parsing steering vectors outside a request. They ask the workers for each named SAE and
     the features it steers by, once; a directory is never opened where only names are
     served (it is refused naming the field); plain vectors ask nothing."""
-    from vllm_lens import SteeringVector, wire
+    from vllm_lens import SteeringVector
+    from vllm_lens.common import wire
     from vllm_lens.errors import LensRequestError
     from vllm_lens.frontend.collate import LensSession
     from vllm_lens.frontend.engine_methods import drive
@@ -848,7 +849,7 @@ def test_a_sweeps_corruption_steers_by_feature_but_never_clamps_where_it_patches
     meet a replacement in those cells, and is refused naming the field before anything
     runs."""
     from vllm_lens.errors import LensRequestError
-    from vllm_lens.frontend.patching import _plan
+    from vllm_lens.frontend.patching_sweep import _plan
     from vllm_lens.spec import ModelFacts
 
     class Config:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vllm_lens import shard_file
-from vllm_lens.shard_file import write_shard_file
+from vllm_lens.dataset import shard_file
+from vllm_lens.dataset.shard_file import write_shard_file
 
 
 def _tensors():

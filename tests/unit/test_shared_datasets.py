@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from vllm_lens import datasets
-from vllm_lens.dataset_index import complete_keys
+from vllm_lens.dataset.index import complete_keys
 from vllm_lens.errors import DatasetConflictError
-from vllm_lens.shard_writer import INDEX, ShardWriter
+from vllm_lens.dataset.format import INDEX
+from vllm_lens.dataset.writer import ShardWriter
 
 MANIFEST = {"model": "tiny", "points": ["resid_post"], "layers": [1, 3], "dtype": "float32",
             "row_shapes": {"resid_post": [4]}, "positions": "all",

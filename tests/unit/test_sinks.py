@@ -186,14 +186,14 @@ def test_a_shard_that_cannot_be_written_is_dropped_alone_and_reported_twice(tmp_
     """A failed background write drops its shard's examples and no other; the next flush and
     the next request writing to the dataset each learn it (that request's example is not
     written), and the sink carries on."""
-    from vllm_lens import shard_writer
+    from vllm_lens.dataset import writer
 
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 4,
                                                "flush_s": 0}}))["acts"]
     sink = ShardSink(config)
     sink.write("d", _example("a", 4, SETTINGS))  # shard 0
     assert sink.flush() == []
-    real = shard_writer.write_shard_file
+    real = writer.write_shard_file
     queued = threading.Event()
 
     def shard_1_fails(path, tensors, **kw):
@@ -202,7 +202,7 @@ def test_a_shard_that_cannot_be_written_is_dropped_alone_and_reported_twice(tmp_
             raise OSError(28, "No space left on device")
         real(path, tensors, **kw)
 
-    monkeypatch.setattr(shard_writer, "write_shard_file", shard_1_fails)
+    monkeypatch.setattr(writer, "write_shard_file", shard_1_fails)
     sink.write("d", _example("b", 2, SETTINGS))
     receipt = sink.write("d", _example("c", 2, SETTINGS))  # shard 1: handed off, it fails
     assert not receipt["durable"]
@@ -220,7 +220,7 @@ def test_a_shard_that_cannot_be_written_is_dropped_alone_and_reported_twice(tmp_
     assert datasets.open(tmp_path / "d").keys() == ["a", "e", "f"]
     assert sorted(p.name for p in (tmp_path / "d").glob("*shard*")) == [
         "shard-00000.safetensors", "shard-00002.safetensors", "shard-00003.safetensors"]
-    monkeypatch.setattr(shard_writer, "write_shard_file", real)
+    monkeypatch.setattr(writer, "write_shard_file", real)
     sink.write("d", _example("b", 2, SETTINGS))  # a dropped key may be written again
     sink.close()
     assert datasets.open(tmp_path / "d").keys() == ["a", "e", "f", "b"]
@@ -231,7 +231,7 @@ def test_with_max_queued_shards_0_the_write_completing_a_shard_waits_for_it(tmp_
     """No queue: the write whose example completes a shard returns once the shard is on disk
     (its receipt durable, naming shard and offset), and a failure fails that request, naming
     the keys dropped with it (and is reported by the next flush too)."""
-    from vllm_lens import shard_writer
+    from vllm_lens.dataset import writer
 
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 4,
                                                "flush_s": 0, "max_queued_shards": 0}}))["acts"]
@@ -240,14 +240,14 @@ def test_with_max_queued_shards_0_the_write_completing_a_shard_waits_for_it(tmp_
     second = sink.write("d", _example("b", 2, SETTINGS))
     assert (second["shard"], second["offset"], second["durable"]) == (0, 2, True)
     sink.write("d", _example("c", 2, SETTINGS))
-    real = shard_writer.write_shard_file
-    monkeypatch.setattr(shard_writer, "write_shard_file",
+    real = writer.write_shard_file
+    monkeypatch.setattr(writer, "write_shard_file",
                         lambda *a, **kw: (_ for _ in ()).throw(OSError(28, "No space left")))
     with pytest.raises(RuntimeError, match=r"No space left.*keys \['c', 'e'\]") as info:
         sink.write("d", _example("e", 2, SETTINGS))
     assert "not written (send it again)" not in str(info.value)  # it was, and was dropped
     assert datasets.open(tmp_path / "d").keys() == ["a", "b"]
-    monkeypatch.setattr(shard_writer, "write_shard_file", real)
+    monkeypatch.setattr(writer, "write_shard_file", real)
     assert not sink.write("d", _example("e", 2, SETTINGS))["durable"]  # sent again
     problems = sink.flush()
     assert len(problems) == 1 and "['c', 'e']" in problems[0]
@@ -258,9 +258,9 @@ def test_with_max_queued_shards_0_the_write_completing_a_shard_waits_for_it(tmp_
 def _gated_save(monkeypatch):
     """A disk that writes a shard only when the test opens the gate: returns (gate, the number
     of shards the writer thread had queued each time it began one)."""
-    from vllm_lens import shard_writer
+    from vllm_lens.dataset import writer
 
-    real = shard_writer.write_shard_file
+    real = writer.write_shard_file
     gate, seen = threading.Event(), []
 
     def slow(path, tensors, **kw):
@@ -268,7 +268,7 @@ def _gated_save(monkeypatch):
         assert gate.wait(30), "the test never opened the gate"
         real(path, tensors, **kw)
 
-    monkeypatch.setattr(shard_writer, "write_shard_file", slow)
+    monkeypatch.setattr(writer, "write_shard_file", slow)
     return gate, seen
 
 
@@ -303,7 +303,7 @@ def test_writes_return_while_the_disk_is_busy_until_the_queue_is_full(tmp_path, 
 
 
 def test_durable_only_once_the_shard_is_on_disk_and_close_drains(tmp_path, monkeypatch):
-    from vllm_lens.dataset_index import complete_keys
+    from vllm_lens.dataset.index import complete_keys
 
     gate, _ = _gated_save(monkeypatch)
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 1,
@@ -335,16 +335,16 @@ def test_many_small_shards_from_two_writers_of_one_dataset_read_back_exactly(tmp
     flush timer cutting shards too: every example reads back exactly, in each writer's order."""
     import random
 
-    from vllm_lens import shard_writer
+    from vllm_lens.dataset import writer
 
-    real = shard_writer.write_shard_file
+    real = writer.write_shard_file
     pace = random.Random(0)
 
     def jittery(path, tensors, **kw):
         time.sleep(pace.random() * 0.004)
         real(path, tensors, **kw)
 
-    monkeypatch.setattr(shard_writer, "write_shard_file", jittery)
+    monkeypatch.setattr(writer, "write_shard_file", jittery)
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 3,
                                                "flush_s": 0.05, "max_queued_shards": 1}}))
     written: dict[str, list[str]] = {}
@@ -388,7 +388,7 @@ def test_many_small_shards_from_two_writers_of_one_dataset_read_back_exactly(tmp
 def _write_then_die(root, acks):
     """A worker whose disk stops mid-shard after its first flush: it acknowledges the flushed
     keys and the receipts of the rest, then waits to be killed."""
-    from vllm_lens import shard_writer
+    from vllm_lens.dataset import writer
 
     config = parse_config(json.dumps({"acts": {"root": str(root), "rows_per_shard": 2,
                                                "flush_s": 0}}))["acts"]
@@ -396,13 +396,13 @@ def _write_then_die(root, acks):
     for i in range(5):
         sink.write("d", _example(f"a{i}", 1, SETTINGS, i))
     assert sink.flush() == []
-    real = shard_writer.write_shard_file
+    real = writer.write_shard_file
 
     def stuck(path, tensors, **kw):
         real(path, tensors, **kw)  # the temp file is complete, never renamed
         time.sleep(3600)
 
-    shard_writer.write_shard_file = stuck
+    writer.write_shard_file = stuck
     receipts = [sink.write("d", _example(f"b{i}", 1, SETTINGS, 10 + i)) for i in range(5)]
     lines = [f"a{i} flushed" for i in range(5)]
     lines += [f"{r['key']} {'durable' if r['durable'] else 'queued'}" for r in receipts]
@@ -463,11 +463,11 @@ def test_unknown_options_and_kinds(tmp_path):
 def test_a_failed_timer_write_is_reported_by_the_next_flush(tmp_path, monkeypatch):
     import time
 
-    from vllm_lens import shard_writer
+    from vllm_lens.dataset import writer
 
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "flush_s": 0.1}}))
     sink = ShardSink(config["acts"])
-    monkeypatch.setattr(shard_writer, "write_shard_file",
+    monkeypatch.setattr(writer, "write_shard_file",
                         lambda *a, **kw: (_ for _ in ()).throw(OSError(28, "No space left")))
     sink.write("d", _example("a", 2, SETTINGS))
     deadline = time.monotonic() + 10
@@ -649,10 +649,10 @@ def test_a_shard_being_synced_holds_no_rows_and_leaves_room_for_the_next(tmp_pat
                                                                         monkeypatch):
     """Once a shard's rows are in its file, it lets go of them: while the disk syncs it, the
     next shard may be handed off (the queue bounds the rows in memory, not the syncs)."""
-    from vllm_lens import shard_writer
+    from vllm_lens.dataset import writer
 
     synced, gate, syncing = [], threading.Event(), threading.Event()
-    real = shard_writer._publish
+    real = writer._publish
 
     def slow_sync(tmp, path, **kwargs):
         if not path.name.startswith("shard-"):  # (the manifest)
@@ -662,7 +662,7 @@ def test_a_shard_being_synced_holds_no_rows_and_leaves_room_for_the_next(tmp_pat
         synced.append(path.name)
         real(tmp, path, **kwargs)
 
-    monkeypatch.setattr(shard_writer, "_publish", slow_sync)
+    monkeypatch.setattr(writer, "_publish", slow_sync)
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 1,
                                                "flush_s": 0, "max_queued_shards": 1}}))["acts"]
     sink = ShardSink(config)
@@ -695,16 +695,16 @@ def test_a_shard_that_fails_after_letting_go_of_its_rows_is_dropped_and_reported
         tmp_path, monkeypatch):
     """A sync that fails once the rows are gone from memory drops that shard's examples (no
     row is written again from memory), reports them, and the next shards go on."""
-    from vllm_lens import shard_writer
+    from vllm_lens.dataset import writer
 
-    real = shard_writer._publish
+    real = writer._publish
 
     def sync_fails_once(tmp, path, **kwargs):
         if path.name == "shard-00000.safetensors":
             raise OSError(5, "Input/output error")
         return real(tmp, path, **kwargs)
 
-    monkeypatch.setattr(shard_writer, "_publish", sync_fails_once)
+    monkeypatch.setattr(writer, "_publish", sync_fails_once)
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 2,
                                                "flush_s": 0}}))["acts"]
     sink = ShardSink(config)

@@ -8,7 +8,8 @@ import pytest
 import torch
 import zstandard
 
-from vllm_lens import WireError, wire
+from vllm_lens import WireError
+from vllm_lens.common import wire
 
 
 @pytest.mark.parametrize("dtype", list(wire.DTYPES.values()), ids=list(wire.DTYPES))
@@ -113,7 +114,7 @@ _BOMB_PROBE = """
 import base64, json, resource, sys, zstandard
 from vllm_lens.spec import ModelFacts, parse_extra_args
 from vllm_lens.errors import LensRequestError
-from vllm_lens import wire
+from vllm_lens.common import wire
 # A model whose hidden size is the bomb's last dimension: the declared shape passes the
 # model check, and only the byte budget stands between it and 512 MiB.
 facts = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=1 << 27,

@@ -7,7 +7,7 @@ from vllm_lens.spec import CaptureSpec, LensRequest
 from vllm_lens.worker.capture import assemble, capture_layer
 from vllm_lens.worker.plan import RequestSlice, StepPlan, select_rows
 from vllm_lens.worker.staging_pool import StagingPool
-from vllm_lens.worker.store import CaptureStore
+from vllm_lens.worker.capture_store import CaptureStore
 
 
 def _entries(store, key):

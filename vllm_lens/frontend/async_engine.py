@@ -4,7 +4,7 @@ The wrapper validates lens keys before the request enters the engine and, when t
 output arrives, awaits the workers' buffers and attaches ``activations`` to it. A request with
 ``stream_activations`` gets, on every output, the rows (and SAE features) computed since the
 previous one (``lens_fetch_partial``, one RPC per step for all of them, which the engine does
-not wait for: ``partial_fetch``, ``engine_core_rpc``; the final output carries the rest), so
+not wait for: ``partial_fetch``, ``engine_core.pipelined_rpc``; the final output carries the rest), so
 that the outputs' rows laid end to end are the whole capture.
 A request that ends any other way (client gone, cancelled, failed) has its buffers released.
 """
@@ -20,7 +20,7 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from vllm_lens._patching import wrap_attribute
+from vllm_lens.common.wrapping import wrap_attribute
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend import response_scope
 from vllm_lens.frontend.collate import LensSession, discard_unread, facts_from_describe

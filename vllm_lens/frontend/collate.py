@@ -18,8 +18,9 @@ import torch
 from vllm import SamplingParams
 from vllm.outputs import RequestOutput
 
-from vllm_lens import envs, handoff, wire
-from vllm_lens.admission import capture_reservation, check_admission
+from vllm_lens import envs
+from vllm_lens.common import handoff, wire
+from vllm_lens.frontend.admission import capture_reservation, check_admission
 from vllm_lens.errors import (
     LensExecutionError,
     LensRequestError,
@@ -28,7 +29,7 @@ from vllm_lens.errors import (
 )
 from vllm_lens.frontend.receipts import join_receipts, unwritten
 from vllm_lens.hooks import HookError
-from vllm_lens.points import RESIDUAL_SIGNAL, SHARDED, SITES, shard_dim
+from vllm_lens.common.points import RESIDUAL_SIGNAL, SHARDED, SITES, shard_dim
 from vllm_lens.sinks.config import SinkSpec
 from vllm_lens.spec import (
     PAYLOAD_KEY,

@@ -43,7 +43,7 @@ from typing import Any
 from vllm.engine.arg_utils import EngineArgs
 
 from vllm_lens import envs
-from vllm_lens._patching import wrap_attribute
+from vllm_lens.common.wrapping import wrap_attribute
 from vllm_lens.worker.layouts import LAYOUTS
 from vllm_lens.worker.taps import TAP_OPS
 

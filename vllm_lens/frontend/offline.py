@@ -15,8 +15,8 @@ from vllm import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.llm_engine import LLMEngine
 
-from vllm_lens._patching import wrap_attribute
-from vllm_lens.admission import check_admission
+from vllm_lens.common.wrapping import wrap_attribute
+from vllm_lens.frontend.admission import check_admission
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.collate import (
     LensSession,

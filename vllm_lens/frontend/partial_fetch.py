@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from vllm_lens import handoff
+from vllm_lens.common import handoff
 
 __all__ = ["PartialFetcher"]
 

@@ -23,12 +23,12 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_lens import wire
+from vllm_lens.common import wire
 from vllm_lens.frontend.collate import LensSession, facts_from_describe, merge_hook_results
 from vllm_lens.frontend.engine_methods import Steps as _Steps
 from vllm_lens.frontend.engine_methods import install_methods
 from vllm_lens.errors import LensRequestError
-from vllm_lens.points import QK_HOOK_POINT
+from vllm_lens.common.points import QK_HOOK_POINT
 from vllm_lens.spec import check_engine, parse_hooks
 from vllm_lens.worker.hooks import decode_results
 

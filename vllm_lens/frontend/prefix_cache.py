@@ -25,7 +25,7 @@ from typing import Any
 
 from vllm.v1.engine.input_processor import InputProcessor
 
-from vllm_lens._patching import wrap_attribute
+from vllm_lens.common.wrapping import wrap_attribute
 from vllm_lens.spec import PAYLOAD_KEY
 
 __all__ = ["install"]

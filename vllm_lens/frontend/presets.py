@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vllm_lens import wire
+from vllm_lens.common import wire
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.collate import LensSession, facts_from_describe
 from vllm_lens.frontend.engine_methods import Steps, install_methods

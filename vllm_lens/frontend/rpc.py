@@ -7,7 +7,7 @@ engine and keeps engine 0's answer). A request's rows live on the engine that se
 vllm-lens asks every engine and joins their workers' answers.
 
 ``pipelined`` is the same call routed through the engine core's ``lens_pipelined_rpc``
-(``vllm_lens.engine_core_rpc``), which does not make the engine wait for the answer before its
+(``vllm_lens.engine_core.pipelined_rpc``), which does not make the engine wait for the answer before its
 next step: for calls made once per step.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from vllm_lens import engine_core_rpc
+from vllm_lens.engine_core import pipelined_rpc
 
 __all__ = ["all_workers", "pipelined"]
 
@@ -41,7 +41,7 @@ async def pipelined(engine: Any, method: str, args: tuple[Any, ...] = ()) -> lis
     core = engine.engine_core
     several = len(getattr(core, "core_engines", ())) > 1
     call = core.call_utility_all_async if several else core.call_utility_async
-    task = asyncio.ensure_future(call(engine_core_rpc.METHOD, method, args))
+    task = asyncio.ensure_future(call(pipelined_rpc.METHOD, method, args))
     try:
         while not (await asyncio.wait((task,), timeout=_DEAD_CHECK_S))[0]:
             if getattr(engine, "errored", False):

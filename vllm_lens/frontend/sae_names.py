@@ -35,7 +35,8 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
-from vllm_lens import envs, wire
+from vllm_lens import envs
+from vllm_lens.common import wire
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.collate import LensSession, facts_from_describe
 from vllm_lens.frontend.engine_methods import Steps, drive_async, install_methods

@@ -49,8 +49,9 @@ from vllm.entrypoints.serve.exception_handling.error_response import (
 )
 from vllm.logger import init_logger
 
-from vllm_lens import envs, wire
-from vllm_lens._patching import wrap_attribute
+from vllm_lens import envs
+from vllm_lens.common import wire
+from vllm_lens.common.wrapping import wrap_attribute
 from vllm_lens.activations import (
     ACTIVATIONS_PATH,
     FETCH_PATH,
@@ -68,7 +69,7 @@ from vllm_lens.errors import (
     SinkRefusedError,
     WorkerCapacityError,
 )
-from vllm_lens.frontend import patching, preset_log, shared_dir, steering_routes
+from vllm_lens.frontend import patching_sweep, preset_log, shared_dir, steering_routes
 from vllm_lens.frontend.async_engine import OFF_ROUTE, model_facts
 from vllm_lens.frontend.blob_store import BlobStore
 from vllm_lens.frontend.collate import LensSession, join_streamed
@@ -148,7 +149,7 @@ def _wrap_register_api_routers(original):
         original(args, app, *rest, **kwargs)
         app.include_router(_router)
         app.include_router(steering_routes.router)
-        app.include_router(patching.router)
+        app.include_router(patching_sweep.router)
 
     return register_api_routers
 
@@ -570,7 +571,7 @@ async def list_saes(raw_request: Request) -> JSONResponse:
 async def lens_stats(raw_request: Request) -> JSONResponse:
     workers = await _worker_stats(raw_request.app.state.engine_client)
     return JSONResponse({"store": await asyncio.to_thread(store().stats), "workers": workers,
-                         "sweeps": patching.running_sweeps()})
+                         "sweeps": patching_sweep.running_sweeps()})
 
 
 #: The last ``lens_stats`` call to the workers: GETs while it runs, and within

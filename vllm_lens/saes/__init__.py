@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from vllm_lens.points import resolve
+from vllm_lens.common.points import resolve
 from vllm_lens.saes.formats import LAYOUTS, SAEFormatError, detect_layout, read_sae
 from vllm_lens.saes.model import ARCHITECTURES, SAE
 

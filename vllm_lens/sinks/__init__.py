@@ -3,7 +3,7 @@ them (runs in: worker; ``sinks.config`` also in the front end).
 
 A sink kind is a factory published in the entry-point group ``vllm_lens.sinks``, called with
 the operator's ``SinkConfig`` and returning a ``Sink``. vllm-lens ships ``safetensors``
-(``sinks.shards``: the dataset format of ``vllm_lens.shard_writer``); any installed package
+(``sinks.shards``: the dataset format of ``vllm_lens.dataset.writer``); any installed package
 can add one for its storage::
 
     [project.entry-points."vllm_lens.sinks"]

@@ -1,4 +1,4 @@
-"""The ``safetensors`` capture sink: each dataset is a ``vllm_lens.shard_writer`` directory
+"""The ``safetensors`` capture sink: each dataset is a ``vllm_lens.dataset.writer`` directory
 under the sink's root (runs in: worker; its shards are written on a thread of its own).
 
 Examples are queued per dataset and cut into shards (``rows_per_shard`` rows or
@@ -6,7 +6,7 @@ Examples are queued per dataset and cut into shards (``rows_per_shard`` rows or
 ``flush_s`` seconds (default 10) after the oldest queued one arrived, when the front end asks
 (``vllm_lens.flush_sinks``), and when the worker exits. A shard cut is handed to the sink's
 writer thread, which writes the shards one after the other (temp file, fsync, rename, then the
-index lines; ``vllm_lens.shard_file`` copies a shard into a buffer the thread keeps while it has
+index lines; ``vllm_lens.dataset.shard_file`` copies a shard into a buffer the thread keeps while it has
 shards to write, as large as its largest shard up to 256 MiB, and writes it past the page cache
 where it can), and ``write`` returns at once: the engine's step does not wait for the disk. At
 most ``max_queued_shards`` (default 2) shards hold their rows in memory, waiting or being
@@ -30,7 +30,7 @@ was so when the request finished (``durable``, false for an example queued or in
 yet written; only then does it name the shard and offset), so a process killed with shards
 queued loses only examples whose receipts said ``durable: false``. A process writing beside
 others (data or pipeline parallelism: ``Example.writer``) opens its datasets as that named
-writer (``vllm_lens.shard_writer``), and its receipts name it; a pipeline stage's receipt
+writer (``vllm_lens.dataset.writer``), and its receipts name it; a pipeline stage's receipt
 names the part it wrote (``layers``, ``saes``). A shard that cannot be written (a full disk)
 is dropped with its examples alone (not in the index: a resumed job writes them again; the
 shards before and after it stay valid) and its error, naming the dropped keys, is reported
@@ -53,8 +53,9 @@ from pathlib import Path
 from typing import Any
 
 from vllm_lens.errors import CapacityError, DatasetConflictError
-from vllm_lens.shard_file import release_buffer
-from vllm_lens.shard_writer import VERSION_FIELDS, Shard, ShardWriter, jsonable, sae_column
+from vllm_lens.dataset.shard_file import release_buffer
+from vllm_lens.dataset.format import VERSION_FIELDS, sae_column
+from vllm_lens.dataset.writer import Shard, ShardWriter, jsonable
 from vllm_lens.sinks import Example
 from vllm_lens.sinks.config import SinkConfig
 

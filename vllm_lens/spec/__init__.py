@@ -14,7 +14,7 @@ alone with an error naming the key. One module per job:
 - ``request``: ``LensRequest``, ``parse_extra_args`` and the engine-wide checks.
 """
 
-from vllm_lens.positions import NAMED as POSITION_SELECTORS
+from vllm_lens.common.positions import NAMED as POSITION_SELECTORS
 from vllm_lens.spec.capture import CaptureSpec
 from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.hooks import HookSpec, parse_hooks

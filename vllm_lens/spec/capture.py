@@ -10,9 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_lens import points as tap_points
+from vllm_lens.common import points as tap_points
 from vllm_lens.errors import LensRequestError, UnsupportedModelError
-from vllm_lens.positions import parse_selector
+from vllm_lens.common.positions import parse_selector
 from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import (
     check_site,
@@ -32,7 +32,7 @@ class CaptureSpec:
     """Which residual-stream rows a request wants.
 
     ``positions`` is a selector (``"prompt"``, ``"prompt[1:]"``, ``"generated[-5:]"`` ...;
-    see ``vllm_lens.positions``) or a sorted tuple of absolute token positions; ``reduce``
+    see ``vllm_lens.common.positions``) or a sorted tuple of absolute token positions; ``reduce``
     collapses the selected positions per layer (``"mean"`` or ``"last"``).
 
     This is the validated form of one capture: the front end builds it from a request's

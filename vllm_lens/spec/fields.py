@@ -8,7 +8,7 @@ import json
 import numbers
 from typing import Any
 
-from vllm_lens import points as tap_points
+from vllm_lens.common import points as tap_points
 from vllm_lens.errors import LensRequestError, UnsupportedConfigError, UnsupportedModelError
 from vllm_lens.spec.facts import ModelFacts
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_lens import envs
-from vllm_lens import points as tap_points
+from vllm_lens.common import points as tap_points
 from vllm_lens.errors import LensRequestError, RemoteCodeRefusedError
 from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import json_value, layer_rule, parse_write_point, sorted_indices

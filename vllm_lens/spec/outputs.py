@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vllm_lens import points as tap_points
+from vllm_lens.common import points as tap_points
 from vllm_lens.errors import LensRequestError, SinkRefusedError, UnsupportedConfigError
-from vllm_lens.positions import parse_selector
+from vllm_lens.common.positions import parse_selector
 from vllm_lens.sinks import check_sink
 from vllm_lens.sinks.config import SinkSpec
 from vllm_lens.sinks.config import configured as configured_sinks

@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_lens import envs, faults
+from vllm_lens import envs
+from vllm_lens.common import faults
 from vllm_lens.errors import LensRequestError, UnsupportedConfigError, UnsupportedModelError
 from vllm_lens.sinks.config import SinkSpec
 from vllm_lens.spec.capture import CaptureSpec, parse_capture, parse_points, parse_qk
@@ -53,7 +54,7 @@ class LensRequest:
     steer: tuple[SteerSpec, ...] = ()
     hooks: tuple[HookSpec, ...] = ()
     fault: str | None = None
-    """Test-only: the stage at which the worker fails this request (``vllm_lens.faults``)."""
+    """Test-only: the stage at which the worker fails this request (``vllm_lens.common.faults``)."""
     points: tuple[CaptureSpec, ...] = ()
     """Captures at tap points (``output_activations``) and Q/K (``output_qk``), one per
     signal."""

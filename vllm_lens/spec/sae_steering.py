@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from vllm_lens import points as tap_points
-from vllm_lens import wire
+from vllm_lens.common import points as tap_points
+from vllm_lens.common import wire
 from vllm_lens.errors import LensRequestError
 from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import (

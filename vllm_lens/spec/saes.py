@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from vllm_lens import points as tap_points
+from vllm_lens.common import points as tap_points
 from vllm_lens.errors import LensRequestError, UnsupportedConfigError
 from vllm_lens.spec.capture import CaptureSpec, parse_positions
 from vllm_lens.spec.facts import ModelFacts

@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_lens import envs, wire
-from vllm_lens import points as tap_points
+from vllm_lens import envs
+from vllm_lens.common import wire
+from vllm_lens.common import points as tap_points
 from vllm_lens.errors import LensRequestError, UnsupportedConfigError
 from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import (

@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_lens.points import operands
-from vllm_lens.positions import ROLLING_SLACK
+from vllm_lens.common.points import operands
+from vllm_lens.common.positions import ROLLING_SLACK
 from vllm_lens.worker.plan import CaptureGroup
 from vllm_lens.worker.staging_pool import StagingPool
-from vllm_lens.worker.store import Entry
+from vllm_lens.worker.capture_store import Entry
 
 __all__ = ["assemble", "capture_layer", "encode_top_features", "sae_chunk_rows"]
 

@@ -10,17 +10,18 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_lens import envs, faults, handoff, wire
+from vllm_lens import envs
+from vllm_lens.common import faults, handoff, wire
 from vllm_lens.errors import CapacityError, DatasetConflictError
-from vllm_lens.points import SHARDED, base_signal
+from vllm_lens.common.points import SHARDED, base_signal
 from vllm_lens.spec import HookSpec
 from vllm_lens.worker.attention_taps import attention_meta
 from vllm_lens.worker.capture import assemble
 from vllm_lens.worker.hooks import encode_results
-from vllm_lens.worker.requests import describe
+from vllm_lens.worker.request_records import describe
 from vllm_lens.worker.runner import unsupported_reason
 from vllm_lens.worker import sink_writes
-from vllm_lens.worker.runtime import LensRuntime
+from vllm_lens.worker.tap_handler import LensRuntime
 from vllm_lens.worker.steer import pack_gates
 from vllm_lens.worker.taps import set_tap_handler, tap_info
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from vllm_lens import named_hooks, wire
-from vllm_lens.points import QK_HOOK_POINT, hook_site, operands
+from vllm_lens import named_hooks
+from vllm_lens.common import wire
+from vllm_lens.common.points import QK_HOOK_POINT, hook_site, operands
 from vllm_lens.spec import HookSpec
 
 __all__ = [

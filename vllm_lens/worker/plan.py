@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_lens.points import SHARDED, base_signal, tap_key
-from vllm_lens.positions import Selector, parse_selector
+from vllm_lens.common.points import SHARDED, base_signal, tap_key
+from vllm_lens.common.positions import Selector, parse_selector
 from vllm_lens.spec import CaptureSpec, LensRequest
 
 __all__ = [

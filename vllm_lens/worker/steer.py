@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_lens import faults, wire
-from vllm_lens.points import POINTS, site_of
+from vllm_lens.common import faults, wire
+from vllm_lens.common.points import POINTS, site_of
 from vllm_lens.saes import SAE
 from vllm_lens.spec import SteerSpec
 from vllm_lens.worker.capture import sae_chunk_rows

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from vllm_lens import envs
-from vllm_lens.points import SITES
+from vllm_lens.common.points import SITES
 from vllm_lens.worker.layouts import Layout, layout_of, model_key, unmapped_reason
 
 __all__ = ["TAP_OPS", "TapInfo", "install_taps", "set_tap_handler", "tap_info"]
@@ -433,7 +433,7 @@ def install_model_hook() -> None:
     """Make vLLM's model loader construct tapped model classes (idempotent)."""
     from vllm.model_executor.model_loader import utils as loader_utils
 
-    from vllm_lens._patching import wrap_attribute
+    from vllm_lens.common.wrapping import wrap_attribute
 
     def wrap(original):
         def get_model_architecture(model_config):

@@ -22,15 +22,16 @@ from collections.abc import Callable, Hashable, Iterable
 import torch
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
-from vllm_lens import envs, faults
-from vllm_lens.points import SAE_PREFIX, hook_site
+from vllm_lens import envs
+from vllm_lens.common import faults
+from vllm_lens.common.points import SAE_PREFIX, hook_site
 from vllm_lens.saes import SAE
 from vllm_lens.spec import HookSpec, SteerSpec
 from vllm_lens.worker.attention_taps import AttentionTaps
 from vllm_lens.worker.capture import capture_layer
 from vllm_lens.worker.hooks import HookCall, HookState, ParameterSource, run_hook_calls
 from vllm_lens.worker.plan import RequestSlice, StepPlan
-from vllm_lens.worker.requests import RequestRecord, RequestTable, describe
+from vllm_lens.worker.request_records import RequestRecord, RequestTable, describe
 from vllm_lens.worker.runner import RunnerView
 from vllm_lens.worker.steer import (
     PreparedSteer,
@@ -42,7 +43,7 @@ from vllm_lens.worker.steer import (
 )
 from vllm_lens.worker.saes import SAERegistry
 from vllm_lens.worker.staging_pool import StagingPool
-from vllm_lens.worker.store import CaptureStore
+from vllm_lens.worker.capture_store import CaptureStore
 
 logger = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ A dataset is a directory::
 
 Every file appears under its final name only once complete (written beside it, a shard in a
 staging directory of its writer's and past the page cache where the filesystem allows,
-``vllm_lens.shard_file``; synced, then renamed, and the directory synced; pages of a shard still
+``vllm_lens.dataset.shard_file``; synced, then renamed, and the directory synced; pages of a shard still
 cached are then dropped), and an example enters the index only after the shard holding its rows
 is on disk, so a job killed at any moment leaves a valid dataset: the examples not yet in the
 index are absent. A failed index append is cut back; a writer reopened on the directory
 (``ShardWriter(..., resume=True)``) drops a last line cut short, a last shard whose lines did
-not all arrive and any orphan files, then skips the keys the index has. ``vllm_lens.datasets``
+not all arrive and any orphan files, then skips the keys the index has. ``vllm_lens.dataset.reader``
 reads it back; numpy or safetensors users can read the shards and the JSON files directly.
 
 **One writer or several.** A writer without a name (``writer=None``) holds the directory
@@ -34,7 +34,7 @@ pipeline-parallel one, independent engines given ``VLLM_LENS_SINK_WRITER`` — e
 ``.lock`` shared and ``.lock-<writer>`` exclusive (the same name twice, or a named writer
 beside an unnamed one, is refused). Each writes its own shards,
 ``shard-<writer>-NNNNN.safetensors``, and its index lines carry ``"writer"``; they share the
-one ``index.jsonl`` (appended under ``.index.lock``: ``vllm_lens.dataset_index``) and the one
+one ``index.jsonl`` (appended under ``.index.lock``: ``vllm_lens.dataset.index``) and the one
 ``manifest.json`` (created under that lock by whichever comes first, then compared by every
 other as a resumed writer's is). A pipeline stage's writer holds only its layers' rows (and
 the SAEs at them): it writes its *part* of each example, and its lines say which
@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import struct
 import threading
@@ -68,48 +67,15 @@ from typing import Any
 
 import torch
 
-from vllm_lens.dataset_index import (
-    INDEX, IndexView, append_lines, check_writer, index_locked, parse_line, read_index,
-    rewrite_index)
+from vllm_lens.dataset.format import (
+    FORMAT, INDEX, MANIFEST, SAE_FIELDS, SHARD_FILE, VERSION_FIELDS, WRITER_LOCK, sae_column,
+    sae_fields, shard_name, tensor_name, writer_lock)
+from vllm_lens.dataset.index import (
+    IndexView, append_lines, check_writer, index_locked, parse_line, read_index, rewrite_index)
+from vllm_lens.dataset.shard_file import DTYPE_NAMES, release_buffer, write_shard_file
 from vllm_lens.errors import DatasetConflictError
-from vllm_lens.shard_file import DTYPE_NAMES, release_buffer, write_shard_file
 
-__all__ = ["FORMAT", "INDEX", "MANIFEST", "SAE_FIELDS", "VERSION_FIELDS", "Shard", "ShardWriter",
-           "jsonable", "read_index", "sae_column", "sae_fields", "shard_name", "tensor_name"]
-
-FORMAT = "vllm-lens-activations/1"
-MANIFEST = "manifest.json"
-_SHARD = re.compile(r"^shard-(?:(.+)-)?(\d{5,})\.safetensors$")
-#: Manifest fields that may differ between the runs that wrote one dataset.
-VERSION_FIELDS = ("vllm_version", "vllm_lens_version")
-
-
-def shard_name(number: int, writer: str | None = None) -> str:
-    """The file of shard ``number`` of ``writer`` (``None``: the single unnamed writer)."""
-    if writer is None:
-        return f"shard-{number:05d}.safetensors"
-    return f"shard-{writer}-{number:05d}.safetensors"
-
-
-def tensor_name(point: str, layer: int) -> str:
-    """The name of one point's rows at one layer inside a shard."""
-    return f"{point}/{layer}"
-
-
-#: The columns of one SAE's features, and their dtypes.
-SAE_FIELDS = {"indices": torch.int32, "values": torch.float32, "nmse": torch.float32,
-              "l0": torch.int32}
-
-
-def sae_column(number: int, field: str) -> str:
-    """The name of one field of the ``number``-th SAE's features inside a shard."""
-    return f"sae.{number}.{field}"
-
-
-def sae_fields(entry: Mapping[str, Any]) -> tuple[str, ...]:
-    """The fields a manifest's ``sae_features`` entry stores per row."""
-    return ("indices", "values", "nmse", "l0") if entry.get("reconstruction") else (
-        "indices", "values")
+__all__ = ["Shard", "ShardWriter", "jsonable"]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -238,9 +204,9 @@ class ShardWriter:
         import fcntl
 
         taken: list[Any] = []
-        wanted = [(".lock", fcntl.LOCK_EX if self.writer is None else fcntl.LOCK_SH)]
+        wanted = [(WRITER_LOCK, fcntl.LOCK_EX if self.writer is None else fcntl.LOCK_SH)]
         if self.writer is not None:
-            wanted.append((f".lock-{self.writer}", fcntl.LOCK_EX))
+            wanted.append((writer_lock(self.writer), fcntl.LOCK_EX))
         for name, mode in wanted:
             lock = open(self.root / name, "w")  # noqa: SIM115 - held until close
             try:
@@ -257,7 +223,7 @@ class ShardWriter:
         if self.writer is None:
             return (f"{self.root}: another writer has this dataset open (a writer without a "
                     "name holds a dataset alone)")
-        if name == ".lock":
+        if name == WRITER_LOCK:
             return (f"{self.root}: a writer without a name has this dataset open; writer "
                     f"{self.writer!r} shares a dataset only with other named writers")
         return (f"{self.root}: another process is writing this dataset as writer "
@@ -321,7 +287,7 @@ class ShardWriter:
                 os.fsync(f.fileno())
         on_disk: dict[str | None, list[int]] = {}
         for path in self.root.iterdir():
-            m = _SHARD.match(path.name)
+            m = SHARD_FILE.match(path.name)
             if m:
                 on_disk.setdefault(m.group(1), []).append(int(m.group(2)))
         writers = {self.writer} if self.writer is not None else {

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from vllm_lens import wire
+from vllm_lens.common import wire
 from vllm_lens.errors import WireError
 
 logger = logging.getLogger(__name__)

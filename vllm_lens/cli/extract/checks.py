@@ -35,7 +35,7 @@ def parse_layer_list(text: str) -> list[int] | bool:
 def check_against_model(args: Any) -> None:
     """Refuse ``--layers`` out of the model's range, an unknown ``--positions`` selector and
     a model family vllm-lens does not map, each naming the flag."""
-    from vllm_lens.positions import parse_selector
+    from vllm_lens.common.positions import parse_selector
 
     if parse_selector(args.positions) is None:
         raise SystemExit(f"vllm-lens extract: --positions: unknown selector {args.positions!r}; "

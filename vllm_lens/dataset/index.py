@@ -1,7 +1,7 @@
 """The index of an activation dataset: reading its lines, appending to it while other
 writers do, and assembling examples from the parts several writers wrote (runs in: any
 process that reads or writes a dataset — a capture sink's worker, ``vllm-lens extract``,
-``vllm_lens.datasets``).
+``vllm_lens.dataset.reader``).
 
 ``index.jsonl`` has one line per part of an example: ``key``, ``rows``, ``positions``,
 ``prompt_token_ids``, ``token_ids``, ``shard``, ``offset``, and
@@ -38,12 +38,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GENERATION_FIELDS", "INDEX", "INDEX_LOCK", "IndexView", "append_lines",
-           "check_writer", "complete_keys", "index_locked", "parse_line", "read_index",
-           "rewrite_index", "same_generation"]
+from vllm_lens.dataset.format import GENERATION_FIELDS, INDEX, INDEX_LOCK, MANIFEST
 
-INDEX = "index.jsonl"
-INDEX_LOCK = ".index.lock"
+__all__ = ["IndexView", "append_lines", "check_writer", "complete_keys", "index_locked",
+           "parse_line", "read_index", "rewrite_index", "same_generation"]
+
 _WRITER = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
@@ -149,10 +148,6 @@ def rewrite_index(path: Path, keep: Iterable[Mapping[str, Any]], temp: Path) -> 
         os.close(fd)
 
 
-#: What the parts of one example agree on: the tokens it ran and the positions of its rows.
-GENERATION_FIELDS = ("rows", "positions", "prompt_token_ids", "token_ids")
-
-
 def same_generation(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Whether two parts of an example come from the same run of it (a pipeline job killed
     between its stages' flushes may run the key again, and a sampled run may differ)."""
@@ -217,8 +212,6 @@ class IndexView:
 def complete_keys(root: Path) -> list[str]:
     """The keys of the complete examples of the dataset at ``root``, in index order (none if
     it has no manifest yet)."""
-    from vllm_lens.shard_writer import MANIFEST
-
     if not (root / MANIFEST).exists():
         return []
     manifest = json.loads((root / MANIFEST).read_text())

@@ -4,7 +4,7 @@ local activation dataset (runs in: the user's process; the model runs on the ser
 Requests go out a batch (``--batch-size``) at a time with ``AsyncLensClient``; their rows come
 back with the binary transport and are written with ``ShardWriter`` a shard at a time, so the
 process holds at most a batch's rows and one shard. Settings, resume and bad rows work as for
-the in-process job (``vllm_lens.cli``).
+the in-process job (``vllm_lens.cli.main``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_lens.extract_output import fail, finish, lens_spec, prepare_output
+from vllm_lens.cli.extract.output import fail, finish, lens_spec, prepare_output
 from vllm_lens.client import AsyncLensClient
-from vllm_lens.shard_writer import ShardWriter
+from vllm_lens.dataset.writer import ShardWriter
 
 __all__ = ["extract_remote"]
 

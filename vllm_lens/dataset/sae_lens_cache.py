@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vllm_lens.points import hook_name
+from vllm_lens.common.points import hook_name
 
 __all__ = ["write_sae_lens_cache"]
 
@@ -34,7 +34,7 @@ _ARROW_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.float
 def write_sae_lens_cache(source: Any, output: Path, context_size: int,
                          point: str | None = None, layer: int | None = None) -> dict[str, Any]:
     """Write the rows of ``point`` at ``layer`` of the activation dataset ``source``
-    (``vllm_lens.datasets.open``; its only point and layer when not given) to ``output`` in
+    (``vllm_lens.dataset.reader.open``; its only point and layer when not given) to ``output`` in
     sae-lens' layout, replacing what an earlier call wrote there. Returns ``{"hook_name",
     "contexts", "tokens", "dropped", "d_in", "dtype"}``.
 

@@ -42,8 +42,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from vllm import SamplingParams
 
-from vllm_lens import envs, wire
-from vllm_lens import points as tap_points
+from vllm_lens import envs
+from vllm_lens.common import wire
+from vllm_lens.common import points as tap_points
 from vllm_lens.errors import LensError, LensRequestError, UnsupportedConfigError
 from vllm_lens.frontend.collate import LensSession, facts_from_describe
 from vllm_lens.frontend.engine_methods import drive, drive_async

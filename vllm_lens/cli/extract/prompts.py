@@ -67,7 +67,7 @@ def read_examples(path: Path, split: str | None = None) -> tuple[list[Example], 
 
 def _dataset_rows(path: Path, split: str | None) -> Iterator[tuple[int, Any]]:
     try:
-        import datasets  # Hugging Face's, not vllm_lens.datasets
+        import datasets  # Hugging Face's, not vllm_lens.dataset.reader
         if not hasattr(datasets, "load_from_disk"):
             raise ImportError(f"{datasets.__name__} is not Hugging Face datasets")
     except ImportError:

@@ -64,7 +64,7 @@ async def flush_sinks_async(engine: Any) -> None:
             names the dataset and the keys that were dropped).
 
     Examples:
-        >>> from vllm_lens.sink_control import flush_sinks_async
+        >>> from vllm_lens.frontend.sink_control import flush_sinks_async
         >>> # Skipped: it needs an AsyncLLM (a second engine); run inside its event loop:
         >>> await flush_sinks_async(engine)  # doctest: +SKIP
     """

@@ -1,7 +1,7 @@
 """The ``vllm-lens`` command line (runs in: the user's process, which runs the engine).
 
 ``vllm-lens serve MODEL [flags]`` is ``vllm serve`` with the same flags, on every vLLM
-distribution (``vllm_lens.serve``).
+distribution (``vllm_lens.cli.serve``).
 
 ``vllm-lens extract`` builds an activation dataset from a prompt file::
 
@@ -12,11 +12,11 @@ distribution (``vllm_lens.serve``).
         [--server URL | --ray [--num-engines N] [--ray-address ADDR]] \\
         [vLLM engine options: --dtype, -tp, --data-parallel-size ...]
 
-Input rows (``vllm_lens.prompt_files``: a JSONL, CSV or Parquet file, or a local Hugging Face
+Input rows (``vllm_lens.cli.extract.prompts``: a JSONL, CSV or Parquet file, or a local Hugging Face
 dataset directory with ``--split``) have ``prompt`` (text) or ``messages`` (a chat, rendered
 with the model's chat template) and an optional ``key``. The engine's workers write
 the rows themselves through a capture sink of the job's own (``vllm_lens.sinks``; the front
-end sees only receipts), in the format of ``vllm_lens.shard_writer`` a shard at a time, so
+end sees only receipts), in the format of ``vllm_lens.dataset.writer`` a shard at a time, so
 nothing grows with the dataset (the prompt file itself is read whole). A re-run skips the
 keys already written and refuses a dataset made with other settings (``extract.json`` keeps
 those the manifest does not). Bad input rows, and examples the engine refuses, are listed
@@ -25,14 +25,14 @@ and make the command exit with status 1; the others are still extracted.
 ``--sae`` (repeatable) also writes each SAE's top ``--top-k`` features per row (sparse
 columns beside the rows; with ``--sae`` alone, the features only). ``--format sae-lens``
 writes one point at one layer in sae-lens' cached-activations layout
-(``vllm_lens.sae_lens_cache``) at ``--output``, from a vllm-lens dataset kept in its
+(``vllm_lens.dataset.sae_lens_cache``) at ``--output``, from a vllm-lens dataset kept in its
 ``vllm-lens-rows`` folder (which resumes as usual).
 
 With ``--server URL`` the prompts run on a lens-enabled vLLM server instead (engine options
 are ignored): the rows come back over HTTP and are written here, a batch in flight at a time.
 With ``--ray`` they run on ``--num-engines`` engines, each a Ray Data actor
-(``vllm_lens.ray_extract``); with ``--data-parallel-size N`` on vLLM's own data parallel
-engines (``vllm_lens.dp_extract``). Either way every engine writes the one dataset.
+(``vllm_lens.cli.extract.ray_actors``); with ``--data-parallel-size N`` on vLLM's own data parallel
+engines (``vllm_lens.cli.extract.dp``). Either way every engine writes the one dataset.
 
 ``--max-tokens N`` generates N tokens, of which the first N-1 have rows (the last is sampled
 but never run through the model); their ids are in the index (``token_ids``; with 0, the one
@@ -47,13 +47,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_lens.engine_stop import stop_engine
-from vllm_lens.extract_args import add_extract_flags, extract_help
-from vllm_lens.extract_checks import check_against_model
-from vllm_lens.extract_job import ExtractJob, sink_settings
-from vllm_lens.extract_output import (
+from vllm_lens.cli.extract.engine_stop import stop_engine
+from vllm_lens.cli.extract.args import add_extract_flags, extract_help
+from vllm_lens.cli.extract.checks import check_against_model
+from vllm_lens.cli.extract.job import ExtractJob, sink_settings
+from vllm_lens.cli.extract.output import (
     SAE_LENS_ROWS, check_sae_lens_format, export_sae_lens, finish, lens_spec, prepare_output)
-from vllm_lens.ray_extract import check_ray_args
+from vllm_lens.cli.extract.ray_actors import check_ray_args
 
 __all__ = ["main"]
 
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     process's arguments); returns the exit status.
 
     The ``vllm-lens`` console script. ``serve`` hands the rest of ``argv`` to vLLM's own
-    ``vllm serve`` parser and server (``vllm_lens.serve``); ``extract`` runs an extract job
+    ``vllm serve`` parser and server (``vllm_lens.cli.serve``); ``extract`` runs an extract job
     (see the module docs) and prints a summary line to stderr. ``extract --help`` prints
     extract's own flags, then vLLM's engine flag groups.
 
@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             errors exit with status 2), and ``--help`` for the top level and ``serve``.
 
     Examples:
-        >>> from vllm_lens.cli import main
+        >>> from vllm_lens.cli.main import main
         >>> try:
         ...     main(["extract", "--input", "prompts.jsonl", "--output", str(tmp / "acts")])
         ... except SystemExit as exc:
@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # vLLM's own serve parser, help included
-        from vllm_lens import serve
+        from vllm_lens.cli import serve
 
         return serve.main(argv[1:])
     if argv[:1] == ["extract"] and any(a in ("-h", "--help") for a in argv[1:]):
@@ -163,7 +163,7 @@ def extract(args: Any) -> int:
     """
     import time
 
-    from vllm_lens.extract_output import summary
+    from vllm_lens.cli.extract.output import summary
 
     started = time.monotonic()
     final = args.output.resolve()
@@ -182,8 +182,8 @@ def extract(args: Any) -> int:
 def _extract(args: Any) -> int:
     from vllm import LLM, SamplingParams
 
-    from vllm_lens.points import resolve
-    from vllm_lens.prompt_files import read_examples
+    from vllm_lens.common.points import resolve
+    from vllm_lens.cli.extract.prompts import read_examples
     from vllm_lens.sinks.config import check_name
 
     if args.ray or args.num_engines is not None or args.ray_address is not None:
@@ -232,7 +232,7 @@ def _extract(args: Any) -> int:
     for message in bad:
         print(f"vllm-lens extract: {args.input}: {message}", file=sys.stderr)
     if args.server is not None:
-        from vllm_lens.remote_extract import extract_remote
+        from vllm_lens.cli.extract.remote import extract_remote
 
         status = extract_remote(args, examples, bad, output, points)
         return export_sae_lens(args, output, final, points, status)
@@ -244,14 +244,14 @@ def _extract(args: Any) -> int:
     sp = SamplingParams(temperature=0, max_tokens=max(args.max_tokens, 1),
                         extra_args=extra_args)
     if args.ray:
-        from vllm_lens.ray_extract import extract_over_ray
+        from vllm_lens.cli.extract.ray_actors import extract_over_ray
 
         extract_over_ray(args, engine_kwargs(args), sp, todo, bad, output)
         return export_sae_lens(args, output, final, points, finish(bad))
     # The engine's workers write the rows themselves, through a sink of this job's own.
     os.environ["VLLM_LENS_SINKS"] = sink_settings(output, args.rows_per_shard)
     if (args.data_parallel_size or 1) > 1:
-        from vllm_lens.dp_extract import extract_data_parallel
+        from vllm_lens.cli.extract.dp import extract_data_parallel
 
         extract_data_parallel(args, engine_kwargs(args), sp, todo, bad, output)
         return export_sae_lens(args, output, final, points, finish(bad))

@@ -4,7 +4,7 @@ engines on one machine (runs in: the user's process, which holds the ``AsyncLLM`
 vLLM's offline ``LLM`` runs one engine, so a job with ``--data-parallel-size`` above 1 runs
 on an ``AsyncLLM``: a batch's requests are sent together and vLLM spreads them over its
 engines, whose workers each write their examples through the job's capture sink as a writer
-of their own (``shard_writer``: shards of its own, one index and manifest). Each batch is
+of their own (``dataset.writer``: shards of its own, one index and manifest). Each batch is
 flushed on every engine before the next is sent.
 """
 
@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_lens.engine_stop import stop_engine
-from vllm_lens.extract_job import check_written, engine_input
-from vllm_lens.extract_output import fail
+from vllm_lens.cli.extract.engine_stop import stop_engine
+from vllm_lens.cli.extract.job import check_written, engine_input
+from vllm_lens.cli.extract.output import fail
 
 __all__ = ["extract_data_parallel"]
 
@@ -37,7 +37,7 @@ async def _extract(args: Any, engine: dict[str, Any], sp: Any, todo: list[Any],
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from vllm_lens.errors import LensExecutionError, UnsupportedConfigError
-    from vllm_lens.sink_control import flush_sinks_async
+    from vllm_lens.frontend.sink_control import flush_sinks_async
 
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine))
     try:
@@ -73,7 +73,7 @@ async def _one(llm: Any, example: Any, tokenizer: Any, sp: Any, output: Path,
     """One example through the engine: (its key, the tokens it ran), or ``None`` if it
     failed (listed in ``bad``)."""
     from vllm_lens.errors import UnsupportedConfigError
-    from vllm_lens.extract_job import SINK
+    from vllm_lens.cli.extract.job import SINK
 
     params = sp.clone()
     params.extra_args = {**sp.extra_args, "capture_sink": {

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 from vllm_lens import envs
 from vllm_lens.errors import LensRequestError
-from vllm_lens.positions import parse_selector
-from vllm_lens.points import ATTENTION_SIGNALS, RESIDUAL_SIGNAL
+from vllm_lens.common.positions import parse_selector
+from vllm_lens.common.points import ATTENTION_SIGNALS, RESIDUAL_SIGNAL
 from vllm_lens.spec import (
     ACTIVATIONS_KEY,
     CAPTURE_KEY,

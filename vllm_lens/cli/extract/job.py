@@ -1,6 +1,6 @@
 """Running an ``extract`` job's prompts through one offline engine whose workers write the
 rows (runs in: the process that holds the engine — ``vllm-lens extract`` itself, or each
-engine actor of ``vllm-lens extract --ray``: ``ray_extract``).
+engine actor of ``vllm-lens extract --ray``: ``extract.ray_actors``).
 
 The engine's workers write through a capture sink of the job's own (``SINK``, added to the
 operator's ``VLLM_LENS_SINKS`` by ``sink_settings``); the front end holds only receipts. An
@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from vllm_lens.extract_output import fail
+from vllm_lens.cli.extract.output import fail
 
 __all__ = ["SINK", "ExtractJob", "check_written", "engine_input", "sink_settings"]
 
@@ -55,7 +55,7 @@ class ExtractJob:
     Args:
         args: the parsed command line (``batch_size`` is read).
         llm: the engine, started with ``sink_settings`` in its environment.
-        sp: the sampling parameters carrying the job's lens keys (``extract_output.lens_spec``).
+        sp: the sampling parameters carrying the job's lens keys (``extract.output.lens_spec``).
         output: the dataset directory.
     """
 
@@ -101,7 +101,7 @@ class ExtractJob:
         """Write every example the workers queued. A failure is printed; the examples it
         dropped are those ``check_written`` then finds missing."""
         from vllm_lens.errors import LensExecutionError
-        from vllm_lens.sink_control import flush_sinks
+        from vllm_lens.frontend.sink_control import flush_sinks
 
         try:
             flush_sinks(self.llm)
@@ -145,7 +145,7 @@ class ExtractJob:
 def check_written(output: Path, accepted: Iterable[str], bad: list[str]) -> None:
     """Every example the workers accepted must be complete in the index now (a shard write
     that failed after its examples were accepted dropped them): those missing are listed."""
-    from vllm_lens.dataset_index import complete_keys
+    from vllm_lens.dataset.index import complete_keys
 
     there = set(complete_keys(output))  # (a pipeline-parallel example: every stage's part)
     for key in accepted:

@@ -1,10 +1,10 @@
 """An ``extract`` job's request, output directory and exit status, shared by the local engine
-path (``cli``) and the ``--server`` path (``remote_extract``) (runs in: the user's process).
+path (``cli.main``) and the ``--server`` path (``extract.remote``) (runs in: the user's process).
 
 A job records its settings beside the dataset (``extract.json``), refuses a dataset made with
 other settings or locked by another writer, and resumes by skipping the keys already written.
 With ``--format sae-lens`` the dataset is kept in ``SAE_LENS_ROWS`` inside ``--output`` and
-written out in sae-lens' layout (``vllm_lens.sae_lens_cache``) when the job ends.
+written out in sae-lens' layout (``vllm_lens.dataset.sae_lens_cache``) when the job ends.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def prepare_output(args: Any, examples: list[Any], output: Path,
                    points: list[str]) -> list[Any]:
     """Refuse an output made with other settings or being written by another job; record
     this job's settings; returns the examples not written yet."""
-    from vllm_lens.shard_writer import MANIFEST
+    from vllm_lens.dataset.format import MANIFEST
 
     job_settings = {"model": args.model, "max_tokens": args.max_tokens}
     if (output / MANIFEST).exists():
@@ -102,8 +102,8 @@ def export_sae_lens(args: Any, rows: Path, output: Path, points: list[str],
     layout; returns the job's exit status."""
     if args.format != "sae-lens" or not (rows / "manifest.json").exists():
         return status
-    from vllm_lens import datasets
-    from vllm_lens.sae_lens_cache import write_sae_lens_cache
+    from vllm_lens.dataset import reader as datasets
+    from vllm_lens.dataset.sae_lens_cache import write_sae_lens_cache
 
     made = write_sae_lens_cache(datasets.open(rows), output, args.context_size,
                                 point=points[0], layer=int(args.layers))
@@ -117,8 +117,8 @@ def export_sae_lens(args: Any, rows: Path, output: Path, points: list[str],
 def summary(output: Path) -> tuple[int, int, int] | None:
     """(complete examples, their rows, bytes on disk) of the dataset at ``output``; ``None``
     if there is none."""
-    from vllm_lens.dataset_index import complete_keys
-    from vllm_lens.shard_writer import INDEX, read_index
+    from vllm_lens.dataset.format import INDEX
+    from vllm_lens.dataset.index import complete_keys, read_index
 
     if not (output / INDEX).exists():
         return None
@@ -134,7 +134,8 @@ def summary(output: Path) -> tuple[int, int, int] | None:
 def not_written(examples: list[Any], output: Path) -> list[Any]:
     """The examples whose key is not yet a complete example of the dataset (all of its
     writers' parts in the index)."""
-    from vllm_lens.dataset_index import INDEX, complete_keys
+    from vllm_lens.dataset.format import INDEX
+    from vllm_lens.dataset.index import complete_keys
 
     if not (output / INDEX).exists():
         return examples

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_lens.positions import ROLLING_SLACK, Selector
+from vllm_lens.common.positions import ROLLING_SLACK, Selector
 from vllm_lens.worker.plan import CaptureGroup
 
 __all__ = ["CaptureStore", "Entry"]

@@ -42,7 +42,7 @@ def add_extract_flags(parser: Any) -> None:
     own.add_argument("--points", default=None,
                          help="comma-separated tap points captured at every --layers layer "
                               "(resid_pre, attn_out, resid_mid, mlp_out, resid_post ...; see "
-                              "vllm_lens.points); needs --layers (default resid_post)")
+                              "vllm_lens.common.points); needs --layers (default resid_post)")
     own.add_argument("--sae", action="append", default=None,
                          help="an SAE whose top features to write per row (a directory; "
                               "with --server a name the server registered); repeatable")

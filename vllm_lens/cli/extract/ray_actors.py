@@ -1,12 +1,12 @@
 """``vllm-lens extract --ray``: one dataset written by many engines, each a Ray Data actor
 (runs in: the user's process, which drives the job; ``EngineActor`` in each actor process).
 
-The prompts are read and checked here as for one engine (``prompt_files``; the keys already
+The prompts are read and checked here as for one engine (``extract.prompts``; the keys already
 written skipped), handed to Ray Data, and run by ``--num-engines`` actors, each a vLLM engine
 with the command's engine options (tensor and pipeline parallelism inside it) that writes its
-examples through the job's capture sink (``extract_job``) into the one dataset at ``--output``
+examples through the job's capture sink (``extract.job``) into the one dataset at ``--output``
 as a writer of its own (``VLLM_LENS_SINK_WRITER``: shards of its own, one index and manifest;
-``shard_writer``). An actor takes the first free writer name ``ray<i>`` (a lock file in the
+``dataset.writer``). An actor takes the first free writer name ``ray<i>`` (a lock file in the
 dataset directory it holds while it runs), so that a job re-run after a crash resumes each
 writer where it stopped. Each batch is on disk before the actor returns it; the driver lists
 the examples that failed and checks every accepted one is in the index.
@@ -31,7 +31,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import IO, Any
 
-from vllm_lens.engine_stop import stop_engine
+from vllm_lens.cli.extract.engine_stop import stop_engine
 
 __all__ = ["EngineActor", "MAX_ENGINES", "check_ray_args", "claim_writer", "extract_over_ray"]
 
@@ -73,7 +73,7 @@ def extract_over_ray(args: Any, engine: dict[str, Any], sp: Any, todo: list[Any]
     import ray
     from tqdm import tqdm
 
-    from vllm_lens.extract_job import check_written, sink_settings
+    from vllm_lens.cli.extract.job import check_written, sink_settings
 
     env = actor_environment()
     env["VLLM_LENS_SINKS"] = sink_settings(output, args.rows_per_shard)
@@ -193,7 +193,7 @@ class EngineActor:
                  output: str) -> None:
         from vllm import LLM, SamplingParams
 
-        from vllm_lens.extract_job import ExtractJob
+        from vllm_lens.cli.extract.job import ExtractJob
 
         self.output = Path(output)
         if not self.output.is_dir():
@@ -206,7 +206,7 @@ class EngineActor:
         self.job = ExtractJob(SimpleNamespace(batch_size=1 << 30), self.llm, sp, self.output)
 
     def __call__(self, batch: Any) -> dict[str, list[Any]]:
-        from vllm_lens.prompt_files import Example
+        from vllm_lens.cli.extract.prompts import Example
 
         examples = [Example(**json.loads(x)) for x in batch.column("example").to_pylist()]
         bad: list[str] = []
@@ -216,7 +216,7 @@ class EngineActor:
         except SystemExit as exc:  # the engine refused the job's set-up: no row can run
             raise RuntimeError(str(exc)) from None  # (SystemExit would end the actor)
         errors = {}
-        for message in bad:  # "key 'k': problem" (``extract_output.fail``)
+        for message in bad:  # "key 'k': problem" (``extract.output.fail``)
             for example in examples:
                 if message.startswith(f"key {example.key!r}:"):
                     errors.setdefault(example.key, message)

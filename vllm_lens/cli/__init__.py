@@ -1,0 +1,5 @@
+"""The ``vllm-lens`` command line (``main``), ``vllm-lens serve`` and ``vllm-lens extract``
+(``extract/``).
+
+Runs in: caller.
+"""

@@ -1,0 +1,5 @@
+"""What every process of vllm-lens shares: tap points, position selectors, the tensor codec,
+the worker -> front end hand-off, test-only faults and idempotent method wrapping.
+
+Runs in: any.
+"""

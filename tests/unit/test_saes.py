@@ -524,7 +524,7 @@ def test_steering_by_feature_becomes_the_decoder_rows_as_a_steering_vector():
     assert LensRequest.from_payload(topk_lens.to_payload()).steer == topk_lens.steer
     import dataclasses
 
-    from vllm_lens.spec.steering import steering_digest
+    from vllm_lens.spec.steer_records import steering_digest
 
     newer = dataclasses.replace(topk, clamp=dataclasses.replace(topk.clamp, version=(5, 7)))
     assert steering_digest([newer]) != steering_digest([topk])
@@ -552,7 +552,7 @@ def test_a_clamp_sets_the_features_and_keeps_the_error_term():
     from sae_lens.saes.sae import SAE as SaeLensSAE
 
     from vllm_lens.common import wire
-    from vllm_lens.spec.steering import ClampSpec, SteerSpec
+    from vllm_lens.spec.steer_records import ClampSpec, SteerSpec
     from vllm_lens.worker.steer import prepare
 
     g = torch.Generator().manual_seed(5)
@@ -591,7 +591,7 @@ def test_a_topk_clamp_adds_what_decoding_the_edited_features_adds(rescale):
 
     from vllm_lens.common import wire
     from vllm_lens.saes import SAE
-    from vllm_lens.spec.steering import ClampSpec, SteerSpec
+    from vllm_lens.spec.steer_records import ClampSpec, SteerSpec
     from vllm_lens.worker.steer import prepare
 
     g = torch.Generator().manual_seed(21)
@@ -673,7 +673,7 @@ def test_a_clamp_on_a_bfloat16_stream_computes_in_float32_and_writes_bfloat16():
     down), and the site's ``apply_steering`` adds the delta in the stream's dtype, on the
     chosen rows only."""
     from vllm_lens.common import wire
-    from vllm_lens.spec.steering import ClampSpec, SteerSpec
+    from vllm_lens.spec.steer_records import ClampSpec, SteerSpec
     from vllm_lens.worker.steer import SteerGroup, apply_steering, prepare
 
     g = torch.Generator().manual_seed(9)

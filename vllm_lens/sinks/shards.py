@@ -56,8 +56,8 @@ from vllm_lens.errors import CapacityError, DatasetConflictError
 from vllm_lens.dataset.shard_file import release_buffer
 from vllm_lens.dataset.format import VERSION_FIELDS, sae_column
 from vllm_lens.dataset.writer import Shard, ShardWriter, jsonable
-from vllm_lens.sinks import Example
 from vllm_lens.sinks.config import SinkConfig
+from vllm_lens.sinks.interface import Example
 
 __all__ = ["ShardSink"]
 

@@ -42,7 +42,8 @@ from vllm_lens.spec.request import (
     parse_extra_args,
     reuse_parsed,
 )
-from vllm_lens.spec.steering import SteerSpec, parse_steering
+from vllm_lens.spec.steer_records import SteerSpec
+from vllm_lens.spec.steering import parse_steering
 
 __all__ = [
     "ACTIVATIONS_KEY",

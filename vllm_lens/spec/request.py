@@ -41,7 +41,8 @@ from vllm_lens.spec.keys import (
 )
 from vllm_lens.spec.outputs import parse_sink, parse_stream
 from vllm_lens.spec.saes import Describe, SAEFeatureSpec, parse_sae_features
-from vllm_lens.spec.steering import SteerSpec, parse_steering_key, steering_digest
+from vllm_lens.spec.steer_records import SteerSpec, steering_digest
+from vllm_lens.spec.steering import parse_steering_key
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from vllm_lens.spec.fields import (
     sorted_indices,
 )
 from vllm_lens.spec.saes import MAX_SAE_ENTRIES, Describe, described
-from vllm_lens.spec.steering import ClampSpec, SteerSpec
+from vllm_lens.spec.steer_records import ClampSpec, SteerSpec
 
 __all__ = ["MAX_FEATURES", "check_clamps_alone", "is_feature_item", "parse_feature_steering",
            "steering_sae_references"]

@@ -1,4 +1,4 @@
-"""vllm-lens: read and change a model's internals per request, inside vLLM.
+"""vllm-lens: read and change a model's internals per request, inside vLLM (runs in: any).
 
 Install next to vLLM and every request can ask, through ``SamplingParams.extra_args``, for
 residual-stream activations::

@@ -1,5 +1,7 @@
 """Activations in HTTP responses: the JSON and binary forms, and ``decode_activations`` (runs in:
-API server and clients; needs no vLLM).
+caller, front end).
+
+The API server encodes; clients decode, without vLLM.
 
 A choice of an OpenAI-style response carries ``"activations"`` in one of two forms:
 

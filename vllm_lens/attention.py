@@ -1,4 +1,6 @@
-"""Attention patterns from captured Q and K (runs in: anywhere; needs only torch).
+"""Attention patterns from captured Q and K (runs in: any).
+
+It needs only torch.
 
 ``output_qk`` returns the post-RoPE query and key of chosen layers exactly as vLLM's attention
 kernel received them, plus what the kernel did with them (``qk_meta``: scale, soft cap,

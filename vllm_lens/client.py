@@ -1,5 +1,7 @@
 """HTTP clients for a vLLM OpenAI server with vllm-lens: ``LensClient`` and ``AsyncLensClient``
-(runs in: the user's process; needs httpx, not vLLM).
+(runs in: caller).
+
+It needs httpx, not vLLM.
 
 Both have the same methods with the same arguments; the async one's are coroutines (and
 async iterators when streaming). The protocol is written once, as generators that yield

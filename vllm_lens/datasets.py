@@ -1,6 +1,5 @@
-"""Reading activation datasets back: the public face of ``vllm_lens.dataset.reader``.
-
-Runs in: caller.
+"""Reading activation datasets back: the public face of ``vllm_lens.dataset.reader`` (runs in:
+caller).
 
 Use::
 

@@ -1,4 +1,4 @@
-"""Small real models for the demo, the tests and the benchmarks (runs in the caller's process).
+"""Small real models for the demo, the tests and the benchmarks (runs in: caller).
 
 No model hub is reachable on our machines, so the two models the project works with are built
 locally and cached on disk:

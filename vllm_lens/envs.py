@@ -1,4 +1,4 @@
-"""Environment variables read by vllm-lens (runs in: every process).
+"""Environment variables read by vllm-lens (runs in: any).
 
 - ``VLLM_LENS_DISABLE``: ``1`` makes the plugin a complete no-op (nothing is patched or tapped).
 - ``VLLM_LENS_WORKER_MAX_BYTES``: budget of captured rows held on each worker, running and

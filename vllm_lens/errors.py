@@ -1,4 +1,4 @@
-"""Errors raised by vllm-lens (runs in: every process).
+"""Errors raised by vllm-lens (runs in: any).
 
 Split by who is to blame, like vLLM's own ``vllm/exceptions.py``::
 

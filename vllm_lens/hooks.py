@@ -1,5 +1,7 @@
 """Per-request hooks: user functions that read or replace a request's residual stream at chosen
-layers (runs in: front end, where hooks are declared; worker, where they run).
+layers (runs in: caller, front end, worker).
+
+Hooks are declared where the request is built and run on the workers.
 
 A hook is ``fn(ctx, hidden) -> Tensor | None``, called once per hooked layer per forward step
 for that request only. ``hidden`` is the request's rows of the **full** residual stream in this

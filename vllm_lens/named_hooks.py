@@ -1,5 +1,7 @@
-"""Hooks published by name (entry-point group ``vllm_lens.hooks``) and the two vllm-lens ships
-(runs in: front end, to validate arguments; worker, to run).
+"""Hooks published by name (entry-point group ``vllm_lens.hooks``) and the two vllm-lens ships (runs
+in: front end, worker).
+
+The front end validates their arguments; the workers run them.
 
 A named hook is a factory ``make(args: dict) -> fn(ctx, hidden)``; it raises ``ValueError``
 for bad arguments (the front end calls it once to validate them, so a bad request fails with

@@ -1,5 +1,6 @@
-"""vLLM general-plugin entry point (runs in: every vLLM process — front end, engine core and
-each worker — possibly several times per process).
+"""vLLM general-plugin entry point (runs in: front end, engine core, worker).
+
+vLLM loads it in each of its processes, possibly several times per process.
 
 ``register`` installs the pieces and nothing else; each piece is idempotent:
 

@@ -1,5 +1,5 @@
-"""``SteeringVector``: what a user adds to (or writes into) the residual stream (runs in: the
-caller's process and the front end).
+"""``SteeringVector``: what a user adds to (or writes into) the residual stream (runs in: caller,
+front end).
 
 A steering vector is a pydantic model so that it validates itself on construction and
 round-trips through JSON (``model_dump(mode="json")`` / ``model_validate``) and through the

@@ -1,5 +1,3 @@
 """The ``vllm-lens`` command line (``main``), ``vllm-lens serve`` and ``vllm-lens extract``
-(``extract/``).
-
-Runs in: caller.
+(``extract/``) (runs in: caller).
 """

@@ -1,6 +1,5 @@
-"""``python -m vllm_lens.cli``: the ``vllm-lens`` command without its console script.
-
-Runs in: caller.
+"""``python -m vllm_lens.cli``: the ``vllm-lens`` command without its console script (runs in:
+caller).
 """
 
 import sys

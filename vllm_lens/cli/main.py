@@ -1,4 +1,6 @@
-"""The ``vllm-lens`` command line (runs in: the user's process, which runs the engine).
+"""The ``vllm-lens`` command line (runs in: caller).
+
+With a local engine that process is also the engine's front end.
 
 ``vllm-lens serve MODEL [flags]`` is ``vllm serve`` with the same flags, on every vLLM
 distribution (``vllm_lens.cli.serve``).

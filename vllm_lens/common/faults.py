@@ -1,4 +1,4 @@
-"""Test-only fault injection (runs in: front end and worker).
+"""Test-only fault injection (runs in: front end, worker).
 
 With ``VLLM_LENS_TEST_FAULTS=1`` in the environment of the engine (front end and workers), a
 request may carry ``extra_args["lens_test_fault"] = "<stage>"`` and the worker raises

@@ -1,4 +1,4 @@
-"""Moving a fetched capture from a worker to the front end (runs in: worker and front end).
+"""Moving a fetched capture from a worker to the front end (runs in: front end, worker).
 
 A capture is a small header (layers, positions) and one large tensor. ``collective_rpc``
 results travel worker -> engine core -> front end, serialized and copied at each hop, and

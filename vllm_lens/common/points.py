@@ -1,5 +1,7 @@
-"""Tap points of a decoder layer: their names, aliases and where each is read (runs in: front
-end, to validate requests; worker, to route taps).
+"""Tap points of a decoder layer: their names, aliases and where each is read (runs in: front end,
+worker).
+
+The front end validates requests with it; workers route taps.
 
 Per decoder layer ``L`` (TransformerLens names)::
 

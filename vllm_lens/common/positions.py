@@ -1,5 +1,7 @@
 """Position selectors: which token positions of a request a capture keeps (runs in: front end,
-to validate; worker, to select rows).
+worker).
+
+The front end validates selectors; workers select rows.
 
 A selector names a range of a request's absolute positions and optionally slices it with
 Python's index/slice syntax:

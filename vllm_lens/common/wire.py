@@ -1,4 +1,4 @@
-"""Tensor codec: torch tensors <-> compact bytes (runs in: every process).
+"""Tensor codec: torch tensors <-> compact bytes (runs in: any).
 
 Payloads cross process boundaries (worker -> front end -> HTTP client) as msgpack, with every
 tensor a self-describing map whose raw bytes are zstandard-compressed::

@@ -1,4 +1,6 @@
-"""Idempotent method wrapping (runs in: every process that loads the plugin).
+"""Idempotent method wrapping (runs in: any).
+
+Every process that loads the plugin.
 
 vLLM loads general plugins once per process, but several processes (and some tests) import
 them again; wrapping twice would run vllm-lens twice per call. Each wrapper remembers the

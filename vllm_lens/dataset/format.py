@@ -1,8 +1,6 @@
-"""The names of the activation dataset format, in one place: its files, the manifest's
-version tag and fields, and the names of the tensors inside a shard. The writer, the index
-and the reader all take them from here, and none of them from another.
-
-Runs in: any.
+"""The names of the activation dataset format, in one place: its files, the manifest's version tag
+and fields, and the names of the tensors inside a shard. The writer, the index and the reader all
+take them from here, and none of them from another (runs in: any).
 
 A dataset directory holds ``manifest.json`` (``MANIFEST``), ``index.jsonl`` (``INDEX``,
 appended under ``INDEX_LOCK``), writer locks (``WRITER_LOCK``, and one per named writer:

@@ -1,7 +1,8 @@
-"""The index of an activation dataset: reading its lines, appending to it while other
-writers do, and assembling examples from the parts several writers wrote (runs in: any
-process that reads or writes a dataset — a capture sink's worker, ``vllm-lens extract``,
-``vllm_lens.dataset.reader``).
+"""The index of an activation dataset: reading its lines, appending to it while other writers do,
+and assembling examples from the parts several writers wrote (runs in: caller, worker).
+
+Any process that reads or writes a dataset: a capture sink's worker, ``vllm-lens extract``, the
+reader.
 
 ``index.jsonl`` has one line per part of an example: ``key``, ``rows``, ``positions``,
 ``prompt_token_ids``, ``token_ids``, ``shard``, ``offset``, and

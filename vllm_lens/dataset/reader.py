@@ -1,4 +1,6 @@
-"""Reading activation datasets back (runs in: the user's process; torch and numpy, no vLLM).
+"""Reading activation datasets back (runs in: caller).
+
+Torch and numpy, no vLLM.
 
 Use::
 

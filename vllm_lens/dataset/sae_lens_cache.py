@@ -1,6 +1,7 @@
-"""An activation dataset in sae-lens' cached-activations layout, so that sae-lens trains an SAE
-on rows vLLM extracted (runs in: the user's process: ``vllm-lens extract --format sae-lens``,
-or any script; needs the ``datasets`` package).
+"""An activation dataset in sae-lens' cached-activations layout, so that sae-lens trains an SAE on
+rows vLLM extracted (runs in: caller).
+
+``vllm-lens extract --format sae-lens`` or any script; it needs the ``datasets`` package.
 
 sae-lens reads a Hugging Face dataset saved with ``save_to_disk`` whose rows are contexts of
 ``context_size`` tokens: a column named by the hook (``blocks.12.hook_resid_post``) of

@@ -1,6 +1,8 @@
 """Writing one shard's tensors as a safetensors file, with as little CPU time as the disk allows
-(runs in: whichever process writes shards — a worker's sink writer thread, or the user's
-process for ``ShardWriter`` and ``vllm-lens extract --server``).
+(runs in: caller, worker).
+
+A worker's sink writer thread, or the user's process for ``ShardWriter`` and ``vllm-lens extract
+--server``.
 
 A sink writes gigabytes on the cores the model computes on, so the CPU a shard costs is taken
 from the engine. ``safetensors.torch.save_file`` needs each tensor whole (one ``torch.cat`` of

@@ -1,7 +1,7 @@
-"""Writing activation datasets to disk: safetensors shards of bounded size, an index and a
-manifest, each written atomically, by one writer or by several at once (runs in: the process
-that writes a dataset — the worker holding a capture sink's rows, ``vllm-lens extract
---server``, or any script).
+"""Writing activation datasets to disk: safetensors shards of bounded size, an index and a manifest,
+each written atomically, by one writer or by several at once (runs in: caller, worker).
+
+The worker holding a capture sink's rows, ``vllm-lens extract --server``, or any script.
 
 A dataset is a directory::
 

@@ -1,4 +1,2 @@
-"""What vllm-lens installs inside vLLM's engine-core process.
-
-Runs in: engine core.
+"""What vllm-lens installs inside vLLM's engine-core process (runs in: engine core).
 """

@@ -1,5 +1,6 @@
-"""A worker RPC that does not hold up the engine's next step (runs in: engine core; the front
-end calls it by name through vLLM's utility channel).
+"""A worker RPC that does not hold up the engine's next step (runs in: engine core).
+
+The front end calls it by name through vLLM's utility channel.
 
 ``AsyncLLM.collective_rpc`` makes the engine core send the call to its workers and wait for
 their answers before it schedules the next step. For a call made once per step

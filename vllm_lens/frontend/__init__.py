@@ -1,1 +1,3 @@
-"""Front-end half of vllm-lens (runs in: the process that owns ``LLM`` / ``AsyncLLM``)."""
+"""Front-end half of vllm-lens (runs in: front end).
+
+The process that owns ``LLM`` / ``AsyncLLM`` or the OpenAI server."""

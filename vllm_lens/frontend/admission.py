@@ -1,5 +1,5 @@
-"""Admission: refuse, before it is scheduled, a lens request whose size could overload the
-workers (runs in: front end).
+"""Admission: refuse, before it is scheduled, a lens request whose size could overload the workers
+(runs in: front end).
 
 Parsing (``spec``) checks what a request *is*; admission checks what it *costs*, which needs
 the request's size: its prompt length (known once the engine input is tokenized), its

@@ -1,4 +1,6 @@
-"""Lens support for ``AsyncLLM.generate`` (runs in: front end; the OpenAI server uses it too).
+"""Lens support for ``AsyncLLM.generate`` (runs in: front end).
+
+The OpenAI server uses it too.
 
 The wrapper validates lens keys before the request enters the engine and, when the final
 output arrives, awaits the workers' buffers and attaches ``activations`` to it. A request with

@@ -1,5 +1,6 @@
-"""Server-side store behind the binary transport (runs in: API server; every API server
-process of one server shares it).
+"""Server-side store behind the binary transport (runs in: front end).
+
+Every API server process of one server shares it.
 
 Activations sent by handle wait here until the client fetches them. The store is a directory
 (``blobs/`` in the server's shared directory, ``frontend.shared_dir``), one file per handle,

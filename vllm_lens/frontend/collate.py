@@ -1,5 +1,5 @@
-"""Response collator: turns the workers' buffers into ``activations`` on the outputs (runs in:
-front end).
+"""Response collator: turns the workers' buffers into ``activations`` on the outputs (runs in: front
+end).
 
 One ``LensSession`` lives on each engine object (``LLMEngine`` or ``AsyncLLM``). It validates
 lens requests before they enter the engine, remembers which requests carry one, and when such a

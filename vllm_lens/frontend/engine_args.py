@@ -1,5 +1,4 @@
-"""Engine configuration: make every engine load the vllm-lens worker extension (runs in: the
-process that builds the engine config, i.e. the front end).
+"""Engine configuration: make every engine load the vllm-lens worker extension (runs in: front end).
 
 ``EngineArgs.create_engine_config`` is the one place every engine path (``LLM``, ``AsyncLLM``,
 ``vllm serve``) turns arguments into a ``VllmConfig``, which then travels to the engine-core

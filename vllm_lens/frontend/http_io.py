@@ -1,5 +1,5 @@
 """Reading request bodies and writing errors for vllm-lens's own HTTP routes (runs in: front
-end, the API server process)."""
+end)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Lens support for the synchronous engine behind ``LLM.generate`` / ``LLM.chat`` (runs in:
-front end).
+"""Lens support for the synchronous engine behind ``LLM.generate`` / ``LLM.chat`` (runs in: front
+end).
 
 ``LLM`` feeds every request through ``LLMEngine.add_request`` and collects results from
 ``LLMEngine.step``, so wrapping those two (plus ``abort_request``) covers both entry points:

@@ -1,5 +1,6 @@
-"""One ``lens_fetch_partial`` per engine step for every streamed request (runs in: front end,
-the ``AsyncLLM`` event loop).
+"""One ``lens_fetch_partial`` per engine step for every streamed request (runs in: front end).
+
+On the ``AsyncLLM`` event loop.
 
 A request with ``stream_activations`` needs the rows computed since its previous output with
 each output. vLLM hands the outputs of one step to their requests' generators in one pass of

@@ -1,5 +1,5 @@
-"""Activation-patching sweeps: a grid of (layer, position) restorations run as one batch of
-engine requests, with the metric per cell (runs in: front end).
+"""Activation-patching sweeps: a grid of (layer, position) restorations run as one batch of engine
+requests, with the metric per cell (runs in: front end).
 
 Adds ``patching_sweep(prompt, clean, layers, positions, metric, corrupt=None,
 point="resid_post")`` to ``vllm.LLM`` and ``AsyncLLM``, and ``POST /v1/lens/patching_sweep``

@@ -1,5 +1,5 @@
-"""Persistent hooks: hooks registered on the engine that run on every request until cleared
-(runs in: front end).
+"""Persistent hooks: hooks registered on the engine that run on every request until cleared (runs
+in: front end).
 
 Adds to ``vllm.LLM`` and ``AsyncLLM`` (the OpenAI server's ``/v1/hooks/*`` routes use the
 latter)::

@@ -1,5 +1,7 @@
-"""Keep steered and unsteered requests from sharing prefix-cache blocks they should not share
-(runs in: front end, where requests get their salt, and engine core, where blocks are hashed).
+"""Keep steered and unsteered requests from sharing prefix-cache blocks they should not share (runs
+in: front end, engine core).
+
+Requests get their salt in the front end; blocks are hashed in the engine core.
 
 vLLM hashes KV blocks together with the request's ``cache_salt``, which it mixes into the first
 block's hash (later blocks chain on it). A request whose steering may touch a prompt position

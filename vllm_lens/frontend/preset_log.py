@@ -1,5 +1,5 @@
-"""Steering-preset route calls shared by the API server processes of one server (runs in: API
-server).
+"""Steering-preset route calls shared by the API server processes of one server (runs in: front
+end).
 
 Each API server process (``--api-server-count N``) keeps its presets in memory, and a
 ``/v1/steering/register`` or ``/unregister`` call reaches one of them. With several, such a

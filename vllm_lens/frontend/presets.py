@@ -1,5 +1,5 @@
-"""Named steering presets: vectors the operator registers once and clients select by name
-(runs in: front end).
+"""Named steering presets: vectors the operator registers once and clients select by name (runs in:
+front end).
 
 Adds to ``vllm.LLM`` and ``AsyncLLM`` (``frontend.engine_methods``)::
 

@@ -1,5 +1,5 @@
-"""One request's capture-sink receipt from the receipts of the workers that wrote its example
-(runs in: front end).
+"""One request's capture-sink receipt from the receipts of the workers that wrote its example (runs
+in: front end).
 
 One worker writes a request's example (TP rank 0), and its receipt is the request's as the
 sink returned it. Under pipeline parallelism each stage writes the part it holds (its layers'

@@ -1,5 +1,5 @@
-"""Which lens results (activations, hook results) belong to which choice of one HTTP response
-(runs in: API server).
+"""Which lens results (activations, hook results) belong to which choice of one HTTP response (runs
+in: front end).
 
 vLLM's serving classes turn ``RequestOutput`` objects into OpenAI responses deep inside their
 own code, and a completions request with several prompts runs one engine request per prompt.

@@ -1,5 +1,4 @@
-"""Reaching every worker of an ``AsyncLLM``, data-parallel engines included (runs in: front
-end).
+"""Reaching every worker of an ``AsyncLLM``, data-parallel engines included (runs in: front end).
 
 ``AsyncLLM.collective_rpc`` answers with one engine's workers only when vLLM balances
 requests over several data-parallel engines itself (``DPLBAsyncMPClient``: it calls every

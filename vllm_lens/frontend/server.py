@@ -1,4 +1,4 @@
-"""Lens support in vLLM's OpenAI-compatible server (runs in: the API server process).
+"""Lens support in vLLM's OpenAI-compatible server (runs in: front end).
 
 Nothing to configure: when the plugin loads in a process that builds the API server, it
 

@@ -1,5 +1,6 @@
-"""The directory every API server process of one server shares (runs in: the process that
-builds the OpenAI server, and each API server process it starts).
+"""The directory every API server process of one server shares (runs in: front end).
+
+The process that builds the OpenAI server, and each API server process it starts.
 
 ``vllm serve --api-server-count N`` (and ``--data-parallel-size N``, which starts N API
 processes by default) answers a client's follow-up call from whichever process the connection

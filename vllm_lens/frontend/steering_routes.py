@@ -1,5 +1,5 @@
 """The OpenAI server's steering-preset routes and its start-up registration of
-``VLLM_LENS_STEERING_PRESETS`` (runs in: front end, the API server process).
+``VLLM_LENS_STEERING_PRESETS`` (runs in: front end).
 
 - ``GET /v1/steering``: the registered presets (names, layers, points, modes, shapes; never
   the vectors), open to every client, since selecting a preset needs no opt-in.

@@ -1,6 +1,7 @@
 """Sparse autoencoders beside the taps: read the layouts the field ships SAEs in (sae-lens,
-EleutherAI sparsify, Gemma Scope) into one record, and compute their features (runs in: any
-process; the worker that serves features loads them itself).
+EleutherAI sparsify, Gemma Scope) into one record, and compute their features (runs in: any).
+
+The worker that serves features loads them itself.
 
 >>> from vllm_lens.saes import LAYOUTS
 >>> sorted(LAYOUTS)

@@ -1,5 +1,5 @@
-"""Reading sparse autoencoders from the layouts the field ships them in, without importing
-the libraries that wrote them (runs in: whichever process loads an SAE).
+"""Reading sparse autoencoders from the layouts the field ships them in, without importing the
+libraries that wrote them (runs in: any).
 
 ``LAYOUTS``, recognised by the files in the directory:
 

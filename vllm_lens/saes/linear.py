@@ -1,6 +1,6 @@
-"""``x @ W + b`` for a weight that many products reuse: an SAE's encoder or decoder (runs in:
-whichever process computes with the SAE — the worker that serves its features, or a user's own
-process).
+"""``x @ W + b`` for a weight that many products reuse: an SAE's encoder or decoder (runs in: any).
+
+The worker that serves an SAE's features, or a user's own process.
 
 On the host, torch's default float32 GEMM (MKL) is slow on the AMD CPUs this project is
 measured on: a ``[64, 576] @ [576, 9216]`` product (one decode step of a 16x-wide SAE on

@@ -1,6 +1,7 @@
-"""One sparse autoencoder in memory, whatever layout it was read from, and its arithmetic:
-encode, decode, the k largest features per row (runs in: whichever process loads it — the
-worker that serves its features, or a user's own process).
+"""One sparse autoencoder in memory, whatever layout it was read from, and its arithmetic: encode,
+decode, the k largest features per row (runs in: any).
+
+The worker that serves its features, or a user's own process.
 
 The conventions are sae-lens' (``W_enc [d_in, d_sae]``, ``W_dec [d_sae, d_in]``), and each
 architecture computes what sae-lens' class of that name computes:

@@ -1,5 +1,7 @@
-"""Capture sinks: where a request's rows go when it asks to write them instead of returning
-them (runs in: worker; ``sinks.config`` also in the front end).
+"""Capture sinks: where a request's rows go when it asks to write them instead of returning them
+(runs in: front end, worker).
+
+The front end checks sinks; the workers write to them.
 
 A sink kind is a factory published in the entry-point group ``vllm_lens.sinks``, called with
 the operator's ``SinkConfig`` and returning a ``Sink``. vllm-lens ships ``safetensors``

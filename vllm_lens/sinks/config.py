@@ -1,5 +1,6 @@
-"""The operator's capture sinks, and what a request may ask of them (runs in: front end, to
-validate requests; worker, to open the sinks).
+"""The operator's capture sinks, and what a request may ask of them (runs in: front end, worker).
+
+The front end validates requests; the workers open the sinks.
 
 An operator configures sinks with ``VLLM_LENS_SINKS``: a JSON object, or the path of a file
 holding one, mapping each sink's name to its kind (an entry point of group

@@ -1,5 +1,5 @@
-"""What a capture sink receives and what it must do: ``Example`` and the ``Sink`` protocol,
-shared by the sinks vllm-lens ships and any installed package's (runs in: front end, worker).
+"""What a capture sink receives and what it must do: ``Example`` and the ``Sink`` protocol, shared
+by the sinks vllm-lens ships and any installed package's (runs in: front end, worker).
 
 The package ``vllm_lens.sinks`` hands both names on; a sink module imports them from here, so
 that the package may load the sinks it ships without an import running back into itself.

@@ -1,5 +1,7 @@
-"""The ``safetensors`` capture sink: each dataset is a ``vllm_lens.dataset.writer`` directory
-under the sink's root (runs in: worker; its shards are written on a thread of its own).
+"""The ``safetensors`` capture sink: each dataset is a ``vllm_lens.dataset.writer`` directory under
+the sink's root (runs in: worker).
+
+Its shards are written on a thread of its own.
 
 Examples are queued per dataset and cut into shards (``rows_per_shard`` rows or
 ``max_shard_bytes``, options of the sink's entry in ``VLLM_LENS_SINKS``), at the latest

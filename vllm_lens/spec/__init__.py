@@ -1,4 +1,6 @@
-"""Lens request keys -> validated, typed specs (runs in: front end; decoded again in workers).
+"""Lens request keys -> validated, typed specs (runs in: front end, worker).
+
+The front end parses; workers decode the payload.
 
 Users put lens keys in ``SamplingParams.extra_args`` (offline) or ``vllm_xargs`` (HTTP). The
 front end validates them here, before the request reaches the engine, so a bad request fails

@@ -1,6 +1,7 @@
-"""Captures: ``output_residual_stream``, ``output_activations`` and ``output_qk`` ->
-``CaptureSpec`` (which signal, layers, positions, reduction) (runs in: front end; decoded
-again in workers from the payload)."""
+"""Captures: ``output_residual_stream``, ``output_activations`` and ``output_qk`` -> ``CaptureSpec``
+(which signal, layers, positions, reduction) (runs in: front end, worker).
+
+Workers decode it again from the payload."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""``ModelFacts``: what the front end knows about the served model and engine, the ground
-every lens key is validated against (runs in: front end; built from the workers' answers to
-``lens_describe``)."""
+"""``ModelFacts``: what the front end knows about the served model and engine, the ground every lens
+key is validated against (runs in: front end).
+
+Built from the workers' answers to ``lens_describe``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Validators every lens key shares: JSON-string values, layer and position lists, tap sites
-and the points a request may write to (runs in: front end). Each raises ``LensRequestError``
-(or a subclass) naming the offending field."""
+"""Validators every lens key shares: JSON-string values, layer and position lists, tap sites and the
+points a request may write to. Each raises ``LensRequestError`` (or a subclass) naming the offending
+field (runs in: front end)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Hooks: ``apply_hooks`` (live ``Hook`` / ``NamedHook`` objects, named hooks' JSON, pickled
-hooks where the operator allows code) -> ``HookSpec`` (runs in: front end; decoded again in
-workers from the payload)."""
+"""Hooks: ``apply_hooks`` (live ``Hook`` / ``NamedHook`` objects, named hooks' JSON, pickled hooks
+where the operator allows code) -> ``HookSpec`` (runs in: front end, worker).
+
+Workers decode it again from the payload."""
 
 from __future__ import annotations
 

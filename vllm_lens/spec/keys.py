@@ -1,5 +1,6 @@
-"""The lens keys a request may carry, and the reserved key of the validated payload (runs in:
-every process; plain constants, no imports)."""
+"""The lens keys a request may carry, and the reserved key of the validated payload (runs in: any).
+
+Plain constants, no imports."""
 
 #: Capture the residual stream after chosen layers: ``true``, a list of layers, or
 #: ``{"layers", "positions", "reduce"}``.

@@ -1,6 +1,8 @@
-"""``LensRequest`` and the parse entry: ``extra_args`` -> (the caller's other keys, one
-validated ``LensRequest``), plus the engine-wide checks every lens request passes first
-(runs in: front end; workers decode the payload with ``LensRequest.from_payload``).
+"""``LensRequest`` and the parse entry: ``extra_args`` -> (the caller's other keys, one validated
+``LensRequest``), plus the engine-wide checks every lens request passes first (runs in: front end,
+worker).
+
+Workers decode the payload with ``LensRequest.from_payload``.
 
 The validated request travels *inside* the request as one reserved ``extra_args`` entry,
 ``"vllm_lens"``: a versioned map of plain msgpack types that vLLM's own serializer carries to

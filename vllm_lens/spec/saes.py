@@ -1,6 +1,7 @@
-"""SAE features: ``output_sae_features`` -> ``SAEFeatureSpec`` (which SAE, which positions,
-how many features per position) (runs in: front end; decoded again in workers from the
-payload).
+"""SAE features: ``output_sae_features`` -> ``SAEFeatureSpec`` (which SAE, which positions, how many
+features per position) (runs in: front end, worker).
+
+Workers decode it again from the payload.
 
 A request names an SAE by a name registered with the front end (``frontend.sae_names``:
 ``llm.register_sae``, the operator's ``VLLM_LENS_SAES``) or, where the caller owns the

@@ -1,1 +1,3 @@
-"""Worker-side half of vllm-lens (runs in: every worker process, one per TP/PP rank)."""
+"""Worker-side half of vllm-lens (runs in: worker).
+
+Every worker process, one per TP/PP rank."""

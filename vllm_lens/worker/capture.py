@@ -1,6 +1,7 @@
-"""Copy requested rows of a signal (the residual stream, a tap point, Q/K) to the host, and
-assemble a request's rows into one tensor when the front end fetches them (runs in: worker, TP
-rank 0 of each pipeline stage; every TP rank for the signals split across ranks).
+"""Copy requested rows of a signal (the residual stream, a tap point, Q/K) to the host, and assemble
+a request's rows into one tensor when the front end fetches them (runs in: worker).
+
+TP rank 0 of each pipeline stage; every TP rank for the signals split across ranks.
 
 During a step each capturing layer does one gather and one copy into its capture group's staging
 tensor (on the CPU backend, memory kept from earlier steps: ``staging_pool``); after the step

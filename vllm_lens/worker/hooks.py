@@ -1,4 +1,6 @@
-"""Running hooks on the worker (runs in: worker, every TP/PP rank).
+"""Running hooks on the worker (runs in: worker).
+
+Every TP/PP rank.
 
 Every TP rank runs every hook, so that replacements keep the ranks' residual streams
 identical; results are reported by TP rank 0 of each pipeline stage. A request's hooks share

@@ -1,5 +1,6 @@
-"""Writing a finished request's rows to the capture sink it named (runs in: worker, TP rank
-0 of each pipeline stage, which holds the rows of the stage's layers and its SAEs').
+"""Writing a finished request's rows to the capture sink it named (runs in: worker).
+
+TP rank 0 of each pipeline stage, which holds the rows of the stage's layers and its SAEs'.
 
 Sinks are opened on first use from this process's ``VLLM_LENS_SINKS`` (the engine's
 environment) and live as long as the worker. Where several processes write one dataset (the

@@ -1,5 +1,6 @@
-"""Apply steering vectors to this rank's rows of a stream point (runs in: worker, every TP rank;
-under PP each stage steers the layers it owns).
+"""Apply steering vectors to this rank's rows of a stream point (runs in: worker).
+
+Every TP rank; under PP each stage steers the layers it owns.
 
 Each rank holds the full residual stream after the all-reduce, so every rank adds the same
 vectors and the ranks stay in agreement. Steering adds to ``hidden``: for fused-residual layers

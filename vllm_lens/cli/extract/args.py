@@ -1,5 +1,4 @@
-"""The ``vllm-lens extract`` command's own flags, and its ``--help`` (runs in: the user's
-process).
+"""The ``vllm-lens extract`` command's own flags, and its ``--help`` (runs in: caller).
 
 The command also takes every vLLM engine flag (``EngineArgs``); its ``--help`` shows its own
 flags first, each described once, then how to list vLLM's (``--help=all``, or a group such as

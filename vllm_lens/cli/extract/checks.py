@@ -1,5 +1,5 @@
-"""What ``vllm-lens extract`` checks against the model's configuration before any engine
-starts (runs in: the user's process).
+"""What ``vllm-lens extract`` checks against the model's configuration before any engine starts
+(runs in: caller).
 
 A typo in ``--layers`` or ``--positions``, or a model family vllm-lens does not map, would
 otherwise cost an engine start and then fail every example alike. The model's configuration

@@ -1,5 +1,7 @@
-"""``vllm-lens extract --data-parallel-size N``: the prompts over vLLM's own data parallel
-engines on one machine (runs in: the user's process, which holds the ``AsyncLLM``).
+"""``vllm-lens extract --data-parallel-size N``: the prompts over vLLM's own data parallel engines
+on one machine (runs in: caller, front end).
+
+The user's process holds the ``AsyncLLM``.
 
 vLLM's offline ``LLM`` runs one engine, so a job with ``--data-parallel-size`` above 1 runs
 on an ``AsyncLLM``: a batch's requests are sent together and vLLM spreads them over its

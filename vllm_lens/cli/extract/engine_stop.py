@@ -1,5 +1,6 @@
-"""Stopping an engine this process started (runs in: the user's process — ``vllm-lens
-extract``, its data parallel and Ray variants, and the test harness).
+"""Stopping an engine this process started (runs in: caller, front end).
+
+Used by ``vllm-lens extract``, its data parallel and Ray variants, and the test harness.
 
 vLLM sends the engine processes SIGTERM, waits ``timeout`` seconds (5 by default), then
 force-kills what is left, walking each process tree with psutil. A tensor parallel engine on

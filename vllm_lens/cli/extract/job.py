@@ -1,6 +1,8 @@
-"""Running an ``extract`` job's prompts through one offline engine whose workers write the
-rows (runs in: the process that holds the engine — ``vllm-lens extract`` itself, or each
-engine actor of ``vllm-lens extract --ray``: ``extract.ray_actors``).
+"""Running an ``extract`` job's prompts through one offline engine whose workers write the rows
+(runs in: caller, front end).
+
+The process that holds the engine: ``vllm-lens extract`` itself, or each engine actor of ``vllm-lens
+extract --ray`` (``extract.ray_actors``).
 
 The engine's workers write through a capture sink of the job's own (``SINK``, added to the
 operator's ``VLLM_LENS_SINKS`` by ``sink_settings``); the front end holds only receipts. An

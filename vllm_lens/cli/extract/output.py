@@ -1,5 +1,5 @@
-"""An ``extract`` job's request, output directory and exit status, shared by the local engine
-path (``cli.main``) and the ``--server`` path (``extract.remote``) (runs in: the user's process).
+"""An ``extract`` job's request, output directory and exit status, shared by the local engine path
+(``cli.main``) and the ``--server`` path (``extract.remote``) (runs in: caller).
 
 A job records its settings beside the dataset (``extract.json``), refuses a dataset made with
 other settings or locked by another writer, and resumes by skipping the keys already written.

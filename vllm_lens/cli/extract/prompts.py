@@ -1,6 +1,6 @@
 """Prompt files for ``vllm-lens extract``: JSONL, CSV or Parquet rows, or a local Hugging Face
-dataset (a directory), with ``prompt`` or ``messages`` and an optional ``key``, each bad row
-named (runs in: the user's process)."""
+dataset (a directory), with ``prompt`` or ``messages`` and an optional ``key``, each bad row named
+(runs in: caller)."""
 
 from __future__ import annotations
 

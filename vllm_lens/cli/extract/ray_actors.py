@@ -1,5 +1,7 @@
-"""``vllm-lens extract --ray``: one dataset written by many engines, each a Ray Data actor
-(runs in: the user's process, which drives the job; ``EngineActor`` in each actor process).
+"""``vllm-lens extract --ray``: one dataset written by many engines, each a Ray Data actor (runs in:
+caller, front end).
+
+The user's process drives the job; ``EngineActor`` holds an engine in each actor process.
 
 The prompts are read and checked here as for one engine (``extract.prompts``; the keys already
 written skipped), handed to Ray Data, and run by ``--num-engines`` actors, each a vLLM engine

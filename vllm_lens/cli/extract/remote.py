@@ -1,5 +1,7 @@
-"""``vllm-lens extract --server URL``: a prompt file through a lens-enabled vLLM server into a
-local activation dataset (runs in: the user's process; the model runs on the server).
+"""``vllm-lens extract --server URL``: a prompt file through a lens-enabled vLLM server into a local
+activation dataset (runs in: caller).
+
+The model runs on the server.
 
 Requests go out a batch (``--batch-size``) at a time with ``AsyncLensClient``; their rows come
 back with the binary transport and are written with ``ShardWriter`` a shard at a time, so the

@@ -18,7 +18,10 @@ vLLM loads it in each of its processes, possibly several times per process.
   (``frontend.prefix_cache``); the front end's once-per-step worker calls get a method that
   does not hold up the next step (``engine_core.pipelined_rpc``);
 - worker: every model vLLM constructs gets taps on its decoder layers (``worker.taps``), by
-  wrapping the class vLLM's model loader resolves for the architecture.
+  wrapping the class vLLM's model loader resolves for the architecture; vLLM's PyTorch LoRA
+  ops (the CPU build's) leave tokens of requests without an adapter alone, as its Triton
+  kernels do (``worker.lora_guard``; this is the one change to plain traffic: without it such
+  a token runs with the adapter in the last LoRA slot).
 
 ``VLLM_LENS_DISABLE=1`` makes it a complete no-op.
 """
@@ -48,7 +51,7 @@ def register() -> None:
         presets,
         sae_names,
     )
-    from vllm_lens.worker import taps
+    from vllm_lens.worker import lora_guard, taps
 
     engine_args.install()
     collate.install_output_fields()
@@ -61,6 +64,7 @@ def register() -> None:
     sae_names.install()
     patching_sweep.install()
     taps.install_model_hook()
+    lora_guard.install()
     # The API server imports its app builder before it creates the engine (which loads the
     # plugins); other processes never pay for importing the server stack.
     if "vllm.entrypoints.launchers.app" in sys.modules:

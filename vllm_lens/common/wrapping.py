@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["wrap_attribute"]
+__all__ = ["is_wrapped", "wrap_attribute"]
 
 _MARK = "__vllm_lens_wrapper__"
 
@@ -27,3 +27,8 @@ def wrap_attribute(owner: Any, name: str, make: Callable[[Callable[..., Any]], C
     functools.update_wrapper(wrapper, original)
     setattr(wrapper, _MARK, True)
     setattr(owner, name, wrapper)
+
+
+def is_wrapped(value: Any) -> bool:
+    """Whether ``value`` is a wrapper that ``wrap_attribute`` installed."""
+    return bool(getattr(value, _MARK, False))

@@ -98,6 +98,14 @@ def config_unsupported_reason(vllm_config: Any) -> str | None:
     if getattr(parallel, "use_ubatching", False):
         return ("micro-batching (enable_dbo / --enable-dbo, ubatch_size) is not supported; "
                 "turn it off to use vllm-lens")
+    if getattr(vllm_config, "lora_config", None) is not None:
+        from vllm_lens.worker import lora_guard
+
+        if lora_guard.needs_guard() and not lora_guard.guarded():
+            return ("LoRA (enable_lora / --enable-lora) on a platform that runs vLLM's PyTorch "
+                    "LoRA ops, which vllm-lens could not guard in this vLLM (see "
+                    "vllm_lens.worker.lora_guard): a request without an adapter could run "
+                    "with another request's adapter; disable LoRA to use vllm-lens")
     speculative = vllm_config.speculative_config
     if speculative is not None and speculative.method not in NGRAM_METHODS:
         return (f"speculative decoding with method {speculative.method!r} is not supported "

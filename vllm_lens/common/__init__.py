@@ -1,0 +1,1 @@
+"""What every process of vllm-lens uses (runs in: any)."""

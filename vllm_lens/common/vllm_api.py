@@ -308,6 +308,9 @@ REGISTRY: tuple[Need, ...] = (
     _n("vllm.v1.worker.worker_base:WorkerBase.vllm_config", "instance attribute", "read",
        "worker.extension", "the engine config the worker judges"),
     _n(_RUNNER, "class", "read", "worker.runner", "the V1 runner whose state is read"),
+    _n("vllm.v1.worker.gpu", "module", "read", "worker.runner",
+       "Model Runner V2's package: its runners are refused by name", optional=True,
+       **_LOADED),
     _n("vllm.v1.worker.cpu_model_runner:CPUModelRunner", "class", "read", "worker.runner",
        "the V1 runner of the CPU build", **_LOADED),
     *(_n(f"{_RUNNER}.{name}", "instance attribute", "read",
@@ -498,9 +501,9 @@ def _declares(cls: type, name: str) -> bool:
     return False
 
 
-def _parameters(obj: Any) -> set[str] | None:
+def _parameters(obj: Any) -> list[str] | None:
     try:
-        return set(inspect.signature(obj).parameters)
+        return list(inspect.signature(obj).parameters)
     except (TypeError, ValueError):
         return None
 
@@ -536,13 +539,13 @@ def _checked_here(need: Need, in_worker: bool) -> bool:
             or need.module in sys.modules)
 
 
-def check(needs: Iterable[Need] = REGISTRY, *, in_worker: bool | None = None
+def check(needs: Iterable[Need] | None = None, *, in_worker: bool | None = None
           ) -> list[Problem]:
     """What differs between ``needs`` and the installed vLLM (every entry, importing its
     module). With ``in_worker`` given, only the entries start-up checks in such a process
     (see ``startup`` in the module docstring)."""
     problems = []
-    for need in needs:
+    for need in REGISTRY if needs is None else needs:
         if in_worker is not None and not _checked_here(need, in_worker):
             continue
         try:

@@ -47,8 +47,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["KINDS", "REGISTRY", "Need", "Problem", "check", "declared_members", "resolve",
-           "unsupported_reason"]
+__all__ = ["KINDS", "REGISTRY", "Need", "Problem", "check", "check_one", "declared_members",
+           "resolve", "unsupported_reason"]
 
 Kind = Literal["module", "class", "function", "method", "attribute", "instance attribute"]
 Use = Literal["import", "call", "wrap", "patch", "subclass", "read"]
@@ -445,8 +445,11 @@ REGISTRY = tuple(dataclasses.replace(n, startup="worker")
 
 # -- checking against the vLLM this process imported ---------------------------------------------
 def resolve(need: Need) -> Any:
-    """The object ``need`` names, or for an instance attribute its class (raises
-    ``ImportError`` / ``AttributeError`` when missing)."""
+    """The object ``need`` names, or for an instance attribute its class.
+
+    Raises:
+        ImportError: the module is missing. AttributeError: a name on the way is.
+    """
     obj: Any = importlib.import_module(need.module)
     parts = need.qualname.split(".") if need.qualname else []
     if need.kind == "instance attribute":
@@ -457,8 +460,9 @@ def resolve(need: Need) -> Any:
 
 
 def declared_members(tree: ast.ClassDef) -> set[str]:
-    """Names a class body declares: assignments, annotations, methods and properties, and
-    every ``self.<name>`` assigned (or annotated) inside its methods."""
+    """Names the class body ``tree`` declares: assignments, annotations, methods and
+    properties, and every ``self.<name>`` assigned (or annotated) inside its methods (bases
+    not included)."""
     names: set[str] = set()
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -509,7 +513,7 @@ def _parameters(obj: Any) -> list[str] | None:
 
 
 def check_one(need: Need) -> str | None:
-    """What differs for one entry, or ``None``."""
+    """What differs for ``need`` (one entry) in the installed vLLM, or ``None``."""
     try:
         obj = resolve(need)
     except ImportError as exc:
@@ -541,9 +545,17 @@ def _checked_here(need: Need, in_worker: bool) -> bool:
 
 def check(needs: Iterable[Need] | None = None, *, in_worker: bool | None = None
           ) -> list[Problem]:
-    """What differs between ``needs`` and the installed vLLM (every entry, importing its
-    module). With ``in_worker`` given, only the entries start-up checks in such a process
-    (see ``startup`` in the module docstring)."""
+    """What differs between ``needs`` and the installed vLLM.
+
+    Args:
+        needs: the entries to check; ``None``: ``REGISTRY``.
+        in_worker: ``None`` checks every entry, importing its module. ``True`` / ``False``:
+            only the entries start-up checks in a worker / another process (see ``startup``
+            in the module docstring).
+
+    Returns:
+        One ``Problem`` per entry that differs, in table order (empty: everything matches).
+    """
     problems = []
     for need in REGISTRY if needs is None else needs:
         if in_worker is not None and not _checked_here(need, in_worker):

@@ -5,6 +5,7 @@ import ast
 import dataclasses
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -159,3 +160,40 @@ def test_the_completeness_scan_sees_imports_wraps_and_names(tmp_path):
     assert symbols == ["vllm.v1.engine.llm_engine:LLMEngine", "vllm.lens_new",
                        "vllm.v1.engine.llm_engine:LLMEngine.lens_step", "vllm.v1.lens.Runner"]
     assert [s for s in symbols if not _covered(s)] == symbols[1:]
+
+
+# -- the static reading (tools/vllm_api_diff.py) -------------------------------------------------
+def _diff_tool():
+    import importlib.util
+
+    path = PACKAGE.parent / "tools" / "vllm_api_diff.py"
+    spec = importlib.util.spec_from_file_location("vllm_api_diff", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_static_reading_of_the_installed_vllm_finds_nothing(capsys):
+    import vllm
+
+    assert _diff_tool().main([str(pathlib.Path(vllm.__file__).parents[1])]) == 0
+    assert f"0 of {len(REGISTRY)} entries differ" in capsys.readouterr().out
+
+
+def test_the_static_reading_names_a_moved_function_and_a_renamed_parameter(tmp_path):
+    tool = _diff_tool()
+    (tmp_path / "vllm" / "engine").mkdir(parents=True)
+    (tmp_path / "vllm" / "__init__.py").write_text("from .engine.core import Engine\n")
+    (tmp_path / "vllm" / "engine" / "__init__.py").write_text("")
+    (tmp_path / "vllm" / "engine" / "core.py").write_text(
+        "class Base:\n    def __init__(self):\n        self.batch = None\n"
+        "class Engine(Base):\n    def step(self, request_ids, internal_only): ...\n"
+        "def setup(): ...\n")
+    tree = tool.Tree(tmp_path)
+    assert tool.diff_one(tree, _entry("vllm:Engine.batch", "instance attribute")) is None
+    renamed = _entry("vllm:Engine.step", "method", ("request_ids", "internal"))
+    assert "has no parameter internal" in tool.diff_one(tree, renamed)
+    moved = _entry("vllm.old:setup", "function")
+    assert tool.diff_one(tree, moved) == ("module vllm.old is gone; setup is defined in "
+                                          "vllm.engine.core")

@@ -493,16 +493,19 @@ def _declares(cls: type, name: str) -> bool:
     for klass in cls.__mro__:
         if name in getattr(klass, "__annotations__", {}):
             return True
-        if not klass.__module__.startswith("vllm"):
-            continue
-        try:
-            source = textwrap.dedent(inspect.getsource(klass))
-            tree = ast.parse(source).body[0]
-        except (OSError, TypeError, SyntaxError, IndexError):
-            continue
-        if isinstance(tree, ast.ClassDef) and name in declared_members(tree):
+        if klass.__module__.startswith("vllm") and name in _source_members(klass):
             return True
     return False
+
+
+@functools.cache
+def _source_members(klass: type) -> frozenset[str]:
+    """``declared_members`` of ``klass``'s own source (parsed once per class)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return frozenset()
+    return frozenset(declared_members(tree)) if isinstance(tree, ast.ClassDef) else frozenset()
 
 
 def _parameters(obj: Any) -> list[str] | None:

@@ -82,7 +82,12 @@ _V2_REASON = ("this engine runs vLLM's Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER
 
 
 def config_unsupported_reason(vllm_config: Any) -> str | None:
-    """The configuration part of ``unsupported_reason`` (no runner needed)."""
+    """The configuration part of ``unsupported_reason`` (no runner needed), after what this
+    vLLM lacks of what vllm-lens needs from it (``common.vllm_api``, checked once a process)."""
+    from vllm_lens.common.vllm_api import unsupported_reason as missing_from_vllm
+
+    if (missing := missing_from_vllm()) is not None:
+        return missing
     scheduler = vllm_config.scheduler_config
     if getattr(scheduler, "async_scheduling", False):
         return ("async scheduling is on (async_scheduling=True / --async-scheduling); "

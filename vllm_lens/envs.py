@@ -71,7 +71,7 @@
   there are then refused), for plain traffic's speed; default ``1``.
 - ``VLLM_LENS_HTTP_STORE_DIR``: the directory under which each OpenAI server makes the
   directory its API processes share (binary-transport store, preset log; default: the
-  system's temporary directory; ``frontend.shared_dir``).
+  system's temporary directory; ``frontend.http.shared_dir``).
 - ``VLLM_LENS_SERVER_DIR``: set by a server's launcher for the API processes it starts (that
   shared directory); not a setting.
 - ``VLLM_LENS_CACHE``: where the demo models are built (default ``~/.cache/vllm_lens``;

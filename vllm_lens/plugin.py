@@ -12,8 +12,8 @@ vLLM loads it in each of its processes, possibly several times per process.
   (``frontend.persistent_hooks``, ``frontend.presets``, ``frontend.sae_names``,
   ``frontend.patching_sweep``); in a process that builds vLLM's OpenAI server,
   the server's completions and chat endpoints return activations, and the ``/v1/lens/*``,
-  ``/v1/hooks/*`` and ``/v1/steering*`` routes are added (``frontend.server``,
-  ``frontend.steering_routes``, ``frontend.patching_sweep``);
+  ``/v1/hooks/*`` and ``/v1/steering*`` routes are added (``frontend.http``,
+  ``frontend.patching_sweep``);
 - engine core: blocks of generated tokens under decode-only steering get their own hash
   (``frontend.prefix_cache``); the front end's once-per-step worker calls get a method that
   does not hold up the next step (``engine_core.pipelined_rpc``);
@@ -68,6 +68,6 @@ def register() -> None:
     # The API server imports its app builder before it creates the engine (which loads the
     # plugins); other processes never pay for importing the server stack.
     if "vllm.entrypoints.launchers.app" in sys.modules:
-        from vllm_lens.frontend import server
+        from vllm_lens.frontend.http import endpoints
 
-        server.install()
+        endpoints.install()

@@ -12,7 +12,7 @@ from vllm_lens.activations import (
     binary_descriptor,
     decode_activation_bytes,
 )
-from vllm_lens.frontend.blob_store import BlobStore
+from vllm_lens.frontend.http.blob_store import BlobStore
 from vllm_lens.frontend.response_scope import ResponseScope
 
 

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from vllm_lens.frontend import preset_log
-from vllm_lens.frontend.blob_store import BlobStore
+from vllm_lens.frontend.http import preset_log
+from vllm_lens.frontend.http.blob_store import BlobStore
 
 
 class _Engine:

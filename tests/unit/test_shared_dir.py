@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from vllm_lens.frontend import shared_dir
+from vllm_lens.frontend.http import shared_dir
 
 
 def test_each_server_gets_a_new_private_folder_and_orphans_go(tmp_path, monkeypatch):

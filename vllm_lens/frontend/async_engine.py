@@ -137,7 +137,7 @@ def _wrap_generate(original):
 
 def _refuse_off_route(params: Any) -> None:
     """Refuse lens keys that reached the engine by a route that does not return lens results
-    (the server's own routes refuse them first where they can: ``frontend.server``)."""
+    (the server's own routes refuse them first where they can: ``frontend.http``)."""
     key = asks_for_work(getattr(params, "extra_args", None))
     if key is not None:
         raise LensRequestError(key, OFF_ROUTE)

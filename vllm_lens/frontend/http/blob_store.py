@@ -3,7 +3,7 @@
 Every API server process of one server shares it.
 
 Activations sent by handle wait here until the client fetches them. The store is a directory
-(``blobs/`` in the server's shared directory, ``frontend.shared_dir``), one file per handle,
+(``blobs/`` in the server's shared directory, ``http.shared_dir``), one file per handle,
 so that a follow-up ``GET`` / ``DELETE`` landing on another API server process finds what the
 first one stored. Only files named like a handle are ever read, counted or removed.
 

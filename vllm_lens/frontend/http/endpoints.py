@@ -69,11 +69,12 @@ from vllm_lens.errors import (
     SinkRefusedError,
     WorkerCapacityError,
 )
-from vllm_lens.frontend import patching_sweep, preset_log, shared_dir, steering_routes
+from vllm_lens.frontend import patching_sweep
+from vllm_lens.frontend.http import preset_log, routes_steering, shared_dir
 from vllm_lens.frontend.async_engine import OFF_ROUTE, model_facts
-from vllm_lens.frontend.blob_store import BlobStore
+from vllm_lens.frontend.http.blob_store import BlobStore
 from vllm_lens.frontend.collate import LensSession, join_streamed
-from vllm_lens.frontend.http_io import answered_by, json_object, read_bounded
+from vllm_lens.frontend.http.bodies import answered_by, json_object, read_bounded
 from vllm_lens.frontend.response_scope import ResponseScope
 from vllm_lens.frontend.rpc import all_workers
 from vllm_lens.frontend.sae_names import async_describer, check_sae_file, register_sae_file
@@ -148,7 +149,7 @@ def _wrap_register_api_routers(original):
         mark_http_process()  # sinks not open to clients are refused on completions and chat
         original(args, app, *rest, **kwargs)
         app.include_router(_router)
-        app.include_router(steering_routes.router)
+        app.include_router(routes_steering.router)
         app.include_router(patching_sweep.router)
 
     return register_api_routers
@@ -177,7 +178,7 @@ def _wrap_build_engine_client(original):
 
 def _wrap_run_multi_api_server(original):
     def run_multi_api_server(args: Any, *rest: Any, **kwargs: Any) -> Any:
-        # The API processes it starts share one directory (``frontend.shared_dir``).
+        # The API processes it starts share one directory (``http.shared_dir``).
         shared_dir.create()
         return original(args, *rest, **kwargs)
 
@@ -193,7 +194,7 @@ def _wrap_init_app_state(original):
         if names:
             logger.info("vllm-lens: serving SAEs %s", ", ".join(names))
         # Before serving, and after the SAEs: a preset may steer by their features.
-        await steering_routes.register_preset_file(
+        await routes_steering.register_preset_file(
             engine_client, getattr(args, "api_server_count", None))
 
     return init_app_state

@@ -5,8 +5,8 @@ The process that builds the OpenAI server, and each API server process it starts
 ``vllm serve --api-server-count N`` (and ``--data-parallel-size N``, which starts N API
 processes by default) answers a client's follow-up call from whichever process the connection
 reaches, so what one process keeps for later calls lives here: the binary-transport store
-(``frontend.blob_store``, in ``blobs/``) and the log of steering-preset route calls
-(``frontend.preset_log``).
+(``http.blob_store``, in ``blobs/``) and the log of steering-preset route calls
+(``http.preset_log``).
 
 Each server gets a new directory (mode 0700) inside ``VLLM_LENS_HTTP_STORE_DIR`` (default: the
 system's temporary directory), made where the server starts: by ``vllm serve``'s launcher

@@ -4,7 +4,7 @@ end).
 Each API server process (``--api-server-count N``) keeps its presets in memory, and a
 ``/v1/steering/register`` or ``/unregister`` call reaches one of them. With several, such a
 call is applied where it lands and appended to a log in the server's shared directory
-(``frontend.shared_dir``); every process applies the calls it has not seen, in the log's
+(``http.shared_dir``); every process applies the calls it has not seen, in the log's
 order, before it lists presets, changes them or parses a request that selects one. The log
 is held under a lock file while a call is applied and appended, so calls made through
 different processes are applied in one order everywhere. A line is taken only once complete;
@@ -22,7 +22,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, BinaryIO
 
-from vllm_lens.frontend.shared_dir import server_dir
+from vllm_lens.frontend.http.shared_dir import server_dir
 
 __all__ = ["append", "configure", "held", "replay", "sync"]
 

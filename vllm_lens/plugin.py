@@ -68,6 +68,6 @@ def register() -> None:
     # The API server imports its app builder before it creates the engine (which loads the
     # plugins); other processes never pay for importing the server stack.
     if "vllm.entrypoints.launchers.app" in sys.modules:
-        from vllm_lens.frontend.http import endpoints
+        from vllm_lens.frontend.http import install as http_install
 
-        endpoints.install()
+        http_install.install()

@@ -48,7 +48,8 @@ from vllm_lens.common import points as tap_points
 from vllm_lens.errors import LensError, LensRequestError, UnsupportedConfigError
 from vllm_lens.frontend.collate import LensSession, facts_from_describe
 from vllm_lens.frontend.engine_methods import drive, drive_async
-from vllm_lens.frontend.http.bodies import error, read_bounded
+from vllm_lens.frontend.http.bodies import read_bounded
+from vllm_lens.frontend.http.errors import error
 from vllm_lens.frontend import response_scope
 from vllm_lens.frontend.sae_names import described_beforehand, steering_described
 from vllm_lens.sinks.config import serves_http

@@ -30,9 +30,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from vllm_lens import envs
 from vllm_lens.errors import CapacityError
+from vllm_lens.frontend.http import shared_dir
 
-__all__ = ["BlobStore"]
+__all__ = ["BlobStore", "store"]
 
 _LOCK = ".lock"
 #: ``secrets.token_urlsafe(32)``: 43 characters of the URL-safe base64 alphabet.
@@ -171,3 +173,15 @@ class BlobStore:
                 yield
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+_store: BlobStore | None = None
+
+
+def store() -> BlobStore:
+    """The binary-transport store this server's API processes share (opened on first use)."""
+    global _store
+    if _store is None:
+        _store = BlobStore(shared_dir.server_dir() / "blobs", envs.http_store_max_bytes(),
+                           envs.http_store_ttl_s())
+    return _store

@@ -1,17 +1,14 @@
-"""Reading request bodies and writing errors for vllm-lens's own HTTP routes (runs in: front
-end)."""
+"""Reading the request bodies of vllm-lens's own HTTP routes, and the header naming the API
+process that answered (runs in: front end)."""
 
 from __future__ import annotations
 
 import multiprocessing
-from http import HTTPStatus
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
-from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
-__all__ = ["answered_by", "error", "json_object", "read_bounded"]
+__all__ = ["answered_by", "json_object", "read_bounded"]
 
 
 async def json_object(raw_request: Request) -> dict[str, Any] | None:
@@ -35,20 +32,6 @@ async def read_bounded(raw_request: Request, limit: int) -> bytes:
         if len(body) > limit:
             raise ValueError(f"body larger than {limit:,} bytes")
     return bytes(body)
-
-
-#: OpenAI's error type names by status (the SDK maps the status to its exception class).
-_ERROR_TYPES = {HTTPStatus.FORBIDDEN: "PermissionDeniedError",
-                HTTPStatus.TOO_MANY_REQUESTS: "RateLimitError"}
-
-
-def error(message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
-          param: str | None = None) -> JSONResponse:
-    """An OpenAI-style error response (``PermissionDeniedError`` for 403, ``RateLimitError``
-    for 429, ``BadRequestError`` otherwise)."""
-    err = create_error_response(message, status_code=status, param=param,
-                                err_type=_ERROR_TYPES.get(status, "BadRequestError"))
-    return JSONResponse(err.model_dump(), status_code=err.error.code)
 
 
 def answered_by() -> dict[str, str]:

@@ -9,7 +9,7 @@
   A vector may steer by feature (``{"sae", "feature", "scale" | "clamp"}``) of an SAE the
   server serves by name (``VLLM_LENS_SAES``); a directory is refused, naming the field.
 
-The presets file is registered after ``VLLM_LENS_SAES`` (``http.endpoints``), so its presets
+The presets file is registered after ``VLLM_LENS_SAES`` (``http.install``), so its presets
 may steer by those SAEs' features too.
 
 With several API server processes (``--api-server-count N``) a route call is applied by the
@@ -26,9 +26,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from vllm_lens import envs
 from vllm_lens.errors import LensRequestError
-from vllm_lens.frontend.http import preset_log
 from vllm_lens.frontend.collate import LensSession
-from vllm_lens.frontend.http.bodies import answered_by, error, json_object
+from vllm_lens.frontend.http import preset_log
+from vllm_lens.frontend.http.bodies import answered_by, json_object
+from vllm_lens.frontend.http.errors import error
 from vllm_lens.frontend.presets import read_preset_file
 
 logger = logging.getLogger(__name__)

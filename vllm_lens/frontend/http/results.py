@@ -1,0 +1,56 @@
+"""One choice's lens results as the JSON fields it gets in an HTTP response (runs in: front
+end).
+
+Used for whole responses (``endpoints``) and for the extra chunk of a stream
+(``streaming``); with the binary transport the activations are stored in the blob store and
+the choice names their handle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from vllm_lens.activations import binary_descriptor, hook_results_to_json
+from vllm_lens.common import wire
+from vllm_lens.frontend.collate import join_streamed
+from vllm_lens.frontend.http.blob_store import store
+from vllm_lens.frontend.response_scope import ResponseScope
+
+__all__ = ["Encoder", "encode_binary", "encode_results", "with_partials"]
+
+#: Activations -> the JSON value of a choice's ``activations`` field.
+Encoder = Callable[[Any], dict[str, Any]]
+
+
+def encode_results(results: Mapping[str, Any], encode: Encoder) -> dict[str, Any]:
+    """One choice's lens results as the JSON fields it gets."""
+    fields = {}
+    if results.get("activations") is not None:
+        fields["activations"] = encode(results["activations"])
+    if results.get("hook_results") is not None:
+        fields["hook_results"] = hook_results_to_json(results["hook_results"])
+    if results.get("capture_receipt") is not None:
+        fields["capture_receipt"] = results["capture_receipt"]
+    if results.get("steering_gates") is not None:
+        fields["steering_gates"] = hook_results_to_json(results["steering_gates"])
+    if results.get("sae_features") is not None:  # sparse: JSON in both transports
+        fields["sae_features"] = hook_results_to_json(results["sae_features"])
+    return fields
+
+
+def encode_binary(acts: Mapping[str, Any]) -> dict[str, Any]:
+    """Activations stored in the blob store; the descriptor naming their handle."""
+    blob = wire.dumps(dict(acts))
+    return binary_descriptor(acts, store().put(blob), len(blob))
+
+
+def with_partials(scope: ResponseScope, response_id: str, n: int) -> dict[int, Any]:
+    """Each choice's final results, with the streamed rows not sent yet (if any) in front of
+    the final output's rows."""
+    found = scope.by_choice(response_id, n)
+    for index, results in found.items():
+        early = scope.take_partial(response_id, index)
+        if early:
+            found[index] = join_streamed([*early, results])
+    return found

@@ -1,0 +1,64 @@
+"""What the server serves and holds: ``GET /v1/lens/saes`` and ``GET /v1/lens/stats`` (runs
+in: front end).
+
+The stats are the bytes waiting in the binary store, each worker's figures and the patching
+sweeps running in this API process; the workers' figures are at most a second old, one worker
+call serving every GET meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from vllm_lens.frontend import patching_sweep
+from vllm_lens.frontend.http.blob_store import store
+from vllm_lens.frontend.rpc import all_workers
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.get("/v1/lens/saes")
+async def list_saes(raw_request: Request) -> JSONResponse:
+    """The SAEs requests may name (``VLLM_LENS_SAES``): name, layout, architecture, hook
+    point, widths and dtype; never a path or weights."""
+    saes = await raw_request.app.state.engine_client.registered_saes()
+    return JSONResponse({"object": "list", "data": saes})
+
+
+@router.get("/v1/lens/stats")
+async def lens_stats(raw_request: Request) -> JSONResponse:
+    workers = await _worker_stats(raw_request.app.state.engine_client)
+    return JSONResponse({"store": await asyncio.to_thread(store().stats), "workers": workers,
+                         "sweeps": patching_sweep.running_sweeps()})
+
+
+#: The last ``lens_stats`` call to the workers: GETs while it runs, and within
+#: ``_STATS_INTERVAL_S`` after it answered, share it, so polling the route costs the workers
+#: at most one call a second however many clients poll.
+_stats_call: asyncio.Future | None = None
+_stats_answered = 0.0
+_STATS_INTERVAL_S = 1.0
+
+
+async def _worker_stats(engine: Any) -> list[Any]:
+    global _stats_call, _stats_answered
+    loop = asyncio.get_running_loop()
+    call = _stats_call
+    stale = (call is None or call.get_loop() is not loop
+             or (call.done() and (call.cancelled() or call.exception() is not None
+                                  or loop.time() - _stats_answered > _STATS_INTERVAL_S)))
+    if stale:
+        call = _stats_call = asyncio.ensure_future(all_workers(engine, "lens_stats"))
+
+        def answered(_: asyncio.Future) -> None:
+            global _stats_answered
+            _stats_answered = loop.time()
+
+        call.add_done_callback(answered)
+    return await asyncio.shield(call)

@@ -444,9 +444,7 @@ REGISTRY: tuple[Need, ...] = (
     _n("vllm.entrypoints.serve.utils.api_utils:cli_env_setup", "function", "call", "cli.serve",
        "what vllm serve sets up first", **_LOADED),
     _n("vllm.entrypoints.serve.exception_handling.error_response:create_error_response",
-       "function", "call",
-       "frontend.http.errors frontend.http.endpoints frontend.http.routes_blobs "
-       "frontend.http.routes_hooks", "vLLM's error bodies",
+       "function", "call", "frontend.http.errors", "vLLM's error bodies",
        "message err_type status_code param"),
     _n("vllm.entrypoints.serve.engine.protocol:ErrorResponse", "class", "import",
        "frontend.http.endpoints frontend.http.errors", "recognises vLLM's error answers"),

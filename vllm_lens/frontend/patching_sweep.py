@@ -49,7 +49,7 @@ from vllm_lens.errors import LensError, LensRequestError, UnsupportedConfigError
 from vllm_lens.frontend.collate import LensSession, facts_from_describe
 from vllm_lens.frontend.engine_methods import drive, drive_async
 from vllm_lens.frontend.http.bodies import read_bounded
-from vllm_lens.frontend.http.errors import error
+from vllm_lens.frontend.http.errors import answer, error
 from vllm_lens.frontend import response_scope
 from vllm_lens.frontend.sae_names import described_beforehand, steering_described
 from vllm_lens.sinks.config import serves_http
@@ -339,12 +339,8 @@ async def patching_sweep(raw_request: Request) -> Response:
             body.get("prompt"), body.get("clean"), body.get("layers"), body.get("positions"),
             body.get("metric"), body.get("corrupt"), body.get("point", "resid_post")))
         result = await _unless_client_leaves(sweep, raw_request)
-    except LensRequestError as exc:
-        return error(str(exc), param=exc.field)
-    except ValueError as exc:  # vLLM's own validation of a variant
-        return error(str(exc))
-    except LensError as exc:
-        return error(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR)
+    except (ValueError, LensError) as exc:  # a bad sweep or variant (4xx), a failed one (5xx)
+        return answer(exc)
     finally:
         _running -= 1
     if result is None:  # the client went away: nobody reads this

@@ -13,14 +13,10 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncGenerator, Mapping
-from http import HTTPStatus
 from typing import Any
 
 from fastapi import Request
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-from vllm.entrypoints.serve.exception_handling.error_response import (
-    create_error_response,
-)
 
 from vllm_lens import envs
 from vllm_lens.activations import activations_to_json
@@ -28,14 +24,12 @@ from vllm_lens.errors import (
     CapacityError,
     LensExecutionError,
     LensRequestError,
-    SinkConflictError,
-    WorkerCapacityError,
 )
 from vllm_lens.frontend.async_engine import model_facts
 from vllm_lens.frontend.collate import LensSession
 from vllm_lens.frontend.http import preset_log
 from vllm_lens.frontend.http.blob_store import store
-from vllm_lens.frontend.http.errors import capacity_error, request_error
+from vllm_lens.frontend.http.errors import error_response
 from vllm_lens.frontend.http.results import (
     Encoder,
     encode_binary,
@@ -47,7 +41,6 @@ from vllm_lens.frontend.response_scope import ResponseScope
 from vllm_lens.frontend.sae_names import async_describer
 from vllm_lens.hooks import HookError
 from vllm_lens.spec import (
-    HOOKS_KEY,
     LENS_KEYS,
     SINK_KEY,
     STEER_KEY,
@@ -70,12 +63,12 @@ def wrap_endpoint(endpoint: Endpoint):
             try:
                 validated = await _validate(self.engine_client, xargs)
             except LensRequestError as exc:
-                return request_error(exc)
+                return error_response(exc)
             if validated is None:
                 return await original(self, request, raw_request)
             encode, lens = validated
             if lens.sink is not None and _several_prompts(request):
-                return request_error(LensRequestError(
+                return error_response(LensRequestError(
                     f"{SINK_KEY}.key", "names one example, but this request has several "
                     "prompts; send one request per prompt, each with its own key"))
             scope = ResponseScope(parsed_from=xargs, parsed=lens)
@@ -86,28 +79,15 @@ def wrap_endpoint(endpoint: Endpoint):
                         # Start the stream here: a request the engine wrapper refuses
                         # (admission) then gets its 400 instead of an error event.
                         result = await Started(result).start()
-                except LensRequestError as exc:  # refused by the engine wrapper (admission)
-                    return request_error(exc)
-                except HookError as exc:  # a client's hook raised: answer, don't crash the route
-                    return create_error_response(
-                        str(exc), err_type="InternalServerError",
-                        status_code=HTTPStatus.INTERNAL_SERVER_ERROR, param=HOOKS_KEY)
-                except SinkConflictError as exc:  # the key or settings clash with the dataset
-                    return create_error_response(str(exc), err_type="ConflictError",
-                                                 status_code=HTTPStatus.CONFLICT,
-                                                 param=SINK_KEY)
-                except WorkerCapacityError as exc:  # a worker's shared budget was full
-                    return create_error_response(
-                        str(exc), err_type="ServiceUnavailableError",
-                        status_code=HTTPStatus.SERVICE_UNAVAILABLE, param=exc.setting)
-                except LensExecutionError as exc:  # the worker failed this request alone
-                    return create_error_response(
-                        str(exc), err_type="InternalServerError",
-                        status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+                # Refused by the engine wrapper (admission); a client's hook raised; the
+                # worker failed this request alone (a sink's conflict, a full worker budget):
+                # answered, never crashing the route.
+                except (LensRequestError, HookError, LensExecutionError) as exc:
+                    return error_response(exc)
             if scope.refused is not None:
                 if isinstance(result, Started):
                     await result.aclose()
-                return request_error(scope.refused)
+                return error_response(scope.refused)
             if isinstance(result, ErrorResponse):
                 return result
             n = request.n or 1
@@ -124,7 +104,7 @@ def wrap_endpoint(endpoint: Endpoint):
                         acts = getattr(choice, "activations", None)
                         if isinstance(acts, dict) and acts.get("transport") == "binary":
                             store().delete(acts["handle"])
-                    return capacity_error(exc)
+                    return error_response(exc)
                 return result
             return with_activation_chunks(result, scope, n, endpoint, encode, lens.stream)
 

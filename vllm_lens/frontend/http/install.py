@@ -26,7 +26,7 @@ from vllm_lens.frontend.http import (
     shared_dir,
 )
 from vllm_lens.frontend.http.endpoints import wrap_endpoint
-from vllm_lens.frontend.http.errors import request_error
+from vllm_lens.frontend.http.errors import error_response
 from vllm_lens.frontend.http.streaming import CHAT, COMPLETIONS
 from vllm_lens.frontend.sae_names import check_sae_file, register_sae_file
 from vllm_lens.sinks.config import mark_http_process
@@ -124,7 +124,7 @@ def _refuse_lens_keys(original):
     async def serve(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         key = asks_for_work(getattr(request, "vllm_xargs", None))
         if key is not None:
-            return request_error(LensRequestError(key, OFF_ROUTE))
+            return error_response(LensRequestError(key, OFF_ROUTE))
         return await original(self, request, *args, **kwargs)
 
     return serve

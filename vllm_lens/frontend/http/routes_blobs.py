@@ -15,13 +15,12 @@ from http import HTTPStatus
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
 from vllm_lens import envs
 from vllm_lens.activations import ACTIVATIONS_PATH, FETCH_PATH, valid_handle
 from vllm_lens.frontend.http.blob_store import store
 from vllm_lens.frontend.http.bodies import answered_by, read_bounded
-from vllm_lens.frontend.http.errors import json_error
+from vllm_lens.frontend.http.errors import error
 
 __all__ = ["router"]
 
@@ -29,10 +28,10 @@ router = APIRouter()
 
 
 def _not_found(handle: str) -> JSONResponse:
-    return json_error(create_error_response(
+    return error(
         f"no activations under handle {handle!r}: it never existed, was deleted, or expired "
         f"(handles live {envs.http_store_ttl_s():g} s; VLLM_LENS_HTTP_STORE_TTL_S)",
-        err_type="NotFoundError", status_code=HTTPStatus.NOT_FOUND, param="handle"))
+        HTTPStatus.NOT_FOUND, param="handle")
 
 
 _FETCH_BODY_MAX = 4096
@@ -50,9 +49,8 @@ async def fetch_activations(raw_request: Request) -> Response:
         if not isinstance(delete, bool):
             raise ValueError("'delete' must be true or false")
     except (ValueError, AttributeError) as exc:
-        return json_error(create_error_response(
-            f"expected a JSON body {{\"handle\": <handle>, \"delete\": true}}: {exc}",
-            err_type="BadRequestError", status_code=HTTPStatus.BAD_REQUEST, param="handle"))
+        return error(f"expected a JSON body {{\"handle\": <handle>, \"delete\": true}}: {exc}",
+                     param="handle")
     return _served(handle, delete=delete)
 
 

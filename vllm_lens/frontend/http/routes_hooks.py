@@ -13,13 +13,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
 from vllm_lens import envs
 from vllm_lens.activations import hook_results_to_json
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.http.bodies import json_object
-from vllm_lens.frontend.http.errors import json_error, request_error
+from vllm_lens.frontend.http.errors import answer, error
 
 __all__ = ["router"]
 
@@ -28,18 +27,18 @@ router = APIRouter()
 
 async def _hooks_call(raw_request: Request, name: str, *args: Any) -> JSONResponse:
     if not envs.allow_persistent_hooks():
-        return json_error(create_error_response(
+        return error(
             "persistent hooks run on every client's requests and collect returns their results, "
             "so /v1/hooks/* is off; the operator may start the server with "
             "VLLM_LENS_ALLOW_PERSISTENT_HOOKS=1 (only where all clients may see each other's "
-            "traffic)", err_type="PermissionDeniedError", status_code=HTTPStatus.FORBIDDEN))
+            "traffic)", HTTPStatus.FORBIDDEN)
     engine = raw_request.app.state.engine_client
     try:
         result = await getattr(engine, name)(*args)
     except LensRequestError as exc:
-        return json_error(request_error(exc))
-    except KeyError as exc:
-        return json_error(create_error_response(str(exc.args[0]), param="names"))
+        return answer(exc)
+    except KeyError as exc:  # a name nothing is registered under
+        return answer(exc, message=str(exc.args[0]), param="names")
     return JSONResponse({"ok": True, "result": hook_results_to_json(result)})
 
 
@@ -61,8 +60,7 @@ async def prefetch_params(raw_request: Request) -> JSONResponse:
     body = await json_object(raw_request) or {}
     names = body.get("names")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        return json_error(create_error_response("names must be a list of parameter names",
-                                                param="names"))
+        return error("names must be a list of parameter names", param="names")
     return await _hooks_call(raw_request, "prefetch_params", names)
 
 

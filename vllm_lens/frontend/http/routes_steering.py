@@ -29,7 +29,7 @@ from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.collate import LensSession
 from vllm_lens.frontend.http import preset_log
 from vllm_lens.frontend.http.bodies import answered_by, json_object
-from vllm_lens.frontend.http.errors import error
+from vllm_lens.frontend.http.errors import answer, error
 from vllm_lens.frontend.presets import read_preset_file
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ async def _changing(raw_request: Request, method: str, *args: Any) -> JSONRespon
         try:
             result = await getattr(engine, method)(*args)
         except LensRequestError as exc:
-            return error(str(exc), param=exc.field)
+            return answer(exc)
         if log is not None:  # the other processes apply it before they next use presets
             try:
                 preset_log.append(log, method, args)

@@ -15,7 +15,7 @@ import torch
 from vllm_lens.activations import hook_results_to_json
 from vllm_lens.errors import CapacityError
 from vllm_lens.frontend.collate import join_streamed
-from vllm_lens.frontend.http.errors import capacity_error, error_event
+from vllm_lens.frontend.http.errors import error_event
 from vllm_lens.frontend.http.results import Encoder, encode_results, with_partials
 from vllm_lens.frontend.response_scope import ResponseScope
 
@@ -83,7 +83,7 @@ async def with_activation_chunks(
                     try:
                         item = await _with_rows(item, scope, header["id"], encode)
                     except CapacityError as exc:  # rows it cannot hold: say so and stop
-                        yield error_event(capacity_error(exc))
+                        yield error_event(exc)
                         yield DONE
                         return  # closing vLLM's stream aborts the request
                 if item == DONE and header is not None:
@@ -92,7 +92,7 @@ async def with_activation_chunks(
                         try:
                             fields = await asyncio.to_thread(encode_results, results, encode)
                         except CapacityError as exc:
-                            yield error_event(capacity_error(exc))
+                            yield error_event(exc)
                             continue
                         choice = {"index": index, **endpoint.empty_choice,
                                   "finish_reason": None, **fields}

@@ -652,7 +652,7 @@ def test_a_shard_being_synced_holds_no_rows_and_leaves_room_for_the_next(tmp_pat
     from vllm_lens.dataset import writer
 
     synced, gate, syncing = [], threading.Event(), threading.Event()
-    real = writer._publish
+    real = writer.publish
 
     def slow_sync(tmp, path, **kwargs):
         if not path.name.startswith("shard-"):  # (the manifest)
@@ -662,7 +662,7 @@ def test_a_shard_being_synced_holds_no_rows_and_leaves_room_for_the_next(tmp_pat
         synced.append(path.name)
         real(tmp, path, **kwargs)
 
-    monkeypatch.setattr(writer, "_publish", slow_sync)
+    monkeypatch.setattr(writer, "publish", slow_sync)
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 1,
                                                "flush_s": 0, "max_queued_shards": 1}}))["acts"]
     sink = ShardSink(config)
@@ -697,14 +697,14 @@ def test_a_shard_that_fails_after_letting_go_of_its_rows_is_dropped_and_reported
     row is written again from memory), reports them, and the next shards go on."""
     from vllm_lens.dataset import writer
 
-    real = writer._publish
+    real = writer.publish
 
     def sync_fails_once(tmp, path, **kwargs):
         if path.name == "shard-00000.safetensors":
             raise OSError(5, "Input/output error")
         return real(tmp, path, **kwargs)
 
-    monkeypatch.setattr(writer, "_publish", sync_fails_once)
+    monkeypatch.setattr(writer, "publish", sync_fails_once)
     config = parse_config(json.dumps({"acts": {"root": str(tmp_path), "rows_per_shard": 2,
                                                "flush_s": 0}}))["acts"]
     sink = ShardSink(config)

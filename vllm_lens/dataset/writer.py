@@ -44,6 +44,10 @@ indexed one, and if its last shard's lines did not all arrive it rewrites the in
 them (under the lock). A key whose example is complete is refused; a part the index already
 holds (a resumed job sending an incomplete example again) is not written twice.
 
+Beside this module: ``publish`` (a file made durable under its final name), ``locks`` (who
+may write a directory), ``recovery`` (reopening one a writer was killed writing) and
+``index`` (the shared index), ``examples`` (an example checked against the manifest).
+
 **Writing on another thread.** A writer given ``hand_off`` does not write a shard when it
 fills: it seals the shard (its number and examples fixed, its keys no longer queued but not
 yet in the index) and hands it over; the callee writes it with ``write_shard``, on a thread
@@ -58,7 +62,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -67,44 +70,17 @@ from typing import Any
 
 import torch
 
-from vllm_lens.dataset.format import (
-    FORMAT, INDEX, MANIFEST, SAE_FIELDS, SHARD_FILE, VERSION_FIELDS, WRITER_LOCK, sae_column,
-    sae_fields, shard_name, tensor_name, writer_lock)
+from vllm_lens.dataset.examples import Part, checked_rows, part_of
+from vllm_lens.dataset.format import FORMAT, INDEX, sae_column, sae_fields, shard_name, tensor_name
 from vllm_lens.dataset.index import (
-    IndexView, append_lines, check_writer, index_locked, parse_line, read_index, rewrite_index)
+    IndexView, append_lines, check_writer, index_locked, parse_line, read_index)
+from vllm_lens.dataset.locks import release_locks, take_locks
+from vllm_lens.dataset.publish import publish, temp_name
+from vllm_lens.dataset.recovery import check_manifest, recover, remove_temp_files
 from vllm_lens.dataset.shard_file import DTYPE_NAMES, release_buffer, write_shard_file
 from vllm_lens.errors import DatasetConflictError
 
 __all__ = ["Shard", "ShardWriter", "jsonable"]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _temp_name(path: Path, writer: str | None = None) -> Path:
-    """Where ``path`` is written before it is renamed into place (``+`` never occurs in a
-    writer's name, so one writer's temp files are told from another's)."""
-    if writer is None:
-        return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    return path.with_name(f".{path.name}.tmp+{writer}+{os.getpid()}")
-
-
-def _publish(tmp: Path, path: Path, *, uncache: bool = False) -> None:
-    """Make the complete file ``tmp`` appear as ``path``, durably. ``uncache``: then let the
-    kernel drop its pages from the page cache (a shard is written once and read later;
-    gigabytes of written shards left cached would push everything else out of memory, and the
-    reclaim that follows costs CPU time on the cores the engine computes on)."""
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-        if uncache and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 @dataclass(eq=False)
@@ -114,7 +90,7 @@ class Shard:
     number: int
     examples: list[tuple[dict[str, Any], dict[str, torch.Tensor]]]
     """Each example's index line (without shard and offset) and its tensors by name."""
-    part: tuple[tuple[int, ...], tuple[int, ...]]
+    part: Part
     """The manifest layers and SAE entries its examples hold."""
     rows: int
     nbytes: int
@@ -185,7 +161,7 @@ class ShardWriter:
         self._next_shard = 0
         self._pending: list[tuple[dict[str, Any], dict[str, torch.Tensor]]] = []
         self._pending_keys: set[str] = set()
-        self._pending_part: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._pending_part: Part | None = None
         self._pending_rows = self._pending_bytes = 0
         self._hand_off = hand_off
         self._sealed: dict[str, None] = {}
@@ -193,45 +169,15 @@ class ShardWriter:
         self._state = threading.Condition()
         """Guards what ``add`` and ``write_shard`` (maybe on another thread) share: ``_view``,
         ``_seen``, ``_mine``, ``_sealed``; notified when a shard is written or dropped."""
-        self._locks = self._take_locks()
+        self._locks = take_locks(self.root, self.writer)
         try:
             self._open(resume)
         except BaseException:
             self._release()
             raise
 
-    def _take_locks(self) -> list[Any]:
-        import fcntl
-
-        taken: list[Any] = []
-        wanted = [(WRITER_LOCK, fcntl.LOCK_EX if self.writer is None else fcntl.LOCK_SH)]
-        if self.writer is not None:
-            wanted.append((writer_lock(self.writer), fcntl.LOCK_EX))
-        for name, mode in wanted:
-            lock = open(self.root / name, "w")  # noqa: SIM115 - held until close
-            try:
-                fcntl.flock(lock, mode | fcntl.LOCK_NB)
-            except OSError:
-                lock.close()
-                for held in taken:
-                    held.close()
-                raise RuntimeError(self._lock_problem(name)) from None
-            taken.append(lock)
-        return taken
-
-    def _lock_problem(self, name: str) -> str:
-        if self.writer is None:
-            return (f"{self.root}: another writer has this dataset open (a writer without a "
-                    "name holds a dataset alone)")
-        if name == WRITER_LOCK:
-            return (f"{self.root}: a writer without a name has this dataset open; writer "
-                    f"{self.writer!r} shares a dataset only with other named writers")
-        return (f"{self.root}: another process is writing this dataset as writer "
-                f"{self.writer!r}; give each writer its own name")
-
     def _release(self) -> None:
-        for lock in reversed(self._locks):
-            lock.close()  # closing drops the lock
+        release_locks(self._locks)
         self._locks = []
 
     def _open(self, resume: bool) -> None:
@@ -240,16 +186,10 @@ class ShardWriter:
             raise FileExistsError(f"{self.root} already holds a dataset; pass resume=True to "
                                   "add to it")
         with index_locked(self.root, self.writer is not None):
-            # Temp files left by a killed writer: ours, or anyone's when we hold the directory.
-            found = ({*self.root.glob(".*.tmp-*"), *self.root.glob(".*.tmp+*")}
-                     if self.writer is None else set(self.root.glob(f".*.tmp+{self.writer}+*")))
-            for tmp in found:  # (a shard's staging directory, or a file)
-                if tmp.is_dir():
-                    shutil.rmtree(tmp, ignore_errors=True)
-                else:
-                    tmp.unlink(missing_ok=True)
-            self._check_manifest()
-            for entry in self._recover(index_path):
+            remove_temp_files(self.root, self.writer)
+            check_manifest(self.root, self.manifest, self.writer)
+            entries, self._next_shard = recover(self.root, self.writer)
+            for entry in entries:
                 self._view.add(entry)
             if index_path.exists():
                 with open(index_path, "rb") as f:
@@ -258,79 +198,6 @@ class ShardWriter:
                     tail = os.pread(f.fileno(), min(end, 1 << 16), end - min(end, 1 << 16))
                 self._seen = (stat.st_ino, end)
                 self._seen_tail = tail[tail.rfind(b"\n", 0, len(tail) - 1) + 1:]
-
-    def _check_manifest(self) -> None:
-        """Write the manifest if it is missing (under the index lock: only one writer
-        does), else refuse one that differs from ours but for the versions."""
-        manifest_path = self.root / MANIFEST
-        if not manifest_path.exists():
-            tmp = _temp_name(manifest_path, self.writer)
-            tmp.write_text(json.dumps(self.manifest, indent=1))
-            _publish(tmp, manifest_path)
-            return
-        existing = json.loads(manifest_path.read_text())
-        for field in sorted(set(existing) | set(self.manifest)):
-            if field not in VERSION_FIELDS and existing.get(field) != self.manifest.get(field):
-                raise DatasetConflictError(
-                    f"{self.root}: the dataset's manifest has {field}="
-                    f"{existing.get(field)!r}, not {self.manifest.get(field)!r}")
-
-    def _recover(self, index_path: Path) -> list[dict[str, Any]]:
-        """After a killed writer: cut a partial last line, drop the lines of a last shard
-        whose lines did not all arrive, and remove the shards no line names past a
-        writer's last indexed one — ours only, or every writer's when we hold the
-        directory alone. Returns the index's entries as they then are."""
-        entries, _, good = read_index(index_path)
-        if index_path.exists() and good < index_path.stat().st_size:
-            with open(index_path, "r+b") as f:
-                f.truncate(good)
-                os.fsync(f.fileno())
-        on_disk: dict[str | None, list[int]] = {}
-        for path in self.root.iterdir():
-            m = SHARD_FILE.match(path.name)
-            if m:
-                on_disk.setdefault(m.group(1), []).append(int(m.group(2)))
-        writers = {self.writer} if self.writer is not None else {
-            None, *on_disk, *(e.get("writer") for e in entries)}
-        torn = set()
-        for writer in writers:
-            own = [e for e in entries if e.get("writer") == writer]
-            if own:
-                last = own[-1]["shard"]
-                covered = sum(e["rows"] for e in own if e["shard"] == last)
-                if covered != self._shard_rows(last, writer):
-                    torn.add((writer, last))
-        if torn:
-            entries = [e for e in entries if (e.get("writer"), e["shard"]) not in torn]
-            rewrite_index(index_path, entries, _temp_name(index_path, self.writer))
-        for writer in writers:
-            following = 1 + max((e["shard"] for e in entries if e.get("writer") == writer),
-                                default=-1)
-            for number in on_disk.get(writer, ()):
-                if number >= following:  # a killed job's shard that never reached the index
-                    (self.root / shard_name(number, writer)).unlink()
-            if writer == self.writer:
-                self._next_shard = following
-        return entries
-
-    def _shard_rows(self, number: int, writer: str | None) -> int:
-        """Rows in shard ``number`` of ``writer`` (-1 if it is missing or its header is cut
-        short or damaged). Any other error reading it (permissions, I/O) is raised: a shard
-        that cannot be read now is not a torn one, and its lines must not be dropped."""
-        path = self.root / shard_name(number, writer)
-        try:
-            with path.open("rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(size))
-            return int(next(v for k, v in header.items() if k != "__metadata__")["shape"][0])
-        except FileNotFoundError:
-            return -1
-        except OSError as exc:
-            raise OSError(exc.errno, f"{path}: cannot read the shard's header to check it "
-                          f"before resuming ({exc.strerror}); the resume stopped, leaving "
-                          "the shard and its index lines as they were") from exc
-        except (ValueError, KeyError, TypeError, IndexError, StopIteration, struct.error):
-            return -1
 
     def _catch_up(self) -> None:
         """Read the index lines appended since we last looked (other writers', and our own
@@ -387,8 +254,7 @@ class ShardWriter:
         with the others."""
         if not isinstance(key, str) or not key:
             raise ValueError(f"example keys are non-empty strings, got {key!r}")
-        part = self._part(key, layers, saes)
-        part_layers, part_saes = part
+        part = part_of(key, self.layers, len(self.saes), layers, saes)
         with self._state:
             if key in self._pending_keys or key in self._sealed:
                 raise DatasetConflictError(f"example key {key!r} is already in the dataset")
@@ -398,42 +264,10 @@ class ShardWriter:
             written = self._view.slots(self._line_fields(part)) <= held
         if held >= self._view.whole:
             raise DatasetConflictError(f"example key {key!r} is already in the dataset")
-        missing = [point for point in self.points if part_layers and point not in rows]
-        if missing:
-            raise ValueError(f"example {key!r} has no rows of {', '.join(missing)}")
-        if len(sae_features) != len(part_saes):
-            raise ValueError(f"example {key!r} has {len(sae_features)} SAE feature entries, "
-                             f"the {'dataset' if saes is None else 'part'} {len(part_saes)}")
-        if reduced and self.saes:
-            raise ValueError(f"example {key!r}: SAE features are per position, not reduced")
-        if self.points and part_layers:
-            first = rows[self.points[0]]
-            n_rows = int(first.shape[1]) if first.dim() > 1 else -1
-        else:
-            n_rows = int(sae_features[0]["indices"].shape[0])
-        if reduced and n_rows != 1:
-            raise ValueError(f"example {key!r}: a reduced example has one row, not {n_rows}")
-        if not reduced and len(positions) != n_rows:
-            raise ValueError(f"example {key!r}: {len(positions)} positions for {n_rows} rows")
-        checked = {}
-        for point in self.points if part_layers else ():
-            t = rows[point]
-            expected = (len(part_layers), n_rows, *self.row_shapes[point])
-            if tuple(t.shape) != expected:
-                raise ValueError(f"example {key!r}: {point} has shape {tuple(t.shape)}, "
-                                 f"expected {expected}")
-            checked[point] = t.detach().to("cpu", self.dtype)
-        for number, entry in zip(part_saes, sae_features):
-            spec = self.saes[number]
-            for field in sae_fields(spec):
-                t = entry.get(field)
-                expected = (n_rows, int(spec["top_k"])) if field in ("indices", "values") \
-                    else (n_rows,)
-                if t is None or tuple(t.shape) != expected:
-                    raise ValueError(f"example {key!r}: SAE entry {number}'s {field} has "
-                                     f"shape {None if t is None else tuple(t.shape)}, "
-                                     f"expected {expected}")
-                checked[sae_column(number, field)] = t.detach().to("cpu", SAE_FIELDS[field])
+        n_rows, checked = checked_rows(
+            key, part, rows, positions, sae_features, points=self.points,
+            row_shapes=self.row_shapes, dtype=self.dtype, saes=self.saes, reduced=reduced,
+            part_named=saes is not None)
         if written:  # (a resumed job sent an incomplete example again)
             with self._state:
                 self._mine.add(key)
@@ -454,23 +288,7 @@ class ShardWriter:
             self.flush()
         return placed
 
-    def _part(self, key: str, layers: Sequence[int] | None,
-              saes: Sequence[int] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The manifest layers and SAE entries an example's rows hold, in manifest order."""
-        part_layers = self.layers if layers is None else tuple(int(x) for x in layers)
-        part_saes = tuple(range(len(self.saes))) if saes is None else tuple(int(i) for i in saes)
-        if [x for x in self.layers if x in part_layers] != list(part_layers):
-            raise ValueError(f"example {key!r}: its layers {list(part_layers)} are not the "
-                             f"manifest's {list(self.layers)} or some of them, in order")
-        if sorted(set(part_saes)) != list(part_saes) or not set(part_saes) <= set(
-                range(len(self.saes))):
-            raise ValueError(f"example {key!r}: its SAE entries {list(part_saes)} are not "
-                             f"some of the manifest's 0..{len(self.saes) - 1}, in order")
-        if not part_layers and not part_saes:
-            raise ValueError(f"example {key!r} holds no layer and no SAE entry")
-        return part_layers, part_saes
-
-    def _line_fields(self, part: tuple[tuple[int, ...], tuple[int, ...]]) -> dict[str, Any]:
+    def _line_fields(self, part: Part) -> dict[str, Any]:
         """What an index line says beside the example: its writer, and a part's holdings."""
         fields: dict[str, Any] = {}
         if self.writer is not None:
@@ -479,7 +297,7 @@ class ShardWriter:
             fields["layers"], fields["saes"] = list(part[0]), list(part[1])
         return fields
 
-    def _placed(self, key: str, part: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[int, int]:
+    def _placed(self, key: str, part: Part) -> tuple[int, int]:
         """The shard and offset of the line that already holds ``key``'s ``part``. (A
         resumed pipeline job sends many such parts: the index is read once into
         ``_placements``, and again only for a key it did not hold then.)"""
@@ -555,7 +373,7 @@ class ShardWriter:
         path = self.root / shard_name(shard.number, self.writer)
         # Written in a staging directory named like our temp files, then renamed into place:
         # a killed writer's is told from another writer's, and removed when it resumes.
-        staging = _temp_name(path, self.writer)
+        staging = temp_name(path, self.writer)
         tmp = staging / path.name
         part_layers, part_saes = shard.part
         try:
@@ -577,7 +395,7 @@ class ShardWriter:
                 rows_written()
 
             write_shard_file(tmp, tensors, copied=None if rows_written is None else release)
-            _publish(tmp, path, uncache=True)
+            publish(tmp, path, uncache=True)
             shutil.rmtree(staging, ignore_errors=True)  # (published: tidying cannot fail it)
             offset, lines = 0, []
             for entry, _ in shard.examples:

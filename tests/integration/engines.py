@@ -15,6 +15,7 @@ from typing import Any
 from vllm import LLM
 
 from vllm_lens.cli.extract.engine_stop import stop_engine
+from vllm_lens.common.messages import StatsAnswer, read_all
 
 #: Small, deterministic engines: float32 for exact comparisons, a bounded KV cache so that
 #: two or three engines fit in memory at once.
@@ -137,5 +138,6 @@ def held(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each rank's ``lens_stats`` without the SAEs it keeps loaded (``saes``, ``sae_bytes``:
     shared by requests, kept after they finish) and its staging pool (``staging_bytes``, kept
     for later steps): what it holds for requests, to compare with ``IDLE``."""
-    return [{k: v for k, v in s.items() if k not in ("saes", "sae_bytes", "staging_bytes")}
-            for s in stats]
+    return [{k: v for k, v in s.as_json().items()
+             if k not in ("saes", "sae_bytes", "staging_bytes")}
+            for s in read_all(StatsAnswer, stats)]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_lens.common.messages import StatsAnswer, read_all
+
 
 def saved_sae(path, architecture: str, hook: str, d_in: int = 128, **fields):
     """A sae-lens SAE with random weights at ``hook``, saved to ``path``; returns it."""
@@ -60,7 +62,7 @@ def check_features_and_clamp(llm, ref, path, sae, prompt: str, kept: list[int]) 
     assert list(clamped.outputs[0].token_ids) == ref.point_greedy(
         ids, 6, {("resid_post", 2): clamp})
     assert list(clamped.outputs[0].token_ids) != ref.point_greedy(ids, 6, {})  # it mattered
-    assert [w["saes"] for w in llm.collective_rpc("lens_stats")] == kept
+    assert [w.saes for w in read_all(StatsAnswer, llm.collective_rpc("lens_stats"))] == kept
 
 
 def assert_top_features(found, dense, k) -> None:
@@ -143,4 +145,4 @@ def check_architectures(llm, ref, saes, prompt: str, kept: list[int]) -> None:
     tokens = list(clamped.outputs[0].token_ids)
     assert tokens == ref.point_greedy(prompt_ids, 6, hooked)
     assert tokens != ref.point_greedy(prompt_ids, 6, {})  # it mattered
-    assert [w["saes"] for w in llm.collective_rpc("lens_stats")] == kept
+    assert [w.saes for w in read_all(StatsAnswer, llm.collective_rpc("lens_stats"))] == kept

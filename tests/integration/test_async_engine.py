@@ -10,6 +10,7 @@ from vllm.sampling_params import RequestOutputKind
 
 from tests.integration.conftest import TINY_CHUNKED
 from tests.integration.engines import IDLE, held, running_async_llm
+from vllm_lens.common.messages import StatsAnswer, read
 
 PROMPTS = [
     "Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi.",
@@ -315,7 +316,8 @@ def test_pipelined_worker_call_answers_on_an_idle_and_on_a_busy_engine(async_eng
 
     idle, busy, first, rest = run(go())
     assert idle == run(engine.collective_rpc("lens_stats")) and held(idle) == [IDLE]
-    assert all(len(answer) == len(idle) and isinstance(answer[0], dict) for answer in busy)
+    assert all(len(answer) == len(idle)
+               and isinstance(read(StatsAnswer, answer[0]), StatsAnswer) for answer in busy)
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "length"
     assert len(first.outputs[0].token_ids) + sum(len(o.outputs[0].token_ids) for o in rest) == 400
 

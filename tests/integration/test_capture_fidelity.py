@@ -6,6 +6,7 @@ from vllm import SamplingParams
 
 from tests.integration.engines import IDLE, held
 from tests.integration.reference import max_relative_error
+from vllm_lens.common.messages import StatsAnswer, read
 
 PROMPTS = [
     "The capital of France is",
@@ -137,7 +138,7 @@ def test_buffers_are_freed_after_many_requests(smol_llm, n_requests):
         assert held(stats) == [IDLE]
     # The prompts' steps (every layer, over 1 MiB each) took their staging tensors from the
     # worker's pool, which keeps them (within VLLM_LENS_STAGING_POOL_BYTES) for later steps.
-    assert 0 < stats[0]["staging_bytes"] <= 512 << 20
+    assert 0 < read(StatsAnswer, stats[0]).staging_bytes <= 512 << 20
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from tests.families import FAMILIES, tiny_family_dir
 from tests.integration import test_families as single
 from tests.integration.engines import env, running_llm
 from tests.integration.reference import HFReference
+from vllm_lens.common.messages import DescribeAnswer, read_all
 
 #: The families run here (``tools/family_matrix.py`` reads this for its TP=2 column).
 TP_FAMILIES = tuple(sorted(FAMILIES))
@@ -21,7 +22,8 @@ def family(request):
     path = tiny_family_dir(request.param)
     with env(VLLM_CPU_OMP_THREADS_BIND="0|1"), running_llm(
             path, tensor_parallel_size=2, enforce_eager=True, **single.CHUNKED) as llm:
-        assert [d["tp_rank"] for d in llm.collective_rpc("lens_describe")] == [0, 1]
+        describe = read_all(DescribeAnswer, llm.collective_rpc("lens_describe"))
+        assert [d.tp_rank for d in describe] == [0, 1]
         yield request.param, path, llm, HFReference(path)
 
 

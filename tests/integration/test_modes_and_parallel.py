@@ -20,6 +20,7 @@ from tests.integration.saes import (
     saved_sae,
 )
 from vllm_lens import Hook, NamedHook, SteeringVector, datasets
+from vllm_lens.common.messages import DescribeAnswer, read_all
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -233,7 +234,7 @@ def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch, tiny_r
         check_features_and_clamp(llm, tiny_ref, *resid_sae, PROMPTS[0], kept=[1, 0])
         # Rank 1 keeps the TopK SAE a request clamps (it steers too), and no other.
         check_architectures(llm, tiny_ref, arch_saes, PROMPTS[1], kept=[3, 1])
-    assert [d["tp_rank"] for d in describe] == [0, 1]
+    assert [d.tp_rank for d in read_all(DescribeAnswer, describe)] == [0, 1]
     _assert_hook_results(hooked, vocab)  # the parameter is gathered from both ranks
     for out, ref in zip(gated, reference[3]):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
@@ -270,7 +271,7 @@ def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch, tmp_
         # The TopK SAE at layer 2: only the second stage keeps it, also to clamp it.
         check_architectures(llm, tiny_ref, arch_saes, PROMPTS[1], kept=[1, 2])
     _assert_hook_results(hooked, vocab)
-    assert [d["local_layers"] for d in describe] == [[0, 1], [2, 3]]
+    assert [d.local_layers for d in read_all(DescribeAnswer, describe)] == [[0, 1], [2, 3]]
     for got, expected in zip(outs[:2], reference[:2]):
         _assert_same_as_reference(got, expected, tol=1e-4)
     _assert_points_same(outs[2], reference[2], tol=1e-4)

@@ -10,6 +10,7 @@ from vllm import SamplingParams
 
 from tests.integration.engines import running_llm
 from vllm_lens import UnsupportedModelError
+from vllm_lens.common.messages import DescribeAnswer, read
 
 
 def _configs(tokenizer):
@@ -37,7 +38,7 @@ def test_lens_request_names_the_model_class_and_plain_requests_serve(
     with running_llm(str(path), enforce_eager=True, max_model_len=512) as llm:
         # vLLM may run the architecture through its Transformers backend: the message names
         # the class vLLM runs, with the architecture.
-        served = llm.collective_rpc("lens_describe")[0]["model_class"]
+        served = read(DescribeAnswer, llm.collective_rpc("lens_describe")[0]).model_class
         assert served in (model_class, f"TransformersForCausalLM:{model_class}")
         for extra in ({"output_residual_stream": [0]}, {"output_residual_stream": True}):
             sp = SamplingParams(max_tokens=3, temperature=0, extra_args=extra)

@@ -108,6 +108,7 @@ def test_a_request_no_worker_vouches_for_fails_instead_of_passing_silently():
     from vllm.outputs import CompletionOutput, RequestOutput
 
     from vllm_lens import LensExecutionError
+    from vllm_lens.common.messages import FetchAnswer, FetchPart
     from vllm_lens.frontend.collate import LensSession
     from vllm_lens.spec import LensRequest, SteerSpec
 
@@ -122,11 +123,14 @@ def test_a_request_no_worker_vouches_for_fails_instead_of_passing_silently():
     lens = LensRequest(key="k", steer=(steer,))
     session = LensSession()
     lost = output()
-    session.attach(lost, lens, [{}], 1)  # no rank held it: its steering cannot be vouched for
+    # no rank held it: its steering cannot be vouched for
+    session.attach(lost, lens, [FetchAnswer(requests={})], 1)
     assert isinstance(lost.lens_error, LensExecutionError) and "no worker held" in str(
         lost.lens_error)
     ran = output()
-    session.attach(ran, lens, [{"k": {"7-abc": {"held": True}}}], 1)
+    held = FetchPart(error=None, conflict=False, capacity=None, held=True, seen=[],
+                     captures={}, hooks=None, gates=None, receipt=None)
+    session.attach(ran, lens, [FetchAnswer(requests={"k": {"7-abc": held}})], 1)
     assert ran.lens_error is None
 
 

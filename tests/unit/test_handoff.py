@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vllm_lens.common import handoff
+from vllm_lens.common.messages import FetchAnswer, FetchPart
 from vllm_lens.errors import WireError
 
 HEADER = {"layers": [3, 7], "positions": torch.arange(5)}
@@ -94,11 +95,11 @@ def test_the_file_route_leaves_a_quarter_of_shared_memory_free(monkeypatch):
 
 def test_unread_results_are_discarded_and_orphans_swept():
     big = torch.randn(2, handoff.INLINE_MAX_BYTES // 8 + 1)
-    fetched = {"key": {
-        "req-0": {"captures": {"residual_stream": _send(big, handoff.host_id()),
-                               "attn_out": _send(big, handoff.host_id())}, "hooks": None},
-        "req-1": {"captures": {"residual_stream": _send(big[:, :4], handoff.host_id())}}}}
-    paths = [Path(h["path"]) for h in fetched["key"]["req-0"]["captures"].values()]
+    fetched = FetchAnswer(requests={"key": {
+        "req-0": FetchPart.rows({"residual_stream": _send(big, handoff.host_id()),
+                                 "attn_out": _send(big, handoff.host_id())}),
+        "req-1": FetchPart.rows({"residual_stream": _send(big[:, :4], handoff.host_id())})}})
+    paths = [Path(h["path"]) for h in fetched.requests["key"]["req-0"].captures.values()]
     handoff.discard_fetched(fetched)
     assert not any(path.exists() for path in paths)
 

@@ -5,7 +5,20 @@ import asyncio
 
 import pytest
 
+from vllm_lens.common.messages import FetchAnswer, FetchPart
 from vllm_lens.frontend.partial_fetch import PartialFetcher
+
+
+def _answer(parts):
+    """A worker's ``lens_fetch_partial`` answer: lens key -> {request id: captures}."""
+    return FetchAnswer(requests={key: {req_id: FetchPart.rows(captures)
+                                       for req_id, captures in by_id.items()}
+                                 for key, by_id in parts.items()})
+
+
+def _mark(**values):
+    """Captures that say where they came from."""
+    return {name: str(value).encode() for name, value in values.items()}
 
 
 def test_requests_asking_together_share_one_rpc_and_get_their_own_rows():
@@ -13,7 +26,7 @@ def test_requests_asking_together_share_one_rpc_and_get_their_own_rows():
 
     async def rpc(requests):
         calls.append(requests)
-        return [{key: {"": {"rank": rank, "key": key}} for key, _ in requests}
+        return [_answer({key: {"": _mark(rank=rank, key=key)} for key, _ in requests})
                 for rank in range(2)]
 
     async def main():
@@ -24,8 +37,10 @@ def test_requests_asking_together_share_one_rpc_and_get_their_own_rows():
 
     first, later = asyncio.run(main())
     assert calls == [[("a", {"": 0}), ("b", {"": 1}), ("c", {"": 2})], [("d", {"": 9})]]
-    assert first[1] == [{"b": {"": {"rank": 0, "key": "b"}}}, {"b": {"": {"rank": 1, "key": "b"}}}]
-    assert later == [{"d": {"": {"rank": 0, "key": "d"}}}, {"d": {"": {"rank": 1, "key": "d"}}}]
+    assert first[1] == [_answer({"b": {"": _mark(rank=0, key="b")}}),
+                        _answer({"b": {"": _mark(rank=1, key="b")}})]
+    assert later == [_answer({"d": {"": _mark(rank=0, key="d")}}),
+                     _answer({"d": {"": _mark(rank=1, key="d")}})]
 
 
 def test_a_failed_rpc_fails_every_waiting_request():
@@ -48,7 +63,7 @@ def test_a_cancelled_request_does_not_stop_the_others(monkeypatch):
 
     async def rpc(requests):
         await release.wait()
-        return [{key: {"": {}} for key, _ in requests}]
+        return [_answer({key: {"": {}} for key, _ in requests})]
 
     async def main():
         nonlocal release
@@ -63,8 +78,8 @@ def test_a_cancelled_request_does_not_stop_the_others(monkeypatch):
             await a
         return await b
 
-    assert asyncio.run(main()) == [{"b": {"": {}}}]
-    assert discarded == [{"a": {"": {}}}]  # the cancelled request's rows are deleted
+    assert asyncio.run(main()) == [_answer({"b": {"": {}}})]
+    assert discarded == [_answer({"a": {"": {}}})]  # the cancelled request's rows are deleted
 
 
 def test_a_request_cancelled_after_its_answer_arrived_discards_its_rows(monkeypatch):
@@ -78,7 +93,7 @@ def test_a_request_cancelled_after_its_answer_arrived_discards_its_rows(monkeypa
     async def rpc(requests):
         # Runs before the answer is set and the waiter woken: the cancel lands in between.
         asyncio.get_running_loop().call_soon(waiter[0].cancel)
-        return [{key: {"": {"file": key}} for key, _ in requests}]
+        return [_answer({key: {"": _mark(file=key)} for key, _ in requests})]
 
     async def main():
         fetcher = PartialFetcher(rpc)
@@ -87,4 +102,4 @@ def test_a_request_cancelled_after_its_answer_arrived_discards_its_rows(monkeypa
             await waiter[0]
 
     asyncio.run(main())
-    assert discarded == [{"a": {"": {"file": "a"}}}]
+    assert discarded == [_answer({"a": {"": _mark(file="a")}})]

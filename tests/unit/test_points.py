@@ -3,6 +3,7 @@
 import dataclasses
 import math
 
+import msgspec
 import pytest
 import torch
 
@@ -209,16 +210,18 @@ def test_replicated_key_heads_are_kept_once():
 
 
 def test_attention_metadata_joins_per_head_values_once_per_rank():
-    from vllm_lens.frontend.collate import facts_from_describe
+    from vllm_lens.common.messages import AttentionMeta, DescribeAnswer
+    from vllm_lens.spec.facts import facts_from_describe
 
-    def rank(r):
-        return {"model_class": "LlamaForCausalLM", "n_layers": 1, "hidden_size": 8,
-                "max_model_len": 64, "mapped": True, "dtype": "float32", "tp_rank": r,
-                "tp_size": 2, "sites": ["pre", "attn", "post"], "num_heads_total": 4,
-                "num_kv_heads_total": 2, "qk_meta": [[0, {
-                    "scale": 0.5, "logits_soft_cap": 0.0, "sliding_window": [-1, -1],
-                    "alibi_slopes": None, "sinks": [float(r), float(r) + 0.5],
-                    "num_heads": 2, "num_kv_heads": 1, "head_size": 4}]]}
+    def rank(r, pp_rank=0):
+        return msgspec.structs.replace(
+            DescribeAnswer.refused(""), unsupported=None, model_class="LlamaForCausalLM",
+            n_layers=1, hidden_size=8, max_model_len=64, mapped=True, dtype="float32",
+            tp_rank=r, pp_rank=pp_rank, tp_size=2, sites=["pre", "attn", "post"],
+            num_heads_total=4, num_kv_heads_total=2, qk_meta=[AttentionMeta(
+                layer=0, scale=0.5, logits_soft_cap=0.0, sliding_window=[-1, -1],
+                alibi_slopes=None, sinks=[float(r), float(r) + 0.5], num_heads=2,
+                num_kv_heads=1, head_size=4, layer_name="")])
 
     facts = facts_from_describe([rank(1), rank(0), rank(0), rank(1)])  # 2 DP engines
     meta = facts.qk_meta[0]
@@ -227,7 +230,7 @@ def test_attention_metadata_joins_per_head_values_once_per_rank():
     assert (facts.n_heads, facts.n_kv_heads, facts.head_dim, facts.tp_size) == (4, 2, 4, 2)
     assert facts.pp_size == 1 and facts.dp_size == 2
     assert facts_from_describe([rank(0), rank(1)]).dp_size == 1
-    staged = facts_from_describe([{**rank(0), "pp_rank": 0}, {**rank(0), "pp_rank": 1}])
+    staged = facts_from_describe([rank(0, pp_rank=0), rank(0, pp_rank=1)])
     assert staged.pp_size == 2 and staged.dp_size == 1
 
 

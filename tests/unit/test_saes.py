@@ -640,6 +640,7 @@ def test_a_topk_clamp_is_kept_by_every_steering_rank_and_a_refusal_names_the_fie
     """Describing a TopK SAE a clamp names asks the workers to keep it where they steer its
     layer (``lens_load_sae`` with ``clamp``); one that cannot (its budget full) refuses the
     request by the item's ``sae`` field before anything runs."""
+    from vllm_lens.common.messages import SaeAnswer, SaeSliceAnswer
     from vllm_lens.errors import LensRequestError
     from vllm_lens.frontend.collate import LensSession
     from vllm_lens.frontend.engine_methods import drive
@@ -653,9 +654,10 @@ def test_a_topk_clamp_is_kept_by_every_steering_rank_and_a_refusal_names_the_fie
         def collective_rpc(self, method, args):
             calls.append((method, args))
             if method == "lens_load_sae":
-                return [dict(info), {"error": "the SAEs running requests read take 9 bytes "
-                                              "of VLLM_LENS_SAE_MAX_BYTES (10)"}]
-            return [None, None]
+                return [SaeAnswer(description=dict(info), error=None),
+                        SaeAnswer(description=None, error="the SAEs running requests read "
+                                  "take 9 bytes of VLLM_LENS_SAE_MAX_BYTES (10)")]
+            return [SaeSliceAnswer(data=None, error=None)] * 2
 
     session = LensSession()
     session.sae_names["a"] = ("/saes/a", None, dict(info))
@@ -763,6 +765,7 @@ def test_presets_and_sweeps_describe_the_saes_they_steer_by_before_parsing():
     served (it is refused naming the field); plain vectors ask nothing."""
     from vllm_lens import SteeringVector
     from vllm_lens.common import wire
+    from vllm_lens.common.messages import SaeAnswer, SaeSliceAnswer
     from vllm_lens.errors import LensRequestError
     from vllm_lens.frontend.collate import LensSession
     from vllm_lens.frontend.engine_methods import drive
@@ -776,8 +779,8 @@ def test_presets_and_sweeps_describe_the_saes_they_steer_by_before_parsing():
         def collective_rpc(self, method, args):
             calls.append((method, args))
             if method == "lens_load_sae":
-                return [dict(_INFO)]
-            return [wire.dumps(_slice(args[2]))]
+                return [SaeAnswer(description=dict(_INFO), error=None)]
+            return [SaeSliceAnswer(data=wire.dumps(_slice(args[2])), error=None)]
 
     session = LensSession()
     session.sae_names["a"] = ("/saes/a", None, dict(_INFO))

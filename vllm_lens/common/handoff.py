@@ -32,13 +32,13 @@ import struct
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from vllm_lens.common import wire
+from vllm_lens.common.messages import FetchAnswer
 from vllm_lens.errors import WireError
 
 logger = logging.getLogger(__name__)
@@ -113,13 +113,10 @@ def discard(handoff: Handoff) -> None:
         _own_path(handoff).unlink(missing_ok=True)
 
 
-def discard_fetched(fetched: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> None:
-    """``discard`` every capture of one rank's ``lens_fetch`` result (``{lens key: {request
-    id: {"captures": {signal: handoff}, ...}}}``)."""
-    for requests in fetched.values():
-        for parts in requests.values():
-            for handoff in (parts.get("captures") or {}).values():
-                discard(handoff)
+def discard_fetched(fetched: FetchAnswer) -> None:
+    """``discard`` every capture of one rank's ``lens_fetch`` answer."""
+    for handoff in fetched.handoffs():
+        discard(handoff)
 
 
 def sweep(max_age_s: float = 3600.0) -> int:

@@ -22,15 +22,17 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from vllm_lens.common.messages import FetchAnswer, read_all
 from vllm_lens.common.wrapping import wrap_attribute
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend import response_scope
-from vllm_lens.frontend.collate import LensSession, discard_unread, facts_from_describe
+from vllm_lens.frontend.collate import LensSession, discard_unread
 from vllm_lens.frontend.partial_fetch import PartialFetcher
 from vllm_lens.frontend.rpc import all_workers, pipelined
 from vllm_lens.frontend.sae_names import async_describer
 from vllm_lens.sinks.config import serves_http
 from vllm_lens.spec import ModelFacts, asks_for_work
+from vllm_lens.spec.facts import facts_from_describe
 
 __all__ = ["install", "model_facts"]
 
@@ -155,25 +157,29 @@ def _partial_fetcher(engine: AsyncLLM) -> PartialFetcher:
     if fetcher is None:
         session = LensSession.of(engine)
 
-        async def rpc(requests: list[tuple[str, dict[str, int]]]) -> list[Any]:
-            return await pipelined(engine, "lens_fetch_partial",
-                                   session.fetch_rpc_args(requests))
+        async def rpc(requests: list[tuple[str, dict[str, int]]]) -> list[FetchAnswer]:
+            return read_all(FetchAnswer, await pipelined(engine, "lens_fetch_partial",
+                                                         session.fetch_rpc_args(requests)))
 
         fetcher = engine._vllm_lens_partial_fetcher = PartialFetcher(rpc)
     return fetcher
 
 
-async def _fetch(engine: AsyncLLM, args: tuple[Any, ...]) -> list[Any]:
+async def _fetch(engine: AsyncLLM, args: tuple[Any, ...]) -> list[FetchAnswer]:
     """``lens_fetch`` that cleans up after itself when the caller is cancelled meanwhile (a
     client disconnecting): the workers have popped the rows already, so the call is let
     finish and any handoff files it produced are deleted."""
-    task = asyncio.ensure_future(all_workers(engine, "lens_fetch", args))
+    task = asyncio.ensure_future(_fetch_answers(engine, args))
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
         _background.add(task)
         task.add_done_callback(_discard_fetched)
         raise
+
+
+async def _fetch_answers(engine: AsyncLLM, args: tuple[Any, ...]) -> list[FetchAnswer]:
+    return read_all(FetchAnswer, await all_workers(engine, "lens_fetch", args))
 
 
 def _discard_fetched(task: asyncio.Task) -> None:

@@ -20,6 +20,7 @@ from vllm.outputs import RequestOutput
 
 from vllm_lens import envs
 from vllm_lens.common import handoff, wire
+from vllm_lens.common.messages import FetchAnswer
 from vllm_lens.frontend.admission import capture_reservation, check_admission
 from vllm_lens.errors import (
     LensExecutionError,
@@ -29,8 +30,9 @@ from vllm_lens.errors import (
 )
 from vllm_lens.frontend.receipts import join_receipts, unwritten
 from vllm_lens.hooks import HookError
-from vllm_lens.common.points import RESIDUAL_SIGNAL, SHARDED, SITES, shard_dim
+from vllm_lens.common.points import RESIDUAL_SIGNAL, SHARDED, shard_dim
 from vllm_lens.sinks.config import SinkSpec
+from vllm_lens.spec.facts import facts_from_describe  # noqa: F401 - moved; split follows
 from vllm_lens.spec import (
     PAYLOAD_KEY,
     SINK_KEY,
@@ -47,7 +49,7 @@ from vllm_lens.spec import (
 from vllm_lens.worker.hooks import decode_results
 
 __all__ = [
-    "OUTPUT_FIELDS", "LensSession", "facts_from_describe", "install_output_fields",
+    "OUTPUT_FIELDS", "LensSession", "install_output_fields",
     "join_features", "join_rows", "join_streamed", "merge_hook_results", "merge_rank_payloads",
 ]
 
@@ -86,64 +88,6 @@ def chosen_experts(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
     if top_k <= 0 or router_logits.shape[-1] == 0:
         return torch.empty((*router_logits.shape[:-1], 0), dtype=torch.int64)
     return router_logits.float().topk(min(top_k, router_logits.shape[-1]), dim=-1).indices
-
-
-def facts_from_describe(results: Sequence[Mapping[str, Any]]) -> ModelFacts:
-    """Combine every rank's ``lens_describe`` answer into one view of the model."""
-    first = results[0]
-    sites = set.intersection(*(set(r.get("sites", ())) for r in results))
-    meta = _join_qk_meta(results)
-    return ModelFacts(
-        model_class=first["model_class"],
-        n_layers=first["n_layers"],
-        hidden_size=first["hidden_size"],
-        max_model_len=first["max_model_len"],
-        mapped=all(r["mapped"] for r in results),
-        dtype=first["dtype"],
-        pre_hooks=all(r.get("pre_taps", False) for r in results),
-        unsupported=next((r["unsupported"] for r in results if r.get("unsupported")), None),
-        speculative=any(r.get("speculative", False) for r in results),
-        sites=tuple(site for site in SITES if site in sites),
-        d_mlp=int(first.get("d_mlp", 0)),
-        n_heads=int(first.get("num_heads_total", 0)),
-        n_kv_heads=int(first.get("num_kv_heads_total", 0)),
-        head_dim=int(next(iter(meta.values()), {}).get("head_size", 0)),
-        tp_size=int(first.get("tp_size", 1)),
-        qk_meta=tuple(meta.get(layer, {}) for layer in range(first["n_layers"])),
-        split=bool(first.get("split", False)),
-        block=str(first.get("block", "sequential")),
-        n_experts=int(first.get("n_experts", 0)),
-        moe_top_k=int(first.get("moe_top_k", 0)),
-        unmapped=next((r["unmapped"] for r in results if r.get("unmapped")), None),
-        inner_taps=all(r.get("inner_taps", True) for r in results),
-        pp_size=len({int(r.get("pp_rank", 0)) for r in results}),
-        # Every engine's workers answer (``rpc.all_workers``): one TP rank 0 of the first
-        # stage per engine; vLLM's dense-model DP workers report data_parallel_size 1. The
-        # workers' own figure covers offline DP, where each process's LLM sees its engine.
-        dp_size=max(sum(not r.get("tp_rank", 0) and not r.get("pp_rank", 0) for r in results),
-                    *(int(r.get("dp_size", 1)) for r in results)),
-    )
-
-
-def _join_qk_meta(results: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Per layer, the attention metadata of all TP ranks as one: head counts of the whole
-    layer, per-head values (ALiBi slopes, sinks) joined in rank order."""
-    by_layer: dict[int, dict[int, Mapping[str, Any]]] = {}
-    for r in results:  # (with data parallelism, every engine answers alike: one per rank)
-        for layer, m in r.get("qk_meta", ()):
-            by_layer.setdefault(int(layer), {}).setdefault(int(r.get("tp_rank", 0)), m)
-    first = results[0]
-    joined = {}
-    for layer, by_rank in by_layer.items():
-        metas = [by_rank[rank] for rank in sorted(by_rank)]
-        one = dict(metas[0])
-        for name in ("alibi_slopes", "sinks"):
-            if one.get(name) is not None:
-                one[name] = [v for m in metas for v in m[name]]
-        one["num_heads"] = int(first.get("num_heads_total", one["num_heads"]))
-        one["num_kv_heads"] = int(first.get("num_kv_heads_total", one["num_kv_heads"]))
-        joined[layer] = one
-    return joined
 
 
 def merge_rank_payloads(
@@ -230,12 +174,12 @@ def join_streamed(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return joined
 
 
-def discard_unread(rank_results: Sequence[Mapping[str, Any]] | None) -> None:
-    """Delete the handoff files of ``lens_fetch`` results that will not be (or were not all)
+def discard_unread(rank_results: Sequence[FetchAnswer] | None) -> None:
+    """Delete the handoff files of ``lens_fetch`` answers that will not be (or were not all)
     received: a cancelled request, or an attach that failed part-way. Received ones are gone
     already, so calling this after a successful attach costs a few failed unlinks."""
     for result in rank_results or ():
-        handoff.discard_fetched(result or {})
+        handoff.discard_fetched(result)
 
 
 def merge_hook_results(
@@ -444,7 +388,7 @@ class LensSession:
         self,
         output: RequestOutput,
         lens: LensRequest,
-        rank_results: Sequence[Mapping[str, Mapping[str, Mapping[str, Any]]]],
+        rank_results: Sequence[FetchAnswer],
         n: int,
     ) -> dict[int, dict[str, Any]]:
         """Attach ``activations`` / ``hook_results`` / ``hook_error`` / ``lens_error`` to
@@ -471,25 +415,25 @@ class LensSession:
         gates: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
         trusted = any(h.pickled is not None for h in lens.hooks)
         for result in rank_results:
-            for req_id, parts in (result or {}).get(lens.key, {}).items():
-                if parts.get("error") is not None and req_id not in errors:
-                    errors[req_id] = parts["error"]
-                    if parts.get("conflict"):  # (only when this is the error reported)
+            for req_id, part in result.requests.get(lens.key, {}).items():
+                if part.error is not None and req_id not in errors:
+                    errors[req_id] = part.error
+                    if part.conflict:  # (only when this is the error reported)
                         conflicts.add(req_id)
-                    if parts.get("capacity"):
-                        capacity[req_id] = str(parts["capacity"])
-                seen.setdefault(req_id, set()).update(parts.get("seen") or ())
-                if parts.get("held"):
+                    if part.capacity:
+                        capacity[req_id] = part.capacity
+                seen.setdefault(req_id, set()).update(part.seen)
+                if part.held:
                     held.add(req_id)
-                if parts.get("receipt") is not None:
-                    receipts.setdefault(req_id, []).append(parts["receipt"])
-                for signal, sent in (parts.get("captures") or {}).items():
+                if part.receipt is not None:
+                    receipts.setdefault(req_id, []).append(part.receipt)
+                for signal, sent in part.captures.items():
                     captures.setdefault(req_id, {}).setdefault(signal, []).append(
                         handoff.receive(sent))
-                if parts.get("hooks") is not None:
-                    hooks.setdefault(req_id, []).append(decode_results(parts["hooks"], trusted))
-                if parts.get("gates") is not None:
-                    gates[req_id] = {int(i): g for i, g in wire.loads(parts["gates"]).items()}
+                if part.hooks is not None:
+                    hooks.setdefault(req_id, []).append(decode_results(part.hooks, trusted))
+                if part.gates is not None:
+                    gates[req_id] = {int(i): g for i, g in wire.loads(part.gates).items()}
         gated = any(s.condition is not None for s in lens.steer)
         by_index: dict[int, dict[str, Any]] = {}
         for index in range(n):
@@ -565,7 +509,7 @@ class LensSession:
         return by_index
 
     def attach_partial(self, output: RequestOutput, lens: LensRequest,
-                       rank_results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+                       rank_results: Sequence[FetchAnswer]) -> dict[str, Any]:
         """Attach the rows of a streamed request (n == 1) that ``lens_fetch_partial``
         returned to ``output`` and its completion: as ``activations`` the rows computed since
         the previous output, every captured signal present (with no rows if none are new),
@@ -576,10 +520,10 @@ class LensSession:
         """
         parts: dict[str, list[tuple[dict[str, Any], torch.Tensor]]] = {}
         for result in rank_results:
-            for _, found in (result or {}).get(lens.key, {}).items():
-                if found.get("error") is not None:
-                    raise LensExecutionError(found["error"], request_id=output.request_id)
-                for signal, sent in (found.get("captures") or {}).items():
+            for found in result.requests.get(lens.key, {}).values():
+                if found.error is not None:
+                    raise LensExecutionError(found.error, request_id=output.request_id)
+                for signal, sent in found.captures.items():
                     parts.setdefault(signal, []).append(handoff.receive(sent))
         attached: dict[str, Any] = {}
         if lens.captures:

@@ -15,17 +15,18 @@ from vllm import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.llm_engine import LLMEngine
 
+from vllm_lens.common.messages import FetchAnswer, read_all
 from vllm_lens.common.wrapping import wrap_attribute
 from vllm_lens.frontend.admission import check_admission
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.collate import (
     LensSession,
     discard_unread,
-    facts_from_describe,
     prompt_length,
 )
 from vllm_lens.frontend.sae_names import offline_describer
 from vllm_lens.spec import parse_extra_args
+from vllm_lens.spec.facts import facts_from_describe
 
 __all__ = ["install"]
 
@@ -133,7 +134,8 @@ def _wrap_step(original):
             for o, lens in captured
         ]
         try:
-            results = self.collective_rpc("lens_fetch", args=session.fetch_rpc_args(args))
+            results = read_all(FetchAnswer, self.collective_rpc(
+                "lens_fetch", args=session.fetch_rpc_args(args)))
         except Exception as exc:  # these requests fail, the batch goes on
             for o, lens in captured:
                 session.fail_output(o, lens, exc)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from vllm_lens.common import handoff
+from vllm_lens.common.messages import FetchAnswer
 
 __all__ = ["PartialFetcher"]
 
@@ -24,17 +24,18 @@ class PartialFetcher:
     """Coalesces the partial fetches of one engine's streamed requests.
 
     ``rpc(requests)`` runs ``lens_fetch_partial`` on every worker with these
-    ``(lens key, {request id prefix: positions})`` and returns the workers' answers.
+    ``(lens key, {request id prefix: positions})`` and returns the workers' answers, read
+    (``common.messages.read_all``).
     """
 
-    def __init__(self, rpc: Callable[[list[tuple[str, dict[str, int]]]], Awaitable[list[Any]]]
-                 ) -> None:
+    def __init__(self, rpc: Callable[[list[tuple[str, dict[str, int]]]],
+                                     Awaitable[list[FetchAnswer]]]) -> None:
         self._rpc = rpc
         self._waiting: list[tuple[str, dict[str, int], asyncio.Future]] = []
         self._scheduled = False
 
-    async def fetch(self, key: str, below: dict[str, int]) -> list[dict[str, Any]]:
-        """The workers' answers for lens key ``key`` alone (one dict per worker)."""
+    async def fetch(self, key: str, below: dict[str, int]) -> list[FetchAnswer]:
+        """The workers' answers for lens key ``key`` alone (one per worker)."""
         future = asyncio.get_running_loop().create_future()
         self._waiting.append((key, below, future))
         if not self._scheduled:
@@ -64,8 +65,7 @@ class PartialFetcher:
                                          else RuntimeError(repr(exc)))
             return
         for key, _, future in waiting:
-            mine = [{key: answer[key]} if answer and key in answer else {}
-                    for answer in answers]
+            mine = [answer.only(key) for answer in answers]
             if future.done():  # its request was cancelled meanwhile: nobody reads its rows
                 for part in mine:
                     handoff.discard_fetched(part)

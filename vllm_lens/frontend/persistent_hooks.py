@@ -24,12 +24,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_lens.common import wire
-from vllm_lens.frontend.collate import LensSession, facts_from_describe, merge_hook_results
+from vllm_lens.common.messages import HookResultsAnswer, ParamsAnswer, read_all
+from vllm_lens.frontend.collate import LensSession, merge_hook_results
 from vllm_lens.frontend.engine_methods import Steps as _Steps
 from vllm_lens.frontend.engine_methods import install_methods
 from vllm_lens.errors import LensRequestError
 from vllm_lens.common.points import QK_HOOK_POINT
 from vllm_lens.spec import check_engine, parse_hooks
+from vllm_lens.spec.facts import facts_from_describe
 from vllm_lens.worker.hooks import decode_results
 
 __all__ = ["METHODS", "install"]
@@ -58,8 +60,8 @@ def _register(session: LensSession, hooks: Any,
 def _collect(session: LensSession) -> _Steps:
     stages_by_req: dict[str, list[dict[str, Any]]] = {}
     trusted = session.persistent_trusted
-    for rank in (yield "lens_collect_hook_results", ()):
-        for req_id, blob in (rank or {}).items():
+    for rank in read_all(HookResultsAnswer, (yield "lens_collect_hook_results", ())):
+        for req_id, blob in rank.results.items():
             stages_by_req.setdefault(req_id, []).append(decode_results(blob, trusted))
     out: dict[str, Any] = {}
     for req_id, stages in stages_by_req.items():
@@ -70,8 +72,8 @@ def _collect(session: LensSession) -> _Steps:
 
 def _prefetch(names: Sequence[str]) -> _Steps:
     merged: dict[str, bytes] = {}
-    for rank in (yield "lens_prefetch_params", (list(names),)):
-        merged.update(rank or {})
+    for rank in read_all(ParamsAnswer, (yield "lens_prefetch_params", (list(names),))):
+        merged.update(rank.params)
     missing = sorted(set(names) - set(merged))
     if missing:
         raise KeyError(f"no stage of the model has parameter(s) {missing}")

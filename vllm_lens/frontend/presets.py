@@ -32,11 +32,12 @@ from typing import Any
 
 from vllm_lens.common import wire
 from vllm_lens.errors import LensRequestError
-from vllm_lens.frontend.collate import LensSession, facts_from_describe
+from vllm_lens.frontend.collate import LensSession
 from vllm_lens.frontend.engine_methods import Steps, install_methods
 from vllm_lens.frontend.sae_names import steering_described
 from vllm_lens.sinks.config import serves_http
 from vllm_lens.spec import SteerSpec, parse_steering
+from vllm_lens.spec.facts import facts_from_describe
 
 __all__ = ["METHODS", "install", "read_preset_file"]
 

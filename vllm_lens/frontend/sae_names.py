@@ -37,11 +37,13 @@ from typing import Any
 
 from vllm_lens import envs
 from vllm_lens.common import wire
+from vllm_lens.common.messages import SaeAnswer, SaeSliceAnswer, read_all
 from vllm_lens.errors import LensRequestError
-from vllm_lens.frontend.collate import LensSession, facts_from_describe
+from vllm_lens.frontend.collate import LensSession
 from vllm_lens.frontend.engine_methods import Steps, drive_async, install_methods
 from vllm_lens.spec.keys import SAE_KEY, STEER_KEY
 from vllm_lens.spec.sae_steering import steering_sae_references
+from vllm_lens.spec.facts import facts_from_describe
 from vllm_lens.spec.saes import Describe, check_description, sae_references
 
 __all__ = ["METHODS", "async_describer", "check_sae_file", "described_beforehand", "describing",
@@ -84,11 +86,12 @@ def _listing(name: str, info: Mapping[str, Any]) -> dict[str, Any]:
 def answer(answers: list[Any]) -> dict[str, Any]:
     """The workers' answers to ``lens_load_sae`` -> the SAE's description (ranks that do not
     keep it answer too: ``worker.saes``); a problem any rank had raises ``ValueError``."""
-    answers = [a for a in answers if a is not None]
-    problem = next((a["error"] for a in answers if a.get("error")), None)
-    if problem is not None or not answers:
+    read = read_all(SaeAnswer, [a for a in answers if a is not None])
+    problem = next((a.error for a in read if a.error), None)
+    described = [a.description for a in read if a.description is not None]
+    if problem is not None or not described:
         raise ValueError(problem or "no worker could load it")
-    return answers[0]
+    return described[0]
 
 
 def _resolve(session: LensSession, sae: str, hook_point: str | None,
@@ -115,11 +118,11 @@ def _resolve(session: LensSession, sae: str, hook_point: str | None,
 def sae_slice(answers: list[Any]) -> dict[str, Any]:
     """The workers' answers to ``lens_sae_slice`` -> some features' decoder rows and encoder
     columns (the rank that keeps the SAE answers); a problem raises ``ValueError``."""
-    for found in answers:
-        if isinstance(found, dict):
-            raise ValueError(found["error"])
-        if found is not None:
-            return wire.loads(found)
+    for found in read_all(SaeSliceAnswer, answers):
+        if found.error is not None:
+            raise ValueError(found.error)
+        if found.data is not None:
+            return wire.loads(found.data)
     raise ValueError("no worker keeps it loaded (retry the request)")
 
 

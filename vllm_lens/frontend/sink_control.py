@@ -8,16 +8,17 @@ that wants everything on disk before it exits (``vllm-lens extract`` does) calls
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
+from vllm_lens.common.messages import FlushAnswer, read_all
 from vllm_lens.errors import LensExecutionError
 
 __all__ = ["flush_sinks", "flush_sinks_async"]
 
 
-def _raise_problems(answers: Iterable[Any]) -> None:
-    problems = [p for answer in answers for p in (answer or ())]
+def _raise_problems(answers: Sequence[Any]) -> None:
+    problems = [p for answer in read_all(FlushAnswer, answers) for p in answer.problems]
     if problems:
         raise LensExecutionError("vllm-lens: flushing the capture sinks failed: "
                                  + "; ".join(problems))

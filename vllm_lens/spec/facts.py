@@ -1,14 +1,19 @@
 """``ModelFacts``: what the front end knows about the served model and engine, the ground every lens
 key is validated against (runs in: front end).
 
-Built from the workers' answers to ``lens_describe``."""
+Built from the workers' answers to ``lens_describe`` (``facts_from_describe``)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from vllm_lens.common.messages import DescribeAnswer, read_all
+from vllm_lens.common.points import SITES
+
+__all__ = ["ModelFacts", "facts_from_describe"]
 
 
 @dataclass(frozen=True)
@@ -76,3 +81,69 @@ class ModelFacts:
     def row_width(self, signal: str) -> int:
         """Elements per captured row of ``signal``."""
         return math.prod(self.row_shape(signal))
+
+
+def facts_from_describe(answers: Sequence[Any]) -> ModelFacts:
+    """Combine every rank's ``lens_describe`` answer (``DescribeAnswer`` records, or their
+    msgpack maps) into one view of the model.
+
+    Raises:
+        WorkerAnswerError: an answer of another version or shape.
+    """
+    results = read_all(DescribeAnswer, answers)
+    first = results[0]
+    sites = set.intersection(*(set(r.sites) for r in results))
+    meta = _join_qk_meta(results)
+    return ModelFacts(
+        model_class=first.model_class,
+        n_layers=first.n_layers,
+        hidden_size=first.hidden_size,
+        max_model_len=first.max_model_len,
+        mapped=all(r.mapped for r in results),
+        dtype=first.dtype,
+        pre_hooks=all(r.pre_taps for r in results),
+        unsupported=next((r.unsupported for r in results if r.unsupported), None),
+        speculative=any(r.speculative for r in results),
+        sites=tuple(site for site in SITES if site in sites),
+        d_mlp=first.d_mlp,
+        n_heads=first.num_heads_total,
+        n_kv_heads=first.num_kv_heads_total,
+        head_dim=int(next(iter(meta.values()), {}).get("head_size", 0)),
+        tp_size=first.tp_size,
+        qk_meta=tuple(meta.get(layer, {}) for layer in range(first.n_layers)),
+        split=first.split,
+        block=first.block,
+        n_experts=first.n_experts,
+        moe_top_k=first.moe_top_k,
+        unmapped=next((r.unmapped for r in results if r.unmapped), None),
+        inner_taps=all(r.inner_taps for r in results),
+        pp_size=len({r.pp_rank for r in results}),
+        # Every engine's workers answer (``rpc.all_workers``): one TP rank 0 of the first
+        # stage per engine; vLLM's dense-model DP workers report data_parallel_size 1. The
+        # workers' own figure covers offline DP, where each process's LLM sees its engine.
+        dp_size=max(sum(not r.tp_rank and not r.pp_rank for r in results),
+                    *(r.dp_size for r in results)),
+    )
+
+
+def _join_qk_meta(results: Sequence[DescribeAnswer]) -> dict[int, dict[str, Any]]:
+    """Per layer, the attention metadata of all TP ranks as one (the form users see in
+    ``activations["qk_meta"]``): head counts of the whole layer, per-head values (ALiBi
+    slopes, sinks) joined in rank order."""
+    by_layer: dict[int, dict[int, Any]] = {}
+    for r in results:  # (with data parallelism, every engine answers alike: one per rank)
+        for m in r.qk_meta:
+            by_layer.setdefault(m.layer, {}).setdefault(r.tp_rank, m)
+    first = results[0]
+    joined = {}
+    for layer, by_rank in by_layer.items():
+        metas = [by_rank[rank] for rank in sorted(by_rank)]
+        one = metas[0].as_dict()
+        if metas[0].alibi_slopes is not None:
+            one["alibi_slopes"] = [v for m in metas for v in m.alibi_slopes]
+        if metas[0].sinks is not None:
+            one["sinks"] = [v for m in metas for v in m.sinks]
+        one["num_heads"] = first.num_heads_total
+        one["num_kv_heads"] = first.num_kv_heads_total
+        joined[layer] = one
+    return joined

@@ -12,6 +12,18 @@ from typing import Any
 
 from vllm_lens import envs
 from vllm_lens.common import faults, handoff, wire
+from vllm_lens.common.messages import (
+    AttentionMeta,
+    DescribeAnswer,
+    FetchAnswer,
+    FetchPart,
+    FlushAnswer,
+    HookResultsAnswer,
+    ParamsAnswer,
+    SaeAnswer,
+    SaeSliceAnswer,
+    StatsAnswer,
+)
 from vllm_lens.errors import CapacityError, DatasetConflictError
 from vllm_lens.common.points import SHARDED, base_signal
 from vllm_lens.spec import HookSpec
@@ -44,9 +56,12 @@ def _ranks() -> tuple[int, int, int]:
 
 
 class LensWorkerExtension:
-    """RPC surface of vllm-lens on each worker (mixed into vLLM's worker class)."""
+    """RPC surface of vllm-lens on each worker (mixed into vLLM's worker class).
 
-    def lens_describe(self) -> dict[str, Any]:
+    Every method answers with a record of ``common.messages`` (or ``None``).
+    """
+
+    def lens_describe(self) -> DescribeAnswer:
         """Check this engine's configuration, attach the tap handler (once, when supported)
         and report what this rank's model looks like (``unsupported``: why lens requests
         are refused here, or ``None``).
@@ -57,14 +72,11 @@ class LensWorkerExtension:
         try:
             return _describe(self)
         except Exception as exc:  # e.g. a runner without the attributes read here
-            return {"unsupported": f"vllm-lens cannot inspect this worker ({exc!r})",
-                    "mapped": False, "model_class": "?", "n_layers": 0, "local_layers": [],
-                    "pre_taps": False, "hidden_size": 0, "dtype": "float32",
-                    "max_model_len": 0, "tp_rank": 0, "pp_rank": 0, "speculative": False}
+            return DescribeAnswer.refused(f"vllm-lens cannot inspect this worker ({exc!r})")
 
     def lens_fetch(
         self, requests: list[tuple[Any, ...]], front_end_host: str | None = None
-    ) -> dict[str, dict[str, dict[str, Any]]]:
+    ) -> FetchAnswer:
         """Pop what this rank holds for finished requests.
 
         Args:
@@ -78,20 +90,19 @@ class LensWorkerExtension:
                 (another host, or hand-off turned off) sends everything inline.
 
         Returns:
-            ``{lens key: {engine request id: {"captures": {signal: handoff}, "hooks": bytes |
-            None, "error": str | None}}}``: each capture handoff carries ``{"layers",
-            "positions", "signal"}`` and the signal's tensor (``handoff.receive``), trimmed and
-            reduced here so that rows nobody asked for never leave the worker; ``hooks`` holds
-            ``hooks.encode_results`` (TP rank 0 of each stage only: the other TP ranks ran the
-            same hooks on the same rows); ``error`` says why this rank failed the request;
-            ``held`` is set by every rank that still held the request's record, ``seen`` (the
-            signals) by those of them that capture some of its layers. A request writing to a
-            capture sink gets ``receipt`` (the sink's) from the rank that wrote its rows (from
-            each pipeline stage that wrote its part), in place of ``captures``.
-            A failure while fetching one request fails that request only.
+            A ``FetchAnswer``, one ``FetchPart`` per engine request: each capture handoff
+            carries ``{"layers", "positions", "signal"}`` and the signal's tensor
+            (``handoff.receive``), trimmed and reduced here so that rows nobody asked for never
+            leave the worker; ``hooks`` holds ``hooks.encode_results`` (TP rank 0 of each
+            stage only: the other TP ranks ran the same hooks on the same rows); ``error`` says
+            why this rank failed the request; ``held`` is set by every rank that still held
+            the request's record, ``seen`` (the signals) by those of them that capture some of
+            its layers. A request writing to a capture sink gets ``receipt`` (the sink's) from
+            the rank that wrote its rows (from each pipeline stage that wrote its part), in
+            place of ``captures``. A failure while fetching one request fails that request only.
         """
         if _runtime is None:
-            return {}
+            return FetchAnswer(requests={})
         fetched = {key for key, *_ in requests}
         records = _runtime.requests.records
 
@@ -105,33 +116,36 @@ class LensWorkerExtension:
             # now for a sink may stay views of their staging tensor (``CaptureStore``).
             _runtime.settle(wait=True, destination=sink_dataset)
         except Exception as exc:  # fail the requests this rank holds, nobody else's
-            problem = {"error": f"vllm-lens failed at fetch: {describe(exc)}"}
-            failed: dict[str, dict[str, dict[str, Any]]] = {}
+            problem = FetchPart.failed(f"vllm-lens failed at fetch: {describe(exc)}")
+            failed: dict[str, dict[str, FetchPart]] = {}
             for key, *_ in requests:
                 _runtime.store.pop(key)
                 held = _runtime.pop_records(key)
                 if held:
                     failed[key] = {req_id: problem for req_id in held}
-            return failed
-        out: dict[str, dict[str, dict[str, Any]]] = {}
+            return FetchAnswer(requests=failed)
+        out: dict[str, dict[str, FetchPart]] = {}
         for key, valid_lens, *tokens in requests:
             found: dict[str, dict[str, Any]] = {}
             try:
                 _fetch_one(_runtime, key, valid_lens, front_end_host, found,
                            tokens[0] if tokens else None)
             except Exception as exc:
-                handoff.discard_fetched({key: found})
+                for fields in found.values():
+                    for sent in fields["captures"].values():
+                        handoff.discard(sent)
                 stage, cause = (("handoff", exc.__cause__) if isinstance(exc, _HandoffFailed)
                                 else ("fetch", exc))
-                error = {"error": f"vllm-lens failed at {stage}: {cause!r}"}
-                found = {req_id: error for req_id in found} or {"": error}
+                error = FetchPart.failed(f"vllm-lens failed at {stage}: {cause!r}")
+                out[key] = {req_id: error for req_id in found} or {"": error}
+                continue
             if found:
-                out[key] = found
-        return out
+                out[key] = {req_id: FetchPart(**fields) for req_id, fields in found.items()}
+        return FetchAnswer(requests=out)
 
     def lens_fetch_partial(
         self, requests: list[tuple[str, dict[str, int]]], front_end_host: str | None = None
-    ) -> dict[str, dict[str, dict[str, Any]]]:
+    ) -> FetchAnswer:
         """The rows of running streamed requests (``stream_activations``) computed so far.
 
         Args:
@@ -139,18 +153,18 @@ class LensWorkerExtension:
                 that are taken (each position once; later ones stay for the next call).
 
         Returns:
-            ``{lens key: {engine request id: {"captures": {signal: handoff}}}}`` as
-            ``lens_fetch`` (``error`` for a request this rank failed); a request with no new
-            rows is left out.
+            A ``FetchAnswer`` as ``lens_fetch``'s with only ``captures`` (``FetchPart.rows``),
+            or ``error`` for a request this rank failed; a request with no new rows is left
+            out.
         """
         if _runtime is None:
-            return {}
-        out: dict[str, dict[str, dict[str, Any]]] = {}
+            return FetchAnswer(requests={})
+        out: dict[str, dict[str, FetchPart]] = {}
         try:
             _runtime.settle(wait=True)
         except Exception as exc:  # noqa: BLE001 - the final fetch reports the failure
             logger.warning("vllm-lens: settling rows for a streamed fetch failed: %r", exc)
-            return out
+            return FetchAnswer(requests=out)
         errors: dict[str, dict[str, str]] = {}
         for req_id, record in _runtime.requests.records.items():
             if record.error is not None:
@@ -159,11 +173,12 @@ class LensWorkerExtension:
         try:
             taken = _runtime.store.take(below_by_key)
         except Exception as exc:  # noqa: BLE001 - these requests fail, not the engine
-            problem = {"error": f"vllm-lens failed at stream: {describe(exc)}"}
-            return {key: {"": problem} for key in below_by_key}
+            problem = FetchPart.failed(f"vllm-lens failed at stream: {describe(exc)}")
+            return FetchAnswer(requests={key: {"": problem} for key in below_by_key})
         for key, below in below_by_key.items():
-            found: dict[str, dict[str, Any]] = {
-                req_id: {"error": error} for req_id, error in errors.get(key, {}).items()}
+            found: dict[str, FetchPart] = {
+                req_id: FetchPart.failed(error) for req_id, error in errors.get(key, {}).items()}
+            rows: dict[str, dict[str, Any]] = {}
             try:
                 for req_id, by_signal in taken.get(key, {}).items():
                     if req_id in found:
@@ -174,18 +189,22 @@ class LensWorkerExtension:
                         capture["tp_rank"] = _runtime.tp_rank
                         tensor = capture.pop("tensor")
                         sent = handoff.send(capture, tensor, front_end_host)
-                        found.setdefault(req_id, {}).setdefault("captures", {})[signal] = sent
+                        rows.setdefault(req_id, {})[signal] = sent
             except Exception as exc:  # noqa: BLE001 - this request fails alone
-                handoff.discard_fetched({key: found})
-                found = {"": {"error": f"vllm-lens failed at stream: {describe(exc)}"}}
+                for captures in rows.values():
+                    for sent in captures.values():
+                        handoff.discard(sent)
+                rows = {}
+                found = {"": FetchPart.failed(f"vllm-lens failed at stream: {describe(exc)}")}
+            found.update((req_id, FetchPart.rows(captures)) for req_id, captures in rows.items())
             if found:
                 out[key] = found
-        return out
+        return FetchAnswer(requests=out)
 
-    def lens_flush_sinks(self) -> list[str]:
-        """Make every example written to a capture sink so far durable; returns what failed
+    def lens_flush_sinks(self) -> FlushAnswer:
+        """Make every example written to a capture sink so far durable; answers what failed
         (TP rank 0 writes; the other ranks answer with nothing)."""
-        return sink_writes.flush_all()
+        return FlushAnswer(problems=sink_writes.flush_all())
 
     def lens_release(self, keys: list[str]) -> None:
         """Drop the buffers of requests that will never be fetched (aborted, failed)."""
@@ -195,14 +214,15 @@ class LensWorkerExtension:
                 _runtime.pop_records(key)
 
     def lens_load_sae(self, path: str, hook_point: str | None = None,
-                      clamp: bool = False) -> dict[str, Any]:
+                      clamp: bool = False) -> SaeAnswer:
         """Load the SAE in directory ``path`` on this rank, if it captures the SAE's layer
         (once: a loaded one is shared), and describe it (``spec.saes``; never the weights);
-        ``{"error": ...}`` if it cannot be read or kept. ``clamp``: a request clamps its
+        ``error`` if it cannot be read or kept. ``clamp``: a request clamps its
         features, so a TopK SAE is kept by every TP rank of the stage holding its layer (each
         encodes whole rows with it: ``worker.steer``)."""
         if _runtime is None:
-            return {"error": "this worker serves no lens requests (unsupported engine)"}
+            return SaeAnswer(description=None,
+                             error="this worker serves no lens requests (unsupported engine)")
         runtime = _runtime
 
         def wanted(info: dict[str, Any]) -> bool:
@@ -214,48 +234,53 @@ class LensWorkerExtension:
         held = {runtime.saes.key(*key) for key in runtime.requests.held_saes()}
         device = next(runtime.runner.get_model().parameters()).device
         try:
-            return runtime.saes.describe(path, hook_point, device, held, wanted=wanted,
-                                         dtype=runtime.runner.model_config.dtype)
+            return SaeAnswer(description=runtime.saes.describe(
+                path, hook_point, device, held, wanted=wanted,
+                dtype=runtime.runner.model_config.dtype), error=None)
         except (ValueError, OSError) as exc:
-            return {"error": str(exc)}
+            return SaeAnswer(description=None, error=str(exc))
         except Exception as exc:  # noqa: BLE001 - e.g. out of device memory: refuse, serve on
-            return {"error": f"it could not be loaded on this worker: {describe(exc)}"}
+            return SaeAnswer(description=None,
+                             error=f"it could not be loaded on this worker: {describe(exc)}")
 
-    def lens_sae_slice(self, path: str, hook_point: str | None, features: list[int]) -> Any:
+    def lens_sae_slice(self, path: str, hook_point: str | None,
+                       features: list[int]) -> SaeSliceAnswer:
         """``wire`` bytes of some features of an SAE this rank keeps (``lens_load_sae``
         first), for steering by feature: their decoder rows ``W_dec`` and encoder columns
         (``W_enc``, ``b_enc``, ``threshold``), its ``b_dec`` and ``apply_b_dec_to_input``;
-        ``None`` where it is not kept here; ``{"error": ...}`` for a feature it lacks."""
+        ``data`` is ``None`` where it is not kept here; ``error`` for a feature it lacks."""
         import torch
 
+        absent = SaeSliceAnswer(data=None, error=None)
         if _runtime is None:
-            return None
+            return absent
         sae = _runtime.saes.get(path, hook_point)
         if sae is None:
-            return None
+            return absent
         if not all(0 <= f < sae.d_sae for f in features):
-            return {"error": f"features must be 0 to {sae.d_sae - 1}"}
+            return SaeSliceAnswer(data=None, error=f"features must be 0 to {sae.d_sae - 1}")
         index = torch.as_tensor(features, dtype=torch.long, device=sae.W_dec.device)
-        return wire.dumps({
+        return SaeSliceAnswer(error=None, data=wire.dumps({
             "W_dec": sae.W_dec[index].cpu(), "W_enc": sae.W_enc[:, index].cpu(),
             "b_enc": sae.b_enc[index].cpu(), "b_dec": sae.b_dec.cpu(),
             "threshold": None if sae.threshold is None else sae.threshold[index].cpu(),
-            "apply_b_dec_to_input": sae.apply_b_dec_to_input})
+            "apply_b_dec_to_input": sae.apply_b_dec_to_input}))
 
-    def lens_stats(self) -> dict[str, int]:
+    def lens_stats(self) -> StatsAnswer:
         """What this rank holds for lens requests (for tests and monitoring): captured
         ``entries`` and their host ``bytes``, request ``records`` and the ``device_bytes`` of
         their steering vectors; the SAEs it keeps loaded (``saes``) and their weights'
         ``sae_bytes`` (``VLLM_LENS_SAE_MAX_BYTES``); and the host memory its staging pool
         keeps for the next steps' captures, in use or free (``staging_bytes``)."""
         if _runtime is None:
-            return {"entries": 0, "bytes": 0, "records": 0, "device_bytes": 0, "saes": 0,
-                    "sae_bytes": 0, "staging_bytes": 0}
+            return StatsAnswer(entries=0, bytes=0, records=0, device_bytes=0, saes=0,
+                               sae_bytes=0, staging_bytes=0)
         _runtime.settle(wait=True)
-        return {"entries": len(_runtime.store), "bytes": _runtime.store.nbytes,
-                "records": len(_runtime.requests), "device_bytes": _runtime.requests.device_bytes,
-                "saes": len(_runtime.saes), "sae_bytes": _runtime.saes.nbytes,
-                "staging_bytes": _runtime.staging.nbytes}
+        return StatsAnswer(
+            entries=len(_runtime.store), bytes=_runtime.store.nbytes,
+            records=len(_runtime.requests), device_bytes=_runtime.requests.device_bytes,
+            saes=len(_runtime.saes), sae_bytes=_runtime.saes.nbytes,
+            staging_bytes=_runtime.staging.nbytes)
 
     # -- persistent hooks ------------------------------------------------------------------------
     def lens_register_hooks(self, payloads: list[dict[str, Any]]) -> None:
@@ -266,24 +291,26 @@ class LensWorkerExtension:
         if _runtime is not None:
             _runtime.persistent_specs = ()
 
-    def lens_collect_hook_results(self) -> dict[str, bytes]:
+    def lens_collect_hook_results(self) -> HookResultsAnswer:
         """Every kept request's persistent-hook results (non-destructive), TP rank 0 only."""
         if _runtime is None or _runtime.tp_rank != 0:
-            return {}
-        return {req_id: encode_results(state)
-                for req_id, state in _runtime.persistent_results.items()}
+            return HookResultsAnswer(results={})
+        return HookResultsAnswer(results={
+            req_id: encode_results(state)
+            for req_id, state in _runtime.persistent_results.items()})
 
     def lens_clear_hook_results(self) -> None:
         if _runtime is not None:
             _runtime.persistent_results.clear()
 
-    def lens_prefetch_params(self, names: list[str]) -> dict[str, bytes]:
+    def lens_prefetch_params(self, names: list[str]) -> ParamsAnswer:
         """Full parameters this stage owns (every TP rank joins the gather; rank 0 returns)."""
         runtime = _require_runtime()
         found = {name: runtime.params.local(name) for name in names}
         if runtime.tp_rank != 0:
-            return {}
-        return {name: wire.dumps(t.to("cpu")) for name, t in found.items() if t is not None}
+            return ParamsAnswer(params={})
+        return ParamsAnswer(params={name: wire.dumps(t.to("cpu"))
+                                    for name, t in found.items() if t is not None})
 
     def lens_set_prefetched(self, blobs: dict[str, bytes]) -> None:
         """Make parameters fetched from other stages available to ``ctx.get_parameter``."""
@@ -307,34 +334,38 @@ class _HandoffFailed(Exception):
     """Packaging a capture for the front end raised (the cause is chained)."""
 
 
+def _fields(**given: Any) -> dict[str, Any]:
+    """The keyword arguments of one ``FetchPart`` being filled in (``FetchPart(**fields)``)."""
+    return {"error": None, "conflict": False, "capacity": None, "held": False, "seen": [],
+            "captures": {}, "hooks": None, "gates": None, "receipt": None, **given}
+
+
 def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
                front_end_host: str | None, out: dict[str, dict[str, Any]],
                tokens: dict[str, list[int]] | None = None) -> None:
-    """Fill ``out`` (request id -> parts) with what this rank holds for lens key ``key``."""
+    """Fill ``out`` (request id -> ``FetchPart`` fields) with what this rank holds for lens
+    key ``key``."""
     records = runtime.pop_records(key)
     entries = runtime.store.pop(key)
     for req_id, record in records.items():
         faults.check(record.lens.fault, "fetch")
         if record.error is not None or record.refused is not None:
-            out[req_id] = {"error": record.error or record.refused}
-            if record.error is None and record.capacity is not None:
-                out[req_id]["capacity"] = record.capacity
+            out[req_id] = _fields(error=record.error or record.refused, capacity=(
+                record.capacity if record.error is None else None))
             continue
-        out[req_id] = {"held": True}  # the request's lens work ran here (steering, hooks)
+        part = out[req_id] = _fields(held=True)  # its lens work ran here (steering, hooks)
         if runtime.tp_rank == 0 and record.hooks is not None:
-            out[req_id]["hooks"] = encode_results(record.hooks)
+            part["hooks"] = encode_results(record.hooks)
         if runtime.tp_rank == 0 and record.gates:
             valid = next((n for p, n in valid_lens.items() if req_id.startswith(p)), None)
-            out[req_id]["gates"] = pack_gates(record.gates, valid)
+            part["gates"] = pack_gates(record.gates, valid)
         # The signals whose rows this rank kept (if any position was selected): a front end
         # that hears from no such rank knows rows were lost, not merely unselected.
-        seen = [c.signal for c in (*record.lens.captures, *record.lens.sae_captures)
-                if (runtime.shard_layers if base_signal(c.signal) in SHARDED
-                    else runtime.capture_layers).intersection(c.layers)]
-        if seen:
-            out[req_id]["seen"] = seen
+        part["seen"] = [c.signal for c in (*record.lens.captures, *record.lens.sae_captures)
+                        if (runtime.shard_layers if base_signal(c.signal) in SHARDED
+                            else runtime.capture_layers).intersection(c.layers)]
     for req_id, by_signal in entries.items():
-        if req_id in out and "error" in out[req_id]:
+        if req_id in out and out[req_id]["error"] is not None:
             continue
         valid = next((n for p, n in valid_lens.items() if req_id.startswith(p)), None)
         if valid is None:
@@ -355,7 +386,7 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
                 sent = handoff.send(capture, tensor, front_end_host)
             except Exception as exc:
                 raise _HandoffFailed() from exc
-            out.setdefault(req_id, {}).setdefault("captures", {})[signal] = sent
+            out.setdefault(req_id, _fields())["captures"][signal] = sent
 
 
 def _write_to_sink(runtime: LensRuntime, record: Any, by_signal: dict[str, Any], valid: int,
@@ -370,27 +401,27 @@ def _write_to_sink(runtime: LensRuntime, record: Any, by_signal: dict[str, Any],
                                     tokens.get("prompt_token_ids", ()), tokens.get("token_ids", ()),
                                     local_layers=runtime.capture_layers, writer=writer)
     except Exception as exc:  # noqa: BLE001 - this request fails alone
-        out[record.req_id] = {"error": f"vllm-lens failed at sink: {describe(exc)}",
-                              "conflict": isinstance(exc, DatasetConflictError)}
-        if isinstance(exc, CapacityError):
-            out[record.req_id]["capacity"] = exc.setting
+        out[record.req_id] = _fields(
+            error=f"vllm-lens failed at sink: {describe(exc)}",
+            conflict=isinstance(exc, DatasetConflictError),
+            capacity=exc.setting if isinstance(exc, CapacityError) else None)
         return
-    out.setdefault(record.req_id, {})["receipt"] = receipt
+    out.setdefault(record.req_id, _fields())["receipt"] = receipt
 
 
-def _qk_meta(info: Any) -> list[list[Any]]:
-    """``[layer, attention_meta]`` per local layer with Q/K taps; a layer whose metadata
-    cannot be read is left out (its Q/K are then not described, and never guessed)."""
+def _qk_meta(info: Any) -> list[AttentionMeta]:
+    """One ``AttentionMeta`` per local layer with Q/K taps; a layer whose metadata cannot be
+    read is left out (its Q/K are then not described, and never guessed)."""
     out = []
     for layer, module in info.attention if info else ():
         try:
-            out.append([layer, attention_meta(module)])
+            out.append(AttentionMeta(layer=layer, **attention_meta(module)))
         except Exception:  # noqa: BLE001 - describe must answer
             logger.warning("vllm-lens: cannot read the attention metadata of layer %d", layer)
     return out
 
 
-def _describe(worker: Any) -> dict[str, Any]:
+def _describe(worker: Any) -> DescribeAnswer:
     """``lens_describe`` of ``worker`` (may raise; the RPC turns that into a refusal)."""
     global _runtime
     runner = worker.model_runner
@@ -410,33 +441,33 @@ def _describe(worker: Any) -> dict[str, Any]:
                                shard_layers=frozenset(info.local_layers), split=info.split)
         set_tap_handler(_runtime.on_tap)
         handoff.sweep()  # files orphaned by front ends that died before reading them
-    return {
-        "unsupported": reason,
-        "model_class": info.model_class if info else type(model).__name__,
-        "mapped": info is not None and info.tapped,
-        "n_layers": info.n_layers if info else 0,
-        "local_layers": list(info.local_layers) if info else [],
-        "pre_taps": info.pre_taps if info else False,
-        "hidden_size": model_config.get_hidden_size(),
-        "dtype": str(model_config.dtype).removeprefix("torch."),
-        "max_model_len": model_config.max_model_len,
-        "tp_rank": tp_rank,
-        "pp_rank": pp_rank,
-        "speculative": vllm_config.speculative_config is not None,
-        "tp_size": tp_size,
-        "dp_size": int(vllm_config.parallel_config.data_parallel_size),
-        "num_heads_total": int(model_config.get_num_attention_heads(vllm_config.parallel_config)
-                               * tp_size),
-        "num_kv_heads_total": int(model_config.get_total_num_kv_heads()),
-        "sites": list(info.sites) if info else [],
-        "d_mlp": info.d_mlp if info else 0,
-        "split": info.split if info else False,
-        "block": info.block if info else "sequential",
-        "n_experts": info.n_experts if info else 0,
-        "moe_top_k": int(getattr(model_config.hf_text_config, "num_experts_per_tok", 0) or 0)
+    return DescribeAnswer(
+        unsupported=reason,
+        model_class=info.model_class if info else type(model).__name__,
+        mapped=info is not None and info.tapped,
+        n_layers=info.n_layers if info else 0,
+        local_layers=list(info.local_layers) if info else [],
+        pre_taps=info.pre_taps if info else False,
+        hidden_size=model_config.get_hidden_size(),
+        dtype=str(model_config.dtype).removeprefix("torch."),
+        max_model_len=model_config.max_model_len,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        speculative=vllm_config.speculative_config is not None,
+        tp_size=tp_size,
+        dp_size=int(vllm_config.parallel_config.data_parallel_size),
+        num_heads_total=int(model_config.get_num_attention_heads(vllm_config.parallel_config)
+                            * tp_size),
+        num_kv_heads_total=int(model_config.get_total_num_kv_heads()),
+        sites=list(info.sites) if info else [],
+        d_mlp=info.d_mlp if info else 0,
+        split=info.split if info else False,
+        block=info.block if info else "sequential",
+        n_experts=info.n_experts if info else 0,
+        moe_top_k=int(getattr(model_config.hf_text_config, "num_experts_per_tok", 0) or 0)
         if info and info.routing == "softmax_topk" else 0,
-        "unmapped": info.unmapped if info else "its decoder layers were not found",
-        "inner_taps": envs.inner_taps(),
+        unmapped=info.unmapped if info else "its decoder layers were not found",
+        inner_taps=envs.inner_taps(),
         # Per layer this stage owns (the front end joins the stages' lists).
-        "qk_meta": _qk_meta(info),
-    }
+        qk_meta=_qk_meta(info),
+    )

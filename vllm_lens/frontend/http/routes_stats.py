@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from vllm_lens.common.messages import StatsAnswer, read_all
 from vllm_lens.frontend import patching_sweep
 from vllm_lens.frontend.http.blob_store import store
 from vllm_lens.frontend.rpc import all_workers
@@ -33,8 +34,9 @@ async def list_saes(raw_request: Request) -> JSONResponse:
 
 @router.get("/v1/lens/stats")
 async def lens_stats(raw_request: Request) -> JSONResponse:
-    workers = await _worker_stats(raw_request.app.state.engine_client)
-    return JSONResponse({"store": await asyncio.to_thread(store().stats), "workers": workers,
+    workers = read_all(StatsAnswer, await _worker_stats(raw_request.app.state.engine_client))
+    return JSONResponse({"store": await asyncio.to_thread(store().stats),
+                         "workers": [answer.as_json() for answer in workers],
                          "sweeps": patching_sweep.running_sweeps()})
 
 

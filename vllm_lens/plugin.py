@@ -42,7 +42,7 @@ def register() -> None:
     from vllm_lens.engine_core import pipelined_rpc
     from vllm_lens.frontend import (
         async_engine,
-        collate,
+        collator,
         engine_args,
         offline,
         patching_sweep,
@@ -54,7 +54,7 @@ def register() -> None:
     from vllm_lens.worker import lora_guard, taps
 
     engine_args.install()
-    collate.install_output_fields()
+    collator.install_output_fields()
     offline.install()
     async_engine.install()
     prefix_cache.install()

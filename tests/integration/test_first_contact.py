@@ -16,7 +16,7 @@ from vllm_lens import (
     SteeringVector,
     UnsupportedConfigError,
 )
-from vllm_lens.frontend.collate import LensSession
+from vllm_lens.frontend.session import LensSession
 from vllm_lens.spec.facts import facts_from_describe
 
 GOOD = SamplingParams(max_tokens=2, temperature=0, extra_args={"output_residual_stream": [0]})

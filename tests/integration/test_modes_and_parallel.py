@@ -385,7 +385,7 @@ def test_streamed_rows_under_tensor_and_pipeline_parallelism(tiny_path, tiny_llm
     from tests.integration.engines import IDLE, held, running_async_llm
     from vllm.sampling_params import RequestOutputKind
 
-    from vllm_lens.frontend.collate import join_streamed
+    from vllm_lens.frontend.merge import join_streamed
     from vllm_lens.frontend.rpc import all_workers
 
     extra = {"output_residual_stream": [1, 3], "output_activations": {"attn_z": [1, 2]},

@@ -253,7 +253,7 @@ def test_capture_reservations_refuse_the_newcomer_and_come_back_when_records_go(
 
 
 def test_missing_rows_are_an_error_unless_a_worker_saw_the_request():
-    from vllm_lens.frontend.collate import _missing_rows
+    from vllm_lens.frontend.collator import _missing_rows
 
     import torch
 

@@ -89,7 +89,7 @@ def test_a_request_whose_results_cannot_be_collated_fails_alone():
     from vllm.outputs import CompletionOutput, RequestOutput
 
     from vllm_lens import LensExecutionError
-    from vllm_lens.frontend.collate import LensSession
+    from vllm_lens.frontend.collator import fail_output
     from vllm_lens.spec import CaptureSpec, LensRequest
 
     completion = CompletionOutput(index=0, text="", token_ids=[1], cumulative_logprob=None,
@@ -97,7 +97,7 @@ def test_a_request_whose_results_cannot_be_collated_fails_alone():
     output = RequestOutput(request_id="7", prompt=None, prompt_token_ids=[1, 2],
                            prompt_logprobs=None, outputs=[completion], finished=True)
     lens = LensRequest(key="k", capture=CaptureSpec(layers=(0,)))
-    LensSession.fail_output(output, lens, OSError("handoff file vanished"))
+    fail_output(output, lens, OSError("handoff file vanished"))
     for target in (output, completion):
         assert isinstance(target.lens_error, LensExecutionError)
         assert "collation: OSError: handoff file vanished" in str(target.lens_error)
@@ -109,7 +109,7 @@ def test_a_request_no_worker_vouches_for_fails_instead_of_passing_silently():
 
     from vllm_lens import LensExecutionError
     from vllm_lens.common.messages import FetchAnswer, FetchPart
-    from vllm_lens.frontend.collate import LensSession
+    from vllm_lens.frontend.collator import attach
     from vllm_lens.spec import LensRequest, SteerSpec
 
     def output():
@@ -121,16 +121,15 @@ def test_a_request_no_worker_vouches_for_fails_instead_of_passing_silently():
     steer = SteerSpec(layers=(0,), vectors=wire.dumps(torch.ones(1, 8)), scale=1.0,
                       norm_match=False, positions=None)
     lens = LensRequest(key="k", steer=(steer,))
-    session = LensSession()
     lost = output()
     # no rank held it: its steering cannot be vouched for
-    session.attach(lost, lens, [FetchAnswer(requests={})], 1)
+    attach(lost, lens, [FetchAnswer(requests={})], 1, None)
     assert isinstance(lost.lens_error, LensExecutionError) and "no worker held" in str(
         lost.lens_error)
     ran = output()
     held = FetchPart(error=None, conflict=False, capacity=None, held=True, seen=[],
                      captures={}, hooks=None, gates=None, receipt=None)
-    session.attach(ran, lens, [FetchAnswer(requests={"k": {"7-abc": held}})], 1)
+    attach(ran, lens, [FetchAnswer(requests={"k": {"7-abc": held}})], 1, None)
     assert ran.lens_error is None
 
 
@@ -142,7 +141,7 @@ def test_two_requests_in_flight_never_write_one_example(tmp_path, monkeypatch):
 
     from vllm import SamplingParams
 
-    from vllm_lens.frontend.collate import LensSession
+    from vllm_lens.frontend.session import LensSession
 
     monkeypatch.setenv("VLLM_LENS_SINKS", json.dumps({"acts": {"root": str(tmp_path)}}))
     session = LensSession()

@@ -183,7 +183,7 @@ def _part(signal, layers, rank, tensor, positions=(0, 1, 2)):
 
 
 def test_tensor_parallel_parts_join_in_rank_order():
-    from vllm_lens.frontend.collate import merge_rank_payloads
+    from vllm_lens.frontend.merge import merge_rank_payloads
 
     q = torch.randn(2, 3, 8, 4)  # [layers, positions, heads, dim]: 2 heads per rank of 4
     parts = [_part("attn_q", (0, 1), r, q[:, :, 2 * r : 2 * r + 2]) for r in (2, 0, 3, 1)]
@@ -195,7 +195,7 @@ def test_tensor_parallel_parts_join_in_rank_order():
 
 
 def test_replicated_key_heads_are_kept_once():
-    from vllm_lens.frontend.collate import merge_rank_payloads
+    from vllm_lens.frontend.merge import merge_rank_payloads
 
     k = torch.randn(1, 3, 2, 4)  # 2 key heads, tp=4: ranks 0,1 hold head 0, ranks 2,3 head 1
     parts = [_part("attn_k", (5,), r, k[:, :, r // 2 : r // 2 + 1]) for r in range(4)]
@@ -284,7 +284,7 @@ def test_router_logits_only_where_there_is_a_router():
 
 
 def test_chosen_experts_are_the_top_k_logits():
-    from vllm_lens.frontend.collate import chosen_experts
+    from vllm_lens.frontend.collator import chosen_experts
 
     logits = torch.tensor([[[0.1, 2.0, -1.0, 1.5], [3.0, 0.0, 0.2, 0.1]]])
     assert chosen_experts(logits, 2).tolist() == [[[1, 3], [0, 2]]]

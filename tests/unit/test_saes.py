@@ -642,7 +642,7 @@ def test_a_topk_clamp_is_kept_by_every_steering_rank_and_a_refusal_names_the_fie
     request by the item's ``sae`` field before anything runs."""
     from vllm_lens.common.messages import SaeAnswer, SaeSliceAnswer
     from vllm_lens.errors import LensRequestError
-    from vllm_lens.frontend.collate import LensSession
+    from vllm_lens.frontend.session import LensSession
     from vllm_lens.frontend.engine_methods import drive
     from vllm_lens.frontend.sae_names import steering_described
     from vllm_lens.spec import ModelFacts, parse_steering
@@ -701,7 +701,7 @@ def test_streamed_parts_join_end_to_end_and_a_failed_end_returns_nothing():
     """``join_streamed``: the rows and SAE features of consecutive streamed outputs (empty
     ones included) laid along positions; other fields from the last; a final part that
     failed (``None``) stays ``None``."""
-    from vllm_lens.frontend.collate import join_streamed
+    from vllm_lens.frontend.merge import join_streamed
 
     def part(positions, **extra):
         n = len(positions)
@@ -767,7 +767,7 @@ def test_presets_and_sweeps_describe_the_saes_they_steer_by_before_parsing():
     from vllm_lens.common import wire
     from vllm_lens.common.messages import SaeAnswer, SaeSliceAnswer
     from vllm_lens.errors import LensRequestError
-    from vllm_lens.frontend.collate import LensSession
+    from vllm_lens.frontend.session import LensSession
     from vllm_lens.frontend.engine_methods import drive
     from vllm_lens.frontend.sae_names import steering_described
     from vllm_lens.spec import ModelFacts, parse_steering

@@ -125,31 +125,31 @@ REGISTRY: tuple[Need, ...] = (
     _n("vllm:LLM", "class", "import", "frontend.engine_methods frontend.patching_sweep cli.main "
        "cli.extract.ray_actors",
        "the offline engine vllm-lens adds methods to and that its commands run"),
-    _n("vllm:SamplingParams", "class", "import", "frontend.collate frontend.offline "
+    _n("vllm:SamplingParams", "class", "import", "frontend.session frontend.offline "
        "frontend.patching_sweep cli.main cli.extract.ray_actors",
        "requests carry lens keys in its extra_args"),
     # -- requests and outputs ------------------------------------------------------------------
     _n("vllm.sampling_params:SamplingParams.extra_args", "instance attribute", "read",
-       "frontend.collate frontend.prefix_cache worker.runner",
+       "frontend.session frontend.prefix_cache worker.runner",
        "the lens keys going in, the validated payload going to the worker"),
     _n("vllm.sampling_params:SamplingParams.n", "instance attribute", "read",
-       "frontend.collate", "samples per request (streaming and sinks need one)"),
+       "frontend.session", "samples per request (streaming and sinks need one)"),
     _n("vllm.sampling_params:SamplingParams.max_tokens", "instance attribute", "read",
-       "frontend.collate", "bounds a capture's reservation"),
+       "frontend.session", "bounds a capture's reservation"),
     _n("vllm.sampling_params:SamplingParams.output_kind", "instance attribute", "read",
        "frontend.async_engine", "DELTA outputs need a running token count"),
     _n("vllm.sampling_params:SamplingParams.skip_reading_prefix_cache", "instance attribute",
-       "read", "frontend.collate", "prompt rows must be computed, not read from the cache"),
-    _n("vllm.sampling_params:SamplingParams.clone", "method", "call", "frontend.collate",
+       "read", "frontend.session", "prompt rows must be computed, not read from the cache"),
+    _n("vllm.sampling_params:SamplingParams.clone", "method", "call", "frontend.session",
        "the engine gets a copy; the caller's params are never changed"),
     _n("vllm.sampling_params:RequestOutputKind.DELTA", "attribute", "read",
        "frontend.async_engine", "recognises streamed deltas"),
-    _n("vllm.outputs:RequestOutput", "class", "patch", "frontend.collate frontend.async_engine",
+    _n("vllm.outputs:RequestOutput", "class", "patch", "frontend.collator frontend.async_engine",
        "gets the lens output fields (activations, ...) as class attributes"),
     *(_n(f"vllm.outputs:RequestOutput.{name}", "instance attribute", "read",
          "frontend.offline frontend.async_engine", "finished requests' ids and token counts")
       for name in ("request_id", "finished", "prompt_token_ids", "outputs")),
-    _n("vllm.outputs:CompletionOutput", "class", "patch", "frontend.collate",
+    _n("vllm.outputs:CompletionOutput", "class", "patch", "frontend.collator",
        "gets the lens output fields as class attributes"),
     *(_n(f"vllm.outputs:CompletionOutput.{name}", "instance attribute", "read",
          "frontend.offline frontend.async_engine", "each sample's index and generated tokens")
@@ -164,7 +164,7 @@ REGISTRY: tuple[Need, ...] = (
     _n("vllm.inputs:TokensPrompt", "class", "call", "frontend.patching_sweep",
        "patching sweeps send token ids"),
     _n("vllm.inputs:TokensPrompt.prompt_token_ids", "instance attribute", "read",
-       "frontend.patching_sweep frontend.collate", "the key of a tokenized prompt"),
+       "frontend.patching_sweep frontend.session", "the key of a tokenized prompt"),
     # -- offline engine ------------------------------------------------------------------------
     _n(f"{_LLM}.generate", "method", "call", "frontend.patching_sweep", "runs a sweep's requests",
        "prompts sampling_params use_tqdm"),

@@ -26,9 +26,11 @@ from vllm_lens.common.messages import FetchAnswer, read_all
 from vllm_lens.common.wrapping import wrap_attribute
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend import response_scope
-from vllm_lens.frontend.collate import LensSession, discard_unread
+from vllm_lens.frontend import collator
+from vllm_lens.frontend.collator import discard_unread
 from vllm_lens.frontend.partial_fetch import PartialFetcher
 from vllm_lens.frontend.rpc import all_workers, pipelined
+from vllm_lens.frontend.session import LensSession
 from vllm_lens.frontend.sae_names import async_describer
 from vllm_lens.sinks.config import serves_http
 from vllm_lens.spec import ModelFacts, asks_for_work
@@ -101,7 +103,7 @@ def _wrap_generate(original):
                     upto = len(out.prompt_token_ids or ()) + generated.get(0, 0) - 1
                     results = await _partial_fetcher(self).fetch(lens.key, {"": upto})
                     try:
-                        rows = session.attach_partial(out, lens, results)
+                        rows = collator.attach_partial(out, lens, results, session.facts)
                     finally:
                         discard_unread(results)
                     response_scope.report_partial(request_id, rows)
@@ -113,7 +115,8 @@ def _wrap_generate(original):
                         (out.prompt_token_ids or (), generated_ids))
                     results = await _fetch(self, session.fetch_rpc_args([args_]))
                     try:
-                        by_index = session.attach(out, lens, results, engine_params.n)
+                        by_index = collator.attach(out, lens, results, engine_params.n,
+                                                    session.facts)
                     finally:
                         discard_unread(results)
                     response_scope.report(request_id, by_index)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Mapping
 from typing import Any
 
-from vllm_lens.frontend.collate import LensSession
+from vllm_lens.frontend.session import LensSession
 from vllm_lens.frontend.rpc import all_workers
 
 __all__ = ["Steps", "drive", "drive_async", "install_methods"]

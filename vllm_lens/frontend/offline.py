@@ -19,11 +19,8 @@ from vllm_lens.common.messages import FetchAnswer, read_all
 from vllm_lens.common.wrapping import wrap_attribute
 from vllm_lens.frontend.admission import check_admission
 from vllm_lens.errors import LensRequestError
-from vllm_lens.frontend.collate import (
-    LensSession,
-    discard_unread,
-    prompt_length,
-)
+from vllm_lens.frontend import collator
+from vllm_lens.frontend.session import LensSession, prompt_length
 from vllm_lens.frontend.sae_names import offline_describer
 from vllm_lens.spec import parse_extra_args
 from vllm_lens.spec.facts import facts_from_describe
@@ -138,16 +135,16 @@ def _wrap_step(original):
                 "lens_fetch", args=session.fetch_rpc_args(args)))
         except Exception as exc:  # these requests fail, the batch goes on
             for o, lens in captured:
-                session.fail_output(o, lens, exc)
+                collator.fail_output(o, lens, exc)
             return outputs
         try:
             for o, lens in captured:
                 try:
-                    session.attach(o, lens, results, len(o.outputs))
+                    collator.attach(o, lens, results, len(o.outputs), session.facts)
                 except Exception as exc:  # this request's results only: the batch goes on
-                    session.fail_output(o, lens, exc)
+                    collator.fail_output(o, lens, exc)
         finally:
-            discard_unread(results)
+            collator.discard_unread(results)
         return outputs
 
     return step

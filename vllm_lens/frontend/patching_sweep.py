@@ -46,7 +46,7 @@ from vllm_lens import envs
 from vllm_lens.common import wire
 from vllm_lens.common import points as tap_points
 from vllm_lens.errors import LensError, LensRequestError, UnsupportedConfigError
-from vllm_lens.frontend.collate import LensSession
+from vllm_lens.frontend.session import LensSession
 from vllm_lens.spec.facts import facts_from_describe
 from vllm_lens.frontend.engine_methods import drive, drive_async
 from vllm_lens.frontend.http.bodies import read_bounded

@@ -25,7 +25,8 @@ from typing import Any
 
 from vllm_lens.common import wire
 from vllm_lens.common.messages import HookResultsAnswer, ParamsAnswer, read_all
-from vllm_lens.frontend.collate import LensSession, merge_hook_results
+from vllm_lens.frontend.merge import merge_hook_results
+from vllm_lens.frontend.session import LensSession
 from vllm_lens.frontend.engine_methods import Steps as _Steps
 from vllm_lens.frontend.engine_methods import install_methods
 from vllm_lens.errors import LensRequestError

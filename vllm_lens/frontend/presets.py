@@ -32,7 +32,7 @@ from typing import Any
 
 from vllm_lens.common import wire
 from vllm_lens.errors import LensRequestError
-from vllm_lens.frontend.collate import LensSession
+from vllm_lens.frontend.session import LensSession
 from vllm_lens.frontend.engine_methods import Steps, install_methods
 from vllm_lens.frontend.sae_names import steering_described
 from vllm_lens.sinks.config import serves_http

@@ -39,7 +39,7 @@ from vllm_lens import envs
 from vllm_lens.common import wire
 from vllm_lens.common.messages import SaeAnswer, SaeSliceAnswer, read_all
 from vllm_lens.errors import LensRequestError
-from vllm_lens.frontend.collate import LensSession
+from vllm_lens.frontend.session import LensSession
 from vllm_lens.frontend.engine_methods import Steps, drive_async, install_methods
 from vllm_lens.spec.keys import SAE_KEY, STEER_KEY
 from vllm_lens.spec.sae_steering import steering_sae_references

@@ -26,7 +26,7 @@ from vllm_lens.errors import (
     LensRequestError,
 )
 from vllm_lens.frontend.async_engine import model_facts
-from vllm_lens.frontend.collate import LensSession
+from vllm_lens.frontend.session import LensSession
 from vllm_lens.frontend.http import preset_log
 from vllm_lens.frontend.http.blob_store import store
 from vllm_lens.frontend.http.errors import error_response

@@ -13,7 +13,7 @@ from typing import Any
 
 from vllm_lens.activations import binary_descriptor, hook_results_to_json
 from vllm_lens.common import wire
-from vllm_lens.frontend.collate import join_streamed
+from vllm_lens.frontend.merge import join_streamed
 from vllm_lens.frontend.http.blob_store import store
 from vllm_lens.frontend.response_scope import ResponseScope
 

@@ -26,7 +26,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from vllm_lens import envs
 from vllm_lens.errors import LensRequestError
-from vllm_lens.frontend.collate import LensSession
+from vllm_lens.frontend.session import LensSession
 from vllm_lens.frontend.http import preset_log
 from vllm_lens.frontend.http.bodies import answered_by, json_object
 from vllm_lens.frontend.http.errors import answer, error

@@ -14,7 +14,7 @@ import torch
 
 from vllm_lens.activations import hook_results_to_json
 from vllm_lens.errors import CapacityError
-from vllm_lens.frontend.collate import join_streamed
+from vllm_lens.frontend.merge import join_streamed
 from vllm_lens.frontend.http.errors import error_event
 from vllm_lens.frontend.http.results import Encoder, encode_results, with_partials
 from vllm_lens.frontend.response_scope import ResponseScope

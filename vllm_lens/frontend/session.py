@@ -1,0 +1,215 @@
+"""The request session: one per engine, the input side of lens requests (runs in: front end).
+
+One ``LensSession`` lives on each engine object (``LLMEngine`` or ``AsyncLLM``). It validates
+lens requests before they enter the engine (``prepare``: parse, admission, the payload the
+workers decode), remembers which requests carry one until they finish, and builds the
+arguments of their fetch. What the workers send back is attached by ``frontend.collator``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Container, Mapping, Sequence
+from typing import Any
+
+from vllm import SamplingParams
+
+from vllm_lens import envs
+from vllm_lens.common import handoff
+from vllm_lens.errors import LensRequestError
+from vllm_lens.frontend.admission import capture_reservation, check_admission
+from vllm_lens.sinks.config import SinkSpec
+from vllm_lens.spec import (
+    PAYLOAD_KEY,
+    SINK_KEY,
+    STEER_KEY,
+    STREAM_KEY,
+    LensRequest,
+    ModelFacts,
+    SteerSpec,
+    has_lens_keys,
+    parse_extra_args,
+    reuse_parsed,
+)
+
+__all__ = ["LensSession", "prompt_length"]
+
+_SESSION_ATTR = "_vllm_lens_session"
+
+
+def prompt_length(prompt: Any) -> int | None:
+    """Tokens in an engine input (a vLLM ``TokensInput`` dict or ``EngineCoreRequest``), or
+    ``None`` when it is not tokenized yet."""
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, Mapping) else getattr(
+        prompt, "prompt_token_ids", None)
+    return len(ids) if ids is not None else None
+
+
+class LensSession:
+    """Per-engine front-end state: model facts, in-flight lens requests, feature registries."""
+
+    def __init__(self) -> None:
+        self.facts: ModelFacts | None = None
+        self.in_flight: dict[str, LensRequest] = {}
+        """External request id -> its lens request, until it finishes or is aborted (changed
+        only by ``prepare`` and ``forget``, which keep ``_sinks`` in step)."""
+        self._sinks: collections.Counter[SinkSpec] = collections.Counter()
+        """The examples the requests in flight write: a call of thousands of requests checks
+        each against them in constant time, not against every request in flight."""
+        self.parsed_by_params: dict[int, tuple[Mapping[str, Any], LensRequest]] = {}
+        """During one ``LLM.generate`` call: ``id(SamplingParams)`` -> (its ``extra_args``, the
+        lens request parsed from them), so each request's values are parsed once."""
+        self.persistent_trusted = False
+        """Some registered persistent hook was pickled, i.e. registered by a trusted caller
+        (their results may come back pickled)."""
+        self.presets: dict[str, tuple[SteerSpec, ...]] = {}
+        """Named steering presets (``frontend.presets``), validated against the model."""
+        self.preset_info: dict[str, dict[str, Any]] = {}
+        """What ``steering_presets`` lists for each preset (computed at registration)."""
+        self.model_names: tuple[str, ...] = ()
+        """The served model's path or name and served names (set by the engine methods)."""
+        self.describe_sae: Any = None
+        """``(sae, hook_point) -> description``: loads an SAE on the workers (``spec.saes``);
+        set for offline engines (an ``AsyncLLM`` describes each request's SAEs first and
+        passes its own to ``prepare``)."""
+        self.sae_names: dict[str, tuple[str, str | None, dict[str, Any]]] = {}
+        """Registered SAEs (``frontend.sae_names``): name -> (directory, hook point, the
+        workers' description)."""
+
+    @staticmethod
+    def of(engine: object) -> LensSession:
+        session = engine.__dict__.get(_SESSION_ATTR)
+        if session is None:
+            session = LensSession()
+            setattr(engine, _SESSION_ATTR, session)
+        return session
+
+    def needs_facts(self, params: object) -> bool:
+        return (
+            self.facts is None
+            and isinstance(params, SamplingParams)
+            and has_lens_keys(params.extra_args)
+        )
+
+    def prepare(self, params: Any, request_id: str, prompt: Any = None,
+                parsed: tuple[Mapping[str, Any], LensRequest] | None = None,
+                saes: Any = None) -> tuple[Any, LensRequest | None]:
+        """Validate ``params``' lens keys; return (params for the engine, lens request or None).
+
+        A capture is admitted only if what it can hold fits ``VLLM_LENS_MAX_CAPTURE_BYTES``
+        (``prompt``, the engine's input, gives the prompt length where it is tokenized).
+        ``parsed``: (``vllm_xargs``, the ``LensRequest`` parsed from them) when the server
+        validated this request already; it is reused if the values are the same. ``saes``:
+        the describe for the SAEs it names, instead of ``describe_sae``.
+
+        The caller's object is never mutated: a request with lens keys gets a clone whose
+        ``extra_args`` carry the validated payload instead of the user's keys.
+
+        vLLM accepts duplicate request ids, but outputs name only that id: while a lens
+        request runs, no other request may reuse its id, or its results could be attached to
+        the wrong output.
+        """
+        if request_id in self.in_flight:
+            raise LensRequestError("request_id", f"{request_id!r} is already used by a running "
+                                   "vllm-lens request; request ids must be unique while it runs")
+        if not isinstance(params, SamplingParams) or not params.extra_args:
+            return params, None
+        reused = None if parsed is None else reuse_parsed(params.extra_args, *parsed)
+        if reused is not None:
+            rest, lens = reused
+        else:
+            rest, lens = parse_extra_args(params.extra_args, self._facts, request_id=request_id,
+                                          presets=self.presets,
+                                          saes=saes if saes is not None else self.describe_sae)
+        if lens is None:
+            return params, None
+        self.check_beside(lens, params.n, request_id)
+        facts = self._facts()
+        check_admission(lens, facts, prompt_length(prompt), params.max_tokens, params.n,
+                        request_id)
+        if lens.captures or lens.saes:
+            lens = dataclasses.replace(lens, reserve_bytes=capture_reservation(
+                lens, facts, prompt_length(prompt), params.max_tokens))
+        engine_params = params.clone()
+        engine_params.extra_args = {**rest, PAYLOAD_KEY: lens.to_payload()}
+        if lens.hooks or any(c.wants_prompt_rows()
+                             for c in (*lens.captures, *lens.sae_captures)):
+            # Prompt tokens served from the prefix cache never run through the layers.
+            engine_params.skip_reading_prefix_cache = True
+        self.in_flight[request_id] = lens
+        if lens.sink is not None:
+            self._sinks[lens.sink] += 1
+        return engine_params, lens
+
+    def check_beside(self, lens: LensRequest, n: int, request_id: str | None = None,
+                     added: Container[SinkSpec] = ()) -> None:
+        """Refuse what ``lens`` cannot do with ``n`` samples, or beside the running requests
+        and those of the same call added before it (``added``: their sinks, best a set):
+        every sample streams, is gated or writes one example of its own, and no two requests
+        write one key.
+
+        Raises:
+            LensRequestError: naming the field.
+        """
+        if lens.stream and n != 1:
+            raise LensRequestError(STREAM_KEY, f"streams the rows of one sample; n={n} is not "
+                                   "supported with it (send n requests)", request_id=request_id)
+        if lens.sink is not None and (lens.sink in added or lens.sink in self._sinks):
+            raise LensRequestError(
+                f"{SINK_KEY}.key", f"{lens.sink.key!r} of dataset {lens.sink.dataset!r} is "
+                "already being written by a running request or an earlier request of this "
+                "call (several prompts with one capture_sink? give each its own key)",
+                request_id=request_id)
+        if n != 1 and any(s.condition is not None and s.phase != "decode" for s in lens.steer):
+            raise LensRequestError(STEER_KEY, f"conditional steering reports a gate for every "
+                                   f"steered prompt position, which n={n} samples compute once "
+                                   "between them; send n requests, or use phase='decode'",
+                                   request_id=request_id)
+        if lens.sink is not None and n != 1:
+            raise LensRequestError(SINK_KEY, f"writes one example per request; n={n} samples "
+                                   "would need one key each (send n requests)",
+                                   request_id=request_id)
+
+    def _facts(self) -> ModelFacts:
+        assert self.facts is not None, "call the engine's lens_describe before prepare()"
+        return self.facts
+
+    @staticmethod
+    def fetch_rpc_args(requests: list[tuple[str, dict[str, int]]]) -> tuple[Any, ...]:
+        """``collective_rpc`` args of ``lens_fetch`` for these ``fetch_args`` results."""
+        return (requests, handoff.host_id() if envs.shm_handoff() else None)
+
+    def fetch_args(
+        self, lens: LensRequest, n_prompt: int, generated: Mapping[int, int], n: int,
+        tokens: tuple[Sequence[int], Sequence[int]] | None = None,
+    ) -> tuple[Any, ...]:
+        """Fetch arguments for one finished request (see ``LensWorkerExtension.lens_fetch``).
+
+        ``generated`` maps completion index -> tokens generated; a request sampled once runs
+        under one engine id, ``n > 1`` children under ids prefixed ``"{index}_"``. ``tokens``
+        (prompt and generated token ids) travel along for a request writing to a sink.
+        """
+        if n == 1:
+            valid = {"": n_prompt + generated.get(0, 0) - 1}
+            if lens.sink is not None:
+                prompt_ids, generated_ids = tokens or ((), ())
+                return lens.key, valid, {"prompt_token_ids": [int(t) for t in prompt_ids],
+                                         "token_ids": [int(t) for t in generated_ids]}
+            return lens.key, valid
+        return lens.key, {f"{i}_": n_prompt + generated.get(i, 0) - 1 for i in range(n)}
+
+    def forget(self, request_ids: Sequence[str]) -> list[str]:
+        """Stop tracking finished or aborted requests; returns their lens keys (whose worker
+        buffers an aborted request should release)."""
+        keys = []
+        for rid in request_ids:
+            lens = self.in_flight.pop(rid, None)
+            if lens is None:
+                continue
+            keys.append(lens.key)
+            if lens.sink is not None:
+                self._sinks[lens.sink] -= 1
+                if not self._sinks[lens.sink]:
+                    del self._sinks[lens.sink]
+        return keys

@@ -16,18 +16,41 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, field_serializer, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from vllm_lens.common import wire
 from vllm_lens.errors import WireError
 
-__all__ = ["EMBED_POINT", "STEERING_DTYPES", "SteeringCondition", "SteeringVector"]
+__all__ = ["ABLATION_POINTS", "EMBED_POINT", "STEERING_DTYPES", "SteeringCondition",
+           "SteeringVector"]
 
 #: Floating dtypes a steering tensor may have; it is cast to the model dtype on the worker.
 STEERING_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: ``hook_point`` of the token embeddings (the stream entering layer 0), with
 #: ``layer_indices=[-1]``.
 EMBED_POINT = "embed"
+#: The points ``SteeringVector.ablation`` ablates at every layer it names (Arditi et al.'s
+#: recipe): the stream entering each layer and what attention and the MLP add to it.
+ABLATION_POINTS = ("resid_pre", "attn_out", "mlp_out")
+#: ``layer_indices`` of a vector steering every decoder layer with its one row.
+ALL_LAYERS = "all"
+
+
+class _FieldError(ValueError):
+    """A rule that involves several fields, broken: ``field`` is the one to fix (the front
+    end names it, ``apply_steering_vectors[i].<field>``, in its ``LensRequestError``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def _as_tensor(value: Any, what: str) -> Any:
@@ -106,7 +129,8 @@ class SteeringCondition(BaseModel):
 
 class SteeringVector(BaseModel):
     """Vectors added to the residual stream after the listed decoder layers (or, with
-    ``mode="replace"``, written over it).
+    ``mode="replace"``, written over it; with ``mode="ablate"`` or ``mode="cap"``, the
+    directions whose component is removed or bounded).
 
     Pass a list of them as ``extra_args["apply_steering_vectors"]`` (offline), or their wire
     strings (``to_wire``) or JSON dicts (``model_dump(mode="json")``) over HTTP. The
@@ -119,6 +143,14 @@ class SteeringVector(BaseModel):
         SteeringVector(activations=clean[3, 5][None, None], layer_indices=[3],
                        position_indices=[5], mode="replace")
 
+    Directional ablation (the component along ``direction`` removed at every layer,
+    everywhere the stream is written: ``ablation``), and a cap on the projection onto it
+    after layer 10:
+
+        SteeringVector.ablation(direction)
+        SteeringVector(activations=direction[None], layer_indices=[10], mode="cap",
+                       cap=(None, 4.0))
+
     Every field is a keyword argument of the constructor (a pydantic model):
 
     Keyword Args:
@@ -126,20 +158,25 @@ class SteeringVector(BaseModel):
             tensor record, float32, float16 or bfloat16 (float64 is cast to float32),
             finite: ``(n_layers, hidden)`` or ``(n_layers, n_positions, hidden)`` (see the
             attribute below).
-        layer_indices (list[int]): one decoder layer per row of ``activations``, distinct;
-            ``[-1]`` alone addresses the token embeddings.
+        layer_indices (list[int] | str): one decoder layer per row of ``activations``,
+            distinct; ``[-1]`` alone addresses the token embeddings; ``"all"``: every
+            decoder layer, with one row (``activations`` ``(1, hidden)`` or ``(1, n_positions,
+            hidden)``) used at each.
         scale (float): multiplies every vector (default ``1.0``; must be finite, and
-            ``1.0`` with ``mode="replace"``).
+            ``1.0`` with ``mode`` ``"replace"``, ``"ablate"`` or ``"cap"``).
         norm_match (bool): scale relative to the stream's norm (default ``False``; needs
-            non-zero rows).
+            non-zero rows; only with ``mode="add"``).
         position_indices (list[int] | None): with 3D activations, the distinct
             non-negative absolute position of each row (default ``None``: ``0 ..
             n_positions - 1``).
         hook_point (str): the tap point steered (default ``"resid_post"``).
-        mode (str): ``"add"`` (default) or ``"replace"``.
+        mode (str): ``"add"`` (default), ``"replace"``, ``"ablate"`` or ``"cap"``.
         phase (str): ``"all"`` (default), ``"prefill"`` or ``"decode"``.
         condition (SteeringCondition | None): gates an ``"add"`` without ``norm_match``
             (default ``None``).
+        cap (tuple[float | None, float | None] | None): ``(lower, upper)`` for
+            ``mode="cap"`` (and only then): finite, ``lower <= upper``, at most one
+            ``None`` (no bound on that side).
 
     Raises:
         pydantic.ValidationError: (a ``ValueError``) on construction, when a field breaks
@@ -162,11 +199,13 @@ class SteeringVector(BaseModel):
     """``(n_layers, hidden)``: added at every position; or ``(n_layers, n_positions, hidden)``:
     row ``j`` added at absolute position ``position_indices[j]``. Cast to the model dtype on
     the worker."""
-    layer_indices: list[int]
+    layer_indices: list[int] | Literal["all"]
     """Decoder layer after which each ``activations[i]`` is added; ``[-1]`` addresses the token
     embeddings: the stream entering layer 0 (also ``hook_point="embed"``), i.e. layer 0's
     ``resid_pre``, which includes what the model adds before its first layer (position
-    embeddings in GPT-2-style models, Gemma's embedding scale)."""
+    embeddings in GPT-2-style models, Gemma's embedding scale). ``"all"``: every decoder
+    layer of the served model (``0 .. n_layers - 1``) at ``hook_point``, each with the one
+    row of ``activations``."""
     scale: float = 1.0
     """Multiplies every vector before it is added."""
     norm_match: bool = False
@@ -178,10 +217,15 @@ class SteeringVector(BaseModel):
     """The tap point the vectors are added at: ``resid_pre``, ``attn_out``, ``resid_mid``,
     ``mlp_out`` or ``resid_post`` (``vllm_lens.common.points``), or ``embed`` (with
     ``layer_indices=[-1]``); ``norm_match`` measures the signal at that point."""
-    mode: Literal["add", "replace"] = "add"
+    mode: Literal["add", "replace", "ablate", "cap"] = "add"
     """``add``: the stream gets ``scale * v`` added; ``replace``: the stream at those layers,
     point and positions *becomes* ``v`` (activation patching; ``scale`` 1, no
-    ``norm_match``). Replacements at a site run before additions there."""
+    ``norm_match``). Replacements at a site run before additions there. ``ablate``: the
+    component along ``r = v / ||v||`` is removed, ``x <- x - (x . r) r``; ``cap``: the
+    projection ``x . r`` is clamped into ``cap``, ``x <- x + (clamp(x . r) - x . r) r``, the
+    part orthogonal to ``r`` untouched (both: ``scale`` 1, no ``norm_match``, no
+    ``condition``; ``r`` taken in float32 on the worker). They run after every other
+    steering at their site."""
     phase: Literal["all", "prefill", "decode"] = "all"
     """Which positions are steered: all of them, the prompt's (``prefill``), or the generated
     ones (``decode``, which keeps the prompt's prefix-cache blocks shared with unsteered
@@ -190,6 +234,9 @@ class SteeringVector(BaseModel):
     condition: SteeringCondition | None = None
     """Gate the addition per token by the model's own activations (``SteeringCondition``);
     the gate values come back as ``steering_gates``."""
+    cap: tuple[float | None, float | None] | None = Field(default=None, validate_default=True)
+    """``(lower, upper)``: the interval ``mode="cap"`` keeps each projection in; ``None`` on
+    one side leaves that side open."""
 
     @field_validator("activations", mode="before")
     @classmethod
@@ -205,12 +252,41 @@ class SteeringVector(BaseModel):
 
     @field_validator("layer_indices", "position_indices", mode="before")
     @classmethod
-    def _plain_ints(cls, value: Any) -> Any:
-        """numpy integers (and integer arrays) count as ints."""
+    def _plain_ints(cls, value: Any, info: ValidationInfo) -> Any:
+        """numpy integers (and integer arrays) count as ints; ``layer_indices`` may also be
+        ``"all"``."""
+        if isinstance(value, str) and not (info.field_name == "layer_indices"
+                                           and value == ALL_LAYERS):
+            what = "a list of ints or 'all'" if info.field_name == "layer_indices" else \
+                "a list of ints"
+            raise ValueError(f"{info.field_name} must be {what}, got {value!r}")
         if isinstance(value, (np.ndarray, torch.Tensor)):
             value = value.tolist()
         if isinstance(value, (list, tuple)):
             return [int(v) if isinstance(v, np.integer) else v for v in value]
+        return value
+
+    @field_validator("cap")
+    @classmethod
+    def _cap_bounds(cls, value: Any, info: ValidationInfo) -> Any:
+        """``cap`` goes with ``mode="cap"`` (and it with ``cap``): finite, ordered bounds, at
+        least one of them."""
+        mode = info.data.get("mode")
+        if value is None:
+            if mode == "cap":
+                raise ValueError("mode='cap' needs cap=(lower, upper) (either may be None, "
+                                 "not both)")
+            return value
+        if mode != "cap":
+            raise ValueError(f"cap is only meaningful with mode='cap' (got mode={mode!r})")
+        lower, upper = value
+        if lower is None and upper is None:
+            raise ValueError("cap=(None, None) bounds nothing; give a lower or an upper bound "
+                             "(or use mode='ablate' to remove the component)")
+        if any(b is not None and not math.isfinite(b) for b in value):
+            raise ValueError(f"cap bounds must be finite or None, got {value}")
+        if lower is not None and upper is not None and lower > upper:
+            raise ValueError(f"cap lower bound {lower} is above the upper bound {upper}")
         return value
 
     @field_serializer("activations", when_used="json")
@@ -230,13 +306,19 @@ class SteeringVector(BaseModel):
             raise ValueError(
                 f"activations must be 2D (n_layers, hidden) or 3D (n_layers, n_positions, "
                 f"hidden), got shape {tuple(acts.shape)}")
-        if acts.shape[0] != len(self.layer_indices):
+        every_layer = self.layer_indices == ALL_LAYERS
+        if every_layer and acts.shape[0] != 1:
+            raise _FieldError("activations", (
+                f"layer_indices='all' uses one row at every layer, but activations.shape[0] "
+                f"is {acts.shape[0]}; pass activations[:1], or list the layers"))
+        if not every_layer and acts.shape[0] != len(self.layer_indices):
             raise ValueError(
                 f"activations.shape[0] is {acts.shape[0]} but len(layer_indices) is "
                 f"{len(self.layer_indices)}")
         if not self.layer_indices:
             raise ValueError("layer_indices is empty")
-        if (-1 in self.layer_indices or self.hook_point == EMBED_POINT) and (
+        layers = [] if every_layer else self.layer_indices
+        if (-1 in layers or self.hook_point == EMBED_POINT) and (
                 self.layer_indices != [-1] or self.hook_point not in ("resid_post", EMBED_POINT)):
             raise ValueError(
                 "the token embeddings are addressed alone: layer_indices=[-1] with "
@@ -250,7 +332,7 @@ class SteeringVector(BaseModel):
                 "mode='replace' writes the vector itself: scale must be 1.0 and norm_match "
                 f"False (got scale={self.scale}, norm_match={self.norm_match}); scale the "
                 "vector before sending it")
-        if len(set(self.layer_indices)) != len(self.layer_indices):
+        if len(set(layers)) != len(layers):
             raise ValueError(
                 f"layer_indices {self.layer_indices} has duplicates; sum the rows for a layer "
                 "into one, or pass several SteeringVector objects")
@@ -260,6 +342,8 @@ class SteeringVector(BaseModel):
             raise ValueError("norm_match needs non-zero vectors (a zero row has no direction)")
         if not math.isfinite(self.scale):
             raise ValueError(f"scale must be finite, got {self.scale}")
+        if self.mode in ("ablate", "cap"):
+            self._check_projection()
         if self.position_indices is not None:
             if acts.dim() != 3:
                 raise ValueError("position_indices is only meaningful with 3D activations")
@@ -273,6 +357,21 @@ class SteeringVector(BaseModel):
                 raise ValueError("position_indices contains duplicates")
         return self
 
+    def _check_projection(self) -> None:
+        """``ablate`` and ``cap`` take a direction per row and nothing that scales it."""
+        what = f"mode={self.mode!r} projects onto each row's direction"
+        if self.scale != 1.0:
+            raise _FieldError("scale", f"{what}, so it takes no scale (got scale="
+                              f"{self.scale})")
+        if self.norm_match:
+            raise _FieldError("norm_match", f"{what}, so it takes no norm_match")
+        if self.condition is not None:
+            raise _FieldError("condition", f"{what}; a condition gates mode='add' only")
+        norms = self.activations.float().norm(dim=-1)
+        if not torch.isfinite(norms).all() or (norms == 0).any():
+            raise _FieldError("activations", f"{what}, but a row has no direction (its norm "
+                              "is zero, or too large for float32)")
+
     @property
     def positions(self) -> list[int] | None:
         """Absolute positions of 3D rows (``None`` for 2D vectors, which apply everywhere).
@@ -284,6 +383,45 @@ class SteeringVector(BaseModel):
         if self.activations.dim() == 2:
             return None
         return self.position_indices or list(range(self.activations.shape[1]))
+
+    @classmethod
+    def ablation(cls, direction: Any, layers: list[int] | str = ALL_LAYERS, *,
+                 points: tuple[str, ...] = ABLATION_POINTS,
+                 phase: Literal["all", "prefill", "decode"] = "all") -> list[SteeringVector]:
+        """Directional ablation as Arditi et al. (2024) run it: the component along
+        ``direction`` removed at ``resid_pre``, ``attn_out`` and ``mlp_out`` of every layer, at
+        every position, so that neither the stream at any point of any layer nor anything a
+        layer adds to it keeps a component along it.
+
+        Args:
+            direction: ``(hidden,)``: a tensor, numpy array or list of floats, non-zero
+                (normalised on the worker).
+            layers: ``"all"`` (default: every decoder layer of the served model) or a list
+                of decoder layers.
+            points: the points ablated at each of ``layers`` (default ``ABLATION_POINTS``;
+                any points steering writes).
+            phase: ``"all"`` (default), ``"prefill"`` or ``"decode"``.
+
+        Returns:
+            One ``mode="ablate"`` vector per point, to put in ``apply_steering_vectors``
+            (with any other steering).
+
+        Raises:
+            pydantic.ValidationError: (a ``ValueError``) ``direction`` is not one non-zero,
+                finite row, or ``layers`` is not ``"all"`` nor a list of distinct layers.
+
+        Examples:
+            >>> import torch
+            >>> vectors = SteeringVector.ablation(torch.ones(576))
+            >>> [v.hook_point for v in vectors], vectors[0].layer_indices, vectors[0].mode
+            (['resid_pre', 'attn_out', 'mlp_out'], 'all', 'ablate')
+        """
+        row = _as_tensor(direction, "direction")
+        if row.dim() != 1:
+            raise ValueError(f"direction must be 1D (hidden,), got shape {tuple(row.shape)}")
+        rows = row[None] if layers == ALL_LAYERS else row[None].repeat(len(layers), 1)
+        return [cls(activations=rows, layer_indices=layers, hook_point=point, mode="ablate",
+                    phase=phase) for point in points]
 
     def to_wire(self) -> str:
         """Compact ASCII form: base64 of msgpack + zstd (what ``vllm_xargs`` can carry).

@@ -473,3 +473,198 @@ def test_a_requests_2d_vectors_at_one_site_are_summed_before_they_are_expanded()
     expected[4:] += decode.activations[0]
     expected[3] += placed.activations[0, 0]
     torch.testing.assert_close(hidden, expected)
+
+
+# -- ablate and cap ----------------------------------------------------------------------------
+
+def _project(lens, hidden, residual=None, *, start=0, pos0=0, n_prompt=4, site="post"):
+    """``hidden`` after the steering of ``lens`` at layer 2's ``site`` (rows 0.. of one
+    request, positions ``pos0``..)."""
+    cpu = torch.device("cpu")
+    groups = build_steer_groups(
+        [(_slice(lens, start, start + hidden.shape[0], pos0, n_prompt),
+          [prepare(s, cpu, torch.float32) for s in lens.steer])], cpu, split=False)
+    out = hidden.clone()
+    apply_steering(groups[(2, site)], out, residual)
+    return out
+
+
+def _unit(v):
+    return v / v.norm()
+
+
+def test_ablation_removes_the_component_of_the_full_stream():
+    r = torch.randn(H) * 7  # any length: normalised on the worker
+    lens = parse([sv(activations=r[None], mode="ablate")])
+    hidden, residual = torch.randn(5, H), torch.randn(5, H)
+    out = _project(lens, hidden, residual)
+    stream = hidden + residual
+    expected = stream - (stream @ _unit(r))[:, None] * _unit(r)
+    torch.testing.assert_close(out + residual, expected)
+    assert (out + residual) @ _unit(r) == pytest.approx(torch.zeros(5), abs=1e-5)
+
+
+def test_cap_clamps_the_projection_and_leaves_the_rest():
+    r = _unit(torch.randn(H))
+    lens = parse([sv(activations=r[None] * 3, mode="cap", cap=(-0.5, 1.0))])
+    hidden = torch.randn(6, H) * 2
+    out = _project(lens, hidden)
+    before, after = hidden @ r, out @ r
+    torch.testing.assert_close(after, before.clamp(-0.5, 1.0))
+    orthogonal = lambda x: x - (x @ r)[:, None] * r  # noqa: E731
+    torch.testing.assert_close(orthogonal(out), orthogonal(hidden))
+    # one bound open: only that side is clamped
+    upper = _project(parse([sv(activations=r[None], mode="cap", cap=(None, 0.0))]), hidden)
+    torch.testing.assert_close(upper @ r, before.clamp(max=0.0))
+    lower = _project(parse([sv(activations=r[None], mode="cap", cap=(0.0, None))]), hidden)
+    torch.testing.assert_close(lower @ r, before.clamp(min=0.0))
+
+
+def test_3d_ablation_uses_each_positions_direction_at_its_position():
+    dirs = torch.randn(1, 2, H)
+    lens = parse([sv(activations=dirs, position_indices=[6, 4], mode="ablate")])
+    hidden = torch.randn(4, H)
+    out = _project(lens, hidden, pos0=3)  # rows 0..3 hold positions 3..6
+    expected = hidden.clone()
+    for row, j in ((1, 1), (3, 0)):  # position 4 -> direction 1, position 6 -> direction 0
+        d = _unit(dirs[0, j])
+        expected[row] = hidden[row] - (hidden[row] @ d) * d
+    torch.testing.assert_close(out, expected)
+
+
+def test_ablation_at_a_component_point_and_its_phase():
+    r = torch.randn(H)
+    inner = dataclasses.replace(FACTS, sites=("pre", "mid", "post"))
+    lens = parse_extra_args({"apply_steering_vectors": [sv(
+        activations=r[None], mode="ablate", hook_point="attn_out", phase="decode")]},
+        lambda: inner)[1]
+    hidden, residual = torch.randn(4, H), torch.randn(4, H)
+    # rows 0..3 hold positions 2..5 of a 4-token prompt: positions 4, 5 are generated
+    out = _project(lens, hidden, residual, pos0=2, site="mid")
+    torch.testing.assert_close(out[:2], hidden[:2])
+    torch.testing.assert_close(out[2:] @ _unit(r), torch.zeros(2), atol=1e-5, rtol=0)
+
+
+def test_projections_run_after_additions_components_first():
+    """At one site: additions, then ablations of a component point (``mlp_out``), then of
+    the full stream, whatever the list order."""
+    r, push = _unit(torch.randn(H)), torch.randn(H) * 4
+    inner = dataclasses.replace(FACTS, sites=("pre", "mid", "post"))
+    lens = parse_extra_args({"apply_steering_vectors": [
+        sv(activations=r[None], mode="cap", cap=(None, 0.25)),
+        sv(activations=r[None], mode="ablate", hook_point="mlp_out"),
+        sv(activations=push[None])]}, lambda: inner)[1]
+    hidden, residual = torch.randn(3, H), torch.randn(3, H)
+    out = _project(lens, hidden, residual)
+    a = hidden + push
+    a = a - (a @ r)[:, None] * r  # mlp_out ablated (with the push in it)
+    full = a + residual
+    full = full + ((full @ r).clamp(max=0.25) - full @ r)[:, None] * r
+    torch.testing.assert_close(out + residual, full)
+
+
+def test_layer_indices_all_is_every_decoder_layer_with_one_row():
+    (spec,) = parse([sv(layer_indices="all", mode="ablate", hook_point="resid_pre")]).steer
+    assert spec.layers == (0, 1, 2, 3) and spec.point == "resid_pre"
+    prepared = prepare(spec, torch.device("cpu"), torch.float32)
+    assert prepared.vectors.shape == (4, H)
+    torch.testing.assert_close(prepared.vectors.norm(dim=-1), torch.ones(4))
+    # also for additions: the one row added at every layer
+    (add,) = parse([sv(activations=torch.ones(1, H), layer_indices="all", scale=2.0)]).steer
+    assert add.layers == (0, 1, 2, 3)
+    assert torch.equal(prepare(add, torch.device("cpu"), torch.float32).vectors,
+                       torch.full((4, H), 2.0))
+
+
+def test_the_ablation_helper_is_the_papers_recipe():
+    r = torch.randn(H)
+    vectors = SteeringVector.ablation(r)
+    assert [(v.hook_point, v.layer_indices, v.mode) for v in vectors] == [
+        ("resid_pre", "all", "ablate"), ("attn_out", "all", "ablate"),
+        ("mlp_out", "all", "ablate")]
+    inner = dataclasses.replace(FACTS, sites=("pre", "mid", "post"))
+    specs = parse_extra_args({"apply_steering_vectors": vectors}, lambda: inner)[1].steer
+    assert [(s.layers, s.point) for s in specs] == [
+        ((0, 1, 2, 3), "resid_pre"), ((0, 1, 2, 3), "attn_out"), ((0, 1, 2, 3), "mlp_out")]
+    listed = SteeringVector.ablation(r.numpy(), [1, 3], points=("resid_post",),
+                                     phase="decode")
+    assert [(v.layer_indices, v.activations.shape, v.phase) for v in listed] == [
+        ([1, 3], (2, H), "decode")]
+    with pytest.raises(ValueError, match="1D"):
+        SteeringVector.ablation(torch.randn(2, H))
+
+
+def test_ablations_and_caps_round_trip_and_salt_the_cache():
+    for v in (sv(activations=torch.randn(1, 2, H), position_indices=[3, 1], mode="cap",
+                 cap=(None, 2.5)),
+              sv(layer_indices="all", mode="ablate", phase="prefill")):
+        for back in (SteeringVector.from_wire(v.to_wire()), SteeringVector.model_validate(
+                json.loads(json.dumps(v.model_dump(mode="json"))))):
+            assert back.model_dump(exclude={"activations"}) == v.model_dump(
+                exclude={"activations"})
+        lens = parse([v])
+        assert LensRequest.from_payload(lens.to_payload()) == lens
+    r = torch.randn(1, H)
+    salts = {parse([sv(activations=r, **kw)]).cache_salt for kw in (
+        {}, {"mode": "ablate"}, {"mode": "cap", "cap": (0.0, 1.0)},
+        {"mode": "cap", "cap": (0.0, 2.0)}, {"mode": "cap", "cap": (None, 1.0)})}
+    assert len(salts) == 5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "words"),
+    [
+        (dict(mode="ablate", activations=torch.zeros(1, H)), "activations", "no direction"),
+        (dict(mode="cap", cap=(0, 1), activations=torch.cat(
+            [torch.ones(1, 1, H), torch.zeros(1, 1, H)], dim=1)), "activations",
+         "no direction"),
+        (dict(mode="ablate", activations=torch.full((1, H), 3e38)), "activations",
+         "too large"),
+        (dict(mode="ablate", activations=torch.full((1, H), float("nan"))), "",
+         "NaN or inf"),
+        (dict(mode="cap", cap=(2.0, 1.0)), "cap", "above the upper bound"),
+        (dict(mode="cap", cap=(None, None)), "cap", "bounds nothing"),
+        (dict(mode="cap"), "cap", "needs cap"),
+        (dict(mode="cap", cap=(float("nan"), 1.0)), "cap", "finite"),
+        (dict(mode="cap", cap=(0.0, float("inf"))), "cap", "finite"),
+        (dict(cap=(0.0, 1.0)), "cap", "only meaningful with mode='cap'"),
+        (dict(mode="ablate", cap=(0.0, 1.0)), "cap", "only meaningful"),
+        (dict(mode="ablate", scale=2.0), "scale", "no scale"),
+        (dict(mode="cap", cap=(0, 1), norm_match=True), "norm_match", "no norm_match"),
+        (dict(mode="ablate", condition=cond()), "condition", "gates mode='add' only"),
+        (dict(mode="ablate", activations=torch.randn(2, H), layer_indices="all"),
+         "activations", "one row at every layer"),
+        (dict(layer_indices="every"), "layer_indices", "list of ints or 'all'"),
+        (dict(layer_indices="all", hook_point="embed"), "", "addressed alone"),
+    ],
+)
+def test_bad_ablations_and_caps_name_the_field(kwargs, field, words):
+    with pytest.raises(ValueError, match=words):
+        sv(**kwargs)
+    # as a request's JSON vector: a LensRequestError naming the field
+    item = {"activations": torch.randn(1, H), "layer_indices": [2], **kwargs}
+    with pytest.raises(LensRequestError, match=words) as info:
+        parse([item])
+    assert info.value.field == "apply_steering_vectors[0]" + (f".{field}" if field else "")
+
+
+@pytest.mark.parametrize("point", ["attn_z", "mlp_post", "attn_q", "router_logits"])
+def test_projections_refused_at_points_steering_cannot_write(point):
+    """Only the stream points (whole on every tensor-parallel rank) are writable; the ones
+    each rank holds a part of are refused naming hook_point."""
+    for kw in (dict(mode="ablate"), dict(mode="cap", cap=(None, 1.0))):
+        with pytest.raises(LensRequestError, match="cannot be written to|unknown") as info:
+            parse([sv(hook_point=point, **kw)])
+        assert info.value.field == "apply_steering_vectors[0].hook_point"
+
+
+def test_projection_groups_mix_with_plain_additions_of_the_model_dtype():
+    """A request's plain additions keep the model dtype beside its float32 directions."""
+    lens = parse([sv(mode="ablate"), sv(activations=torch.ones(1, H))])
+    cpu = torch.device("cpu")
+    groups = build_steer_groups(
+        [(_slice(lens, 0, 3, 0), [prepare(s, cpu, torch.bfloat16) for s in lens.steer])],
+        cpu, split=False)
+    hidden = torch.randn(3, H, dtype=torch.bfloat16)
+    apply_steering(groups[(2, "post")], hidden, None)
+    assert hidden.dtype == torch.bfloat16

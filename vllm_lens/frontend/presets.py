@@ -91,7 +91,8 @@ def _describe(name: str, specs: tuple[SteerSpec, ...], model: str | None) -> dic
         {"layers": list(s.layers), "point": s.point, "mode": s.mode, "phase": s.phase,
          "scale": s.scale, "norm_match": s.norm_match,
          "positions": None if s.positions is None else list(s.positions),
-         "shape": list(wire.loads(s.vectors).shape)} for s in specs]}
+         "shape": list(wire.loads(s.vectors).shape),
+         **({} if s.cap is None else {"cap": list(s.cap)})} for s in specs]}
 
 
 def _names_model(model: str, served: tuple[str, ...]) -> bool:

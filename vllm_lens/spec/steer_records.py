@@ -98,7 +98,8 @@ class SteerSpec:
     layers: tuple[int, ...]
     vectors: bytes
     """``wire.dumps`` of the activations: ``[n_layers, hidden]`` or ``[n_layers, n_pos, hidden]``
-    in the caller's dtype (the worker casts to the model dtype)."""
+    in the caller's dtype (the worker casts to the model dtype); one row, ``[1, ...]``, used
+    at every one of ``layers`` (``layer_indices="all"``)."""
     scale: float
     norm_match: bool
     positions: tuple[int, ...] | None
@@ -106,14 +107,17 @@ class SteerSpec:
     point: str = "resid_post"
     """The tap point the vectors are added at (``points.STEERABLE``)."""
     mode: str = "add"
-    """``add``, ``replace`` (the stream at those rows becomes the vector) or ``clamp``
-    (SAE features set to targets: ``clamp``)."""
+    """``add``, ``replace`` (the stream at those rows becomes the vector), ``ablate`` (the
+    component along each vector's direction removed), ``cap`` (the projection onto it clamped
+    into ``cap``) or ``clamp`` (SAE features set to targets: ``clamp``)."""
     phase: str = "all"
     """``all``, ``prefill`` (prompt positions) or ``decode`` (generated positions)."""
     condition: GateSpec | None = None
     """Per-token gate of the addition, computed in the same forward pass."""
     clamp: ClampSpec | None = None
     """For ``mode="clamp"``: the features' encoder and targets."""
+    cap: tuple[float | None, float | None] | None = None
+    """For ``mode="cap"``: ``(lower, upper)``, ``None`` for an open side."""
 
     def to_payload(self) -> dict[str, Any]:
         return {
@@ -123,6 +127,7 @@ class SteerSpec:
             "mode": self.mode, "phase": self.phase,
             "condition": None if self.condition is None else self.condition.to_payload(),
             "clamp": None if self.clamp is None else self.clamp.to_payload(),
+            "cap": None if self.cap is None else list(self.cap),
         }
 
     @classmethod
@@ -137,12 +142,14 @@ class SteerSpec:
             condition=None if d.get("condition") is None else GateSpec.from_payload(
                 d["condition"]),
             clamp=None if d.get("clamp") is None else ClampSpec.from_payload(d["clamp"]),
+            cap=None if d.get("cap") is None else tuple(
+                None if b is None else float(b) for b in d["cap"]),
         )
 
     def digest_into(self, digest: Any) -> None:
         """Feed everything that decides what this vector does into ``digest``."""
         digest.update(repr((self.layers, self.scale, self.norm_match, self.positions,
-                            self.point, self.mode, self.phase)).encode())
+                            self.point, self.mode, self.phase, self.cap)).encode())
         digest.update(self.vectors)
         if self.condition is not None:
             digest.update(repr(dataclasses.astuple(self.condition)).encode())

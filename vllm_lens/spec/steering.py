@@ -1,6 +1,6 @@
-"""Steering: ``apply_steering_vectors`` (vectors, presets, replacements, phases, conditions,
-SAE features through ``spec.sae_steering``) -> ``SteerSpec`` / ``GateSpec`` records
-(``spec.steer_records``) (runs in: front end).
+"""Steering: ``apply_steering_vectors`` (vectors, presets, replacements, ablations and caps,
+phases, conditions, SAE features through ``spec.sae_steering``) -> ``SteerSpec`` /
+``GateSpec`` records (``spec.steer_records``) (runs in: front end).
 
 Every tensor a client sends is sized against the model and charged to one decode budget
 before it is decompressed."""
@@ -212,7 +212,9 @@ def _parse_one_vector(item: Any, facts: ModelFacts, where: str,
                              f"{type(item).__name__}")
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
+        # A rule across fields names the one to fix (``steering._FieldError``).
+        loc = getattr((err.get("ctx") or {}).get("error"), "field", None) or ".".join(
+            str(x) for x in err["loc"])
         raise LensRequestError(f"{where}.{loc}" if loc else where,
                                err["msg"].removeprefix("Value error, "),
                                request_id=request_id) from None
@@ -235,6 +237,9 @@ def _check_against_model(sv: Any, facts: ModelFacts, where: str,
     if sv.layer_indices == [-1]:  # the token embeddings: the stream entering layer 0
         layers = (0,)
         point = parse_write_point("resid_pre", facts, f"{where}.hook_point", request_id)
+    elif sv.layer_indices == "all":  # one row, used at every decoder layer
+        layers = tuple(range(facts.n_layers))
+        point = parse_write_point(sv.hook_point, facts, f"{where}.hook_point", request_id)
     else:
         sorted_indices(sv.layer_indices, f"{where}.layer_indices", layer_rule(facts),
                         request_id)
@@ -248,6 +253,7 @@ def _check_against_model(sv: Any, facts: ModelFacts, where: str,
         layers=layers, vectors=wire.dumps(sv.activations), scale=sv.scale,
         norm_match=sv.norm_match, positions=None if positions is None else tuple(positions),
         point=point, mode=sv.mode, phase=sv.phase, condition=condition,
+        cap=None if sv.cap is None else tuple(sv.cap),
     )
 
 

@@ -72,8 +72,9 @@ class RequestRecord:
 
     @property
     def device_bytes(self) -> int:
+        # (a vector of ``layer_indices="all"`` is one row's storage, viewed at every layer)
         return sum(p.clamp.nbytes if p.clamp is not None
-                   else p.vectors.numel() * p.vectors.element_size() for p in self.steer or ())
+                   else p.vectors.untyped_storage().nbytes() for p in self.steer or ())
 
     def fail(self, exc: BaseException | str, stage: str) -> None:
         if self.error is None:

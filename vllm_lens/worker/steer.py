@@ -8,7 +8,8 @@ the stream is ``hidden + residual`` and the next layer sums them, so adding to e
 same; ``norm_match`` measures the full ``hidden + residual``. A replacement (``mode="replace"``)
 of a full-stream point sets ``hidden = v - residual`` there, so that the sum the next layer
 forms is ``v`` (exact up to the rounding of that subtraction and the later addition); the tap
-op may mutate ``hidden`` only.
+op may mutate ``hidden`` only. An ablation or a cap (``mode`` ``ablate`` / ``cap``) of such a
+point measures the projection of ``hidden + residual`` and adds its correction to ``hidden``.
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ from vllm_lens.worker.capture import sae_chunk_rows
 from vllm_lens.worker.plan import RequestSlice, device_index
 
 __all__ = [
-    "GateSlot", "PreparedClamp", "PreparedSteer", "SteerGroup", "apply_steering",
-    "build_steer_groups", "pack_gates", "phase_boundary", "prepare",
+    "PROJECTIONS", "GateSlot", "PreparedClamp", "PreparedSteer", "Projection", "SteerGroup",
+    "apply_steering", "build_steer_groups", "pack_gates", "phase_boundary", "prepare",
 ]
+
+#: Modes that act on the projection of the stream onto each row's direction.
+PROJECTIONS = ("ablate", "cap")
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,9 @@ class PreparedSteer:
     spec: SteerSpec
     vectors: torch.Tensor
     """``[n_layers, hidden]`` or ``[n_layers, n_pos, hidden]``, ready to use: already scaled
-    for plain vectors, unit length for norm-matched ones (scaled per token at apply time)."""
+    for plain vectors, unit length for norm-matched ones (scaled per token at apply time),
+    unit length in float32 for ablations and caps (one row expanded to every layer for
+    ``layer_indices="all"``)."""
     positions_sorted: np.ndarray | None
     position_rows: np.ndarray | None  # row of ``vectors[:, j]`` for each sorted position
     probe: torch.Tensor | None = None
@@ -144,11 +150,14 @@ def prepare(spec: SteerSpec, device: torch.device, dtype: torch.dtype,
                              None if positions is None else np.arange(positions.size),
                              clamp=clamp)
     vectors = wire.loads(spec.vectors).to(device=device, dtype=torch.float32)
-    if spec.norm_match:
+    if spec.mode in PROJECTIONS:  # directions, kept in float32 (the front end refused zeros)
         vectors = vectors / vectors.norm(dim=-1, keepdim=True)
+    elif spec.norm_match:
+        vectors = (vectors / vectors.norm(dim=-1, keepdim=True)).to(dtype)
     else:
-        vectors = vectors * spec.scale
-    vectors = vectors.to(dtype)
+        vectors = (vectors * spec.scale).to(dtype)
+    if vectors.shape[0] != len(spec.layers):  # one row for every layer: a view of it
+        vectors = vectors.expand(len(spec.layers), *vectors.shape[1:])
     probe = None
     if spec.condition is not None:
         probe = wire.loads(spec.condition.probe).to(device=device, dtype=torch.float32)
@@ -185,6 +194,31 @@ class GateSlot:
         self.values = torch.sigmoid(self.sharpness * (h @ self.probe - self.threshold))
 
 
+@dataclass(frozen=True)
+class Projection:
+    """Rows whose projection onto a direction is clamped: ``x <- x + (clamp(x . r, lower,
+    upper) - x . r) r``; an ablation is the clamp into ``[0, 0]``."""
+
+    rows: torch.Tensor
+    directions: torch.Tensor
+    """``[n, hidden]`` unit vectors (float32), one per row (a view of one for 2D vectors)."""
+    lower: float | None
+    upper: float | None
+    with_residual: bool
+    """The point is ``hidden + residual``."""
+
+    def apply(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """Correct ``hidden`` in place (no host synchronisation: the bounds are Python
+        floats)."""
+        x = hidden.index_select(0, self.rows).float()
+        if self.with_residual and residual is not None:
+            x = x + residual.index_select(0, self.rows).float()
+        projection = (x * self.directions).sum(dim=-1, keepdim=True)
+        target = projection.clamp(min=self.lower, max=self.upper)
+        hidden.index_add_(0, self.rows,
+                          ((target - projection) * self.directions).to(hidden.dtype))
+
+
 @dataclass
 class SteerGroup:
     """All steering at one layer in one step."""
@@ -210,6 +244,11 @@ class SteerGroup:
     clamped: list[tuple[torch.Tensor, PreparedClamp, bool]] = field(default_factory=list)
     """(rows, clamp, whether the point is ``hidden + residual``) for clamped SAE features,
     read before anything here is written."""
+    projections: list[Projection] = field(default_factory=list)
+    """Ablations and caps, applied after everything else here, one after the other: those of
+    a point without the residual (``attn_out``, ``mlp_out``) first, as the model adds that
+    part before the full stream exists, then those of the full stream; in list order
+    within each."""
     req_ids: list[str] = field(default_factory=list)
     """The requests steered here (they fail together if this layer's steering raises)."""
 
@@ -257,6 +296,10 @@ def build_steer_groups(
                     row_lists.append(rows)
                     deltas.append(vecs)
                     groups[where].gated.append(gate)
+                elif p.spec.mode in PROJECTIONS:
+                    lower, upper = p.spec.cap if p.spec.mode == "cap" else (0.0, 0.0)
+                    groups[where].projections.append(Projection(
+                        device_index(rows, device), vecs, lower, upper, point.with_residual))
                 elif p.spec.mode == "replace":
                     groups[where].replaced.append(
                         (device_index(rows, device), vecs, point.with_residual))
@@ -275,13 +318,15 @@ def build_steer_groups(
         for (where, _), (rows, vector) in flat.items():
             row_lists, deltas = plain.setdefault(where, ([], []))
             row_lists.append(rows)
-            dtype = next(p.vectors.dtype for p in prepared if p.clamp is None)
+            dtype = next(p.vectors.dtype for p in prepared if p.spec.mode == "add")
             deltas.append(vector.to(dtype).expand(rows.size, -1))
     for (where, _, with_residual), (row_lists, clamp) in clamped.items():
         groups[where].clamped.append(
             (device_index(np.concatenate(row_lists), device), clamp, with_residual))
     for where, parts in plain.items():
         groups[where].rows, groups[where].delta = _joined(*parts, device)
+    for group in groups.values():
+        group.projections.sort(key=lambda projection: projection.with_residual)
     for where, parts in gated.items():
         groups[where].gated_rows, groups[where].gated_delta = _joined(*parts, device)
     return groups
@@ -333,8 +378,8 @@ def _vectors_for(p: PreparedSteer, i: int, vector_rows: np.ndarray | None, n: in
 
 def apply_steering(group: SteerGroup, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
     """Read this site's gates and clamped features, write its replacements into ``hidden``,
-    then add its steering, in place (norms taken after the replacements, before any
-    addition)."""
+    then add its steering, then ablate and cap, in place (norms taken after the
+    replacements, before any addition; projections after every addition)."""
     for gate in group.conditions:
         gate.compute(hidden, residual)
     clamp_deltas = []
@@ -365,6 +410,8 @@ def apply_steering(group: SteerGroup, hidden: torch.Tensor, residual: torch.Tens
                   else torch.cat([gate.values for gate in group.gated]))
         hidden.index_add_(0, group.gated_rows,
                           (group.gated_delta.float() * values[:, None]).to(hidden.dtype))
+    for projection in group.projections:
+        projection.apply(hidden, residual)
 
 
 def pack_gates(gates: dict[int, list[tuple[np.ndarray, torch.Tensor]]],

@@ -744,7 +744,7 @@ class LensClient:
         Returns:
             One dict per preset, by name: ``{"name", "model" (or None), "vectors": [{"layers",
             "point", "mode", "phase", "scale", "norm_match", "positions", "shape"}, ...]}``
-            (never the vectors themselves).
+            (and ``"cap"`` for a ``mode="cap"`` vector; never the vectors themselves).
 
         Raises:
             LensHTTPError: the server answered with an error.

@@ -42,6 +42,7 @@ from typing import Any
 from vllm.engine.arg_utils import EngineArgs
 
 from vllm_lens import envs
+from vllm_lens.common import faults
 from vllm_lens.common.wrapping import wrap_attribute
 from vllm_lens.worker.layouts import LAYOUTS
 from vllm_lens.worker.taps import TAP_OPS
@@ -195,7 +196,11 @@ def compile_cache_marker() -> tuple[str, str]:
     (where the ops go; it may change without a version change in a source checkout) keep a
     graph compiled with other taps from being loaded."""
     inner = "inner" if envs.inner_taps() else "outer"
-    table = hashlib.sha256(repr(sorted(LAYOUTS.items())).encode()).hexdigest()[:12]
+    # Derived layouts (version 1 of the derivation) and a test's layout change tap other
+    # modules than the table says.
+    table = hashlib.sha256(repr((sorted(LAYOUTS.items()), "derived-1",
+                                 os.environ.get(faults.LAYOUT_ENV) if envs.test_faults()
+                                 else None)).encode()).hexdigest()[:12]
     return "vllm_lens", f"taps-{_version()}-{len(TAP_OPS)}ops-{inner}-{table}"
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["LAYOUTS", "Layout", "layout_of", "model_key", "unmapped_reason"]
+__all__ = ["LAYOUTS", "Layout", "derivable", "layout_of", "model_key", "unmapped_reason"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,9 @@ class Layout:
     """The layers' tensors carry a leading batch dimension of 1 (the Transformers backend)."""
     requires: tuple[str, object] | None = None
     """(config attribute, value) the layout holds for; other configs are unmapped."""
+    derived: bool = False
+    """Derived from the module tree (``worker.layout_derivation``), not written here: served
+    only once ``worker.layout_check`` proved it on the model's weights."""
 
     @property
     def split(self) -> bool:
@@ -153,3 +156,11 @@ def unmapped_reason(model: object) -> str | None:
     if layout is None:
         return "its decoder layers are not mapped"
     return unmet_requirement(model, layout)
+
+
+def derivable(model: object) -> bool:
+    """Whether ``model``'s layout may be derived from its module tree: no row names its class,
+    and it is not one of vLLM's Transformers-backend classes (their layers are transformers'
+    modules, whose calling convention the derivation does not read)."""
+    key = model_key(model)
+    return key not in LAYOUTS and not key.startswith("Transformers")

@@ -20,6 +20,7 @@ traffic before any lens request) it returns at once.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -30,10 +31,18 @@ import torch
 from torch import nn
 
 from vllm_lens import envs
+from vllm_lens.common import faults
 from vllm_lens.common.points import SITES
-from vllm_lens.worker.layouts import Layout, layout_of, model_key, unmapped_reason
+from vllm_lens.worker.layout_derivation import derive_layout
+from vllm_lens.worker.layouts import (
+    Layout,
+    derivable,
+    layout_of,
+    model_key,
+    unmapped_reason,
+)
 
-__all__ = ["TAP_OPS", "TapInfo", "install_taps", "set_tap_handler", "tap_info"]
+__all__ = ["TAP_OPS", "TapInfo", "current_tap_handler", "install_taps", "set_tap_handler", "tap_info"]
 
 TAP_OP_NAME = "vllm_lens::tap"
 PRE_TAP_OP_NAME = "vllm_lens::pre_tap"
@@ -58,6 +67,11 @@ def set_tap_handler(handler: TapHandler | None) -> None:
     """Route every tap in this process to ``handler`` (``None``: taps do nothing)."""
     global _handler
     _handler = handler
+
+
+def current_tap_handler() -> TapHandler | None:
+    """The handler taps are routed to now."""
+    return _handler
 
 
 # Registered directly on a Library rather than with ``torch.library.custom_op``: the latter's
@@ -127,6 +141,10 @@ class TapInfo:
     """``Layout.routing`` where the router site exists."""
     unmapped: str | None = None
     """Why the model class is not tapped (``layouts.unmapped_reason``), if it is not."""
+    derived: bool = False
+    """The layout was derived from the module tree (``worker.layout_derivation``)."""
+    layers_path: str = ""
+    """``Layout.layers``: where the decoder layers are, from the model."""
 
 
 # Where unmapped models usually keep their layers: found only to report their depth.
@@ -348,6 +366,12 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
     requests on this model are refused with an error naming its class).
     """
     layout = layout_of(model)
+    derivation = None
+    if layout is None and derivable(model):
+        derivation = derive_layout(model)
+        layout = derivation.layout
+    if layout is not None and (override := faults.layout_override(model_key(model))):
+        layout = dataclasses.replace(layout, **override)
     tap = tap and layout is not None
     layers = _find_layers(model, (layout.layers,) if layout else _LAYER_PATHS)
     if layers is None:
@@ -389,7 +413,11 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
                    block=layout.block if layout else "sequential",
                    n_experts=n_experts if "router" in sites else 0,
                    routing=layout.routing if layout and "router" in sites else None,
-                   unmapped=None if tap else unmapped_reason(model))
+                   unmapped=None if tap else (
+                       derivation.reason if derivation is not None and derivation.reason
+                       else unmapped_reason(model)),
+                   derived=layout is not None and layout.derived,
+                   layers_path=layout.layers if layout else "")
     setattr(model, _INFO_ATTR, info)
     return info
 

@@ -38,7 +38,7 @@ from vllm_lens.errors import LensExecutionError
 
 __all__ = [
     "VERSION", "AttentionMeta", "DescribeAnswer", "FetchAnswer", "FetchPart", "FlushAnswer",
-    "HookResultsAnswer", "Message", "ParamsAnswer", "SaeAnswer", "SaeSliceAnswer",
+    "HookResultsAnswer", "LayoutCheckSummary", "Message", "ParamsAnswer", "SaeAnswer", "SaeSliceAnswer",
     "StatsAnswer", "WorkerAnswerError", "read", "read_all",
 ]
 
@@ -82,6 +82,18 @@ class AttentionMeta(msgspec.Struct, frozen=True, kw_only=True):
         return out
 
 
+class LayoutCheckSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """The start-up check of one rank's layout (``worker.layout_check.LayoutCheck``)."""
+
+    ran: bool
+    """The check's forward pass ran (else nothing was proven on this rank)."""
+    passed: list[str]
+    """The invariants that held."""
+    seconds: float
+    error: str | None
+    """Why the forward pass could not run, if it did not."""
+
+
 class DescribeAnswer(Message, frozen=True, tag=_tag("lens_describe")):
     """``lens_describe``: what one rank's model looks like, and whether it serves lens
     requests (``unsupported``: why not, or ``None``)."""
@@ -117,6 +129,13 @@ class DescribeAnswer(Message, frozen=True, tag=_tag("lens_describe")):
     inner_taps: bool
     qk_meta: list[AttentionMeta]
     """Per layer of this stage with Q/K taps (the front end joins the stages' lists)."""
+    derived_layout: bool = False
+    """The layout was derived from the module tree (``worker.layout_derivation``)."""
+    refused_points: dict[str, str] = msgspec.field(default_factory=dict)
+    """Point -> why this rank's start-up check of the layout refuses it
+    (``worker.layout_check``)."""
+    layout_check: LayoutCheckSummary | None = None
+    """What that check found, once it ran (``None`` before, or on an unmapped model)."""
 
     @classmethod
     def refused(cls, reason: str) -> DescribeAnswer:

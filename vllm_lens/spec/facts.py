@@ -5,6 +5,7 @@ Built from the workers' answers to ``lens_describe`` (``facts_from_describe``)."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,10 @@ class ModelFacts:
     """Pipeline-parallel stages."""
     dp_size: int = 1
     """Data-parallel engines."""
+    refused_points: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Point -> why the start-up check of the layout refuses it (``worker.layout_check``)."""
+    derived_layout: bool = False
+    """The layout was derived from the model's module tree, not written by hand."""
 
     def row_shape(self, signal: str) -> tuple[int, ...]:
         """The shape of one captured row (one position, one layer) of ``signal``."""
@@ -123,6 +128,9 @@ def facts_from_describe(answers: Sequence[Any]) -> ModelFacts:
         # workers' own figure covers offline DP, where each process's LLM sees its engine.
         dp_size=max(sum(not r.tp_rank and not r.pp_rank for r in results),
                     *(r.dp_size for r in results)),
+        # A point refused by any rank's (any stage's) check is refused.
+        refused_points={point: why for r in results for point, why in r.refused_points.items()},
+        derived_layout=any(r.derived_layout for r in results),
     )
 
 

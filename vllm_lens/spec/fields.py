@@ -69,7 +69,13 @@ def sorted_indices(
 
 
 def check_site(point: str, facts: ModelFacts, where: str, request_id: str | None) -> None:
-    """Refuse a point whose site this model's taps do not have."""
+    """Refuse a point whose site this model's taps do not have, or that the start-up check of
+    the model's layout did not prove (``worker.layout_check``)."""
+    if (why := facts.refused_points.get(point)) is not None:
+        raise UnsupportedModelError(
+            where, f"the tap point {point} is refused on {facts.model_class}: the start-up "
+            f"check of its {'derived' if facts.derived_layout else 'written'} layout on "
+            f"its own weights did not prove it ({why})", request_id=request_id)
     site = tap_points.site_of(point, split=facts.split)
     if site not in facts.sites:
         if site == "mid" and facts.block == "parallel":

@@ -15,6 +15,7 @@ from vllm_lens.common import faults, handoff, wire
 from vllm_lens.common.messages import (
     AttentionMeta,
     DescribeAnswer,
+    LayoutCheckSummary,
     FetchAnswer,
     FetchPart,
     FlushAnswer,
@@ -30,6 +31,7 @@ from vllm_lens.spec import HookSpec
 from vllm_lens.worker.attention_taps import attention_meta
 from vllm_lens.worker.capture import assemble
 from vllm_lens.worker.hooks import encode_results
+from vllm_lens.worker.layout_check import LayoutCheck, check_layout
 from vllm_lens.worker.request_records import describe
 from vllm_lens.worker.runner import unsupported_reason
 from vllm_lens.worker import sink_writes
@@ -42,6 +44,8 @@ __all__ = ["LensWorkerExtension"]
 logger = logging.getLogger(__name__)
 
 _runtime: LensRuntime | None = None
+_check: LayoutCheck | None = None
+"""The layout check of the model ``_runtime`` serves (run when ``_runtime`` was made)."""
 
 
 def _ranks() -> tuple[int, int, int]:
@@ -421,9 +425,24 @@ def _qk_meta(info: Any) -> list[AttentionMeta]:
     return out
 
 
+def _check_blocker(vllm_config: Any) -> str | None:
+    """Why the layout check's forward pass may not run on this engine, if so."""
+    if int(vllm_config.parallel_config.data_parallel_size) > 1:
+        return ("data parallelism: a dummy forward pass of one engine would not be matched by "
+                "the other engines' (their MoE collectives wait for each other)")
+    return None
+
+
+def _check_summary(check: LayoutCheck | None) -> LayoutCheckSummary | None:
+    if check is None:
+        return None
+    return LayoutCheckSummary(ran=check.ran, passed=list(check.passed),
+                              seconds=check.seconds, error=check.error)
+
+
 def _describe(worker: Any) -> DescribeAnswer:
     """``lens_describe`` of ``worker`` (may raise; the RPC turns that into a refusal)."""
-    global _runtime
+    global _runtime, _check
     runner = worker.model_runner
     vllm_config = worker.vllm_config
     reason = unsupported_reason(vllm_config, runner)
@@ -436,6 +455,10 @@ def _describe(worker: Any) -> DescribeAnswer:
         # Every TP rank holds the full residual stream; rank 0 alone captures it. Heads and
         # MLP columns are split across the ranks: each captures its part.
         capture_layers = frozenset(info.local_layers) if tp_rank == 0 else frozenset()
+        # Every rank runs the check's forward pass together (its collectives need all TP
+        # ranks), before the tap handler serves lens requests.
+        _check = check_layout(runner, model, info, derived=info.derived,
+                              can_run=_check_blocker(vllm_config))
         _runtime = LensRuntime(runner, capture_layers=capture_layers, tp_rank=tp_rank,
                                tp_size=tp_size, attention=info.attention,
                                shard_layers=frozenset(info.local_layers), split=info.split)
@@ -468,6 +491,9 @@ def _describe(worker: Any) -> DescribeAnswer:
         if info and info.routing == "softmax_topk" else 0,
         unmapped=info.unmapped if info else "its decoder layers were not found",
         inner_taps=envs.inner_taps(),
+        derived_layout=bool(info and info.derived),
+        refused_points=dict(_check.refused) if _check is not None else {},
+        layout_check=_check_summary(_check),
         # Per layer this stage owns (the front end joins the stages' lists).
         qk_meta=_qk_meta(info),
     )

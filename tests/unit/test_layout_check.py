@@ -1,0 +1,90 @@
+"""The layout check's invariants (no engine): tensors a correct fused-residual layer records
+pass every invariant; a tap at the wrong module breaks exactly the invariants that relate it,
+and the points they prove are refused by name, the rest kept."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from vllm_lens.worker.layout_check import INVARIANTS, evaluate
+
+SITES = ("pre", "attn", "mid", "act", "post")
+LAYERS = (0, 1, 2)
+
+
+def _info(sites=SITES, block="sequential", split=False):
+    return SimpleNamespace(sites=sites, block=block, split=split, local_layers=LAYERS)
+
+
+def _fused_rows(n_tokens=5, hidden=8, seed=0):
+    """What the taps of a Llama-style stack record: (layer, site) -> (a, b), with
+    ``pre = (stream, None)``-style pairs split the way vLLM passes them."""
+    g = torch.Generator().manual_seed(seed)
+    rows = {}
+    stream = torch.randn(n_tokens, hidden, generator=g)
+    hidden_prev, residual_prev = stream, None
+    for layer in LAYERS:
+        rows[(layer, "pre")] = (hidden_prev, residual_prev)
+        resid_pre = hidden_prev if residual_prev is None else hidden_prev + residual_prev
+        attn_out = torch.randn(n_tokens, hidden, generator=g)
+        rows[(layer, "mid")] = (attn_out, resid_pre)
+        resid_mid = attn_out + resid_pre
+        mlp_out = torch.randn(n_tokens, hidden, generator=g)
+        rows[(layer, "post")] = (mlp_out, resid_mid)
+        hidden_prev, residual_prev = mlp_out, resid_mid
+    last = hidden_prev + residual_prev
+    return rows, last
+
+
+class _Scale(nn.Module):
+    def forward(self, x):
+        return 2.0 * x
+
+
+def test_a_correct_layer_passes_every_invariant():
+    rows, last = _fused_rows()
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True)
+    assert sorted(result.passed) == sorted(INVARIANTS)
+    assert result.refused == {}
+
+
+def test_a_wrong_mid_module_refuses_the_points_it_reads_and_keeps_the_stream():
+    rows, last = _fused_rows()
+    attn_out, resid_pre = rows[(1, "mid")]
+    rows[(1, "mid")] = (attn_out, 0.5 * resid_pre)  # the norm before attention, not the MLP's
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True)
+    assert "continuity" in result.passed and "final norm" in result.passed
+    assert set(result.refused) == {"attn_out", "resid_mid", "mlp_out"}
+    assert "'attention adds attn_out' failed" in result.refused["attn_out"]
+    assert "'the MLP adds mlp_out' failed" in result.refused["mlp_out"]
+
+
+def test_a_broken_stream_refuses_every_point():
+    rows, last = _fused_rows()
+    a, b = rows[(2, "pre")]
+    rows[(2, "pre")] = (a + 1.0, b)  # not the stream layer 1 left
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True)
+    assert "continuity" not in result.passed
+    assert {"resid_pre", "resid_post", "attn_out", "resid_mid", "mlp_out", "attn_z",
+            "attn_q", "attn_k", "mlp_post"} <= set(result.refused)
+    assert all("'continuity' failed" in why for why in result.refused.values())
+
+
+def test_a_stream_that_is_not_what_the_lm_head_reads_is_refused():
+    rows, last = _fused_rows()
+    result = evaluate(rows, _info(), hidden=2.0 * last + 0.5, final_norm=_Scale(),
+                      last_stage=True)
+    assert "final norm" not in result.passed
+    assert "'final norm' failed" in result.refused["resid_post"]
+
+
+def test_what_cannot_be_checked_is_refused_as_unproven():
+    rows, last = _fused_rows()
+    rows = {key: value for key, value in rows.items() if key[1] != "pre"}
+    result = evaluate(rows, _info(sites=("attn", "mid", "act", "post")), hidden=2.0 * last,
+                      final_norm=_Scale(), last_stage=False)
+    assert result.refused["resid_post"].startswith("unproven: the invariant 'continuity'")
+    assert set(result.refused) >= {"resid_post", "attn_out", "mlp_out"}

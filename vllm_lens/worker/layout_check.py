@@ -1,0 +1,318 @@
+"""The layout's start-up check on the model's own weights (runs in: worker).
+
+Before this worker serves its first lens request (``lens_describe`` runs it once), one short
+forward pass of the loaded model (vLLM's own dummy run: random token ids, attention metadata
+built, no CUDA graph, between two steps as vLLM's data-parallel idle steps are) runs with every
+tap recording, and the recorded tensors must satisfy what any correct layout satisfies and a
+wrong one breaks:
+
+- ``continuity``: the stream leaving layer ``L`` (``resid_post``) is the stream entering layer
+  ``L + 1`` (``resid_pre``);
+- ``attention adds attn_out``: ``resid_mid = resid_pre + attn_out`` (sequential blocks);
+- ``the MLP adds mlp_out``: ``resid_post = resid_mid + mlp_out`` (sequential) or
+  ``resid_post = resid_pre + attn_out + mlp_out`` (parallel blocks);
+- ``final norm``: the last layer's ``resid_post`` through the model's final norm is the
+  hidden state vLLM itself hands to the LM head (on the last pipeline stage).
+
+Each invariant names the points it proves; a point whose invariant fails is refused by name
+with that invariant, and the rest of the model serves. A derived layout
+(``worker.layout_derivation``) serves only what was proven: where an invariant cannot run
+(no input taps, a pipeline stage without the final norm, data parallelism, an engine whose
+dummy run fails) its points are refused. Written rows are proven by the test suite against
+transformers; they face the same check, and a failure refuses their points the same way.
+
+Q/K and ``attn_z`` are the attention kernel's own inputs and output (``worker.attention_taps``
+reads them at vLLM's ``Attention`` module, found by its class), so no invariant is needed for
+them; they are refused with the stream when ``continuity`` fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_lens.common.points import POINTS, operands, tap_key
+from vllm_lens.worker import taps
+
+__all__ = ["INVARIANTS", "LayoutCheck", "check_layout", "evaluate", "tolerance"]
+
+logger = logging.getLogger(__name__)
+
+#: The invariants, each proving the points ``_requires`` lists it for.
+INVARIANTS = ("continuity", "final norm", "attention adds attn_out", "the MLP adds mlp_out")
+_STREAM = ("continuity", "final norm")
+_SUMS = ("attention adds attn_out", "the MLP adds mlp_out")
+
+
+def _requires(point: str, info: Any) -> tuple[str, ...]:
+    """The invariants that prove ``point`` on ``info``'s layout: the stream's two for every
+    point (each is read inside the layers the stream runs through), and the sublayer sums for
+    the points they relate."""
+    if info.block == "parallel":
+        sums = {"attn_out": ("the MLP adds mlp_out",), "mlp_out": ("the MLP adds mlp_out",)}
+    else:
+        sums = {"attn_out": ("attention adds attn_out",),
+                "resid_mid": ("attention adds attn_out", "the MLP adds mlp_out"),
+                "mlp_out": ("the MLP adds mlp_out",)}
+    return _STREAM + sums.get(point, ())
+
+
+#: Tokens of the check's forward pass.
+N_TOKENS = 8
+
+
+@dataclass
+class LayoutCheck:
+    """What the check found."""
+
+    ran: bool
+    refused: dict[str, str] = field(default_factory=dict)
+    """Point -> why it is refused (the invariant that failed, or the one that could not run)."""
+    passed: list[str] = field(default_factory=list)
+    """The invariants that held."""
+    seconds: float = 0.0
+    error: str | None = None
+    """Why the forward pass could not run, if it did not."""
+
+
+class _Recorder:
+    """A tap handler that keeps a float32 copy of every tap's tensors."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.dtype = torch.float32
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor | None, layer: int, site: str) -> None:
+        self.dtype = a.dtype
+        self.rows.setdefault((layer, site), (
+            a.detach().float().clone(), None if b is None else b.detach().float().clone()))
+
+
+def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: bool,
+                 can_run: str | None = None) -> LayoutCheck:
+    """Run the forward pass and evaluate the invariants. ``can_run``: why the pass may not run
+    on this engine (then nothing is proven). Never raises."""
+    start = time.perf_counter()
+    if can_run is not None:
+        return _unproven(info, derived, can_run, start)
+    recorder = _Recorder()
+    previous = taps.current_tap_handler()
+    try:
+        taps.set_tap_handler(recorder)
+        try:
+            with _attention_output(info.attention):
+                hidden = _forward(runner)
+        finally:
+            taps.set_tap_handler(previous)
+        final = _final_norm(model, info)
+        result = evaluate(recorder.rows, info, hidden=hidden, final_norm=final,
+                          last_stage=_last_stage(), dtype=recorder.dtype)
+    except Exception as exc:  # noqa: BLE001 -- the check must answer, never crash the worker
+        logger.warning("vllm-lens: the layout check could not run: %r", exc)
+        return _unproven(info, derived, f"the start-up check could not run ({exc!r})", start)
+    if not derived:
+        result.refused = {p: why for p, why in result.refused.items()
+                          if not why.startswith("unproven:")}
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _unproven(info: Any, derived: bool, why: str, start: float) -> LayoutCheck:
+    refused = {p: f"unproven: {why}" for p in _offered(info)} if derived else {}
+    return LayoutCheck(ran=False, refused=refused, error=why,
+                       seconds=time.perf_counter() - start)
+
+
+def _forward(runner: Any) -> torch.Tensor:
+    from vllm.config import CUDAGraphMode
+
+    with torch.inference_mode():
+        hidden, _ = runner._dummy_run(N_TOKENS, cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                      force_attention=True, randomize_inputs=True)
+    return hidden
+
+
+@contextlib.contextmanager
+def _attention_output(modules: tuple[tuple[int, torch.nn.Module], ...]):
+    """While the check's pass runs, an attention kernel that wrote nothing (vLLM's dummy run
+    may come without attention metadata; the kernel then leaves its output zero) writes
+    seeded noise instead: the invariants relate where attention's output goes, not what the
+    kernel computed, and a zero output would make ``attention adds attn_out`` prove nothing.
+    Without ``Attention`` modules to reach, a zero ``attn_out`` leaves the invariant unrun
+    (``evaluate``)."""
+    generators: dict[torch.device, torch.Generator] = {}
+
+    def wrap(original):
+        def forward(attn_layer, query, key, value, kv_cache, attn_metadata, output=None,
+                    **kwargs):
+            result = original(attn_layer, query, key, value, kv_cache, attn_metadata,
+                              output=output, **kwargs)
+            z = output if output is not None else result
+            if isinstance(z, torch.Tensor) and z.numel() and not bool(z.any()):
+                g = generators.get(z.device)
+                if g is None:
+                    g = generators[z.device] = torch.Generator(z.device).manual_seed(0)
+                z.copy_(torch.randn(z.shape, generator=g, device=z.device, dtype=z.dtype))
+            return result
+
+        return forward
+
+    wrapped = []
+    try:
+        for _, module in modules:
+            impl = module.impl
+            if "forward" not in impl.__dict__:
+                impl.forward = wrap(type(impl).forward.__get__(impl))
+                wrapped.append(impl)
+        yield
+    finally:
+        for impl in wrapped:
+            del impl.forward
+
+
+def _last_stage() -> bool:
+    from vllm.distributed import get_pp_group
+
+    return get_pp_group().is_last_rank
+
+
+def _final_norm(model: torch.nn.Module, info: Any) -> torch.nn.Module | None:
+    """The norm vLLM applies after the last decoder layer: the module beside the layer list
+    named like one."""
+    parent_path = info.layers_path.rpartition(".")[0]
+    parent = model.get_submodule(parent_path) if parent_path else model
+    for name in ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f",
+                 "final_norm"):
+        module = getattr(parent, name, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    return None
+
+
+def _offered(info: Any) -> list[str]:
+    """The points the layout offers (before the check)."""
+    split = info.split
+    offered = [p for p in POINTS if tap_key(p, split=split).replace("attn_z", "attn")
+               in info.sites]
+    return offered + (["attn_q", "attn_k"] if "attn" in info.sites else [])
+
+
+def _value(rows, point: str, layer: int, split: bool) -> torch.Tensor | None:
+    found = rows.get((layer, tap_key(point, split=split)))
+    if found is None:
+        return None
+    x, y = operands(point, *found)
+    return x if y is None else x + y
+
+
+def _close(actual: torch.Tensor, base: torch.Tensor | None, delta: torch.Tensor, tol: float,
+           eps: float) -> bool:
+    """Whether ``actual == base + delta`` row by row, up to ``tol`` of ``delta`` (what the
+    invariant relates: a sublayer's output, or the whole value where there is no ``base``) and
+    the rounding of adding the parts in the model's dtype (``eps``, its machine epsilon)."""
+    expected = delta if base is None else base + delta
+    if actual.shape != expected.shape:
+        return False
+    parts = delta.norm(dim=-1) + (0 if base is None else base.norm(dim=-1))
+    bound = tol * delta.norm(dim=-1) + 8 * eps * parts + 1e-30
+    return bool(((actual - expected).norm(dim=-1) <= bound).all())
+
+
+def evaluate(rows: dict, info: Any, *, hidden: torch.Tensor | None,
+             final_norm: torch.nn.Module | None, last_stage: bool,
+             dtype: torch.dtype | None = None, tol: float | None = None) -> LayoutCheck:
+    """The invariants over ``rows`` (``(layer, tap key) -> (a, b)``), for ``info`` (a
+    ``TapInfo``); ``hidden``: what the model returned, ``final_norm`` the norm before the LM
+    head. Points of a failed or unrunnable invariant are refused."""
+    dtype = dtype or torch.float32
+    tol = tol if tol is not None else tolerance(dtype)
+    eps = torch.finfo(dtype).eps
+    split, layers = info.split, list(info.local_layers)
+    failed: dict[str, str] = {}
+    unrun: dict[str, str] = {}
+    passed: list[str] = []
+
+    def judge(name: str, checks: list[tuple[Any, Any, Any]], missing: str) -> None:
+        """``checks``: ``(actual, base, delta)`` per layer, ``actual`` should be
+        ``base + delta`` (``base`` None: ``actual`` should be ``delta``)."""
+        needs_base = name in _SUMS
+        if not checks or any(a is None or d is None or (needs_base and b is None)
+                             for a, b, d in checks):
+            unrun[name] = missing
+        elif needs_base and not any(bool(d.any()) for _, _, d in checks):
+            unrun[name] = "the sublayer's output was zero in the check's pass"
+        elif all(_close(a, b, d, tol, eps) for a, b, d in checks):
+            passed.append(name)
+        else:
+            failed[name] = f"the invariant {name!r} failed"
+
+    def v(point: str, layer: int) -> torch.Tensor | None:
+        return _value(rows, point, layer, split)
+
+    pairs = [(layer, layer + 1) for layer in layers if layer + 1 in layers]
+    judge("continuity", [(v("resid_post", a), None, v("resid_pre", b)) for a, b in pairs],
+          "the layers' inputs are not tapped" if pairs else "one decoder layer on this stage")
+    if info.block == "parallel":
+        judge("the MLP adds mlp_out",
+              [(v("resid_post", L), v("resid_pre", L), _sum(v("attn_out", L), v("mlp_out", L)))
+               for L in layers], "a point of the parallel block is not tapped")
+    elif "mid" in info.sites:
+        judge("attention adds attn_out",
+              [(v("resid_mid", L), v("resid_pre", L), v("attn_out", L)) for L in layers],
+              "resid_pre is not tapped")
+        judge("the MLP adds mlp_out",
+              [(v("resid_post", L), v("resid_mid", L), v("mlp_out", L)) for L in layers],
+              "mlp_out is not tapped")
+    if last_stage and layers:
+        last = v("resid_post", layers[-1])
+        actual = expected = None
+        if final_norm is not None and last is not None and hidden is not None:
+            with torch.inference_mode():
+                normed = final_norm(last.to(_param_dtype(final_norm, hidden)))
+            normed = normed[0] if isinstance(normed, tuple) else normed
+            actual = normed.float().reshape(-1, normed.shape[-1])
+            expected = hidden.detach().float().reshape(-1, hidden.shape[-1])[: len(actual)]
+        judge("final norm", [(actual, None, expected)],
+              "no final norm was found beside the layers")
+    else:
+        unrun["final norm"] = "this pipeline stage does not end the model"
+
+    refused: dict[str, str] = {}
+    for point in _offered(info):
+        for name in _requires(point, info):
+            if name in failed:
+                refused[point] = failed[name]
+                break
+            if name in unrun:
+                refused[point] = (f"unproven: the invariant {name!r} could not run "
+                                  f"({unrun[name]})")
+                break
+    return LayoutCheck(ran=True, passed=passed, refused=refused)
+
+
+def _sum(*parts: torch.Tensor | None) -> torch.Tensor | None:
+    if any(p is None for p in parts):
+        return None
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+def _param_dtype(module: torch.nn.Module, fallback: torch.Tensor | None) -> torch.dtype:
+    param = next(module.parameters(), None)
+    if param is not None:
+        return param.dtype
+    return fallback.dtype if fallback is not None else torch.float32
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Error allowed per row, as a share of what the invariant relates (a sublayer's output),
+    beside the rounding of the sums: a wrong mapping is off by a whole sublayer's output."""
+    return 1e-3 if dtype in (torch.float32, torch.float64) else 3e-2

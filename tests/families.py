@@ -48,6 +48,27 @@ FAMILIES = {
         "rotary_pct": 0.25, "partial_rotary_factor": 0.25, "use_parallel_residual": True,
         "tie_word_embeddings": False}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # Families without a written row: served through a layout derived from vLLM's module tree
+    # and proven by the start-up check (``worker.layout_derivation``, ``worker.layout_check``).
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {
+        "residual_multiplier": 0.5, "embedding_multiplier": 2.0, "attention_multiplier": 0.1,
+        "logits_scaling": 2.0}),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 64, "partial_rotary_factor": 0.5,
+                                               "pad_token_id": None}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        **_MOE, "num_experts": 4, "head_dim": 64, "decoder_sparse_step": 1}),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {"partial_rotary_factor": 0.25}),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 64}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", {"head_dim": 64}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
+        "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", {
+        "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 1,
+        "intermediate_size_mlp": 256, "interleave_moe_layer_step": 2}),
     # A multimodal model (SmolVLM's architecture): a tiny vision tower around the Llama above.
     "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration", {"wraps": "llama"}),
 }

@@ -27,6 +27,12 @@ _MODULES = {
               "mlp_out": "post_feedforward_layernorm"},
 }
 _MODULES["gemma3_text"] = _MODULES["gemma2"]
+# Families served through derived layouts (``tests/integration/test_derived_layouts.py``).
+_MODULES["glm4"] = {**_LLAMA_MODULES, "attn_out": "post_self_attn_layernorm",
+                    "mlp_out": "post_mlp_layernorm"}
+_MODULES["qwen3_moe"] = {**_LLAMA_MODULES, "down": None}
+_MODULES["olmoe"] = _MODULES["qwen3_moe"]
+_MODULES["granitemoe"] = {**_LLAMA_MODULES, "mlp_out": "block_sparse_moe", "down": None}
 _MODULES["idefics3"] = {**_LLAMA_MODULES, "layers": "model.text_model.layers"}
 
 

@@ -1,0 +1,140 @@
+"""Model classes without a written row, served through a layout derived from vLLM's module tree
+and proven at start-up on the model's own weights (``worker.layout_derivation``,
+``worker.layout_check``), each a tiny random model (``tests/families.py``) against
+transformers: the residual stream at every layer, every point the check proved, steering, and
+plain requests token-identical to vLLM without the plugin. A point the check refused is refused
+by name with its invariant; a written layout made wrong on purpose (two norms swapped) is
+caught the same way while the rest of the model serves.
+
+``tools/family_matrix.py`` reads this module's results for the matrix too."""
+
+import json
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from tests.families import tiny_family_dir
+from tests.integration.engines import env, generate_without_plugin, running_llm
+from tests.integration.reference import HFReference, _steering_delta, max_relative_error
+from vllm_lens import SteeringVector, UnsupportedModelError
+from vllm_lens.demo_models import tiny_llama_dir
+
+PROMPT = ("Once upon a time in a quiet village by the sea, an old fisherman mended his nets "
+          "and told the children stories about the storms he had seen.")
+STREAM = ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"]
+#: Family -> the points its start-up check refuses, and the invariant named.
+DERIVED = {
+    # vLLM's Granite layer adds residual_multiplier * block(x): the attention and MLP blocks'
+    # outputs are not what is added to the stream, so attn_out and mlp_out (and resid_mid,
+    # which the same sums relate) are refused rather than served unscaled.
+    "granite": {"attn_out": "attention adds attn_out", "resid_mid": "attention adds attn_out",
+                "mlp_out": "the MLP adds mlp_out"},
+    "glm4": {},  # sandwich norms: attn_out and mlp_out after their post-norms
+    "olmoe": {},  # MoE with q/k norms
+    "qwen3_moe": {},
+    "stablelm": {},  # LayerNorm, the residual added inside the layer
+}
+MODE = dict(enforce_eager=True, max_num_batched_tokens=16, max_num_seqs=8)
+TOL = 1e-4
+
+pytestmark = pytest.mark.slow  # an engine per family, and a baseline without the plugin
+
+
+@pytest.fixture(scope="module", params=sorted(DERIVED))
+def derived(request):
+    path = tiny_family_dir(request.param)
+    with running_llm(path, **MODE) as llm:
+        yield request.param, path, llm, HFReference(path)
+
+
+def test_the_layout_is_derived_and_proven_at_start_up(derived):
+    name, _, llm, _ = derived
+    described = llm.collective_rpc("lens_describe")[0]
+    assert described["mapped"] and described["derived_layout"], name
+    check = described["layout_check"]
+    assert check["ran"] and check["error"] is None, name
+    refused = {p: why for p, why in described["refused_points"].items() if p in STREAM}
+    assert {p: why.split("'")[1] for p, why in refused.items()} == DERIVED[name]
+    assert "continuity" in check["passed"] and "final norm" in check["passed"]
+
+
+def test_proven_points_match_transformers_and_refused_ones_name_the_invariant(derived):
+    name, _, llm, ref = derived
+    served = [p for p in STREAM if p not in DERIVED[name]]
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
+        "output_residual_stream": True,
+        "output_activations": {p: [1, 3] for p in served}, "output_qk": [0]})
+    out = llm.generate([PROMPT], sp)[0]
+    assert out.lens_error is None
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    expected = ref.points(ids[:-1])
+    for layer in range(4):
+        err = max_relative_error(out.activations["residual_stream"][layer],
+                                 expected[("resid_post", layer)])
+        assert err <= TOL, (name, layer, err)
+    for point in served:
+        for i, layer in enumerate((1, 3)):
+            err = max_relative_error(out.activations[point][i], expected[(point, layer)])
+            assert err <= TOL, (name, point, layer, err)
+    for point, invariant in DERIVED[name].items():
+        sp = SamplingParams(max_tokens=1, extra_args={"output_activations": {point: [0]}})
+        with pytest.raises(UnsupportedModelError, match=f"{point} is refused .*{invariant}"):
+            llm.generate([PROMPT], sp)
+    for point in ("mlp_post", "router_logits"):  # no invariant proves them on a derived layout
+        sp = SamplingParams(max_tokens=1, extra_args={"output_activations": {point: [0]}})
+        with pytest.raises(UnsupportedModelError, match=point):
+            llm.generate([PROMPT], sp)
+
+
+def test_steering_a_derived_layout_matches_transformers(derived):
+    name, _, llm, ref = derived
+    g = torch.Generator().manual_seed(3)
+    vector = SteeringVector(activations=torch.randn(1, 128, generator=g) * 2,
+                            layer_indices=[1])
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args={
+        "apply_steering_vectors": [vector], "output_residual_stream": [3]})
+    out = llm.generate([PROMPT], sp)[0]
+    assert out.lens_error is None
+    edits = {("resid_post", 1): lambda h: h + _steering_delta(vector, 0, h)}
+    assert list(out.outputs[0].token_ids) == ref.point_greedy(
+        list(out.prompt_token_ids), 6, edits), name
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    expected = ref.points(ids[:-1], edits)
+    assert max_relative_error(out.activations["residual_stream"][0],
+                              expected[("resid_post", 3)]) <= TOL, name
+
+
+def test_plain_requests_are_token_identical_to_vllm_without_plugin(derived):
+    name, path, llm, _ = derived
+    prompts = [PROMPT, "The capital of France is"]
+    sps = [SamplingParams(max_tokens=8, temperature=0,
+                          extra_args={"output_residual_stream": [2]} if i == 1 else None)
+           for i in range(len(prompts))]
+    with_plugin = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sps)]
+    assert with_plugin == generate_without_plugin(path, prompts, 8, **MODE), name
+
+
+def test_a_wrong_layout_is_refused_by_name_and_the_rest_serves(tiny_ref):
+    """Llama's written row with the norm before attention named as the one before the MLP
+    (a test-only override): the sums that read it break, their points are refused, and the
+    stream, whose invariants hold, is still exact."""
+    wrong = {"LlamaForCausalLM": {"mid": "input_layernorm"}}
+    with env(VLLM_LENS_TEST_FAULTS="1", VLLM_LENS_TEST_LAYOUT=json.dumps(wrong)), \
+            running_llm(tiny_llama_dir(), **MODE) as llm:
+        described = llm.collective_rpc("lens_describe")[0]
+        assert not described["derived_layout"]
+        refused = described["refused_points"]
+        assert {"attn_out", "resid_mid"} <= set(refused)
+        assert "'attention adds attn_out' failed" in refused["attn_out"]
+        for point in ("attn_out", "resid_mid"):
+            sp = SamplingParams(max_tokens=1, extra_args={"output_activations": {point: [1]}})
+            with pytest.raises(UnsupportedModelError, match=f"{point} is refused"):
+                llm.generate([PROMPT], sp)
+        sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+                            extra_args={"output_residual_stream": True})
+        out = llm.generate([PROMPT], sp)[0]
+        assert out.lens_error is None
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        expected = tiny_ref.residual_stream(ids[:-1], [0, 1, 2, 3])
+        assert max_relative_error(out.activations["residual_stream"], expected) <= TOL

@@ -39,6 +39,9 @@
   host (default ``1``).
 - ``VLLM_LENS_TEST_FAULTS``: ``1`` lets requests ask for an injected failure
   (``vllm_lens.common.faults``); for the test suite only.
+- ``VLLM_LENS_TEST_LAYOUT``: with ``VLLM_LENS_TEST_FAULTS=1``, JSON that changes a model
+  class's layout (model class -> ``Layout`` fields), so the suite can prove that the start-up
+  check refuses a wrong one; for the test suite only.
 - ``VLLM_LENS_LOGIT_LENS_MAX_ROWS``: most rows (positions × layers × samples) one request may
   run the ``logit_lens_topk`` named hook on (default 65536; declared by the hook's factory,
   read by ``vllm_lens.frontend.admission``).
@@ -88,6 +91,7 @@ __all__ = [
     "max_capture_bytes", "max_concurrent_sweeps", "max_decoded_bytes", "max_hooks", "max_request_bytes",
     "max_steering_vectors", "max_sweep_cells", "sae_max_bytes",
     "shm_handoff", "sink_writer", "staging_pool_bytes", "steering_presets_path", "test_faults",
+    "test_layout",
     "worker_max_bytes",
 ]
 
@@ -202,3 +206,8 @@ def inner_taps() -> bool:
 
 def test_faults() -> bool:
     return _flag("VLLM_LENS_TEST_FAULTS")
+
+
+def test_layout() -> str | None:
+    """``VLLM_LENS_TEST_LAYOUT``, honoured only with ``VLLM_LENS_TEST_FAULTS=1``."""
+    return (os.environ.get("VLLM_LENS_TEST_LAYOUT") or None) if test_faults() else None

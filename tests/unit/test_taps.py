@@ -98,7 +98,8 @@ def test_the_mid_tap_of_a_split_layout_gets_the_stream_alone_and_writes_through(
 def test_unmapped_models_and_unmet_config_gates_are_left_alone(calls, monkeypatch):
     model = toy("OtherForCausalLM", [Block(nn.GELU())])
     info = taps.install_taps(model)
-    assert not info.tapped and info.unmapped == "its decoder layers are not mapped"
+    # No row, and nothing to derive a layout from (no vLLM attention module in its layers).
+    assert not info.tapped and info.unmapped.startswith("no list of decoder layers")
     gated = Layout(**{**SPLIT.__dict__, "requires": ("parallel", True)})
     monkeypatch.setitem(layouts.LAYOUTS, "ToyForCausalLM", gated)
     model = toy("ToyForCausalLM", [Block(nn.GELU())])

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from vllm_lens import envs
 
-__all__ = ["FAULT_KEY", "LAYOUT_ENV", "STAGES", "InjectedFault", "check", "layout_override"]
-
-LAYOUT_ENV = "VLLM_LENS_TEST_LAYOUT"
+__all__ = ["FAULT_KEY", "STAGES", "InjectedFault", "check", "layout_override"]
 
 FAULT_KEY = "lens_test_fault"
 #: Where a fault can be injected, in the order a request meets them. ``step`` raises in the
@@ -39,9 +37,6 @@ def check(fault: str | None, stage: str) -> None:
 def layout_override(model_key: str) -> dict[str, object]:
     """The ``Layout`` fields ``VLLM_LENS_TEST_LAYOUT`` changes for ``model_key`` (tests only)."""
     import json
-    import os
 
-    raw = os.environ.get(LAYOUT_ENV)
-    if not raw or not envs.test_faults():
-        return {}
-    return dict(json.loads(raw).get(model_key, {}))
+    raw = envs.test_layout()
+    return dict(json.loads(raw).get(model_key, {})) if raw else {}

@@ -42,7 +42,6 @@ from typing import Any
 from vllm.engine.arg_utils import EngineArgs
 
 from vllm_lens import envs
-from vllm_lens.common import faults
 from vllm_lens.common.wrapping import wrap_attribute
 from vllm_lens.worker.layouts import LAYOUTS
 from vllm_lens.worker.taps import TAP_OPS
@@ -199,8 +198,7 @@ def compile_cache_marker() -> tuple[str, str]:
     # Derived layouts (version 1 of the derivation) and a test's layout change tap other
     # modules than the table says.
     table = hashlib.sha256(repr((sorted(LAYOUTS.items()), "derived-1",
-                                 os.environ.get(faults.LAYOUT_ENV) if envs.test_faults()
-                                 else None)).encode()).hexdigest()[:12]
+                                 envs.test_layout())).encode()).hexdigest()[:12]
     return "vllm_lens", f"taps-{_version()}-{len(TAP_OPS)}ops-{inner}-{table}"
 
 

@@ -18,6 +18,7 @@ from tests.families import tiny_family_dir
 from tests.integration.engines import env, generate_without_plugin, running_llm
 from tests.integration.reference import HFReference, _steering_delta, max_relative_error
 from vllm_lens import SteeringVector, UnsupportedModelError
+from vllm_lens.common.messages import DescribeAnswer, read
 from vllm_lens.demo_models import tiny_llama_dir
 
 PROMPT = ("Once upon a time in a quiet village by the sea, an old fisherman mended his nets "
@@ -50,13 +51,13 @@ def derived(request):
 
 def test_the_layout_is_derived_and_proven_at_start_up(derived):
     name, _, llm, _ = derived
-    described = llm.collective_rpc("lens_describe")[0]
-    assert described["mapped"] and described["derived_layout"], name
-    check = described["layout_check"]
-    assert check["ran"] and check["error"] is None, name
-    refused = {p: why for p, why in described["refused_points"].items() if p in STREAM}
+    described = read(DescribeAnswer, llm.collective_rpc("lens_describe")[0])
+    assert described.mapped and described.derived_layout, name
+    check = described.layout_check
+    assert check.ran and check.error is None, name
+    refused = {p: why for p, why in described.refused_points.items() if p in STREAM}
     assert {p: why.split("'")[1] for p, why in refused.items()} == DERIVED[name]
-    assert "continuity" in check["passed"] and "final norm" in check["passed"]
+    assert "continuity" in check.passed and "final norm" in check.passed
 
 
 def test_proven_points_match_transformers_and_refused_ones_name_the_invariant(derived):
@@ -122,9 +123,9 @@ def test_a_wrong_layout_is_refused_by_name_and_the_rest_serves(tiny_ref):
     wrong = {"LlamaForCausalLM": {"mid": "input_layernorm"}}
     with env(VLLM_LENS_TEST_FAULTS="1", VLLM_LENS_TEST_LAYOUT=json.dumps(wrong)), \
             running_llm(tiny_llama_dir(), **MODE) as llm:
-        described = llm.collective_rpc("lens_describe")[0]
-        assert not described["derived_layout"]
-        refused = described["refused_points"]
+        described = read(DescribeAnswer, llm.collective_rpc("lens_describe")[0])
+        assert not described.derived_layout
+        refused = described.refused_points
         assert {"attn_out", "resid_mid"} <= set(refused)
         assert "'attention adds attn_out' failed" in refused["attn_out"]
         for point in ("attn_out", "resid_mid"):

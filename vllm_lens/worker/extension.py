@@ -15,11 +15,11 @@ from vllm_lens.common import faults, handoff, wire
 from vllm_lens.common.messages import (
     AttentionMeta,
     DescribeAnswer,
-    LayoutCheckSummary,
     FetchAnswer,
     FetchPart,
     FlushAnswer,
     HookResultsAnswer,
+    LayoutCheckSummary,
     ParamsAnswer,
     SaeAnswer,
     SaeSliceAnswer,

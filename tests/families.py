@@ -48,8 +48,15 @@ FAMILIES = {
         "rotary_pct": 0.25, "partial_rotary_factor": 0.25, "use_parallel_residual": True,
         "tie_word_embeddings": False}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
-    # Families without a written row: served through a layout derived from vLLM's module tree
-    # and proven by the start-up check (``worker.layout_derivation``, ``worker.layout_check``).
+    # A multimodal model (SmolVLM's architecture): a tiny vision tower around the Llama above.
+    "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration", {"wraps": "llama"}),
+}
+
+
+#: Families without a written row: served through a layout derived from vLLM's module tree and
+#: proven by the start-up check (``worker.layout_derivation``, ``worker.layout_check``);
+#: ``tests/integration/test_derived_layouts.py`` runs those it names.
+DERIVED_FAMILIES = {
     "granite": ("GraniteConfig", "GraniteForCausalLM", {
         "residual_multiplier": 0.5, "embedding_multiplier": 2.0, "attention_multiplier": 0.1,
         "logits_scaling": 2.0}),
@@ -69,8 +76,6 @@ FAMILIES = {
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", {
         "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 1,
         "intermediate_size_mlp": 256, "interleave_moe_layer_step": 2}),
-    # A multimodal model (SmolVLM's architecture): a tiny vision tower around the Llama above.
-    "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration", {"wraps": "llama"}),
 }
 
 
@@ -84,7 +89,7 @@ def tiny_family_dir(family: str) -> str:
     import transformers
     from transformers import AutoTokenizer
 
-    config_name, model_name, extra = FAMILIES[family]
+    config_name, model_name, extra = {**FAMILIES, **DERIVED_FAMILIES}[family]
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     extra = dict(extra)
     processor = None

@@ -10,16 +10,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vllm_lens import envs
 from vllm_lens.common import faults, handoff, wire
 from vllm_lens.common.messages import (
-    AttentionMeta,
     DescribeAnswer,
     FetchAnswer,
     FetchPart,
     FlushAnswer,
     HookResultsAnswer,
-    LayoutCheckSummary,
     ParamsAnswer,
     SaeAnswer,
     SaeSliceAnswer,
@@ -28,8 +25,8 @@ from vllm_lens.common.messages import (
 from vllm_lens.errors import CapacityError, DatasetConflictError
 from vllm_lens.common.points import SHARDED, base_signal
 from vllm_lens.spec import HookSpec
-from vllm_lens.worker.attention_taps import attention_meta
 from vllm_lens.worker.capture import assemble
+from vllm_lens.worker.describe import check_blocker, describe_rank
 from vllm_lens.worker.hooks import encode_results
 from vllm_lens.worker.layout_check import LayoutCheck, check_layout
 from vllm_lens.worker.request_records import describe
@@ -413,33 +410,6 @@ def _write_to_sink(runtime: LensRuntime, record: Any, by_signal: dict[str, Any],
     out.setdefault(record.req_id, _fields())["receipt"] = receipt
 
 
-def _qk_meta(info: Any) -> list[AttentionMeta]:
-    """One ``AttentionMeta`` per local layer with Q/K taps; a layer whose metadata cannot be
-    read is left out (its Q/K are then not described, and never guessed)."""
-    out = []
-    for layer, module in info.attention if info else ():
-        try:
-            out.append(AttentionMeta(layer=layer, **attention_meta(module)))
-        except Exception:  # noqa: BLE001 - describe must answer
-            logger.warning("vllm-lens: cannot read the attention metadata of layer %d", layer)
-    return out
-
-
-def _check_blocker(vllm_config: Any) -> str | None:
-    """Why the layout check's forward pass may not run on this engine, if so."""
-    if int(vllm_config.parallel_config.data_parallel_size) > 1:
-        return ("data parallelism: a dummy forward pass of one engine would not be matched by "
-                "the other engines' (their MoE collectives wait for each other)")
-    return None
-
-
-def _check_summary(check: LayoutCheck | None) -> LayoutCheckSummary | None:
-    if check is None:
-        return None
-    return LayoutCheckSummary(ran=check.ran, passed=list(check.passed),
-                              seconds=check.seconds, error=check.error)
-
-
 def _describe(worker: Any) -> DescribeAnswer:
     """``lens_describe`` of ``worker`` (may raise; the RPC turns that into a refusal)."""
     global _runtime, _check
@@ -448,7 +418,6 @@ def _describe(worker: Any) -> DescribeAnswer:
     reason = unsupported_reason(vllm_config, runner)
     model = runner.get_model()
     info = tap_info(model)
-    model_config = runner.model_config
     tp_rank, tp_size, pp_rank = _ranks()
     if (reason is None and info is not None and info.tapped
             and (_runtime is None or _runtime.runner is not runner)):
@@ -458,42 +427,11 @@ def _describe(worker: Any) -> DescribeAnswer:
         # Every rank runs the check's forward pass together (its collectives need all TP
         # ranks), before the tap handler serves lens requests.
         _check = check_layout(runner, model, info, derived=info.derived,
-                              can_run=_check_blocker(vllm_config))
+                              can_run=check_blocker(vllm_config))
         _runtime = LensRuntime(runner, capture_layers=capture_layers, tp_rank=tp_rank,
                                tp_size=tp_size, attention=info.attention,
                                shard_layers=frozenset(info.local_layers), split=info.split)
         set_tap_handler(_runtime.on_tap)
         handoff.sweep()  # files orphaned by front ends that died before reading them
-    return DescribeAnswer(
-        unsupported=reason,
-        model_class=info.model_class if info else type(model).__name__,
-        mapped=info is not None and info.tapped,
-        n_layers=info.n_layers if info else 0,
-        local_layers=list(info.local_layers) if info else [],
-        pre_taps=info.pre_taps if info else False,
-        hidden_size=model_config.get_hidden_size(),
-        dtype=str(model_config.dtype).removeprefix("torch."),
-        max_model_len=model_config.max_model_len,
-        tp_rank=tp_rank,
-        pp_rank=pp_rank,
-        speculative=vllm_config.speculative_config is not None,
-        tp_size=tp_size,
-        dp_size=int(vllm_config.parallel_config.data_parallel_size),
-        num_heads_total=int(model_config.get_num_attention_heads(vllm_config.parallel_config)
-                            * tp_size),
-        num_kv_heads_total=int(model_config.get_total_num_kv_heads()),
-        sites=list(info.sites) if info else [],
-        d_mlp=info.d_mlp if info else 0,
-        split=info.split if info else False,
-        block=info.block if info else "sequential",
-        n_experts=info.n_experts if info else 0,
-        moe_top_k=int(getattr(model_config.hf_text_config, "num_experts_per_tok", 0) or 0)
-        if info and info.routing == "softmax_topk" else 0,
-        unmapped=info.unmapped if info else "its decoder layers were not found",
-        inner_taps=envs.inner_taps(),
-        derived_layout=bool(info and info.derived),
-        refused_points=dict(_check.refused) if _check is not None else {},
-        layout_check=_check_summary(_check),
-        # Per layer this stage owns (the front end joins the stages' lists).
-        qk_meta=_qk_meta(info),
-    )
+    return describe_rank(vllm_config, runner.model_config, model, info, reason,
+                         (tp_rank, tp_size, pp_rank), _check)

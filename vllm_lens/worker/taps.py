@@ -15,6 +15,10 @@ mode calls it directly.
 The op is declared as mutating ``hidden`` so steering can add to the stream in place; what it
 does is delegated to a per-process handler (``set_tap_handler``). With no handler (plain
 traffic before any lens request) it returns at once.
+
+The module is one job, putting the ops into a constructed model, and runs a little past 450
+lines: the ops' definitions, the tapped layer and inner-module classes and the walk over the
+layers share the conventions (slots, batched rows, claimed modules) that keep them exact.
 """
 
 from __future__ import annotations

@@ -66,7 +66,10 @@ DERIVED_FAMILIES = {
         **_MOE, "num_experts": 4, "head_dim": 64, "decoder_sparse_step": 1}),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {"partial_rotary_factor": 0.25}),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 64}),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
+    # vLLM's OLMoE does not tie its LM head to the embeddings: a tied checkpoint would load
+    # with an empty head.
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                  "tie_word_embeddings": False}),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {
         "num_local_experts": 4, "num_experts_per_tok": 2}),
     "apertus": ("ApertusConfig", "ApertusForCausalLM", {"head_dim": 64}),

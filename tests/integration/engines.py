@@ -15,7 +15,7 @@ from typing import Any
 from vllm import LLM
 
 from vllm_lens.cli.extract.engine_stop import stop_engine
-from vllm_lens.common.messages import StatsAnswer, read_all
+from vllm_lens.common.messages import TAG_FIELD, StatsAnswer, read
 
 #: Small, deterministic engines: float32 for exact comparisons, a bounded KV cache so that
 #: two or three engines fit in memory at once.
@@ -134,10 +134,12 @@ def generate_without_plugin(model: str, prompts: list[str], max_tokens: int,
 IDLE = {"entries": 0, "bytes": 0, "records": 0, "device_bytes": 0}
 
 
-def held(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def held(stats: list[Any]) -> list[dict[str, Any]]:
     """Each rank's ``lens_stats`` without the SAEs it keeps loaded (``saes``, ``sae_bytes``:
     shared by requests, kept after they finish) and its staging pool (``staging_bytes``, kept
-    for later steps): what it holds for requests, to compare with ``IDLE``."""
-    return [{k: v for k, v in s.as_json().items()
-             if k not in ("saes", "sae_bytes", "staging_bytes")}
-            for s in read_all(StatsAnswer, stats)]
+    for later steps): what it holds for requests, to compare with ``IDLE``. ``stats``: the
+    workers' answers (``StatsAnswer``), or the ``workers`` of ``GET /v1/lens/stats``."""
+    public = [s if isinstance(s, dict) and TAG_FIELD not in s else read(StatsAnswer, s).as_json()
+              for s in stats]
+    return [{k: v for k, v in s.items() if k not in ("saes", "sae_bytes", "staging_bytes")}
+            for s in public]

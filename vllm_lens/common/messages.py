@@ -37,7 +37,7 @@ import msgspec
 from vllm_lens.errors import LensExecutionError
 
 __all__ = [
-    "VERSION", "AttentionMeta", "DescribeAnswer", "FetchAnswer", "FetchPart", "FlushAnswer",
+    "TAG_FIELD", "VERSION", "AttentionMeta", "DescribeAnswer", "FetchAnswer", "FetchPart", "FlushAnswer",
     "HookResultsAnswer", "LayoutCheckSummary", "Message", "ParamsAnswer", "SaeAnswer", "SaeSliceAnswer",
     "StatsAnswer", "WorkerAnswerError", "read", "read_all",
 ]

@@ -37,9 +37,9 @@ import msgspec
 from vllm_lens.errors import LensExecutionError
 
 __all__ = [
-    "TAG_FIELD", "VERSION", "AttentionMeta", "DescribeAnswer", "FetchAnswer", "FetchPart", "FlushAnswer",
-    "HookResultsAnswer", "LayoutCheckSummary", "Message", "ParamsAnswer", "SaeAnswer", "SaeSliceAnswer",
-    "StatsAnswer", "WorkerAnswerError", "read", "read_all",
+    "TAG_FIELD", "VERSION", "AttentionMeta", "DescribeAnswer", "FetchAnswer", "FetchPart",
+    "FlushAnswer", "HookResultsAnswer", "Message", "ParamsAnswer", "SaeAnswer",
+    "SaeSliceAnswer", "StatsAnswer", "WorkerAnswerError", "read", "read_all",
 ]
 
 #: The version of every record below (see the version rule above).

@@ -20,7 +20,7 @@ vLLM loads it in each of its processes, possibly several times per process.
 - worker: every model vLLM constructs gets taps on its decoder layers (``worker.taps``), by
   wrapping the class vLLM's model loader resolves for the architecture; vLLM's PyTorch LoRA
   ops (the CPU build's) leave tokens of requests without an adapter alone, as its Triton
-  kernels do (``worker.lora_guard``; this is the one change to plain traffic: without it such
+  kernels do (``common.lora_guard``; this is the one change to plain traffic: without it such
   a token runs with the adapter in the last LoRA slot).
 
 ``VLLM_LENS_DISABLE=1`` makes it a complete no-op.
@@ -51,7 +51,8 @@ def register() -> None:
         presets,
         sae_names,
     )
-    from vllm_lens.worker import lora_guard, taps
+    from vllm_lens.common import lora_guard
+    from vllm_lens.worker import taps
 
     engine_args.install()
     collator.install_output_fields()

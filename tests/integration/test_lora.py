@@ -8,7 +8,7 @@ The adapters touch all seven projections (so vLLM's packed ``qkv_proj`` and ``ga
 slices too). The engines run vLLM's LoRA defaults (``max_loras`` unset, i.e. 1) offline and
 ``--max-loras 1`` over HTTP, where vLLM's PyTorch LoRA ops alone would run a request without an
 adapter with the other request's adapter, and ``max_loras=2`` with both slots taken
-(``worker.lora_guard``)."""
+(``common.lora_guard``)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from vllm_lens.frontend.engine_args import V2_RUNNER_ENV, cuda_graph_overrides
 from vllm_lens.spec import LensRequest, ModelFacts, parse_extra_args
 from vllm_lens.worker.request_records import RequestTable
 from vllm_lens.worker.runner import unsupported_reason
-from vllm_lens.worker.taps import TAP_OPS
+from vllm_lens.common.tap_ops import TAP_OPS
 
 FACTS = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=128,
                    max_model_len=1024, mapped=True)

@@ -9,7 +9,8 @@ from vllm_lens.client import encode_xargs
 from vllm_lens.hooks import hook_to_json
 from vllm_lens.named_hooks import linear_probe, logit_lens_topk
 from vllm_lens.spec import LensRequest, ModelFacts, parse_extra_args
-from vllm_lens.worker.hooks import HookState, decode_results, encode_results
+from vllm_lens.common.hook_results import decode as decode_results
+from vllm_lens.worker.hooks import HookState, encode_results
 
 FACTS = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=8, max_model_len=64,
                    mapped=True)

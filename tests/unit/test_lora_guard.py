@@ -12,8 +12,8 @@ import pytest
 import torch
 from vllm.lora.ops.torch_ops import lora_ops
 
-from vllm_lens.worker import lora_guard
-from vllm_lens.worker.runner import config_unsupported_reason
+from vllm_lens.common import lora_guard
+from vllm_lens.common.engine_support import config_unsupported_reason
 
 #: Two slots, both holding an adapter; rows 1 and 3 have none (-1).
 INDICES = torch.tensor([0, -1, 1, -1, 1])

@@ -26,7 +26,7 @@ from vllm_lens.errors import LensExecutionError, SinkConflictError, WorkerCapaci
 from vllm_lens.frontend.merge import merge_hook_results, merge_rank_payloads
 from vllm_lens.frontend.receipts import join_receipts, unwritten
 from vllm_lens.spec import CaptureSpec, LensRequest, ModelFacts
-from vllm_lens.worker.hooks import decode_results
+from vllm_lens.common import hook_results
 
 __all__ = ["OUTPUT_FIELDS", "attach", "attach_partial", "chosen_experts", "discard_unread",
            "fail_output", "install_output_fields", "sae_features"]
@@ -152,7 +152,7 @@ def _gather(lens: LensRequest, rank_results: Sequence[FetchAnswer]) -> _Gathered
                 got.captures.setdefault(req_id, {}).setdefault(signal, []).append(
                     handoff.receive(sent))
             if part.hooks is not None:
-                got.hooks.setdefault(req_id, []).append(decode_results(part.hooks, trusted))
+                got.hooks.setdefault(req_id, []).append(hook_results.decode(part.hooks, trusted))
             if part.gates is not None:
                 got.gates[req_id] = {int(i): g for i, g in wire.loads(part.gates).items()}
     return got

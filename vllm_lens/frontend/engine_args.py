@@ -44,7 +44,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm_lens import envs
 from vllm_lens.common.wrapping import wrap_attribute
 from vllm_lens.worker.layouts import LAYOUTS
-from vllm_lens.worker.taps import TAP_OPS
+from vllm_lens.common.tap_ops import TAP_OPS
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def lens_possible(config: Any) -> bool:
     """Whether lens requests can be served on ``config`` at all. Engines that refuse them
     anyway (Model Runner V2, micro-batching, other speculative methods, LoRA, ...) keep
     vLLM's CUDA-graph settings untouched: plain traffic there pays nothing for vllm-lens."""
-    from vllm_lens.worker.runner import config_unsupported_reason
+    from vllm_lens.common.engine_support import config_unsupported_reason
 
     try:
         if config.use_v2_model_runner:

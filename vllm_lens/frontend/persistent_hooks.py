@@ -33,7 +33,7 @@ from vllm_lens.errors import LensRequestError
 from vllm_lens.common.points import QK_HOOK_POINT
 from vllm_lens.spec import check_engine, parse_hooks
 from vllm_lens.spec.facts import facts_from_describe
-from vllm_lens.worker.hooks import decode_results
+from vllm_lens.common import hook_results
 
 __all__ = ["METHODS", "install"]
 
@@ -63,7 +63,7 @@ def _collect(session: LensSession) -> _Steps:
     trusted = session.persistent_trusted
     for rank in read_all(HookResultsAnswer, (yield "lens_collect_hook_results", ())):
         for req_id, blob in rank.results.items():
-            stages_by_req.setdefault(req_id, []).append(decode_results(blob, trusted))
+            stages_by_req.setdefault(req_id, []).append(hook_results.decode(blob, trusted))
     out: dict[str, Any] = {}
     for req_id, stages in stages_by_req.items():
         results, error = merge_hook_results(stages)

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from vllm_lens import named_hooks
-from vllm_lens.common import wire
+from vllm_lens.common import hook_results, wire
 from vllm_lens.common.points import QK_HOOK_POINT, hook_site, operands
 from vllm_lens.spec import HookSpec
 
 __all__ = [
-    "HookCall", "HookState", "ParameterSource", "decode_results", "encode_results",
+    "HookCall", "HookState", "ParameterSource", "encode_results",
     "run_hook_calls",
 ]
 
@@ -78,7 +78,7 @@ class HookState:
         request finished: results kept for later collection must not hold device memory,
         nor may a function's own state, such as ``attention_to_span``'s K rows)."""
         for run in self.runs:
-            run.saved = _to_cpu(run.saved)
+            run.saved = hook_results.to_cpu(run.saved)
             run.fn = None
 
 
@@ -201,48 +201,9 @@ def _checked(out: Any, stream: torch.Tensor, layer: int) -> torch.Tensor:
 
 
 def encode_results(state: HookState) -> bytes:
-    """A request's hook results and error as bytes for the front end.
-
-    ``wire`` (msgpack + tensors) when the saved values allow it; results of trusted (pickled,
-    i.e. the operator's or an opted-in client's) hooks fall back to pickle for other objects.
-    """
-    body = {"results": state.results(), "error": state.error}
-    try:
-        return b"W" + wire.dumps(body)
-    except Exception as exc:  # values msgpack cannot carry: never let them fail the batch
-        failure: Exception = exc
-    if state.trusted:
-        try:
-            return b"P" + pickle.dumps(_to_cpu(body))
-        except Exception as exc:
-            failure = exc
-    return b"W" + wire.dumps({"results": {}, "error": {
-        "message": f"{type(failure).__name__}: a hook saved a value that cannot be sent back "
-                   f"({failure}); save tensors and plain data", "traceback": ""}})
-
-
-def _to_cpu(value: Any) -> Any:
-    """``value`` with its tensors on the CPU and compact: pickle writes a view's whole storage
-    (e.g. the spare capacity of ``named_hooks`` buffers)."""
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach().to("cpu")
-        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
-            tensor = tensor.clone()
-        return tensor
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
-
-
-def decode_results(blob: bytes, allow_pickle: bool) -> dict[str, Any]:
-    """Inverse of ``encode_results``; pickled results only where the caller trusts them."""
-    if blob[:1] == b"P":
-        if not allow_pickle:
-            raise ValueError("refusing pickled hook results from a worker")
-        return pickle.loads(blob[1:])  # noqa: S301 - produced by a trusted hook
-    return wire.loads(blob[1:])
+    """A request's hook results and error as bytes for the front end
+    (``common.hook_results``)."""
+    return hook_results.encode(state.results(), state.error, trusted=state.trusted)
 
 
 class ParameterSource:

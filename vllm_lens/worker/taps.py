@@ -37,6 +37,12 @@ from torch import nn
 from vllm_lens import envs
 from vllm_lens.common import faults
 from vllm_lens.common.points import SITES
+from vllm_lens.common.tap_ops import (
+    PRE_TAP_OP_NAME,
+    SITE_OP_NAMES,
+    TAP_OP_NAME,
+    TAP_OPS,
+)
 from vllm_lens.worker.layout_derivation import derive_layout
 from vllm_lens.worker.layouts import (
     Layout,
@@ -47,18 +53,6 @@ from vllm_lens.worker.layouts import (
 )
 
 __all__ = ["TAP_OPS", "TapInfo", "current_tap_handler", "install_taps", "set_tap_handler", "tap_info"]
-
-TAP_OP_NAME = "vllm_lens::tap"
-PRE_TAP_OP_NAME = "vllm_lens::pre_tap"
-MID_TAP_OP_NAME = "vllm_lens::mid_tap"
-ACT_TAP_OP_NAME = "vllm_lens::act_tap"
-#: The ops of the sites only some layouts have (``points``): what attention and the MLP
-#: return in split layouts, and an MoE router's logits.
-SITE_OP_NAMES = {"mid": MID_TAP_OP_NAME, "act": ACT_TAP_OP_NAME,
-                 "attn_block": "vllm_lens::attn_block_tap",
-                 "mlp_block": "vllm_lens::mlp_block_tap", "router": "vllm_lens::router_tap"}
-#: Every custom op vllm-lens puts in the traced graph.
-TAP_OPS = (PRE_TAP_OP_NAME, *SITE_OP_NAMES.values(), TAP_OP_NAME)
 
 #: handler(a, b, layer_index, site): ``site`` is one of ``points.SITES`` but ``attn`` here
 #: (``worker.attention_taps`` calls it with ``attn`` / ``attn_z``); ``b`` is the fused

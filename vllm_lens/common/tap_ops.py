@@ -1,0 +1,23 @@
+"""The names of the custom ops vllm-lens puts in the traced model (runs in: any).
+
+The worker defines and calls them (``worker.taps``); the front end names them to vLLM as
+splitting ops, so that CUDA graphs leave them out (``frontend.engine_args``), and in the
+compile-cache marker. Only the names live here: importing this module registers nothing.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ACT_TAP_OP_NAME", "MID_TAP_OP_NAME", "PRE_TAP_OP_NAME", "SITE_OP_NAMES", "TAP_OPS",
+           "TAP_OP_NAME"]
+
+TAP_OP_NAME = "vllm_lens::tap"
+PRE_TAP_OP_NAME = "vllm_lens::pre_tap"
+MID_TAP_OP_NAME = "vllm_lens::mid_tap"
+ACT_TAP_OP_NAME = "vllm_lens::act_tap"
+#: The ops of the sites only some layouts have (``points``): what attention and the MLP
+#: return in split layouts, and an MoE router's logits.
+SITE_OP_NAMES = {"mid": MID_TAP_OP_NAME, "act": ACT_TAP_OP_NAME,
+                 "attn_block": "vllm_lens::attn_block_tap",
+                 "mlp_block": "vllm_lens::mlp_block_tap", "router": "vllm_lens::router_tap"}
+#: Every custom op vllm-lens puts in the traced graph.
+TAP_OPS = (PRE_TAP_OP_NAME, *SITE_OP_NAMES.values(), TAP_OP_NAME)

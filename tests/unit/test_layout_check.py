@@ -88,3 +88,25 @@ def test_what_cannot_be_checked_is_refused_as_unproven():
                       final_norm=_Scale(), last_stage=False)
     assert result.refused["resid_post"].startswith("unproven: the invariant 'continuity'")
     assert set(result.refused) >= {"resid_post", "attn_out", "mlp_out"}
+
+
+def test_an_invariant_that_was_never_judged_leaves_its_points_refused():
+    """No ``mid`` site: the sums are not judged, so ``mlp_out`` (read at ``post``) is not
+    served on the stream's invariants alone."""
+    rows, last = _fused_rows()
+    rows = {key: value for key, value in rows.items() if key[1] != "mid"}
+    result = evaluate(rows, _info(sites=("pre", "attn", "act", "post")), hidden=2.0 * last,
+                      final_norm=_Scale(), last_stage=True)
+    assert "continuity" in result.passed and "resid_post" not in result.refused
+    assert result.refused["mlp_out"].startswith("unproven: the invariant 'the MLP adds mlp_out'")
+
+
+def test_a_sublayer_too_small_to_tell_from_rounding_proves_nothing():
+    rows, last = _fused_rows()
+    for layer in LAYERS:  # attention adds (next to) nothing beside the stream
+        attn_out, resid_pre = rows[(layer, "mid")]
+        rows[(layer, "mid")] = (attn_out * 1e-9, resid_pre)
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
+                      dtype=torch.bfloat16)
+    assert result.refused["attn_out"].startswith(
+        "unproven: the invariant 'attention adds attn_out' could not run")

@@ -22,9 +22,11 @@ other shape, a missing field (named in the error) or another version raises
 field written into each encoded answer (``"lens_stats/1"``): the RPC's name and
 ``VERSION``. Renaming, removing or retyping a field of any record, nested ones included, bumps
 ``VERSION``. Adding a field *with a default* does not: an older reader ignores it (unknown
-fields are skipped) and a newer reader fills the default in for an older worker. The fields
-defined with this version have no defaults, so a worker that forgot one is refused, never
-read as a silent default.
+fields are skipped) and a newer reader fills the default in for an older worker — so a field
+an older reader must not ignore (one that refuses something, as ``DescribeAnswer.
+refused_points`` does) is added without a default, with a new ``VERSION``. The fields defined
+with this version have no defaults, so a worker that forgot one is refused, never read as a
+silent default. Version 2 added the layout check's fields to ``DescribeAnswer``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ __all__ = [
 ]
 
 #: The version of every record below (see the version rule above).
-VERSION = 1
+VERSION = 2
 #: The field naming each encoded answer's record and version.
 TAG_FIELD = "lens_message"
 
@@ -129,12 +131,12 @@ class DescribeAnswer(Message, frozen=True, tag=_tag("lens_describe")):
     inner_taps: bool
     qk_meta: list[AttentionMeta]
     """Per layer of this stage with Q/K taps (the front end joins the stages' lists)."""
-    derived_layout: bool = False
+    derived_layout: bool
     """The layout was derived from the module tree (``worker.layout_derivation``)."""
-    refused_points: dict[str, str] = msgspec.field(default_factory=dict)
+    refused_points: dict[str, str]
     """Point -> why this rank's start-up check of the layout refuses it
     (``worker.layout_check``)."""
-    layout_check: LayoutCheckSummary | None = None
+    layout_check: LayoutCheckSummary | None
     """What that check found, once it ran (``None`` before, or on an unmapped model)."""
 
     @classmethod
@@ -145,7 +147,8 @@ class DescribeAnswer(Message, frozen=True, tag=_tag("lens_describe")):
                    max_model_len=0, tp_rank=0, pp_rank=0, speculative=False, tp_size=1,
                    dp_size=1, num_heads_total=0, num_kv_heads_total=0, sites=[], d_mlp=0,
                    split=False, block="sequential", n_experts=0, moe_top_k=0, unmapped=None,
-                   inner_taps=True, qk_meta=[])
+                   inner_taps=True, qk_meta=[], derived_layout=False, refused_points={},
+                   layout_check=None)
 
 
 class FetchPart(msgspec.Struct, frozen=True, kw_only=True):

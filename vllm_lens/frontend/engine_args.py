@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import importlib.util
 import logging
 import os
 from typing import Any
@@ -195,11 +196,19 @@ def compile_cache_marker() -> tuple[str, str]:
     (where the ops go; it may change without a version change in a source checkout) keep a
     graph compiled with other taps from being loaded."""
     inner = "inner" if envs.inner_taps() else "outer"
-    # Derived layouts (version 1 of the derivation) and a test's layout change tap other
-    # modules than the table says.
-    table = hashlib.sha256(repr((sorted(LAYOUTS.items()), "derived-1",
+    # The derivation of layouts for classes without a row (its source) and a test's layout
+    # change tap other modules than the table says.
+    derivation = _module_source("vllm_lens.worker.layout_derivation")
+    table = hashlib.sha256(repr((sorted(LAYOUTS.items()), derivation,
                                  envs.test_layout())).encode()).hexdigest()[:12]
     return "vllm_lens", f"taps-{_version()}-{len(TAP_OPS)}ops-{inner}-{table}"
+
+
+def _module_source(name: str) -> bytes:
+    """A module's source, read without importing it (this process builds no model)."""
+    spec = importlib.util.find_spec(name)
+    with open(spec.origin, "rb") as f:
+        return f.read()
 
 
 def _mark_compile_cache(args: EngineArgs) -> None:

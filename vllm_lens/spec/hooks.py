@@ -14,7 +14,13 @@ from vllm_lens import envs
 from vllm_lens.common import points as tap_points
 from vllm_lens.errors import LensRequestError, RemoteCodeRefusedError
 from vllm_lens.spec.facts import ModelFacts
-from vllm_lens.spec.fields import json_value, layer_rule, parse_write_point, sorted_indices
+from vllm_lens.spec.fields import (
+    check_site,
+    json_value,
+    layer_rule,
+    parse_write_point,
+    sorted_indices,
+)
 from vllm_lens.spec.keys import HOOKS_KEY, MAX_HOOK_ARGS_BYTES
 
 
@@ -124,6 +130,8 @@ def _parse_hook(item: Any, facts: ModelFacts, where: str, request_id: str | None
         if item.pre and point != "resid_pre":
             raise LensRequestError(f"{where}.pre", f"pre=True means hook_point='resid_pre', "
                                    f"not {point!r}; give one of them", request_id=request_id)
+    else:  # the default point is checked like a named one (e.g. refused by the layout check)
+        check_site(point, facts, where, request_id)
     if isinstance(item, Hook):
         if not callable(item.fn):
             raise LensRequestError(f"{where}.fn", "is not callable", request_id=request_id)

@@ -25,6 +25,7 @@ from vllm_lens.errors import LensRequestError, UnsupportedConfigError, Unsupport
 from vllm_lens.sinks.config import SinkSpec
 from vllm_lens.spec.capture import CaptureSpec, parse_capture, parse_points, parse_qk
 from vllm_lens.spec.facts import ModelFacts
+from vllm_lens.spec.fields import check_site
 from vllm_lens.spec.hooks import HookSpec, parse_hooks
 from vllm_lens.spec.keys import (
     ACTIVATIONS_KEY,
@@ -261,7 +262,10 @@ def parse_extra_args(
         return rest, None
     facts = facts()
     check_engine(facts, asked[0][0], hooks=raw_hooks is not None, request_id=request_id)
-    capture = None if raw_capture is None else parse_capture(raw_capture, facts, request_id)
+    capture = None
+    if raw_capture is not None:  # the stream leaving each layer: resid_post's site and check
+        check_site("resid_post", facts, CAPTURE_KEY, request_id)
+        capture = parse_capture(raw_capture, facts, request_id)
     points = () if raw_points is None else parse_points(raw_points, facts, request_id)
     if raw_qk is not None:
         points = (*points, *parse_qk(raw_qk, facts, request_id))

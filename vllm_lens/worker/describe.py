@@ -21,10 +21,14 @@ logger = logging.getLogger(__name__)
 
 
 def check_blocker(vllm_config: Any) -> str | None:
-    """Why the layout check's forward pass may not run on this engine, if so."""
+    """Why the layout check's forward pass may not run on this engine, if so (then a derived
+    layout serves nothing; a written row serves as the test suite proved it)."""
     if int(vllm_config.parallel_config.data_parallel_size) > 1:
         return ("data parallelism: a dummy forward pass of one engine would not be matched by "
                 "the other engines' (their MoE collectives wait for each other)")
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return ("LoRA: vLLM's dummy forward pass loads dummy adapters and then removes every "
+                "adapter, the requests' included")
     return None
 
 

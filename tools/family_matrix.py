@@ -47,7 +47,8 @@ def outcomes(junit: Path) -> dict[tuple[str, str], str]:
     """``(test function, family) -> passed | failed | skipped`` from a junit XML file."""
     found = {}
     for case in ET.parse(junit).iter("testcase"):
-        name = case.get("name", "")
+        # pytest-xdist's loadgroup appends "@<group>" to the test's name.
+        name = case.get("name", "").rsplit("@", 1)[0]
         if "[" not in name:
             continue
         function, family = name[:-1].split("[", 1)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from vllm_lens import named_hooks
-from vllm_lens.common import hook_results, wire
+from vllm_lens.common import hook_results
 from vllm_lens.common.points import QK_HOOK_POINT, hook_site, operands
 from vllm_lens.spec import HookSpec
 

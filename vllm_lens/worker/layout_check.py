@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -26,7 +26,7 @@ from vllm_lens.errors import (
     WireError,
     WorkerCapacityError,
 )
-from vllm_lens.frontend import patching_sweep
+from vllm_lens.frontend.http import routes_patching
 from vllm_lens.frontend.http import endpoints, routes_hooks, routes_steering, streaming
 from vllm_lens.frontend.http.errors import STATUSES, error_response, status_of
 from vllm_lens.frontend.response_scope import report
@@ -163,7 +163,7 @@ def _client(exc: Exception, monkeypatch) -> TestClient:
     monkeypatch.setenv("VLLM_LENS_ALLOW_PERSISTENT_HOOKS", "1")
     monkeypatch.setenv("VLLM_LENS_ALLOW_STEERING_ROUTES", "1")
     app = FastAPI()
-    for router in (routes_hooks.router, routes_steering.router, patching_sweep.router):
+    for router in (routes_hooks.router, routes_steering.router, routes_patching.router):
         app.include_router(router)
     app.state.engine_client = _Raising(exc)
     return TestClient(app)

@@ -49,3 +49,24 @@ def test_the_vocabulary_check_refuses_a_place_outside_it():
     assert found is None
     found = TAG.search("Something (runs in: api server).")
     assert [p for p in found.group(1).split(", ") if p not in PLACES] == ["api server"]
+
+
+def _imported(path: pathlib.Path) -> set[str]:
+    """Every module ``path`` imports, at the top or inside a function."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("room", ["frontend", "engine_core", "spec", "common"])
+def test_no_room_outside_the_worker_imports_the_worker(room):
+    """The worker's modules load torch ops and run beside the model; the front end learns what
+    they know only through the typed answers of ``common.messages``."""
+    found = {p.relative_to(PACKAGE).as_posix(): sorted(
+        n for n in _imported(p) if n == "vllm_lens.worker" or n.startswith("vllm_lens.worker."))
+        for p in (PACKAGE / room).rglob("*.py")}
+    assert not {k: v for k, v in found.items() if v}

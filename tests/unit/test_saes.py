@@ -644,7 +644,7 @@ def test_a_topk_clamp_is_kept_by_every_steering_rank_and_a_refusal_names_the_fie
     from vllm_lens.errors import LensRequestError
     from vllm_lens.frontend.session import LensSession
     from vllm_lens.frontend.engine_methods import drive
-    from vllm_lens.frontend.sae_names import steering_described
+    from vllm_lens.frontend.sae_names import SaeNames, steering_described
     from vllm_lens.spec import ModelFacts, parse_steering
 
     info = {**_INFO, "architecture": "topk", "hook_point": None, "version": [1]}
@@ -660,7 +660,7 @@ def test_a_topk_clamp_is_kept_by_every_steering_rank_and_a_refusal_names_the_fie
             return [SaeSliceAnswer(data=None, error=None)] * 2
 
     session = LensSession()
-    session.sae_names["a"] = ("/saes/a", None, dict(info))
+    SaeNames.of(session).by_name["a"] = ("/saes/a", None, dict(info))
     vectors = [{"sae": "a", "feature": [4, 2], "clamp": [0.0, 5.0]},
                {"sae": "a", "feature": 5, "scale": 1.0}]
     saes = drive(Engine(), steering_described(session, vectors, paths=False))
@@ -769,7 +769,7 @@ def test_presets_and_sweeps_describe_the_saes_they_steer_by_before_parsing():
     from vllm_lens.errors import LensRequestError
     from vllm_lens.frontend.session import LensSession
     from vllm_lens.frontend.engine_methods import drive
-    from vllm_lens.frontend.sae_names import steering_described
+    from vllm_lens.frontend.sae_names import SaeNames, steering_described
     from vllm_lens.spec import ModelFacts, parse_steering
 
     facts = ModelFacts(**_FACTS)
@@ -783,7 +783,7 @@ def test_presets_and_sweeps_describe_the_saes_they_steer_by_before_parsing():
             return [SaeSliceAnswer(data=wire.dumps(_slice(args[2])), error=None)]
 
     session = LensSession()
-    session.sae_names["a"] = ("/saes/a", None, dict(_INFO))
+    SaeNames.of(session).by_name["a"] = ("/saes/a", None, dict(_INFO))
     vectors = [{"sae": "a", "feature": [4, 2], "clamp": [0.0, 5.0]},
                {"sae": "a", "feature": 5, "scale": 3.0}]
     saes = drive(Engine(), steering_described(session, vectors, paths=False))

@@ -31,6 +31,7 @@ from vllm_lens.frontend.collator import discard_unread
 from vllm_lens.frontend.partial_fetch import PartialFetcher
 from vllm_lens.frontend.rpc import all_workers, pipelined
 from vllm_lens.frontend.session import LensSession
+from vllm_lens.frontend.presets import Presets
 from vllm_lens.frontend.sae_names import async_describer
 from vllm_lens.sinks.config import serves_http
 from vllm_lens.spec import ModelFacts, asks_for_work
@@ -72,7 +73,8 @@ def _wrap_generate(original):
             saes = await async_describer(self, getattr(target, "extra_args", None),
                                          paths=not serves_http())
         try:
-            engine_params, lens = session.prepare(target, request_id, prompt, parsed, saes)
+            engine_params, lens = session.prepare(target, request_id, prompt, parsed, saes,
+                                                  Presets.of(session).specs)
         except LensRequestError as exc:
             if scope is not None:
                 scope.refused = exc  # the server answers 400, also for a stream

@@ -44,7 +44,6 @@ from vllm.engine.arg_utils import EngineArgs
 
 from vllm_lens import envs
 from vllm_lens.common.wrapping import wrap_attribute
-from vllm_lens.worker.layouts import LAYOUTS
 from vllm_lens.common.tap_ops import TAP_OPS
 
 logger = logging.getLogger(__name__)
@@ -196,11 +195,12 @@ def compile_cache_marker() -> tuple[str, str]:
     (where the ops go; it may change without a version change in a source checkout) keep a
     graph compiled with other taps from being loaded."""
     inner = "inner" if envs.inner_taps() else "outer"
-    # The derivation of layouts for classes without a row (its source) and a test's layout
-    # change tap other modules than the table says.
-    derivation = _module_source("vllm_lens.worker.layout_derivation")
-    table = hashlib.sha256(repr((sorted(LAYOUTS.items()), derivation,
-                                 envs.test_layout())).encode()).hexdigest()[:12]
+    # The table, the derivation of layouts for classes without a row and a test's layout
+    # change tap other modules: their sources are hashed, read without importing the worker
+    # side into this process.
+    sources = b"".join(_module_source(f"vllm_lens.worker.{name}")
+                       for name in ("layouts", "layout_derivation"))
+    table = hashlib.sha256(sources + repr(envs.test_layout()).encode()).hexdigest()[:12]
     return "vllm_lens", f"taps-{_version()}-{len(TAP_OPS)}ops-{inner}-{table}"
 
 

@@ -9,6 +9,8 @@ are fetched from the workers in the same step call that reports it finished.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from vllm import SamplingParams
@@ -20,12 +22,33 @@ from vllm_lens.common.wrapping import wrap_attribute
 from vllm_lens.frontend.admission import check_admission
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend import collator
+from vllm_lens.frontend.presets import Presets
 from vllm_lens.frontend.session import LensSession, prompt_length
 from vllm_lens.frontend.sae_names import offline_describer
-from vllm_lens.spec import parse_extra_args
+from vllm_lens.spec import LensRequest, parse_extra_args
 from vllm_lens.spec.facts import facts_from_describe
 
-__all__ = ["install"]
+__all__ = ["OfflineCall", "install"]
+
+
+@dataclasses.dataclass
+class OfflineCall:
+    """What an ``LLMEngine`` keeps between ``LLM.generate`` checking its requests and adding
+    them (its ``LensSession.feature``)."""
+
+    describe_sae: Any = None
+    """``(sae, hook_point) -> description``: loads an SAE on the workers (``spec.saes``)."""
+    parsed_by_params: dict[int, tuple[Mapping[str, Any], LensRequest]] = dataclasses.field(
+        default_factory=dict)
+    """During one call: ``id(SamplingParams)`` -> (its ``extra_args``, the lens request parsed
+    from them), so each request's values are parsed once."""
+
+    @staticmethod
+    def of(engine: LLMEngine) -> OfflineCall:
+        call = LensSession.of(engine).feature(OfflineCall)
+        if call.describe_sae is None:
+            call.describe_sae = offline_describer(engine)
+        return call
 
 
 def install() -> None:
@@ -48,8 +71,8 @@ def _wrap_render_and_add(original):
             return original(self, prompts, params, *args, **kwargs)
         engine = self.llm_engine
         session = LensSession.of(engine)
-        if session.describe_sae is None:
-            session.describe_sae = offline_describer(engine)
+        call = OfflineCall.of(engine)
+        presets = Presets.of(session).specs
         prompts = list(prompts)  # engine inputs, tokenized: admission needs their lengths
         parsed: dict[int, tuple[Any, Any]] = {}
         sinks: set[Any] = set()  # of the requests before this one: two may not write one example
@@ -61,8 +84,7 @@ def _wrap_render_and_add(original):
             try:
                 if id(p) not in parsed:
                     _, lens = parse_extra_args(p.extra_args, lambda: session.facts,
-                                                presets=session.presets,
-                                                saes=session.describe_sae)
+                                                presets=presets, saes=call.describe_sae)
                     parsed[id(p)] = (dict(p.extra_args), lens)
                 lens = parsed[id(p)][1]
                 if lens is not None:
@@ -74,11 +96,11 @@ def _wrap_render_and_add(original):
             except LensRequestError as exc:
                 raise type(exc)(exc.field, exc.problem, index=index) from None
         # add_request reuses these instead of parsing every request's values again.
-        session.parsed_by_params = {k: v for k, v in parsed.items() if v[1] is not None}
+        call.parsed_by_params = {k: v for k, v in parsed.items() if v[1] is not None}
         try:
             return original(self, prompts, params, *args, **kwargs)
         finally:
-            session.parsed_by_params = {}
+            call.parsed_by_params = {}
 
     return render_and_add
 
@@ -86,13 +108,13 @@ def _wrap_render_and_add(original):
 def _wrap_add_request(original):
     def add_request(self: LLMEngine, request_id: str, prompt: Any, params: Any, *args, **kwargs):
         session = LensSession.of(self)
-        if session.describe_sae is None:
-            session.describe_sae = offline_describer(self)
+        call = OfflineCall.of(self)
         target = prompt.sampling_params if isinstance(prompt, EngineCoreRequest) else params
         if session.needs_facts(target):
             session.facts = facts_from_describe(self.collective_rpc("lens_describe"))
         engine_params, _ = session.prepare(target, request_id, prompt,
-                                           session.parsed_by_params.get(id(target)))
+                                           call.parsed_by_params.get(id(target)),
+                                           call.describe_sae, Presets.of(session).specs)
         if isinstance(prompt, EngineCoreRequest):
             prompt.sampling_params = engine_params  # the request object is the engine's own
         else:

@@ -19,6 +19,7 @@ hooks must see every prompt token or change the stream.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -35,10 +36,23 @@ from vllm_lens.spec import check_engine, parse_hooks
 from vllm_lens.spec.facts import facts_from_describe
 from vllm_lens.common import hook_results
 
-__all__ = ["METHODS", "install"]
+__all__ = ["METHODS", "PersistentHooks", "install"]
 
 # vLLM appends "-<8 random characters>" to each request id it is given (input_processor).
 _INTERNAL_SUFFIX = re.compile(r"-[0-9A-Za-z]{8}$")
+
+
+@dataclasses.dataclass
+class PersistentHooks:
+    """What the front end keeps of an engine's persistent hooks (its ``LensSession.feature``)."""
+
+    trusted: bool = False
+    """Some registered hook was pickled, i.e. registered by a trusted caller (their results
+    may come back pickled)."""
+
+    @staticmethod
+    def of(session: LensSession) -> PersistentHooks:
+        return session.feature(PersistentHooks)
 
 
 def _register(session: LensSession, hooks: Any,
@@ -52,7 +66,7 @@ def _register(session: LensSession, hooks: Any,
             # hooks also see prefix-cached requests, whose early positions never run.
             raise LensRequestError(f"hooks[{i}].hook_point", f"{QK_HOOK_POINT} hooks run per "
                                    "request only (apply_hooks), not as persistent hooks")
-    session.persistent_trusted = any(s.pickled is not None for s in specs)
+    PersistentHooks.of(session).trusted = any(s.pickled is not None for s in specs)
     if prefetch_params:
         yield from _prefetch(prefetch_params)
     yield "lens_register_hooks", ([s.to_payload() for s in specs],)
@@ -60,7 +74,7 @@ def _register(session: LensSession, hooks: Any,
 
 def _collect(session: LensSession) -> _Steps:
     stages_by_req: dict[str, list[dict[str, Any]]] = {}
-    trusted = session.persistent_trusted
+    trusted = PersistentHooks.of(session).trusted
     for rank in read_all(HookResultsAnswer, (yield "lens_collect_hook_results", ())):
         for req_id, blob in rank.results.items():
             stages_by_req.setdefault(req_id, []).append(hook_results.decode(blob, trusted))

@@ -24,6 +24,7 @@ serves, after its SAEs, and fails to start on a bad one; ``GET /v1/steering`` li
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -39,9 +40,37 @@ from vllm_lens.sinks.config import serves_http
 from vllm_lens.spec import SteerSpec, parse_steering
 from vllm_lens.spec.facts import facts_from_describe
 
-__all__ = ["METHODS", "install", "read_preset_file"]
+__all__ = ["METHODS", "Presets", "install", "read_preset_file"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+@dataclasses.dataclass
+class Presets:
+    """The presets one engine serves (its ``LensSession.feature``), validated against its
+    model; changed only by this module's methods (and put back by ``restore``)."""
+
+    specs: dict[str, tuple[SteerSpec, ...]] = dataclasses.field(default_factory=dict)
+    """name -> the steering items it applies, as a request's ``apply_steering_vectors`` would."""
+    info: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """name -> what ``steering_presets`` lists of it (computed at registration)."""
+
+    @staticmethod
+    def of(session: LensSession) -> Presets:
+        return session.feature(Presets)
+
+    def snapshot(self, name: str) -> tuple[Any, Any]:
+        """What ``name`` is now, for ``restore``."""
+        return self.specs.get(name), self.info.get(name)
+
+    def restore(self, name: str, before: tuple[Any, Any]) -> None:
+        """Put ``name`` back as ``snapshot`` saw it (absent, or its specs and listing)."""
+        specs, info = before
+        if specs is None:
+            self.specs.pop(name, None)
+            self.info.pop(name, None)
+        else:
+            self.specs[name], self.info[name] = specs, info
 
 
 def _register(session: LensSession, name: Any, vectors: Any, model: str | None = None) -> Steps:
@@ -56,9 +85,10 @@ def _register(session: LensSession, name: Any, vectors: Any, model: str | None =
     saes = yield from steering_described(session, vectors, paths=not serves_http())
     specs = parse_steering(vectors, session.facts, f"presets.{name}", saes)
     _check_kept(specs, name)
-    session.presets[name] = specs  # a name registered again is replaced
-    session.preset_info[name] = _describe(name, specs, model)
-    return session.preset_info[name]
+    presets = Presets.of(session)
+    presets.specs[name] = specs  # a name registered again is replaced
+    presets.info[name] = _describe(name, specs, model)
+    return presets.info[name]
 
 
 def _check_kept(specs: tuple[SteerSpec, ...], name: str) -> None:
@@ -73,16 +103,17 @@ def _check_kept(specs: tuple[SteerSpec, ...], name: str) -> None:
 
 
 def _unregister(session: LensSession, name: Any) -> Steps:
-    if not isinstance(name, str) or name not in session.presets:
+    presets = Presets.of(session)
+    if not isinstance(name, str) or name not in presets.specs:
         raise LensRequestError("name", f"no steering preset {name!r} is registered")
-    del session.presets[name]
-    session.preset_info.pop(name, None)
+    presets.restore(name, (None, None))
     return True
     yield  # a generator that asks the workers nothing
 
 
 def _list(session: LensSession) -> Steps:
-    return [session.preset_info[name] for name in sorted(session.presets)]
+    presets = Presets.of(session)
+    return [presets.info[name] for name in sorted(presets.specs)]
     yield  # a generator that asks the workers nothing
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -46,13 +47,27 @@ from vllm_lens.spec.sae_steering import steering_sae_references
 from vllm_lens.spec.facts import facts_from_describe
 from vllm_lens.spec.saes import Describe, check_description, sae_references
 
-__all__ = ["METHODS", "async_describer", "check_sae_file", "described_beforehand", "describing",
+__all__ = ["METHODS", "SaeNames", "async_describer", "check_sae_file", "described_beforehand", "describing",
            "install", "offline_describer", "read_sae_file", "register_sae_file",
            "steering_described"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 #: What ``registered_saes`` lists of a description (never a path on the server's disk).
 _LISTED = ("layout", "architecture", "hook_name", "point", "layer", "d_in", "d_sae", "dtype")
+
+
+@dataclasses.dataclass
+class SaeNames:
+    """The SAEs one engine serves by name (its ``LensSession.feature``); changed only by
+    ``register_sae``."""
+
+    by_name: dict[str, tuple[str, str | None, dict[str, Any]]] = dataclasses.field(
+        default_factory=dict)
+    """name -> (directory, hook point, the workers' description)."""
+
+    @staticmethod
+    def of(session: LensSession) -> SaeNames:
+        return session.feature(SaeNames)
 
 
 def _register(session: LensSession, name: Any, path: Any, hook_point: Any = None) -> Steps:
@@ -70,12 +85,12 @@ def _register(session: LensSession, name: Any, path: Any, hook_point: Any = None
     except ValueError as exc:
         raise LensRequestError("path", str(exc)) from None
     check_description(info, session.facts, "path")
-    session.sae_names[name] = (info["path"], hook_point, info)  # registered again: replaced
+    SaeNames.of(session).by_name[name] = (info["path"], hook_point, info)  # again: replaced
     return _listing(name, info)
 
 
 def _list(session: LensSession) -> Steps:
-    return [_listing(name, info) for name, (_, _, info) in sorted(session.sae_names.items())]
+    return [_listing(name, info) for name, (_, _, info) in sorted(SaeNames.of(session).by_name.items())]
     yield  # a generator that asks the workers nothing
 
 
@@ -98,7 +113,8 @@ def _resolve(session: LensSession, sae: str, hook_point: str | None,
              paths: bool) -> tuple[str, str | None]:
     """(directory, hook point) of what a request names: a registered name first, then (if
     ``paths``) a directory."""
-    named = session.sae_names.get(sae)
+    registered = SaeNames.of(session).by_name
+    named = registered.get(sae)
     if named is not None:
         if not paths and hook_point is not None and hook_point != named[1]:
             # Each hook point is another copy of the weights on the workers: over HTTP an SAE
@@ -108,7 +124,7 @@ def _resolve(session: LensSession, sae: str, hook_point: str | None,
                              "move it (hook_point)")
         return named[0], hook_point if hook_point is not None else named[1]
     if not paths:
-        names = ", ".join(sorted(session.sae_names)[:20]) or "none are registered"
+        names = ", ".join(sorted(registered)[:20]) or "none are registered"
         raise ValueError(f"{sae!r} is not an SAE this server serves (names: {names}; "
                          "GET /v1/lens/saes lists them, the operator registers them in "
                          "VLLM_LENS_SAES); a client cannot name a path")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Container, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm import SamplingParams
 
@@ -36,6 +36,7 @@ from vllm_lens.spec import (
 __all__ = ["LensSession", "prompt_length"]
 
 _SESSION_ATTR = "_vllm_lens_session"
+_State = TypeVar("_State")
 
 
 def prompt_length(prompt: Any) -> int | None:
@@ -47,7 +48,8 @@ def prompt_length(prompt: Any) -> int | None:
 
 
 class LensSession:
-    """Per-engine front-end state: model facts, in-flight lens requests, feature registries."""
+    """Per-engine front-end state: model facts, the lens requests in flight, and each feature's
+    own state (``feature``)."""
 
     def __init__(self) -> None:
         self.facts: ModelFacts | None = None
@@ -57,25 +59,23 @@ class LensSession:
         self._sinks: collections.Counter[SinkSpec] = collections.Counter()
         """The examples the requests in flight write: a call of thousands of requests checks
         each against them in constant time, not against every request in flight."""
-        self.parsed_by_params: dict[int, tuple[Mapping[str, Any], LensRequest]] = {}
-        """During one ``LLM.generate`` call: ``id(SamplingParams)`` -> (its ``extra_args``, the
-        lens request parsed from them), so each request's values are parsed once."""
-        self.persistent_trusted = False
-        """Some registered persistent hook was pickled, i.e. registered by a trusted caller
-        (their results may come back pickled)."""
-        self.presets: dict[str, tuple[SteerSpec, ...]] = {}
-        """Named steering presets (``frontend.presets``), validated against the model."""
-        self.preset_info: dict[str, dict[str, Any]] = {}
-        """What ``steering_presets`` lists for each preset (computed at registration)."""
         self.model_names: tuple[str, ...] = ()
-        """The served model's path or name and served names (set by the engine methods)."""
-        self.describe_sae: Any = None
-        """``(sae, hook_point) -> description``: loads an SAE on the workers (``spec.saes``);
-        set for offline engines (an ``AsyncLLM`` describes each request's SAEs first and
-        passes its own to ``prepare``)."""
-        self.sae_names: dict[str, tuple[str, str | None, dict[str, Any]]] = {}
-        """Registered SAEs (``frontend.sae_names``): name -> (directory, hook point, the
-        workers' description)."""
+        """The served model's path or name and served names (set by ``frontend.engine_methods``
+        when an engine method first runs; read by ``frontend.presets``)."""
+        self._features: dict[type, Any] = {}
+
+    def feature(self, kind: type[_State]) -> _State:
+        """The state one feature keeps for this engine, made on first use.
+
+        Each feature owns its state's class in its own module (``frontend.presets.Presets``,
+        ``frontend.sae_names.SaeNames``, ``frontend.persistent_hooks.PersistentHooks``,
+        ``frontend.offline.OfflineCall``): the session only holds it, so the request side
+        above never changes for a feature's sake.
+        """
+        state = self._features.get(kind)
+        if state is None:
+            state = self._features[kind] = kind()
+        return state
 
     @staticmethod
     def of(engine: object) -> LensSession:
@@ -94,14 +94,17 @@ class LensSession:
 
     def prepare(self, params: Any, request_id: str, prompt: Any = None,
                 parsed: tuple[Mapping[str, Any], LensRequest] | None = None,
-                saes: Any = None) -> tuple[Any, LensRequest | None]:
+                saes: Any = None,
+                presets: Mapping[str, tuple[SteerSpec, ...]] | None = None,
+                ) -> tuple[Any, LensRequest | None]:
         """Validate ``params``' lens keys; return (params for the engine, lens request or None).
 
         A capture is admitted only if what it can hold fits ``VLLM_LENS_MAX_CAPTURE_BYTES``
         (``prompt``, the engine's input, gives the prompt length where it is tokenized).
         ``parsed``: (``vllm_xargs``, the ``LensRequest`` parsed from them) when the server
         validated this request already; it is reused if the values are the same. ``saes``:
-        the describe for the SAEs it names, instead of ``describe_sae``.
+        ``(sae, hook_point) -> description`` for the SAEs it names (``frontend.sae_names``);
+        ``presets``: the steering presets it may select (``frontend.presets``).
 
         The caller's object is never mutated: a request with lens keys gets a clone whose
         ``extra_args`` carry the validated payload instead of the user's keys.
@@ -120,8 +123,7 @@ class LensSession:
             rest, lens = reused
         else:
             rest, lens = parse_extra_args(params.extra_args, self._facts, request_id=request_id,
-                                          presets=self.presets,
-                                          saes=saes if saes is not None else self.describe_sae)
+                                          presets=presets or {}, saes=saes)
         if lens is None:
             return params, None
         self.check_beside(lens, params.n, request_id)

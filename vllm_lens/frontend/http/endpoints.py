@@ -37,6 +37,7 @@ from vllm_lens.frontend.http.results import (
     with_partials,
 )
 from vllm_lens.frontend.http.streaming import Endpoint, Started, with_activation_chunks
+from vllm_lens.frontend.presets import Presets
 from vllm_lens.frontend.response_scope import ResponseScope
 from vllm_lens.frontend.sae_names import async_describer
 from vllm_lens.hooks import HookError
@@ -155,7 +156,7 @@ async def _validate(
     steer = xargs.get(STEER_KEY)
     if steer is not None and "preset:" in (steer if isinstance(steer, str) else json.dumps(steer)):
         await preset_log.sync(engine)  # what other API processes registered
-    presets = dict(LensSession.of(engine).presets)
+    presets = dict(Presets.of(LensSession.of(engine)).specs)
     saes = await async_describer(engine, xargs, paths=False)  # a client names, never opens
     if total > _PARSE_INLINE_BYTES or xargs.get(STEER_KEY) is not None:
         # Tensors are decompressed on a worker thread (never the event loop), a few requests

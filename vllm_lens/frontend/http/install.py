@@ -16,11 +16,11 @@ from vllm.logger import init_logger
 
 from vllm_lens.common.wrapping import wrap_attribute
 from vllm_lens.errors import LensRequestError
-from vllm_lens.frontend import patching_sweep
 from vllm_lens.frontend.async_engine import OFF_ROUTE
 from vllm_lens.frontend.http import (
     routes_blobs,
     routes_hooks,
+    routes_patching,
     routes_stats,
     routes_steering,
     shared_dir,
@@ -70,7 +70,7 @@ def _wrap_register_api_routers(original):
         app.include_router(routes_stats.router)
         app.include_router(routes_hooks.router)
         app.include_router(routes_steering.router)
-        app.include_router(patching_sweep.router)
+        app.include_router(routes_patching.router)
 
     return register_api_routers
 

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from vllm_lens.common.messages import StatsAnswer, read_all
-from vllm_lens.frontend import patching_sweep
+from vllm_lens.frontend.http import routes_patching
 from vllm_lens.frontend.http.blob_store import store
 from vllm_lens.frontend.rpc import all_workers
 
@@ -37,7 +37,7 @@ async def lens_stats(raw_request: Request) -> JSONResponse:
     workers = read_all(StatsAnswer, await _worker_stats(raw_request.app.state.engine_client))
     return JSONResponse({"store": await asyncio.to_thread(store().stats),
                          "workers": [answer.as_json() for answer in workers],
-                         "sweeps": patching_sweep.running_sweeps()})
+                         "sweeps": routes_patching.running_sweeps()})
 
 
 #: The last ``lens_stats`` call to the workers: GETs while it runs, and within

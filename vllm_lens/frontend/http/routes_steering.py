@@ -30,7 +30,7 @@ from vllm_lens.frontend.session import LensSession
 from vllm_lens.frontend.http import preset_log
 from vllm_lens.frontend.http.bodies import answered_by, json_object
 from vllm_lens.frontend.http.errors import answer, error
-from vllm_lens.frontend.presets import read_preset_file
+from vllm_lens.frontend.presets import Presets, read_preset_file
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +69,12 @@ async def _changing(raw_request: Request, method: str, *args: Any) -> JSONRespon
                       "the server with VLLM_LENS_ALLOW_STEERING_ROUTES=1, or register presets "
                       "from a file with VLLM_LENS_STEERING_PRESETS", HTTPStatus.FORBIDDEN)
     engine = raw_request.app.state.engine_client
-    session = LensSession.of(engine)
     name = args[0]
     async with preset_log.held() as log:
         if log is not None:
             await preset_log.replay(engine, log)
-        before = (session.presets.get(name), session.preset_info.get(name)) \
-            if isinstance(name, str) else (None, None)
+        presets = Presets.of(LensSession.of(engine))
+        before = presets.snapshot(name) if isinstance(name, str) else (None, None)
         try:
             result = await getattr(engine, method)(*args)
         except LensRequestError as exc:
@@ -84,7 +83,7 @@ async def _changing(raw_request: Request, method: str, *args: Any) -> JSONRespon
             try:
                 preset_log.append(log, method, args)
             except OSError as exc:  # not shared: undone here too, so all processes agree
-                _restore(session, name, before)
+                presets.restore(name, before)
                 return error(f"the preset change could not be shared with this server's "
                              f"other API processes ({exc.strerror}); nothing changed",
                              HTTPStatus.SERVICE_UNAVAILABLE)
@@ -103,11 +102,3 @@ async def unregister_preset(raw_request: Request) -> JSONResponse:
     body = await json_object(raw_request) or {}
     return await _changing(raw_request, "unregister_steering", body.get("name"))
 
-
-def _restore(session: Any, name: str, before: tuple[Any, Any]) -> None:
-    specs, info = before
-    if specs is None:
-        session.presets.pop(name, None)
-        session.preset_info.pop(name, None)
-    else:
-        session.presets[name], session.preset_info[name] = specs, info

@@ -1,0 +1,123 @@
+"""What ``worker.layout_derivation`` reads from a module tree: toy decoder layers of the three
+shapes vLLM's models have (fused pre-norm, split pre-norm, post-norm), and the trees it must
+refuse. The start-up check (``test_layout_check.py``, the derived families on engines) proves
+what is derived; these pin down what is proposed."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_lens.worker.layout_derivation import derive_layout
+
+
+class Kernel(nn.Module):  # stands for vLLM's Attention (the class is passed in)
+    def forward(self, x):
+        return x
+
+
+class RMSNorm(nn.Module):
+    def forward(self, x, residual=None):
+        return x if residual is None else (x + residual, x + residual)
+
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = Kernel()
+
+    def forward(self, x):
+        return self.attn(x)
+
+
+class MLP(nn.Module):
+    def forward(self, x):
+        return x
+
+
+class Fused(nn.Module):  # Llama in vLLM
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm, self.self_attn = RMSNorm(), Attn()
+        self.post_attention_layernorm, self.mlp = RMSNorm(), MLP()
+
+    def forward(self, positions, hidden_states, residual):
+        hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class Split(nn.Module):  # GPT-2 / StableLM: the residual added inside the layer
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2, self.mlp = RMSNorm(), Attn(), RMSNorm(), MLP()
+
+    def forward(self, hidden_states):
+        hidden_states = hidden_states + self.attn(self.ln_1(hidden_states))
+        return hidden_states + self.mlp(self.ln_2(hidden_states))
+
+
+class PostNorm(nn.Module):  # EXAONE 4 in vLLM: takes a residual it does not hand to a norm
+    def __init__(self):
+        super().__init__()
+        self.self_attn, self.post_attention_layernorm = Attn(), RMSNorm()
+        self.mlp, self.post_feedforward_layernorm = MLP(), RMSNorm()
+
+    def forward(self, positions, hidden_states, residual):
+        residual = hidden_states
+        hidden_states = residual + self.post_attention_layernorm(self.self_attn(hidden_states))
+        residual = hidden_states
+        hidden_states = residual + self.post_feedforward_layernorm(self.mlp(hidden_states))
+        return hidden_states, None
+
+
+class NoMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.self_attn = RMSNorm(), Attn()
+
+    def forward(self, hidden_states):
+        return self.self_attn(self.norm(hidden_states))
+
+
+def _model(layer_cls: type) -> nn.Module:
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList(layer_cls() for _ in range(3))
+    model.model.embed = nn.Embedding(4, 4)
+    return model
+
+
+def test_a_fused_pre_norm_layer():
+    layout = derive_layout(_model(Fused), Kernel).layout
+    assert layout is not None and layout.derived
+    assert (layout.layers, layout.fused_residual, layout.mid, layout.attention, layout.norms) \
+        == ("model.layers", True, "post_attention_layernorm", "self_attn.attn", "pre")
+    assert layout.attn_block is None and layout.mlp_block is None
+
+
+def test_a_split_pre_norm_layer():
+    layout = derive_layout(_model(Split), Kernel).layout
+    assert (layout.fused_residual, layout.mid, layout.attn_block, layout.mlp_block) \
+        == (False, "ln_2", "attn", "mlp")
+
+
+def test_a_post_norm_layer_adds_its_norms_outputs():
+    layout = derive_layout(_model(PostNorm), Kernel).layout
+    assert (layout.fused_residual, layout.norms, layout.mid, layout.attn_block,
+            layout.mlp_block) == (False, "post", "mlp", "post_attention_layernorm",
+                                  "post_feedforward_layernorm")
+
+
+def test_trees_without_a_layout_are_refused_with_a_reason():
+    found = derive_layout(_model(NoMLP), Kernel)
+    assert found.layout is None and "no MLP block" in found.reason
+    found = derive_layout(nn.Linear(2, 2), Kernel)
+    assert found.layout is None and "no list of decoder layers" in found.reason
+
+
+def test_the_toy_layers_run():  # the toys are layers, not just trees
+    x = torch.ones(2, 4)
+    assert Fused()(None, x, torch.zeros_like(x))[0].shape == x.shape
+    assert PostNorm()(None, x, None)[0].shape == Split()(x).shape == x.shape

@@ -5,12 +5,18 @@ VLLM_EXTRA ?= cpu
 VENV := .venv
 STAMP := $(VENV)/.installed-$(VLLM_EXTRA)
 
-.PHONY: demo test bench docs docs-serve
+.PHONY: demo test test-families bench docs docs-serve
 demo: $(STAMP)
 	$(VENV)/bin/python examples/capture_demo.py
 
+# Two steps: the suite, then every model family against transformers (an engine or two per
+# family; `pytest -m families`, left out of a plain `pytest`).
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest -m families
+
+test-families: $(STAMP)
+	$(VENV)/bin/python -m pytest -m families
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/throughput.py

@@ -1,7 +1,7 @@
 """The model-family compatibility matrix, generated from the family tests' results.
 
     python tools/family_matrix.py --run          # run the family tests, then write the matrix
-    python tools/family_matrix.py --junit FILE   # from the junit XML of a finished pytest run
+    python tools/family_matrix.py --junit FILE...   # from the junit XML of finished pytest runs
 
 Writes ``docs/model_families.md``. A cell says ``tested`` only when every test behind it
 passed in that run (``tests/integration/test_families.py``, ``test_families_tp.py``,
@@ -181,17 +181,20 @@ vLLM 0.32 registers these text-generation architectures
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--junit", type=Path, help="junit XML of a finished pytest run")
+    parser.add_argument("--junit", type=Path, nargs="+",
+                        help="junit XML of finished pytest runs (the suite's and the families')")
     parser.add_argument("--run", action="store_true", help="run the family tests first")
     args = parser.parse_args()
     if args.run == (args.junit is not None):
         parser.error("give exactly one of --run and --junit")
-    junit = args.junit
+    junits = args.junit
     if args.run:
-        junit = Path(tempfile.mkdtemp()) / "families.xml"
-        subprocess.run([sys.executable, "-m", "pytest", "-q", *TESTS, f"--junitxml={junit}"],
-                       cwd=ROOT, check=False)
-    results = outcomes(junit)
+        junits = [Path(tempfile.mkdtemp()) / "families.xml"]
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "families or not families",
+                        *TESTS, f"--junitxml={junits[0]}"], cwd=ROOT, check=False)
+    results = {}
+    for junit in junits:
+        results.update(outcomes(junit))
     table = render(results)
     OUT.write_text(PREAMBLE + table + "\n\n" + DERIVED_PREAMBLE + render_derived(results)
                    + "\n\n" + ARCHITECTURES_PREAMBLE + render_architectures(results) + "\n")

@@ -34,6 +34,7 @@ DERIVED = {
     "glm4": {},  # sandwich norms: attn_out and mlp_out after their post-norms
     "olmoe": {},  # MoE with q/k norms
     "qwen3_moe": {},
+    "glm4_moe": {},  # a dense first layer, then MoE with a shared expert
     "stablelm": {},  # LayerNorm, the residual added inside the layer
 }
 MODE = dict(enforce_eager=True, max_num_batched_tokens=16, max_num_seqs=8)
@@ -49,6 +50,7 @@ def derived(request):
         yield request.param, path, llm, HFReference(path)
 
 
+@pytest.mark.families
 def test_the_layout_is_derived_and_proven_at_start_up(derived):
     name, _, llm, _ = derived
     described = read(DescribeAnswer, llm.collective_rpc("lens_describe")[0])
@@ -60,6 +62,7 @@ def test_the_layout_is_derived_and_proven_at_start_up(derived):
     assert "continuity" in check.passed and "final norm" in check.passed
 
 
+@pytest.mark.families
 def test_proven_points_match_transformers_and_refused_ones_name_the_invariant(derived):
     name, _, llm, ref = derived
     served = [p for p in STREAM if p not in DERIVED[name]]
@@ -88,6 +91,7 @@ def test_proven_points_match_transformers_and_refused_ones_name_the_invariant(de
             llm.generate([PROMPT], sp)
 
 
+@pytest.mark.families
 def test_steering_a_derived_layout_matches_transformers(derived):
     name, _, llm, ref = derived
     g = torch.Generator().manual_seed(3)
@@ -106,6 +110,7 @@ def test_steering_a_derived_layout_matches_transformers(derived):
                               expected[("resid_post", 3)]) <= TOL, name
 
 
+@pytest.mark.families
 def test_plain_requests_are_token_identical_to_vllm_without_plugin(derived):
     name, path, llm, _ = derived
     prompts = [PROMPT, "The capital of France is"]

@@ -42,7 +42,7 @@ CHUNKED = dict(max_num_batched_tokens=16, max_num_seqs=8)
 COMPILED = {"gpt2", "gpt_neox", "olmo2", "gemma2", "gemma3", "mixtral", "qwen2_moe"}
 TOL = 1e-4
 
-pytestmark = pytest.mark.slow  # two engines per family
+pytestmark = [pytest.mark.slow, pytest.mark.families]  # two engines per family
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

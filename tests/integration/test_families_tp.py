@@ -14,7 +14,7 @@ from vllm_lens.common.messages import DescribeAnswer, read_all
 #: The families run here (``tools/family_matrix.py`` reads this for its TP=2 column).
 TP_FAMILIES = tuple(sorted(FAMILIES))
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.families]
 
 
 @pytest.fixture(scope="module", params=TP_FAMILIES)

@@ -117,7 +117,10 @@ class VLLMLensAPI(VLLMAPI):
             decoded tensors (``residual_stream``, ``positions`` ...) plus
             ``prompt_token_ids`` and ``completion_token_ids``, and
             ``"choice_activations"`` (every choice's, when there are several); likewise
-            ``"sae_features"`` / ``"choice_sae_features"`` for ``output_sae_features``.
+            ``"sae_features"`` / ``"choice_sae_features"`` for ``output_sae_features``, and
+            ``"monitors"`` / ``"choice_monitors"`` for ``monitors``: a choice a ``stop``
+            monitor ended has ``stop_reason`` ``"content_filter"``, and (the first choice)
+            ``metadata["stop_reason"]`` the monitor's name.
             Binary-transport activations are fetched, then freed on the server. The logged
             call keeps only the tensors' shapes and dtypes, and elides long lens values.
 
@@ -149,6 +152,12 @@ class VLLMLensAPI(VLLMAPI):
             extra["sae_features"] = features[0]
             if len(features) > 1:
                 extra["choice_sae_features"] = features
+        monitors = [choice.get("monitors") for choice in choices]
+        if any(m is not None for m in monitors):
+            extra["monitors"] = monitors[0]
+            if len(monitors) > 1:
+                extra["choice_monitors"] = monitors
+            _mark_monitor_stops(output, choices)
         if extra:
             output.metadata = {**(output.metadata or {}), **extra}
         _slim_logged_call(call)
@@ -216,6 +225,19 @@ def _with_lens_body(config: GenerateConfig) -> tuple[GenerateConfig, bool]:
     if has_lens:
         extra_body["return_token_ids"] = True
     return config.model_copy(update={"extra_body": extra_body}), has_lens
+
+
+def _mark_monitor_stops(output: ModelOutput, choices: list[dict[str, Any]]) -> None:
+    """A choice a ``stop`` monitor ended: Inspect's ``stop_reason`` ``"content_filter"`` (the
+    generation was cut off by a filter), the monitor's name in ``metadata["stop_reason"]``."""
+    for choice, chat_choice in zip(choices, output.choices):
+        fired = {m["name"] for m in choice.get("monitors") or ()
+                 if m.get("action") == "stop" and m.get("fired")}
+        if choice.get("stop_reason") in fired:
+            chat_choice.stop_reason = "content_filter"
+            if chat_choice is output.choices[0]:
+                output.metadata = {**(output.metadata or {}),
+                                   "stop_reason": choice["stop_reason"]}
 
 
 def _summary(value: Any) -> Any:

@@ -48,6 +48,12 @@ FAMILIES = {
         "rotary_pct": 0.25, "partial_rotary_factor": 0.25, "use_parallel_residual": True,
         "tie_word_embeddings": False}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # Transformers backend too: OLMo 2's post-norm layer, layers 0-2 with a 16-token window.
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {
+        "sliding_window": 16, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}),
+    # Transformers backend: Llama's layer, layer 3 without RoPE (NoPE).
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layers": [1, 1, 1, 0],
+                                                        "pad_token_id": None}),
     # A multimodal model (SmolVLM's architecture): a tiny vision tower around the Llama above.
     "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration", {"wraps": "llama"}),
 }
@@ -64,6 +70,11 @@ DERIVED_FAMILIES = {
                                                "pad_token_id": None}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         **_MOE, "num_experts": 4, "head_dim": 64, "decoder_sparse_step": 1}),
+    # GLM-4.5's MoE: a dense first layer, then sigmoid-routed experts and a shared expert.
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {
+        **_MOE, "head_dim": 64, "n_routed_experts": 4, "first_k_dense_replace": 1,
+        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "partial_rotary_factor": 0.5,
+        "pad_token_id": None}),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {"partial_rotary_factor": 0.25}),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 64}),
     # vLLM's OLMoE does not tie its LM head to the embeddings: a tied checkpoint would load
@@ -76,6 +87,38 @@ DERIVED_FAMILIES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
         "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
         "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    # Refused (tests/integration/test_derived_layouts.py, REFUSED): parallel attention + MLP;
+    # multi-head latent attention (vLLM's MLA module, not its Attention); an MLP of loose
+    # fc1 / activation / fc2 children called from the layer.
+    "falcon": ("FalconConfig", "FalconForCausalLM", {
+        "shape": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 2,
+                  "num_kv_heads": 1, "tie_word_embeddings": True},
+        "new_decoder_architecture": True, "parallel_attn": True, "bias": False}),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
+        **_MOE, "n_routed_experts": 4, "first_k_dense_replace": 1, "n_shared_experts": 1,
+        "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32,
+        "v_head_dim": 64, "n_group": 1, "topk_group": 1}),
+    "opt": ("OPTConfig", "OPTForCausalLM", {
+        "shape": {"hidden_size": 128, "ffn_dim": 256, "num_hidden_layers": 4,
+                  "num_attention_heads": 2, "max_position_embeddings": 2048,
+                  "word_embed_proj_dim": 128, "tie_word_embeddings": True},
+        "pad_token_id": 1}),
+    # Gemma 3n: AltUp carries several copies of the stream between layers (and per-layer
+    # inputs): the stream the layers hand on is not what the final norm reads.
+    "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", {
+        "head_dim": 64, "sliding_window": 16,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+        "vocab_size_per_layer_input": 49152, "hidden_size_per_layer_input": 16,
+        "laurel_rank": 8, "altup_num_inputs": 2, "num_kv_shared_layers": 0,
+        "activation_sparsity_pattern": [0.0] * 4, "intermediate_size": [256] * 4}),
+    # Gemma 4: sandwich norms and a per-layer scale on what each layer adds.
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", {
+        "head_dim": 64, "sliding_window": 16,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}),
+    # EXAONE 4: post-norm; its derived layout fails the continuity check (refused).
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {
+        "head_dim": 64, "sliding_window": 16,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", {
         "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 1,
         "intermediate_size_mlp": 256, "interleave_moe_layer_step": 2}),

@@ -37,6 +37,7 @@ from vllm_lens.spec import (
     ACTIVATIONS_KEY,
     CAPTURE_KEY,
     HOOKS_KEY,
+    MONITORS_KEY,
     PRESET_PREFIX,
     QK_KEY,
     SAE_KEY,
@@ -183,6 +184,12 @@ class LensResult:
     """Where the rows went, for a request with ``capture_sink=`` (``vllm_lens.sinks``)."""
     steering_gates: dict[str, Any] | None = None
     """``{"<vector index>": {"positions", "gates"}}`` for conditional steering vectors."""
+    monitors: list[dict[str, Any]] | None = None
+    """For requests with ``monitors=``: one record per monitor (``name``, ``action``,
+    ``threshold``, ``fired``, ``position``, ``score``, ``positions``, ``scores``)."""
+    stop_reason: str | int | None = None
+    """What stopped the choice: a stop string or token, or the name of the monitor that
+    ended it (``finish_reason`` ``"stop"``)."""
     sae_features: list[dict[str, Any]] | None = None
     """For requests with ``sae_features=``: per SAE asked for, ``{"sae", "layer", "point",
     "positions", "indices", "values"}`` (and ``"nmse"``, ``"l0"`` with reconstruction), on
@@ -226,7 +233,7 @@ class _Protocol:
                 raise TypeError(f"capture_layers: expected a list of layer indices or True, "
                                 f"got the string {capture_layers!r} (pass [12], not '12')")
             lens[CAPTURE_KEY] = capture_layers
-        for key in (ACTIVATIONS_KEY, QK_KEY, SINK_KEY, STREAM_KEY, SAE_KEY):  # by name
+        for key in (ACTIVATIONS_KEY, QK_KEY, SINK_KEY, STREAM_KEY, SAE_KEY, MONITORS_KEY):
             if openai_kwargs.get(key) is not None:
                 lens[key] = openai_kwargs.pop(key)
         if openai_kwargs.get("sae_features") is not None:
@@ -325,6 +332,8 @@ class _StreamState:
                 steering_gates=decode_json_tensors(choice.get("steering_gates"))
                 or previous.steering_gates,
                 sae_features=decode_json_tensors(choice.get("sae_features")),
+                monitors=choice.get("monitors") or previous.monitors,
+                stop_reason=choice.get("stop_reason") or previous.stop_reason,
             )
             self.by_index[index] = result
             out.append((result, choice.get("activations")))
@@ -373,9 +382,10 @@ class LensClient:
                  **openai_kwargs: Any) -> Any:
         """``/v1/completions``. Returns a ``LensResult`` or, with ``stream=True``, an iterator
         of partial ones. ``output_activations=``, ``output_qk=``, ``capture_sink=``,
-        ``stream_activations=`` and ``sae_features=`` (``output_sae_features``: SAEs the
-        server registered, by name) are sent as those lens keys; other ``openai_kwargs`` go into
-        the request body (``n``, ``seed``, ...).
+        ``stream_activations=``, ``sae_features=`` (``output_sae_features``: SAEs the
+        server registered, by name) and ``monitors=`` (``spec.monitors``; a probe may be a
+        tensor) are sent as those lens keys; other ``openai_kwargs`` go into the request body
+        (``n``, ``seed``, ...).
 
         Args:
             prompt: the prompt: a string, a list of token ids, or a list of strings (several
@@ -1235,6 +1245,9 @@ def encode_xargs(extra_args: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in extra_args.items():
         if key == STEER_KEY:
             out[key] = _steering_json(value)
+        elif key == MONITORS_KEY:
+            items = value if isinstance(value, (list, tuple)) else [value]
+            out[key] = json.dumps([_monitor_json(m) for m in items])
         elif key == HOOKS_KEY:
             items = value if isinstance(value, (list, tuple)) else [value]
             out[key] = json.dumps([h if isinstance(h, Mapping) else hook_to_json(h)
@@ -1248,6 +1261,16 @@ def encode_xargs(extra_args: Mapping[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def _monitor_json(monitor: Any) -> Any:
+    """A monitor as JSON: a tensor or numpy probe as a JSON tensor record."""
+    if not isinstance(monitor, Mapping) or "probe" not in monitor:
+        return monitor
+    probe = monitor["probe"]
+    if hasattr(probe, "dtype") and not isinstance(probe, list):
+        probe = wire.tensor_to_json(torch.as_tensor(probe).float())
+    return {**monitor, "probe": probe}
 
 
 def _flat(value: Any) -> bool:
@@ -1303,6 +1326,8 @@ def _choice_result(choice: dict[str, Any], data: dict[str, Any]) -> LensResult:
         capture_receipt=choice.get("capture_receipt"),
         steering_gates=decode_json_tensors(choice.get("steering_gates")),
         sae_features=decode_json_tensors(choice.get("sae_features")),
+        monitors=choice.get("monitors"),
+        stop_reason=choice.get("stop_reason"),
     )
 
 

@@ -27,11 +27,14 @@ _MODULES = {
               "mlp_out": "post_feedforward_layernorm"},
 }
 _MODULES["gemma3_text"] = _MODULES["gemma2"]
+_MODULES["olmo3"] = _MODULES["olmo2"]
 # Families served through derived layouts (``tests/integration/test_derived_layouts.py``).
 _MODULES["glm4"] = {**_LLAMA_MODULES, "attn_out": "post_self_attn_layernorm",
                     "mlp_out": "post_mlp_layernorm"}
 _MODULES["qwen3_moe"] = {**_LLAMA_MODULES, "down": None}
 _MODULES["olmoe"] = _MODULES["qwen3_moe"]
+_MODULES["glm4_moe"] = _MODULES["qwen3_moe"]  # a dense first layer, MoE after
+_MODULES["deepseek_v2"] = _MODULES["qwen3_moe"]
 _MODULES["granitemoe"] = {**_LLAMA_MODULES, "mlp_out": "block_sparse_moe", "down": None}
 _MODULES["idefics3"] = {**_LLAMA_MODULES, "layers": "model.text_model.layers"}
 
@@ -53,8 +56,11 @@ class HFReference:
         self.modules = _MODULES.get(self.model.config.model_type, _LLAMA_MODULES)
         self.layers = _get(self.model, self.modules["layers"])
         config = self.model.config.get_text_config()
-        self.head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads)
+        try:
+            head_dim = getattr(config, "head_dim", None)
+        except Exception:  # noqa: BLE001 -- Gemma 4: per layer; its Q/K are not compared
+            head_dim = None
+        self.head_dim = head_dim or config.hidden_size // config.num_attention_heads
 
     @torch.no_grad()
     def residual_stream(self, token_ids: list[int], layers: list[int]) -> torch.Tensor:

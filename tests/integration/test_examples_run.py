@@ -73,6 +73,24 @@ def test_probe_monitor_scores_streamed_tokens_like_the_in_engine_probe(tmp_path)
     assert (tmp_path / "sentiment-acts" / "index.jsonl").exists()
 
 
+def test_refusal_direction_example_ablates_the_direction_at_every_layer(tmp_path):
+    """The difference-of-means direction separates held-out harmful from harmless
+    instructions; ablated at every layer, nothing of it is left in any layer's output (the
+    plain stream has some), the answers change, and a plain request beside the ablated ones
+    is unchanged."""
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "refusal_direction.py"), "--max-tokens", "24"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["separation"] > 1.0, result
+    assert result["max_component_left"] <= 1e-3 * result["plain_component"], result
+    assert result["answers_changed"] >= 1, result
+    assert result["plain_beside_ablated_unchanged"], result
+
+
 def test_causal_tracing_example_draws_the_readme_picture_without_hooks(tmp_path):
     """The sweep-based causal trace shows what docs/hooks.md describes: the corruption removes
     the fact, the last layer's output at the last token restores the clean answer, and the

@@ -128,7 +128,7 @@ def test_a_request_no_worker_vouches_for_fails_instead_of_passing_silently():
         lost.lens_error)
     ran = output()
     held = FetchPart(error=None, conflict=False, capacity=None, held=True, seen=[],
-                     captures={}, hooks=None, gates=None, receipt=None)
+                     captures={}, hooks=None, gates=None, monitors=None, receipt=None)
     attach(ran, lens, [FetchAnswer(requests={"k": {"7-abc": held}})], 1, None)
     assert ran.lens_error is None
 

@@ -50,7 +50,7 @@ def _answers():
                      seen=["residual_stream"],
                      captures={"residual_stream": wire.dumps(torch.ones(2)),
                                "attn_out": {"path": "/dev/shm/vllm_lens_x"}},
-                     hooks=b"hooks", gates=b"gates",
+                     hooks=b"hooks", gates=b"gates", monitors=b"monitors",
                      receipt={"sink": "acts", "rows": 3, "shapes": {"x": [1, 3, 8]}})
     failed = FetchPart.failed("vllm-lens failed at sink: full", capacity="VLLM_LENS_X")
     return [
@@ -117,6 +117,7 @@ class _RenamedPart(msgspec.Struct, frozen=True, kw_only=True):
     captures: dict[str, bytes]
     hooks: bytes | None
     gates: bytes | None
+    monitors: bytes | None
     receipt: dict | None
 
 
@@ -130,7 +131,7 @@ def test_a_field_renamed_on_the_worker_is_refused_naming_it():
 
     worker = _RenamedFetch(requests={"k": {"7": _RenamedPart(
         error=None, conflict=False, capacity=None, kept=True, seen=[], captures={},
-        hooks=None, gates=None, receipt=None)}})
+        hooks=None, gates=None, monitors=None, receipt=None)}})
     with pytest.raises(WorkerAnswerError,
                        match=r"missing required field `held`.*\$\.requests"):
         read_all(FetchAnswer, _through_vllm([worker]))

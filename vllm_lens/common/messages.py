@@ -26,7 +26,8 @@ fields are skipped) and a newer reader fills the default in for an older worker 
 an older reader must not ignore (one that refuses something, as ``DescribeAnswer.
 refused_points`` does) is added without a default, with a new ``VERSION``. The fields defined
 with this version have no defaults, so a worker that forgot one is refused, never read as a
-silent default. Version 2 added the layout check's fields to ``DescribeAnswer``.
+silent default. Version 2 added the layout check's fields to ``DescribeAnswer``; version 3
+``FetchPart.monitors``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 #: The version of every record below (see the version rule above).
-VERSION = 2
+VERSION = 3
 #: The field naming each encoded answer's record and version.
 TAG_FIELD = "lens_message"
 
@@ -170,6 +171,8 @@ class FetchPart(msgspec.Struct, frozen=True, kw_only=True):
     """``worker.hooks.encode_results`` (TP rank 0 of each stage)."""
     gates: bytes | None
     """``worker.steer.pack_gates`` (TP rank 0)."""
+    monitors: bytes | None
+    """``worker.monitors.pack_scores`` (TP rank 0)."""
     receipt: dict[str, Any] | None
     """The capture sink's receipt for the part this rank wrote (its own format)."""
 
@@ -178,13 +181,13 @@ class FetchPart(msgspec.Struct, frozen=True, kw_only=True):
                capacity: str | None = None) -> FetchPart:
         """A request this rank failed."""
         return cls(error=error, conflict=conflict, capacity=capacity, held=False, seen=[],
-                   captures={}, hooks=None, gates=None, receipt=None)
+                   captures={}, hooks=None, gates=None, monitors=None, receipt=None)
 
     @classmethod
     def rows(cls, captures: dict[str, Handoff]) -> FetchPart:
         """Rows alone (a streamed fetch, or rows whose request record is gone)."""
         return cls(error=None, conflict=False, capacity=None, held=False, seen=[],
-                   captures=captures, hooks=None, gates=None, receipt=None)
+                   captures=captures, hooks=None, gates=None, monitors=None, receipt=None)
 
 
 class FetchAnswer(Message, frozen=True, tag=_tag("lens_fetch")):

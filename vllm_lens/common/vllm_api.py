@@ -341,6 +341,13 @@ REGISTRY: tuple[Need, ...] = (
          "the scheduled requests in row order") for name in ("req_ids", "num_reqs")),
     _n(f"{_BATCH}:InputBatch.num_computed_tokens_cpu", "instance attribute", "read",
        "worker.runner", "each request's first absolute position in the step"),
+    _n(f"{_BATCH}:InputBatch.req_id_to_index", "instance attribute", "read", "worker.runner",
+       "a request's row in the logits its step samples from (monitors)"),
+    _n(f"{_RUNNER}._sample", "method", "wrap", "worker.runner",
+       "a stop monitor forces the end-of-sequence token before the step samples",
+       "logits"),
+    _n("vllm.sampling_params:SamplingParams.eos_token_id", "attribute", "read",
+       "worker.runner", "the token a stop monitor ends a generation with"),
     *(_n(f"{_BATCH}:CachedRequestState.{name}", "instance attribute", "read",
          "worker.runner", "a request's payload and prompt length")
       for name in ("sampling_params", "num_prompt_tokens")),

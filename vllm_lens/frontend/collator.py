@@ -29,11 +29,11 @@ from vllm_lens.spec import CaptureSpec, LensRequest, ModelFacts
 from vllm_lens.common import hook_results
 
 __all__ = ["OUTPUT_FIELDS", "attach", "attach_partial", "chosen_experts", "discard_unread",
-           "fail_output", "install_output_fields", "sae_features"]
+           "fail_output", "install_output_fields", "monitor_records", "sae_features"]
 
 #: What vllm-lens attaches to ``RequestOutput`` and ``CompletionOutput``.
 OUTPUT_FIELDS = ("activations", "hook_results", "hook_error", "lens_error", "capture_receipt",
-                 "steering_gates", "sae_features")
+                 "steering_gates", "sae_features", "monitors")
 
 
 def install_output_fields() -> None:
@@ -129,6 +129,8 @@ class _Gathered:
     """Per request, the sink's receipts: one per pipeline stage that wrote a part."""
     gates: dict[str, dict[int, dict[str, torch.Tensor]]] = dataclasses.field(
         default_factory=dict)
+    monitors: dict[str, list[dict[str, torch.Tensor]]] = dataclasses.field(default_factory=dict)
+    """Per request, each monitor's positions and scores (TP rank 0)."""
 
 
 def _gather(lens: LensRequest, rank_results: Sequence[FetchAnswer]) -> _Gathered:
@@ -155,6 +157,8 @@ def _gather(lens: LensRequest, rank_results: Sequence[FetchAnswer]) -> _Gathered
                 got.hooks.setdefault(req_id, []).append(hook_results.decode(part.hooks, trusted))
             if part.gates is not None:
                 got.gates[req_id] = {int(i): g for i, g in wire.loads(part.gates).items()}
+            if part.monitors is not None:
+                got.monitors[req_id] = wire.loads(part.monitors)
     return got
 
 
@@ -181,6 +185,9 @@ def _incomplete(output: RequestOutput, lens: LensRequest, got: _Gathered, index:
                     "vllm-lens lost this request's captured rows before they reached the "
                     "sink: no worker held them at fetch time")
         return unwritten(lens, receipts)
+    if lens.monitors and _mine(got.monitors, prefix) is None:
+        return ("vllm-lens lost this request's monitor scores: no worker reported them at "
+                "fetch time")
     mine = _mine(got.captures, prefix, {})
     signals_seen = set().union(*(v for k, v in got.seen.items() if k.startswith(prefix)))
     tp = facts.tp_size if facts is not None else 1
@@ -204,6 +211,8 @@ def _failed_fields(lens: LensRequest, error: LensExecutionError) -> dict[str, An
         found["hook_results"], found["hook_error"] = None, None
     if any(s.condition is not None for s in lens.steer):
         found["steering_gates"] = None
+    if lens.monitors:
+        found["monitors"] = None
     return found
 
 
@@ -249,10 +258,15 @@ def attach(output: RequestOutput, lens: LensRequest, rank_results: Sequence[Fetc
                 _mine(got.hooks, prefix, []))
         if gated:
             found["steering_gates"] = _mine(got.gates, prefix, {})
+        if lens.monitors:
+            found["monitors"] = monitor_records(lens, _mine(got.monitors, prefix))
         by_index[index] = found
     for completion in output.outputs:
         for name, value in by_index[completion.index].items():
             setattr(completion, name, value)
+        stopped_by = _stopped_by(by_index[completion.index].get("monitors"))
+        if stopped_by is not None and completion.finish_reason == "stop":
+            completion.stop_reason = stopped_by
     if n == 1:
         for name, value in by_index[0].items():
             setattr(output, name, value)
@@ -301,9 +315,37 @@ def fail_output(output: RequestOutput, lens: LensRequest, exc: BaseException) ->
         fields["hook_results"] = fields["hook_error"] = None
     if any(s.condition is not None for s in lens.steer):
         fields["steering_gates"] = None
+    if lens.monitors:
+        fields["monitors"] = None
     for target in (output, *output.outputs):
         for name, value in fields.items():
             setattr(target, name, value)
+
+
+def monitor_records(lens: LensRequest,
+                    scored: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, Any]]:
+    """One record per monitor of ``lens``, in its order: ``name``, ``action``, ``threshold``,
+    ``fired``, the first ``position`` whose score is above the threshold and that ``score``
+    (``None`` when it never fired), and every computed position's ``positions`` / ``scores``."""
+    records = []
+    for spec, found in zip(lens.monitors, scored, strict=True):
+        positions, scores = found["positions"], found["scores"]
+        above = (scores > spec.threshold).nonzero()
+        first = int(above[0, 0]) if len(above) else None
+        records.append({
+            "name": spec.name, "action": spec.action, "threshold": spec.threshold,
+            "fired": first is not None,
+            "position": None if first is None else int(positions[first]),
+            "score": None if first is None else float(scores[first]),
+            "positions": positions, "scores": scores})
+    return records
+
+
+def _stopped_by(records: Sequence[Mapping[str, Any]] | None) -> str | None:
+    """The ``stop`` monitor that fired first (by position, then order), or ``None``."""
+    fired = [(r["position"], i, r["name"]) for i, r in enumerate(records or ())
+             if r["action"] == "stop" and r["fired"]]
+    return min(fired)[2] if fired else None
 
 
 def _facts(facts: ModelFacts | None) -> ModelFacts:

@@ -26,6 +26,7 @@ from vllm_lens.frontend.presets import Presets
 from vllm_lens.frontend.session import LensSession, prompt_length
 from vllm_lens.frontend.sae_names import offline_describer
 from vllm_lens.spec import LensRequest, parse_extra_args
+from vllm_lens.spec.monitors import check_sampling
 from vllm_lens.spec.facts import facts_from_describe
 
 __all__ = ["OfflineCall", "install"]
@@ -89,6 +90,7 @@ def _wrap_render_and_add(original):
                 lens = parsed[id(p)][1]
                 if lens is not None:
                     session.check_beside(lens, p.n, added=sinks)
+                    check_sampling(lens.monitors, p)
                     sinks.add(lens.sink)
                 if lens is not None and index < len(prompts):
                     check_admission(lens, session.facts, prompt_length(prompts[index]),

@@ -20,6 +20,7 @@ from vllm_lens.common import handoff
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.admission import capture_reservation, check_admission
 from vllm_lens.sinks.config import SinkSpec
+from vllm_lens.spec.monitors import check_sampling
 from vllm_lens.spec import (
     PAYLOAD_KEY,
     SINK_KEY,
@@ -127,6 +128,7 @@ class LensSession:
         if lens is None:
             return params, None
         self.check_beside(lens, params.n, request_id)
+        check_sampling(lens.monitors, params, request_id)
         facts = self._facts()
         check_admission(lens, facts, prompt_length(prompt), params.max_tokens, params.n,
                         request_id)
@@ -135,8 +137,8 @@ class LensSession:
                 lens, facts, prompt_length(prompt), params.max_tokens))
         engine_params = params.clone()
         engine_params.extra_args = {**rest, PAYLOAD_KEY: lens.to_payload()}
-        if lens.hooks or any(c.wants_prompt_rows()
-                             for c in (*lens.captures, *lens.sae_captures)):
+        if lens.hooks or lens.monitors or any(c.wants_prompt_rows()
+                                              for c in (*lens.captures, *lens.sae_captures)):
             # Prompt tokens served from the prefix cache never run through the layers.
             engine_params.skip_reading_prefix_cache = True
         self.in_flight[request_id] = lens

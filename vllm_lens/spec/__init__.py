@@ -25,6 +25,7 @@ from vllm_lens.spec.keys import (
     CAPTURE_KEY,
     HOOKS_KEY,
     LENS_KEYS,
+    MONITORS_KEY,
     PAYLOAD_KEY,
     PRESET_PREFIX,
     QK_KEY,
@@ -36,6 +37,7 @@ from vllm_lens.spec.keys import (
     TRANSPORT_KEY,
     TRANSPORTS,
 )
+from vllm_lens.spec.monitors import MonitorSpec
 from vllm_lens.spec.request import (
     LensRequest,
     asks_for_work,
@@ -53,6 +55,8 @@ __all__ = [
     "QK_KEY",
     "SAE_KEY",
     "LENS_KEYS",
+    "MONITORS_KEY",
+    "MonitorSpec",
     "SINK_KEY",
     "STREAM_KEY",
     "STEER_KEY",

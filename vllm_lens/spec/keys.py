@@ -27,9 +27,11 @@ STREAM_KEY = "stream_activations"
 #: SAE features at the SAE's own point and layer: ``{"sae", "positions", "top_k",
 #: "reconstruction", "hook_point"}`` or a list of them (``vllm_lens.saes``).
 SAE_KEY = "output_sae_features"
+#: Probes read while the model generates, that stop it or report (``spec.monitors``).
+MONITORS_KEY = "monitors"
 #: Every key vllm-lens reads from ``extra_args``; near-misses of these are reported as typos.
 LENS_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, TRANSPORT_KEY,
-             SINK_KEY, STREAM_KEY, SAE_KEY)
+             SINK_KEY, STREAM_KEY, SAE_KEY, MONITORS_KEY)
 #: The reserved ``extra_args`` entry that carries the validated spec to the workers.
 PAYLOAD_KEY = "vllm_lens"
 PAYLOAD_VERSION = 1

@@ -32,6 +32,7 @@ from vllm_lens.spec.keys import (
     CAPTURE_KEY,
     HOOKS_KEY,
     LENS_KEYS,
+    MONITORS_KEY,
     PAYLOAD_KEY,
     PAYLOAD_VERSION,
     QK_KEY,
@@ -42,6 +43,7 @@ from vllm_lens.spec.keys import (
     TRANSPORT_KEY,
     TRANSPORTS,
 )
+from vllm_lens.spec.monitors import MonitorSpec, parse_monitors
 from vllm_lens.spec.outputs import parse_sink, parse_stream
 from vllm_lens.spec.saes import Describe, SAEFeatureSpec, parse_sae_features
 from vllm_lens.spec.steer_records import SteerSpec, steering_digest
@@ -68,6 +70,8 @@ class LensRequest:
     """Rows travel with every streamed output, not only the last."""
     saes: tuple[SAEFeatureSpec, ...] = ()
     """SAE features (``output_sae_features``), each read at its SAE's point and layer."""
+    monitors: tuple[MonitorSpec, ...] = ()
+    """Probes that stop the generation or report (``monitors``, ``spec.monitors``)."""
     reserve_bytes: int = 0
     """The most captured bytes one sample of the request can hold on a worker at once
     (``admission.capture_reservation``), set by the front end after admission, never read
@@ -143,6 +147,8 @@ class LensRequest:
             payload["stream"] = True
         if self.saes:
             payload["saes"] = [s.to_payload() for s in self.saes]
+        if self.monitors:
+            payload["monitors"] = [m.to_payload() for m in self.monitors]
         if self.reserve_bytes:
             payload["reserve"] = self.reserve_bytes
         return payload
@@ -165,12 +171,14 @@ class LensRequest:
                    sink=None if sink is None else SinkSpec.from_payload(sink),
                    stream=bool(payload.get("stream", False)),
                    saes=tuple(SAEFeatureSpec.from_payload(d) for d in payload.get("saes", ())),
+                   monitors=tuple(MonitorSpec.from_payload(d)
+                                  for d in payload.get("monitors", ())),
                    reserve_bytes=int(payload.get("reserve", 0)))
 
 
 #: The keys that ask for lens work (the others only say how to return it).
 _WORK_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, SINK_KEY, STREAM_KEY,
-              SAE_KEY)
+              SAE_KEY, MONITORS_KEY)
 
 
 def _asks_nothing(value: Any) -> bool:
@@ -244,6 +252,7 @@ def parse_extra_args(
     raw_saes = rest.pop(SAE_KEY, None)
     if raw_saes is False:
         raw_saes = None
+    raw_monitors = rest.pop(MONITORS_KEY, None)
     fault = parse_fault(rest.pop(faults.FAULT_KEY, None), request_id)
     if raw_capture is False:
         raw_capture = None
@@ -251,7 +260,7 @@ def parse_extra_args(
         raw_qk = None
     asked = [(k, v) for k, v in ((CAPTURE_KEY, raw_capture), (ACTIVATIONS_KEY, raw_points),
                                  (QK_KEY, raw_qk), (STEER_KEY, raw_steer), (HOOKS_KEY, raw_hooks),
-                                 (SAE_KEY, raw_saes))
+                                 (SAE_KEY, raw_saes), (MONITORS_KEY, raw_monitors))
              if v is not None]
     if not asked:
         for key, value in ((SINK_KEY, raw_sink), (STREAM_KEY, raw_stream)):
@@ -277,9 +286,10 @@ def parse_extra_args(
     sink = None if raw_sink is None else parse_sink(raw_sink, captures, facts, request_id,
                                                     saes=features)
     stream = parse_stream(raw_stream, captures, sink, request_id, saes=features)
+    monitors = () if raw_monitors is None else parse_monitors(raw_monitors, facts, request_id)
     return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
                              fault=fault, points=points, sink=sink, stream=stream,
-                             saes=features)
+                             saes=features, monitors=monitors)
 
 
 def reuse_parsed(
@@ -289,7 +299,7 @@ def reuse_parsed(
     ``lens`` was parsed from (``parsed_from``): the same spec under a fresh key. ``None`` if
     they differ."""
     own = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, SINK_KEY, STREAM_KEY,
-           SAE_KEY, faults.FAULT_KEY)
+           SAE_KEY, MONITORS_KEY, faults.FAULT_KEY)
     extra_args = extra_args or {}
     if any(extra_args.get(k) != parsed_from.get(k) for k in own) or PAYLOAD_KEY in extra_args:
         return None

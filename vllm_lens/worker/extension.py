@@ -33,6 +33,7 @@ from vllm_lens.worker.request_records import describe
 from vllm_lens.worker.runner import unsupported_reason
 from vllm_lens.worker import sink_writes
 from vllm_lens.worker.tap_handler import LensRuntime
+from vllm_lens.worker.monitors import pack_scores
 from vllm_lens.worker.steer import pack_gates
 from vllm_lens.worker.taps import set_tap_handler, tap_info
 
@@ -338,7 +339,8 @@ class _HandoffFailed(Exception):
 def _fields(**given: Any) -> dict[str, Any]:
     """The keyword arguments of one ``FetchPart`` being filled in (``FetchPart(**fields)``)."""
     return {"error": None, "conflict": False, "capacity": None, "held": False, "seen": [],
-            "captures": {}, "hooks": None, "gates": None, "receipt": None, **given}
+            "captures": {}, "hooks": None, "gates": None, "monitors": None, "receipt": None,
+            **given}
 
 
 def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
@@ -360,6 +362,9 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
         if runtime.tp_rank == 0 and record.gates:
             valid = next((n for p, n in valid_lens.items() if req_id.startswith(p)), None)
             part["gates"] = pack_gates(record.gates, valid)
+        if runtime.tp_rank == 0 and record.monitors is not None:
+            valid = next((n for p, n in valid_lens.items() if req_id.startswith(p)), None)
+            part["monitors"] = pack_scores(record.monitors, -1 if valid is None else valid)
         # The signals whose rows this rank kept (if any position was selected): a front end
         # that hears from no such rank knows rows were lost, not merely unselected.
         part["seen"] = [c.signal for c in (*record.lens.captures, *record.lens.sae_captures)
@@ -432,6 +437,7 @@ def _describe(worker: Any) -> DescribeAnswer:
                                tp_size=tp_size, attention=info.attention,
                                shard_layers=frozenset(info.local_layers), split=info.split)
         set_tap_handler(_runtime.on_tap)
+        _runtime.view.wrap_sample(_runtime.before_sample)
         handoff.sweep()  # files orphaned by front ends that died before reading them
     return describe_rank(vllm_config, runner.model_config, model, info, reason,
                          (tp_rank, tp_size, pp_rank), _check)

@@ -103,6 +103,12 @@ _OLMO2 = Layout(layers="model.layers", block="sequential", norms="post", fused_r
                 mid="mlp", attention="self_attn.attn", act="mlp.act_fn",
                 down_proj="mlp.down_proj", attn_block="post_attention_layernorm",
                 mlp_block="post_feedforward_layernorm", batched=True)
+#: SmolLM3, transformers' modules: Llama's pre-norm layer (some layers without RoPE), the
+#: residual added inside the layer.
+_SMOLLM3 = Layout(layers="model.layers", block="sequential", norms="pre", fused_residual=False,
+                  mid="post_attention_layernorm", attention="self_attn.attn",
+                  act="mlp.act_fn", down_proj="mlp.down_proj", attn_block="self_attn",
+                  mlp_block="mlp", batched=True)
 
 LAYOUTS: dict[str, Layout] = {
     "LlamaForCausalLM": _LLAMA,
@@ -120,6 +126,9 @@ LAYOUTS: dict[str, Layout] = {
         _LLAMA, layers="model.text_model.layers"),
     "TransformersForCausalLM:GPTNeoXForCausalLM": _GPT_NEOX,
     "TransformersForCausalLM:Olmo2ForCausalLM": _OLMO2,
+    # OLMo 3: OLMo 2's layer, with sliding windows on most layers.
+    "TransformersForCausalLM:Olmo3ForCausalLM": _OLMO2,
+    "TransformersForCausalLM:SmolLM3ForCausalLM": _SMOLLM3,
 }
 
 

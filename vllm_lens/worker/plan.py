@@ -158,6 +158,11 @@ class StepPlan:
     """``hooks.HookCall`` per request with hooks in this step."""
     hook_layers: frozenset[tuple[int, str]] = frozenset()
     """(layer, site) pairs where some hook of this step runs."""
+    monitors: dict[tuple[int, str], list[Any]] = field(default_factory=dict)
+    """(layer, site) -> (slice, ``monitors.MonitorState``, indices of its monitors read
+    there) per monitored request."""
+    stops: list[tuple[str, Any]] = field(default_factory=list)
+    """(request id, ``monitors.MonitorState``) of the requests a ``stop`` monitor may end."""
     faults: bool = False
     """Some request of this step asked for an injected fault (test suite only)."""
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from vllm_lens.spec import LensRequest
 from vllm_lens.worker.hooks import HookState
+from vllm_lens.worker.monitors import MonitorState
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,9 @@ class RequestRecord:
     gates: dict[int, list[tuple[Any, Any]]] = field(default_factory=dict)
     """Gated steering vector index -> (positions on the host, gate values on the device) per
     step, reported at fetch (``steering_gates``)."""
+    monitors: MonitorState | None = None
+    """Its monitors' probes, scores and stop flag (``worker.monitors``), built when it first
+    runs; the probes are freed when it finishes, the scores wait for the fetch."""
     error: str | None = None
     """The first failure of the lens path for this request (its message)."""
     refused: str | None = None
@@ -167,6 +171,8 @@ class RequestTable:
                 if req_id not in live:
                     record.finished_at = now
                     record.steer = None
+                    if record.monitors is not None:
+                        record.monitors.free()
                     if record.hooks is not None:
                         try:  # what its hooks saved waits for the fetch on the host
                             record.hooks.to_host()

@@ -125,6 +125,32 @@ class RunnerView:
                 payload=payload,
             )
 
+    def eos_token_id(self, req_id: str) -> int | None:
+        """The request's end-of-sequence token as vLLM's scheduler stops on it (``None``
+        with ``ignore_eos`` or a tokenizer without one)."""
+        return self.runner.requests[req_id].sampling_params.eos_token_id
+
+    def logits_row(self, req_id: str) -> int | None:
+        """The request's row in the logits the step samples from (one row per request:
+        speculative decoding is refused with monitors), or ``None`` if it is not in the batch."""
+        return self.runner.input_batch.req_id_to_index.get(req_id)
+
+    def wrap_sample(self, before: Any) -> None:
+        """Have ``before(logits)`` change the logits in place before each step samples (the
+        V1 runner's ``_sample``; outside any compiled graph or CUDA graph)."""
+        runner = self.runner
+        original = runner._sample
+        if getattr(original, "_vllm_lens", False):
+            return
+
+        def _sample(logits: Any, *args: Any, **kwargs: Any) -> Any:
+            if logits is not None:
+                before(logits)
+            return original(logits, *args, **kwargs)
+
+        _sample._vllm_lens = True  # type: ignore[attr-defined]
+        runner._sample = _sample
+
     def live(self) -> Container[str]:
         """Ids of the requests the runner still holds: running, waiting or preempted. vLLM
         removes a request from it when the scheduler reports it finished or aborted."""

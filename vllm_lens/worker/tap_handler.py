@@ -30,6 +30,7 @@ from vllm_lens.spec import HookSpec, SteerSpec
 from vllm_lens.worker.attention_taps import AttentionTaps
 from vllm_lens.worker.capture import capture_layer
 from vllm_lens.worker.hooks import HookCall, HookState, ParameterSource, run_hook_calls
+from vllm_lens.worker.monitors import MonitorState, force_stops
 from vllm_lens.worker.plan import RequestSlice, StepPlan
 from vllm_lens.worker.request_records import RequestRecord, RequestTable, describe
 from vllm_lens.worker.runner import RunnerView
@@ -120,6 +121,9 @@ class LensRuntime:
         for group, index in plan.capture.get(where, ()):
             if not group.failed:
                 self._guarded_capture(plan, group, index, hidden, residual)
+        for s, state, indices in plan.monitors.get(where, ()):
+            self._guarded("monitors", (s.req_id,), state.score, indices, hidden, residual,
+                          s.start, s.end, s.pos0, self.tp_rank == 0)
 
     def _steer(self, plan: StepPlan, group: SteerGroup, hidden: torch.Tensor,
                residual: torch.Tensor | None) -> None:
@@ -317,7 +321,36 @@ class LensRuntime:
             plan.steer = self._steering_for(steered, device)
         else:
             self._steer_layout, self._steer_groups = (), {}
+        for s in slices:
+            if s.lens.monitors:
+                self._guarded("monitors", (s.req_id,), self._plan_monitors, plan, s, device)
         return plan
+
+    def _plan_monitors(self, plan: StepPlan, s: RequestSlice, device: torch.device) -> None:
+        record = self.requests.records[s.req_id]
+        if record.monitors is None:
+            record.monitors = MonitorState.build(s.lens.monitors, device,
+                                                 self.view.eos_token_id(s.req_id))
+        state = record.monitors
+        for where, indices in state.sites(self.split).items():
+            plan.monitors.setdefault(where, []).append((s, state, indices))
+        if any(spec.stops for spec in state.specs):
+            plan.stops.append((s.req_id, state))
+
+    def before_sample(self, logits: torch.Tensor) -> None:
+        """Force the end-of-sequence token for the requests a ``stop`` monitor ended in this
+        step (``monitors.force_stops``); runs before the step samples."""
+        stops = self._plan.stops
+        if not stops:
+            return
+        try:
+            records = self.requests.records
+            rows = [(row, state) for req_id, state in stops
+                    if (row := self.view.logits_row(req_id)) is not None
+                    and (record := records.get(req_id)) is not None and record.error is None]
+            force_stops(logits, rows)
+        except Exception as exc:  # never into the sampler: the requests fail, not the engine
+            self._fail([req_id for req_id, _ in stops], exc, "monitors")
 
     def _attach_sae(self, plan: StepPlan, group) -> None:
         """Give an SAE feature capture group its SAE (loaded when the front end admitted the

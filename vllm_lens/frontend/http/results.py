@@ -8,6 +8,7 @@ the choice names their handle.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,7 +18,7 @@ from vllm_lens.frontend.merge import join_streamed
 from vllm_lens.frontend.http.blob_store import store
 from vllm_lens.frontend.response_scope import ResponseScope
 
-__all__ = ["Encoder", "encode_binary", "encode_results", "with_partials"]
+__all__ = ["Encoder", "encode_binary", "encode_results", "monitors_to_json", "with_partials"]
 
 #: Activations -> the JSON value of a choice's ``activations`` field.
 Encoder = Callable[[Any], dict[str, Any]]
@@ -36,7 +37,21 @@ def encode_results(results: Mapping[str, Any], encode: Encoder) -> dict[str, Any
         fields["steering_gates"] = hook_results_to_json(results["steering_gates"])
     if results.get("sae_features") is not None:  # sparse: JSON in both transports
         fields["sae_features"] = hook_results_to_json(results["sae_features"])
+    if results.get("monitors") is not None:
+        fields["monitors"] = monitors_to_json(results["monitors"])
     return fields
+
+
+def monitors_to_json(records: Any) -> list[dict[str, Any]]:
+    """The monitor records as plain JSON: positions and scores as lists (a score that is not
+    finite as ``null``)."""
+    def finite(x: float) -> float | None:
+        return x if math.isfinite(x) else None
+
+    return [{**{k: v for k, v in r.items() if k not in ("positions", "scores", "score")},
+             "score": None if r["score"] is None else finite(r["score"]),
+             "positions": [int(p) for p in r["positions"].tolist()],
+             "scores": [finite(float(x)) for x in r["scores"].tolist()]} for r in records]
 
 
 def encode_binary(acts: Mapping[str, Any]) -> dict[str, Any]:

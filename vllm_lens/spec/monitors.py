@@ -1,0 +1,221 @@
+"""``monitors``: probes read while the model generates, that end the generation when they fire
+(``action="stop"``) or report their scores (``"flag"``) (runs in: front end).
+
+A request's ``extra_args["monitors"]`` is a list (or its JSON string) of::
+
+    {"name": "refusal", "probe": [hidden floats], "bias": 0.0, "layer": 12,
+     "point": "resid_post", "threshold": 2.5, "action": "stop" | "flag"}
+
+The score of a row is ``h · probe + bias`` (float32), ``h`` the point's value at ``layer``
+(after any steering there, as a capture sees it), for every position the engine computes:
+the prompt's and each generated token's. A monitor fires at the first position whose score
+is above ``threshold``. ``stop``: when position ``p`` fires (in the step that computes it),
+the next token sampled is the end-of-sequence token (not shown in the text), so no token
+after ``p`` is generated and the request finishes in that step with ``finish_reason``
+``"stop"`` and ``stop_reason`` the monitor's name; a monitor firing on the prompt ends the
+request before any visible token. ``flag``: generation goes on. Either way the result holds
+one record per monitor (``worker.monitors``, ``frontend.collator``).
+
+Monitors by SAE feature or by a named hook's score are not built yet: refused by field.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_lens.common import wire
+from vllm_lens.errors import LensRequestError, UnsupportedConfigError, WireError
+from vllm_lens.spec.facts import ModelFacts
+from vllm_lens.spec.fields import check_site, json_value
+from vllm_lens.spec.keys import MONITORS_KEY
+
+__all__ = ["ACTIONS", "MAX_MONITORS", "MONITOR_POINTS", "MonitorSpec", "check_sampling",
+           "parse_monitors"]
+
+ACTIONS = ("stop", "flag")
+#: Monitors one request may carry.
+MAX_MONITORS = 16
+#: Points a monitor reads: the stream and what the sublayers add to it, whole on every
+#: tensor-parallel rank (each rank computes the scores it stops on).
+MONITOR_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_FIELDS = {"name", "probe", "bias", "layer", "point", "threshold", "action"}
+
+
+@dataclass(frozen=True)
+class MonitorSpec:
+    """One validated monitor, as the workers receive it."""
+
+    name: str
+    action: str
+    threshold: float
+    layer: int
+    point: str
+    probe: bytes
+    """``wire.dumps`` of the ``(hidden,)`` float32 probe."""
+    bias: float = 0.0
+
+    @property
+    def stops(self) -> bool:
+        return self.action == "stop"
+
+    def to_payload(self) -> dict[str, Any]:
+        return {"name": self.name, "action": self.action, "threshold": self.threshold,
+                "layer": self.layer, "point": self.point, "probe": self.probe,
+                "bias": self.bias}
+
+    @classmethod
+    def from_payload(cls, d: Mapping[str, Any]) -> MonitorSpec:
+        return cls(name=str(d["name"]), action=str(d["action"]),
+                   threshold=float(d["threshold"]), layer=int(d["layer"]),
+                   point=str(d["point"]), probe=bytes(d["probe"]), bias=float(d["bias"]))
+
+
+def parse_monitors(raw: Any, facts: ModelFacts,
+                   request_id: str | None = None) -> tuple[MonitorSpec, ...]:
+    """Validate ``monitors`` against the served model.
+
+    Raises:
+        LensRequestError: naming the field (``monitors[i].<field>``).
+        UnsupportedConfigError: monitors on an engine that cannot run them (pipeline
+            parallelism, speculative decoding).
+    """
+    raw = json_value(raw, MONITORS_KEY, request_id)
+    if isinstance(raw, Mapping):
+        raw = [raw]
+    if not isinstance(raw, list) or not raw:
+        raise LensRequestError(MONITORS_KEY, "expected a non-empty list of monitors ({\"name\", "
+                               "\"probe\", \"layer\", \"threshold\", \"action\", ...})",
+                               request_id=request_id)
+    if len(raw) > MAX_MONITORS:
+        raise LensRequestError(MONITORS_KEY, f"{len(raw)} monitors; at most {MAX_MONITORS} "
+                               "per request", request_id=request_id)
+    if facts.pp_size > 1:
+        raise UnsupportedConfigError(MONITORS_KEY, "monitors do not run under pipeline "
+                                     "parallelism yet (the stage that samples would need the "
+                                     "scores of the others); use tensor parallelism",
+                                     request_id=request_id)
+    if facts.speculative:
+        raise UnsupportedConfigError(MONITORS_KEY, "monitors are refused while speculative "
+                                     "decoding is on (draft tokens the sampler may reject "
+                                     "would be scored)", request_id=request_id)
+    specs = [_parse_one(item, i, facts, request_id) for i, item in enumerate(raw)]
+    names = [s.name for s in specs]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise LensRequestError(f"{MONITORS_KEY}[{i}].name", f"{name!r} names two monitors; "
+                                   "each needs its own name", request_id=request_id)
+    return tuple(specs)
+
+
+def _parse_one(item: Any, i: int, facts: ModelFacts, request_id: str | None) -> MonitorSpec:
+    where = f"{MONITORS_KEY}[{i}]"
+    if not isinstance(item, Mapping):
+        raise LensRequestError(where, f"expected an object, got {type(item).__name__}",
+                               request_id=request_id)
+    if "sae" in item or "feature" in item or "hook" in item:
+        raise LensRequestError(where, "monitors by SAE feature or by a named hook's score are "
+                               "not available yet; give a linear probe (\"probe\", \"bias\", "
+                               "\"layer\", \"point\")", request_id=request_id)
+    unknown = sorted(set(item) - _FIELDS)
+    if unknown:
+        raise LensRequestError(f"{where}.{unknown[0]}", f"unknown field; a monitor has "
+                               f"{', '.join(sorted(_FIELDS))}", request_id=request_id)
+    name = item.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise LensRequestError(f"{where}.name", f"{name!r} is not a monitor name (1 to 64 "
+                               "letters, digits, '.', '_' or '-', starting with a letter or "
+                               "digit)", request_id=request_id)
+    action = item.get("action")
+    if action not in ACTIONS:
+        raise LensRequestError(f"{where}.action", f"{action!r}; use 'stop' (end the "
+                               "generation when it fires) or 'flag' (report, go on)",
+                               request_id=request_id)
+    threshold = _number(item.get("threshold"), f"{where}.threshold", request_id)
+    bias = _number(item.get("bias", 0.0), f"{where}.bias", request_id)
+    layer = item.get("layer")
+    if isinstance(layer, bool) or not isinstance(layer, int) or not (
+            -facts.n_layers <= layer < facts.n_layers):
+        raise LensRequestError(f"{where}.layer", f"{layer!r} is not a layer of the model "
+                               f"(0..{facts.n_layers - 1}, or negative from the end)",
+                               request_id=request_id)
+    point = item.get("point", "resid_post")
+    if point not in MONITOR_POINTS:
+        raise LensRequestError(f"{where}.point", f"{point!r}; a monitor reads one of "
+                               f"{', '.join(MONITOR_POINTS)}", request_id=request_id)
+    check_site(point, facts, f"{where}.point", request_id)
+    probe = _probe(item.get("probe"), facts.hidden_size, f"{where}.probe", request_id)
+    return MonitorSpec(name=name, action=action, threshold=threshold,
+                       layer=layer % facts.n_layers, point=point, probe=probe, bias=bias)
+
+
+def _number(raw: Any, field: str, request_id: str | None) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
+        raise LensRequestError(field, f"expected a finite number, got {raw!r}",
+                               request_id=request_id)
+    return float(raw)
+
+
+def _probe(raw: Any, hidden: int, field: str, request_id: str | None) -> bytes:
+    import torch
+
+    try:
+        if isinstance(raw, Mapping):
+            tensor = wire.tensor_from_json(raw)
+        elif isinstance(raw, torch.Tensor):
+            tensor = raw.detach().cpu()
+        elif hasattr(raw, "tolist") and not isinstance(raw, (str, bytes)):
+            tensor = torch.tensor(raw.tolist(), dtype=torch.float32)  # numpy
+        elif isinstance(raw, list) and all(isinstance(v, (int, float)) and
+                                           not isinstance(v, bool) for v in raw):
+            tensor = torch.tensor(raw, dtype=torch.float32)
+        else:
+            raise ValueError(f"expected {hidden} numbers (a list, tensor or JSON tensor "
+                             f"record), got {type(raw).__name__}")
+    except (TypeError, ValueError, RuntimeError, WireError) as exc:
+        raise LensRequestError(field, str(exc), request_id=request_id) from None
+    if tuple(tensor.shape) != (hidden,):
+        raise LensRequestError(field, f"has shape {tuple(tensor.shape)}; the model's hidden "
+                               f"size is {hidden}: one weight per unit, shape ({hidden},)",
+                               request_id=request_id)
+    tensor = tensor.to(torch.float32)
+    if not bool(torch.isfinite(tensor).all()):
+        raise LensRequestError(field, "contains NaN or inf", request_id=request_id)
+    return wire.dumps(tensor.contiguous())
+
+
+def check_sampling(monitors: tuple[MonitorSpec, ...], params: Any,
+                   request_id: str | None = None) -> None:
+    """Refuse sampling settings a request's monitors cannot work with (``params``: its
+    ``SamplingParams``): one sample, and for a ``stop`` monitor an end-of-sequence token the
+    sampler may produce at once.
+
+    Raises:
+        LensRequestError: naming the field.
+    """
+    if not monitors:
+        return
+    if params.n != 1:
+        raise LensRequestError(MONITORS_KEY, f"monitor one sample; n={params.n} is not "
+                               "supported with them (send n requests)", request_id=request_id)
+    stop = next((m for m in monitors if m.stops), None)
+    if stop is None:
+        return
+    field = f"{MONITORS_KEY}[{monitors.index(stop)}].action"
+    if params.ignore_eos:
+        raise LensRequestError(field, "'stop' ends the generation with the end-of-sequence "
+                               "token, which this request ignores (ignore_eos=True); use "
+                               "'flag', or drop ignore_eos", request_id=request_id)
+    if params.min_tokens:
+        raise LensRequestError(field, f"'stop' may end the generation before min_tokens="
+                               f"{params.min_tokens} tokens (vLLM masks the end-of-sequence "
+                               "token until then); drop min_tokens or use 'flag'",
+                               request_id=request_id)
+    if params.allowed_token_ids:
+        raise LensRequestError(field, "'stop' samples the end-of-sequence token, which "
+                               "allowed_token_ids may mask; drop allowed_token_ids or use "
+                               "'flag'", request_id=request_id)

@@ -81,6 +81,16 @@ def _gated(seed: int, layer: int, read_at: int):
                                                 "layer": read_at})
 
 
+def _monitor(seed: int, layer: int, action: str = "flag"):
+    """A linear-probe monitor at ``layer`` whose threshold is never crossed (the generation
+    runs its full length, as ``ignore_eos`` needs)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {"name": f"m{seed}", "probe": torch.randn(HIDDEN, generator=g).tolist(),
+            "layer": layer, "threshold": 1e30, "action": action}
+
+
 #: name -> (batch size: None = --prompts, extra_args for request i; None = a plain request)
 CASES: dict[str, tuple[int | None, Callable[[int], Any]]] = {
     "plain requests": (None, lambda i: None),
@@ -105,6 +115,10 @@ CASES: dict[str, tuple[int | None, Callable[[int], Any]]] = {
         "apply_steering_vectors": [_vector(i, list(range(N_LAYERS)))]}),
     "replace at 1 position (layer 15)": (None, lambda i: {
         "apply_steering_vectors": [_replacement(i, 15, 5)]}),
+    "monitor 1 probe at 1 layer, every request": (None, lambda i: {
+        "monitors": [_monitor(i, 15)]}),
+    "plain requests beside 1 monitored": (None, lambda i: {
+        "monitors": [_monitor(i, 15)]} if i == 0 else None),
     "conditional steering at 1 layer": (None, lambda i: {
         "apply_steering_vectors": [_gated(i, 15, 10)]}),
     # One 16x-wide SAE (``_save_sae``) at layer 15's resid_post; ``SAE`` is its directory.

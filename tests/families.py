@@ -98,6 +98,15 @@ DERIVED_FAMILIES = {
         **_MOE, "n_routed_experts": 4, "first_k_dense_replace": 1, "n_shared_experts": 1,
         "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32,
         "v_head_dim": 64, "n_group": 1, "topk_group": 1}),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {
+        "head_dim": 64, "sliding_window": 16,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"], "logit_scale": 0.5,
+        "pad_token_id": None}),
+    # Qwen3-Next: gated delta-net (linear attention) layers between attention layers.
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {
+        **_MOE, "head_dim": 64, "num_experts": 4, "shared_expert_intermediate_size": 64,
+        "linear_num_value_heads": 2, "linear_num_key_heads": 1, "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32, "full_attention_interval": 2}),
     "opt": ("OPTConfig", "OPTForCausalLM", {
         "shape": {"hidden_size": 128, "ffn_dim": 256, "num_hidden_layers": 4,
                   "num_attention_heads": 2, "max_position_embeddings": 2048,

@@ -1245,7 +1245,7 @@ def encode_xargs(extra_args: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in extra_args.items():
         if key == STEER_KEY:
             out[key] = _steering_json(value)
-        elif key == MONITORS_KEY:
+        elif key == MONITORS_KEY and not isinstance(value, str):  # a JSON string: as it is
             items = value if isinstance(value, (list, tuple)) else [value]
             out[key] = json.dumps([_monitor_json(m) for m in items])
         elif key == HOOKS_KEY:
@@ -1269,7 +1269,7 @@ def _monitor_json(monitor: Any) -> Any:
         return monitor
     probe = monitor["probe"]
     if hasattr(probe, "dtype") and not isinstance(probe, list):
-        probe = wire.tensor_to_json(torch.as_tensor(probe).float())
+        probe = wire.tensor_to_json(torch.as_tensor(probe).detach().float().cpu())
     return {**monitor, "probe": probe}
 
 

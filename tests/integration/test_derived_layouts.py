@@ -6,7 +6,11 @@ plain requests token-identical to vLLM without the plugin. A point the check ref
 by name with its invariant; a written layout made wrong on purpose (two norms swapped) is
 caught the same way while the rest of the model serves.
 
-``tools/family_matrix.py`` reads this module's results for the matrix too."""
+``tools/family_matrix.py`` reads this module's results for the matrix too.
+
+Marked ``families``: the second step of ``make test`` (``pytest -m families``); a plain
+``pytest`` (whose default options hold ``-m 'not families'``) leaves these out, also when
+named by path."""
 
 import json
 import re
@@ -47,6 +51,9 @@ DERIVED = {
 #: refused with the reason (what the start-up found), and plain requests serve.
 REFUSED = {
     "falcon": "no norm before self.mlp takes the residual stream",  # parallel blocks
+    "cohere2": "no norm before self.mlp takes the residual stream",  # parallel blocks
+    # Hybrid: linear-attention layers hold no vLLM Attention module.
+    "qwen3_next": "no list of decoder layers each holding one vLLM attention module",
     "deepseek_v2": "no list of decoder layers each holding one vLLM attention module",  # MLA
     # The derived MLP block is fc1 alone (OPT calls fc1, the activation and fc2 itself): the
     # check's sums fail to run, and nothing is served as proven.

@@ -6,7 +6,11 @@ prompt. One engine per family, prefill in chunks of 16 tokens; the families in `
 run in vLLM's default compiled mode (Dynamo traces the taps, and for GPT-NeoX and OLMo 2 the
 Transformers backend's own modules), the rest eager.
 
-``tools/family_matrix.py`` turns this module's results into the compatibility matrix."""
+``tools/family_matrix.py`` turns this module's results into the compatibility matrix.
+
+Marked ``families``: the second step of ``make test`` (``pytest -m families``); a plain
+``pytest`` (whose default options hold ``-m 'not families'``) leaves these out, also when
+named by path."""
 
 import pytest
 import torch
@@ -177,3 +181,35 @@ def test_plain_requests_are_token_identical_to_vllm_without_plugin(family):
                           else None) for i in range(len(prompts))]
     with_plugin = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sps)]
     assert with_plugin == generate_without_plugin(path, prompts, 8, **_mode(name)), name
+
+
+def test_a_stop_monitor_stops_where_the_transformers_scores_cross(family):
+    """A probe monitor at layer 2 (``monitors``): the ``flag`` run's scores are
+    ``h · probe`` of transformers' rows, and the ``stop`` run ends right after the first
+    position where those cross the threshold, a plain request beside them untouched."""
+    name, _, llm, ref = family
+    plain_sp = SamplingParams(max_tokens=8, temperature=0)
+    ids = _ids(llm.generate([PROMPT], plain_sp)[0])
+    n_prompt = len(ids) - 8
+    rows = ref.points(ids[:-1])[("resid_post", 2)].float().flatten(1)
+    target = n_prompt + 3  # a probe from the earlier rows' mean to this row: a new high here
+    probe = rows[target] - rows[:target].mean(0)
+    probe = probe / probe.norm()
+    scores = rows @ probe
+    before = float(scores[:target].max())
+    assert float(scores[target]) > before, name
+    first = int((scores > (before + float(scores[target])) / 2).nonzero()[0, 0])
+    monitor = {"name": "probe", "probe": probe.tolist(), "layer": 2,
+               "threshold": (before + float(scores[target])) / 2}
+    stop, beside, flag = llm.generate([PROMPT] * 3, [
+        SamplingParams(max_tokens=8, temperature=0,
+                       extra_args={"monitors": [{**monitor, "action": "stop"}]}),
+        plain_sp,
+        SamplingParams(max_tokens=8, temperature=0,
+                       extra_args={"monitors": [{**monitor, "action": "flag"}]})])
+    eos = llm.get_tokenizer().eos_token_id
+    assert list(stop.outputs[0].token_ids) == [*ids[n_prompt:first + 1], eos], name
+    assert stop.outputs[0].stop_reason == "probe" and stop.monitors[0]["position"] == first
+    assert _ids(beside) == ids and _ids(flag) == ids, name
+    got = flag.monitors[0]["scores"]
+    assert bool(((got - scores).abs() <= 1e-4 * rows.norm(dim=-1) + 1e-6).all()), name

@@ -1,7 +1,11 @@
 """Tensor parallel 2 on every family, against transformers: every tap point the family has
 (heads and MLP columns joined from both ranks, a single key head replicated on both), Q/K
 attention patterns, and 2D/3D steering (applied on both ranks); MoE experts are split across
-the ranks, their router replicated. Eager engines, one worker per core."""
+the ranks, their router replicated. Eager engines, one worker per core.
+
+Marked ``families``: the second step of ``make test`` (``pytest -m families``); a plain
+``pytest`` (whose default options hold ``-m 'not families'``) leaves these out, also when
+named by path."""
 
 import pytest
 
@@ -33,3 +37,7 @@ def test_tp2_every_point_and_attention_match_transformers(family):
 
 def test_tp2_steering_matches_transformers(family):
     single.test_2d_and_3d_steering_match_transformers(family)
+
+
+def test_tp2_a_stop_monitor_stops_where_the_transformers_scores_cross(family):
+    single.test_a_stop_monitor_stops_where_the_transformers_scores_cross(family)

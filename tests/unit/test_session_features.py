@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from vllm_lens.frontend.offline import OfflineCall
 from vllm_lens.frontend.persistent_hooks import PersistentHooks
 from vllm_lens.frontend.presets import Presets
@@ -38,4 +36,3 @@ def test_preset_restore_puts_back_what_snapshot_saw():
     assert "up" not in presets.specs and "up" not in presets.info
     presets.restore("up", kept)
     assert presets.info["up"] == {"name": "up"}
-    assert dataclasses.is_dataclass(presets)

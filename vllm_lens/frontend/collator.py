@@ -177,6 +177,9 @@ def _incomplete(output: RequestOutput, lens: LensRequest, got: _Gathered, index:
         return ("vllm-lens lost this request's lens state: no worker held it at fetch time "
                 "(its steering, hooks or rows cannot be vouched for; dropped after "
                 "VLLM_LENS_FINISHED_TTL_S?)")
+    if lens.monitors and _mine(got.monitors, prefix) is None:
+        return ("vllm-lens lost this request's monitor scores: no worker reported them at "
+                "fetch time")
     if lens.sink is not None:
         receipts = _mine(got.receipts, prefix)
         if receipts is None:
@@ -185,9 +188,6 @@ def _incomplete(output: RequestOutput, lens: LensRequest, got: _Gathered, index:
                     "vllm-lens lost this request's captured rows before they reached the "
                     "sink: no worker held them at fetch time")
         return unwritten(lens, receipts)
-    if lens.monitors and _mine(got.monitors, prefix) is None:
-        return ("vllm-lens lost this request's monitor scores: no worker reported them at "
-                "fetch time")
     mine = _mine(got.captures, prefix, {})
     signals_seen = set().union(*(v for k, v in got.seen.items() if k.startswith(prefix)))
     tp = facts.tp_size if facts is not None else 1

@@ -47,7 +47,8 @@ from vllm_lens.spec.sae_steering import steering_sae_references
 from vllm_lens.spec.facts import facts_from_describe
 from vllm_lens.spec.saes import Describe, check_description, sae_references
 
-__all__ = ["METHODS", "SaeNames", "async_describer", "check_sae_file", "described_beforehand", "describing",
+__all__ = ["METHODS", "SaeNames", "async_describer", "check_sae_file", "described_beforehand",
+           "describing",
            "install", "offline_describer", "read_sae_file", "register_sae_file",
            "steering_described"]
 
@@ -90,7 +91,8 @@ def _register(session: LensSession, name: Any, path: Any, hook_point: Any = None
 
 
 def _list(session: LensSession) -> Steps:
-    return [_listing(name, info) for name, (_, _, info) in sorted(SaeNames.of(session).by_name.items())]
+    registered = SaeNames.of(session).by_name
+    return [_listing(name, info) for name, (_, _, info) in sorted(registered.items())]
     yield  # a generator that asks the workers nothing
 
 

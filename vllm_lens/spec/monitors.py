@@ -1,5 +1,5 @@
 """``monitors``: probes read while the model generates, that end the generation when they fire
-(``action="stop"``) or report their scores (``"flag"``) (runs in: front end).
+(``action="stop"``) or report their scores (``"flag"``) (runs in: front end, worker).
 
 A request's ``extra_args["monitors"]`` is a list (or its JSON string) of::
 
@@ -17,6 +17,7 @@ request before any visible token. ``flag``: generation goes on. Either way the r
 one record per monitor (``worker.monitors``, ``frontend.collator``).
 
 Monitors by SAE feature or by a named hook's score are not built yet: refused by field.
+The front end parses and checks; the workers decode ``MonitorSpec.from_payload``.
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def check_sampling(monitors: tuple[MonitorSpec, ...], params: Any,
     if not monitors:
         return
     if params.n != 1:
-        raise LensRequestError(MONITORS_KEY, f"monitor one sample; n={params.n} is not "
+        raise LensRequestError(MONITORS_KEY, f"monitors watch one sample; n={params.n} is not "
                                "supported with them (send n requests)", request_id=request_id)
     stop = next((m for m in monitors if m.stops), None)
     if stop is None:
@@ -215,7 +216,8 @@ def check_sampling(monitors: tuple[MonitorSpec, ...], params: Any,
                                f"{params.min_tokens} tokens (vLLM masks the end-of-sequence "
                                "token until then); drop min_tokens or use 'flag'",
                                request_id=request_id)
-    if params.allowed_token_ids:
-        raise LensRequestError(field, "'stop' samples the end-of-sequence token, which "
-                               "allowed_token_ids may mask; drop allowed_token_ids or use "
-                               "'flag'", request_id=request_id)
+    for name in ("allowed_token_ids", "bad_words", "structured_outputs", "logits_processors"):
+        if getattr(params, name, None):
+            raise LensRequestError(field, f"'stop' samples the end-of-sequence token, which "
+                                   f"{name} may mask; drop {name} or use 'flag'",
+                                   request_id=request_id)

@@ -364,7 +364,7 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
             part["gates"] = pack_gates(record.gates, valid)
         if runtime.tp_rank == 0 and record.monitors is not None:
             valid = next((n for p, n in valid_lens.items() if req_id.startswith(p)), None)
-            part["monitors"] = pack_scores(record.monitors, -1 if valid is None else valid)
+            part["monitors"] = pack_scores(record.monitors, valid)
         # The signals whose rows this rank kept (if any position was selected): a front end
         # that hears from no such rank knows rows were lost, not merely unselected.
         part["seen"] = [c.signal for c in (*record.lens.captures, *record.lens.sae_captures)

@@ -2,14 +2,16 @@
 the sampled token forced to end-of-sequence once a ``stop`` monitor fired (runs in: worker).
 
 At a tap (after steering and hooks there, as a capture sees the signal) ``score`` computes
-``h · probe + bias`` in float32 for the request's rows, keeps the scores on the device (TP
-rank 0 reports them at fetch) and, for ``stop`` monitors, ORs ``any(score > threshold)`` into
-the request's ``fired`` flag, a device boolean: nothing waits on the device. Before the step
+``h · probe + bias`` in float32 for the request's rows (the monitors read at one site in one
+product, a block of rows at a time), keeps the scores on the device (TP rank 0 reports them
+at fetch, one copy per monitor) and, for ``stop`` monitors, ORs ``any(score > threshold)``
+into the request's ``fired`` flag, a device boolean: nothing waits on the device. Before the step
 samples, ``force_stops`` replaces the logits row of every request whose flag is set by one
 that puts all its mass on the request's end-of-sequence token; every tensor-parallel rank
 computes the same scores from the whole stream, so every rank forces the same rows. vLLM's
 scheduler then finishes the request in that step (``finish_reason`` ``"stop"``); the front end
-names the monitor (``frontend.collator``).
+names the monitor (``frontend.collator``). A request whose monitoring failed on a rank, with a
+``stop`` monitor, is ended the same way (a guardrail fails closed) and reports the failure.
 """
 
 from __future__ import annotations
@@ -26,81 +28,132 @@ from vllm_lens.spec.monitors import MonitorSpec
 __all__ = ["MonitorState", "force_stops", "pack_scores"]
 
 
+#: Rows scored at once: bounds the float32 copy a long prefill chunk makes.
+_BLOCK_ROWS = 2048
+#: Steps whose scores a monitor keeps apart before they are joined into one tensor.
+_JOIN_EVERY = 64
+
+
 @dataclass
 class MonitorState:
     """One request's monitors on this worker, built when it first runs."""
 
     specs: tuple[MonitorSpec, ...]
-    probes: list[torch.Tensor]
-    """Each monitor's probe, float32 on the model's device."""
     eos: int | None
     """The request's end-of-sequence token (``None``: a ``stop`` monitor cannot end it)."""
-    steps: list[list[tuple[int, torch.Tensor]]] = field(default_factory=list)
-    """Per monitor: (absolute position of the first row, scores on the device) per step."""
+    by_site: dict[tuple[int, str], list[tuple[str, list[int], torch.Tensor, torch.Tensor]]] = \
+        field(default_factory=dict)
+    """(layer, site) -> per point read there (``resid_post`` and ``mlp_out`` may share a
+    site): (point, monitor indices, their probes ``[hidden, k]`` float32 on the device,
+    their biases ``[k]``)."""
+    steps: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    """Per monitor: (positions on the host, scores on the device), a step each, joined every
+    ``_JOIN_EVERY`` steps (so a long generation keeps a few tensors, 4 bytes a position)."""
     fired: torch.Tensor | None = None
     """Some ``stop`` monitor's score crossed its threshold (a device boolean)."""
+    stops: bool = False
+    """Some monitor's action is ``stop``."""
+    failed: bool = False
+    """Scoring raised on this rank: a ``stop`` request is ended (fails closed)."""
 
     @classmethod
-    def build(cls, specs: tuple[MonitorSpec, ...], device: torch.device,
-              eos: int | None) -> MonitorState:
-        if eos is None and any(s.stops for s in specs):
-            raise ValueError("monitors: action 'stop' ends the generation with the "
+    def build(cls, specs: tuple[MonitorSpec, ...], device: torch.device, eos: int | None,
+              split: bool) -> MonitorState:
+        stops = any(s.stops for s in specs)
+        if eos is None and stops:
+            i = next(i for i, s in enumerate(specs) if s.stops)
+            raise ValueError(f"monitors[{i}].action: 'stop' ends the generation with the "
                              "end-of-sequence token, and this request has none")
-        probes = [wire.loads(s.probe).to(device=device, dtype=torch.float32) for s in specs]
-        return cls(specs=specs, probes=probes, eos=eos, steps=[[] for _ in specs])
+        grouped: dict[tuple[int, str, str], list[int]] = {}
+        for i, spec in enumerate(specs):
+            site = hook_site(spec.point, split=split)
+            grouped.setdefault((spec.layer, site, spec.point), []).append(i)
+        by_site: dict[tuple[int, str], list[Any]] = {}
+        for (layer, site, point), indices in grouped.items():
+            probes = torch.stack([wire.loads(specs[i].probe).float() for i in indices], dim=1)
+            biases = torch.tensor([specs[i].bias for i in indices], dtype=torch.float32)
+            by_site.setdefault((layer, site), []).append(
+                (point, indices, probes.to(device), biases.to(device)))
+        return cls(specs=specs, eos=eos, by_site=by_site, steps=[[] for _ in specs],
+                   stops=stops)
 
-    def sites(self, split: bool) -> dict[tuple[int, str], list[int]]:
-        """(layer, site) -> the indices of the monitors read there."""
-        found: dict[tuple[int, str], list[int]] = {}
-        for i, spec in enumerate(self.specs):
-            found.setdefault((spec.layer, hook_site(spec.point, split=split)), []).append(i)
-        return found
+    def score(self, where: tuple[int, str], hidden: torch.Tensor,
+              residual: torch.Tensor | None, start: int, end: int, pos0: int,
+              keep: bool) -> None:
+        """Score rows ``start:end`` (positions from ``pos0``) for the monitors read at
+        ``where``; ``keep``: this rank reports the scores."""
+        try:
+            positions = torch.arange(pos0, pos0 + end - start)
+            for point, indices, probes, biases in self.by_site[where]:
+                a, b = operands(point, hidden, residual)
+                scores = _project(a, start, end, probes)
+                if b is not None:  # h = a + b, and the score is linear in h
+                    scores += _project(b, start, end, probes)
+                scores += biases
+                self._keep(indices, positions, scores, keep)
+        except BaseException:
+            self.failed = True
+            raise
 
-    def score(self, indices: list[int], hidden: torch.Tensor, residual: torch.Tensor | None,
-              start: int, end: int, pos0: int, keep: bool) -> None:
-        """Score rows ``start:end`` (positions from ``pos0``) for the monitors ``indices``
-        at this tap; ``keep``: this rank reports the scores."""
-        for i in indices:
+    def _keep(self, indices: list[int], positions: torch.Tensor, scores: torch.Tensor,
+              keep: bool) -> None:
+        for column, i in enumerate(indices):
             spec = self.specs[i]
-            a, b = operands(spec.point, hidden, residual)
-            rows = a.reshape(-1, a.shape[-1])[start:end].float()
-            if b is not None:
-                rows = rows + b.reshape(-1, b.shape[-1])[start:end].float()
-            scores = rows @ self.probes[i] + spec.bias
             if keep:
-                self.steps[i].append((pos0, scores))
+                steps = self.steps[i]
+                steps.append((positions, scores[:, column]))
+                if len(steps) >= _JOIN_EVERY:
+                    steps[:] = [(torch.cat([p for p, _ in steps]),
+                                 torch.cat([v for _, v in steps]))]
             if spec.stops:
-                crossed = (scores > spec.threshold).any()
+                crossed = (scores[:, column] > spec.threshold).any()
                 self.fired = crossed if self.fired is None else self.fired | crossed
 
     def free(self) -> None:
         """Drop the device tensors that only the running request needs."""
-        self.probes = []
+        self.by_site = {}
         self.fired = None
 
 
-def force_stops(logits: torch.Tensor, rows: list[tuple[int, MonitorState]]) -> None:
-    """In place: each ``(row, state)`` whose ``fired`` flag is set samples its EOS token."""
-    for row, state in rows:
-        if state.fired is None:
-            continue
-        forced = torch.full_like(logits[row], float("-inf"))
-        forced[state.eos] = 0.0
-        logits[row] = torch.where(state.fired, forced, logits[row])
+def _project(x: torch.Tensor, start: int, end: int, probes: torch.Tensor) -> torch.Tensor:
+    """``x[start:end] @ probes`` in float32, a block of rows at a time."""
+    rows = x.reshape(-1, x.shape[-1])
+    return torch.cat([rows[lo:min(lo + _BLOCK_ROWS, end)].float() @ probes
+                      for lo in range(start, max(end, start + 1), _BLOCK_ROWS)])[:end - start]
 
 
-def pack_scores(state: MonitorState, last: int) -> bytes:
+def force_stops(logits: torch.Tensor, rows: list[tuple[int, MonitorState, bool]]) -> None:
+    """In place: each ``(row, state, failed)`` whose ``fired`` flag is set, or whose monitors
+    failed (``failed``: a guardrail fails closed), samples its end-of-sequence token."""
+    live = [(row, state, failed) for row, state, failed in rows
+            if failed or state.fired is not None]
+    if not live:
+        return
+    device = logits.device
+    index = torch.tensor([row for row, _, _ in live], device=device)
+    eos = torch.tensor([state.eos for _, state, _ in live], device=device)
+    fired = torch.stack([torch.ones((), dtype=torch.bool, device=device) if failed
+                         else state.fired for _, state, failed in live])
+    forced = torch.full((len(live), logits.shape[-1]), float("-inf"), dtype=logits.dtype,
+                        device=device)
+    forced[torch.arange(len(live), device=device), eos] = 0.0
+    logits[index] = torch.where(fired[:, None], forced, logits[index])
+
+
+def pack_scores(state: MonitorState, valid: int | None) -> bytes:
     """``wire`` bytes of ``[{"positions" int64, "scores" float32}]``, one per monitor in the
-    request's order: every position up to ``last`` once (a recomputed one, after a
-    preemption, keeps its last score)."""
+    request's order: each of the ``valid`` positions the request's rows cover (all if
+    ``None``) once (a position computed again after a preemption keeps its last score)."""
     out: list[dict[str, Any]] = []
     for steps in state.steps:
-        by_position: dict[int, float] = {}
-        for pos0, scores in steps:
-            for k, value in enumerate(scores.detach().cpu().tolist()):
-                if pos0 + k <= last:
-                    by_position[pos0 + k] = value
-        order = sorted(by_position)
+        if not steps:
+            out.append({"positions": torch.zeros(0, dtype=torch.int64),
+                        "scores": torch.zeros(0, dtype=torch.float32)})
+            continue
+        positions = torch.cat([p for p, _ in steps])
+        scores = torch.cat([v for _, v in steps]).cpu()  # one copy per monitor
+        by_position = dict(zip(positions.tolist(), scores.tolist()))
+        order = sorted(p for p in by_position if valid is None or p < valid)
         out.append({"positions": torch.tensor(order, dtype=torch.int64),
                     "scores": torch.tensor([by_position[p] for p in order],
                                            dtype=torch.float32)})

@@ -159,8 +159,7 @@ class StepPlan:
     hook_layers: frozenset[tuple[int, str]] = frozenset()
     """(layer, site) pairs where some hook of this step runs."""
     monitors: dict[tuple[int, str], list[Any]] = field(default_factory=dict)
-    """(layer, site) -> (slice, ``monitors.MonitorState``, indices of its monitors read
-    there) per monitored request."""
+    """(layer, site) -> (slice, ``monitors.MonitorState``) per request monitored there."""
     stops: list[tuple[str, Any]] = field(default_factory=list)
     """(request id, ``monitors.MonitorState``) of the requests a ``stop`` monitor may end."""
     faults: bool = False

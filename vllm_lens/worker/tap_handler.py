@@ -85,6 +85,9 @@ class LensRuntime:
         self._plan: StepPlan = _EMPTY_PLAN
         self._steer_layout: tuple[tuple[str, int, int, int | None], ...] = ()
         self._steer_groups: dict[tuple[int, str], SteerGroup] = {}
+        self._closing: dict[str, MonitorState] = {}
+        """Requests with a ``stop`` monitor whose monitoring failed: each step samples their
+        end-of-sequence token until they finish (a guardrail fails closed)."""
         self.attention = AttentionTaps(attention, self.on_tap)
         """Wrappers around the attention kernels, on only for steps that read Q/K/attn_z."""
 
@@ -121,8 +124,8 @@ class LensRuntime:
         for group, index in plan.capture.get(where, ()):
             if not group.failed:
                 self._guarded_capture(plan, group, index, hidden, residual)
-        for s, state, indices in plan.monitors.get(where, ()):
-            self._guarded("monitors", (s.req_id,), state.score, indices, hidden, residual,
+        for s, state in plan.monitors.get(where, ()):
+            self._guarded("monitors", (s.req_id,), state.score, where, hidden, residual,
                           s.start, s.end, s.pos0, self.tp_rank == 0)
 
     def _steer(self, plan: StepPlan, group: SteerGroup, hidden: torch.Tensor,
@@ -330,24 +333,31 @@ class LensRuntime:
         record = self.requests.records[s.req_id]
         if record.monitors is None:
             record.monitors = MonitorState.build(s.lens.monitors, device,
-                                                 self.view.eos_token_id(s.req_id))
+                                                 self.view.eos_token_id(s.req_id), self.split)
         state = record.monitors
-        for where, indices in state.sites(self.split).items():
-            plan.monitors.setdefault(where, []).append((s, state, indices))
-        if any(spec.stops for spec in state.specs):
+        for where in state.by_site:
+            plan.monitors.setdefault(where, []).append((s, state))
+        if state.stops:
             plan.stops.append((s.req_id, state))
 
     def before_sample(self, logits: torch.Tensor) -> None:
         """Force the end-of-sequence token for the requests a ``stop`` monitor ended in this
         step (``monitors.force_stops``); runs before the step samples."""
-        stops = self._plan.stops
-        if not stops:
+        plan = self._plan
+        stops, plan.stops = plan.stops, []  # this step's, used once
+        if not stops and not self._closing:
             return
         try:
-            records = self.requests.records
-            rows = [(row, state) for req_id, state in stops
+            for req_id, state in stops:
+                if state.failed:  # its monitoring failed: ended from now on (fails closed)
+                    self._closing[req_id] = state
+            if self._closing:
+                live = self.view.live()
+                self._closing = {r: st for r, st in self._closing.items() if r in live}
+            rows = [(row, state, req_id in self._closing)
+                    for req_id, state in [*stops, *self._closing.items()]
                     if (row := self.view.logits_row(req_id)) is not None
-                    and (record := records.get(req_id)) is not None and record.error is None]
+                    and state.eos is not None]
             force_stops(logits, rows)
         except Exception as exc:  # never into the sampler: the requests fail, not the engine
             self._fail([req_id for req_id, _ in stops], exc, "monitors")

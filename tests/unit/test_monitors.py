@@ -1,0 +1,163 @@
+"""Monitors without an engine: what ``spec.monitors`` refuses and keeps, the worker's scores,
+joins, packing and forced rows (``worker.monitors``), and the records the front end makes of
+them (``frontend.collator``, ``frontend.http.results``). The engine tests are in
+``tests/integration/test_monitors.py`` and the families' ``test_a_stop_monitor...``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from vllm_lens.common import wire
+from vllm_lens.errors import LensRequestError, UnsupportedConfigError
+from vllm_lens.frontend.collator import _stopped_by, monitor_records
+from vllm_lens.frontend.http.results import monitors_to_json
+from vllm_lens.spec import LensRequest, ModelFacts, parse_extra_args
+from vllm_lens.spec.monitors import MAX_MONITORS, check_sampling, parse_monitors
+from vllm_lens.worker import monitors as worker_monitors
+from vllm_lens.worker.monitors import MonitorState, force_stops, pack_scores
+
+FACTS = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=8,
+                   max_model_len=1024, mapped=True, sites=["pre", "mid", "post"])
+
+
+def _monitor(**change):
+    return {"name": "m", "probe": [1.0] * 8, "layer": 1, "threshold": 2.0,
+            "action": "stop", **change}
+
+
+def test_a_monitor_is_parsed_with_its_defaults_and_travels_in_the_payload():
+    (spec,) = parse_monitors([_monitor(layer=-1, bias=0.5)], FACTS)
+    assert (spec.name, spec.layer, spec.point, spec.bias, spec.stops) == (
+        "m", 3, "resid_post", 0.5, True)
+    assert wire.loads(spec.probe).tolist() == [1.0] * 8
+    _, lens = parse_extra_args({"monitors": json.dumps([_monitor()])}, lambda: FACTS)
+    again = LensRequest.from_payload(lens.to_payload())
+    assert again.monitors == lens.monitors
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"probe": [1.0] * 7}, "monitors[0].probe"),
+    ({"probe": [1.0] * 7 + [math.inf]}, "monitors[0].probe"),
+    ({"probe": "abc"}, "monitors[0].probe"),
+    ({"action": None}, "monitors[0].action"),
+    ({"threshold": True}, "monitors[0].threshold"),
+    ({"bias": math.nan}, "monitors[0].bias"),
+    ({"layer": 4}, "monitors[0].layer"),
+    ({"layer": 1.0}, "monitors[0].layer"),
+    ({"point": "attn_z"}, "monitors[0].point"),
+    ({"name": "has space"}, "monitors[0].name"),
+    ({"thresold": 1}, "monitors[0].thresold"),
+    ({"feature": 3}, "monitors[0]"),
+])
+def test_a_bad_field_is_named(change, field):
+    with pytest.raises(LensRequestError) as raised:
+        parse_monitors([_monitor(**change)], FACTS)
+    assert raised.value.field == field
+
+
+def test_lists_that_cannot_be_served_are_refused():
+    for raw, field in (([], "monitors"), ("not json", "monitors"),
+                       ([_monitor()] * (MAX_MONITORS + 1), "monitors"),
+                       ([_monitor(), _monitor()], "monitors[1].name")):
+        with pytest.raises(LensRequestError) as raised:
+            parse_monitors(raw, FACTS)
+        assert raised.value.field == field
+    for change in ({"pp_size": 2}, {"speculative": True}):
+        with pytest.raises(UnsupportedConfigError):
+            parse_monitors([_monitor()], ModelFacts(**{**FACTS.__dict__, **change}))
+
+
+def test_sampling_a_stop_monitor_cannot_end_is_refused_and_flag_is_not():
+    stop, flag = (parse_monitors([_monitor(action=a)], FACTS) for a in ("stop", "flag"))
+    for params in (SamplingParams(ignore_eos=True), SamplingParams(min_tokens=2),
+                   SamplingParams(allowed_token_ids=[1, 2]), SamplingParams(bad_words=["x"])):
+        with pytest.raises(LensRequestError, match=r"monitors\[0\]\.action"):
+            check_sampling(stop, params)
+        check_sampling(flag, params)
+    with pytest.raises(LensRequestError, match="n=2"):
+        check_sampling(flag, SamplingParams(n=2))
+    check_sampling(stop, SamplingParams())
+
+
+def _state(*monitors, split=False):
+    specs = parse_monitors([_monitor(**m) for m in monitors], FACTS)
+    return MonitorState.build(specs, torch.device("cpu"), eos=7, split=split)
+
+
+def test_scores_at_a_site_are_the_probe_on_the_points_value_and_the_flag_sticks():
+    g = torch.Generator().manual_seed(0)
+    probe = torch.randn(8, generator=g)
+    state = _state({"name": "post", "probe": probe.tolist(), "bias": 0.5, "threshold": 1e9},
+                   {"name": "out", "probe": probe.tolist(), "point": "mlp_out",
+                    "action": "flag"})
+    hidden, residual = torch.randn(10, 8, generator=g), torch.randn(10, 8, generator=g)
+    sites = list(state.by_site)
+    assert len(sites) == 1  # resid_post and mlp_out share the post site (fused layout)
+    state.score(sites[0], hidden, residual, 2, 6, 40, keep=True)
+    post, out = state.steps[0][0][1], state.steps[1][0][1]
+    assert torch.allclose(post, (hidden[2:6] + residual[2:6]) @ probe + 0.5, atol=1e-5)
+    assert torch.allclose(out, hidden[2:6] @ probe, atol=1e-5)
+    assert state.steps[0][0][0].tolist() == [40, 41, 42, 43]
+    assert not bool(state.fired)
+    low = _state({"threshold": -1e9})
+    low.score(next(iter(low.by_site)), hidden, residual, 0, 1, 0, keep=False)
+    assert bool(low.fired) and low.steps == [[]]  # fired, nothing kept on this rank
+
+
+def test_steps_are_joined_and_packed_once_per_position_below_the_valid_count(monkeypatch):
+    monkeypatch.setattr(worker_monitors, "_JOIN_EVERY", 3)
+    state = _state({"action": "flag"})
+    where = next(iter(state.by_site))
+    hidden = torch.arange(8 * 8, dtype=torch.float32).reshape(8, 8)
+    for pos0 in range(0, 8):  # one row a step, position 5 computed again (a preemption)
+        state.score(where, hidden, None, pos0, pos0 + 1, pos0, keep=True)
+    state.score(where, hidden * 0, None, 5, 6, 5, keep=True)
+    assert len(state.steps[0]) < 8
+    (packed,) = wire.loads(pack_scores(state, valid=7))
+    assert packed["positions"].tolist() == list(range(7))
+    assert packed["scores"][5] == 0.0 and packed["scores"][4] == hidden[4].sum()
+    (everything,) = wire.loads(pack_scores(state, valid=None))
+    assert everything["positions"].tolist() == list(range(8))
+
+
+def test_forced_rows_put_all_mass_on_eos_only_where_fired_or_failed():
+    fired, quiet, failed = _state({}), _state({}), _state({})
+    fired.fired = torch.tensor(True)
+    quiet.fired = torch.tensor(False)
+    logits = torch.randn(4, 10)
+    before = logits.clone()
+    force_stops(logits, [(0, fired, False), (1, quiet, False), (3, failed, True)])
+    assert logits[0].argmax() == 7 and torch.isinf(logits[0]).sum() == 9
+    assert torch.equal(logits[1], before[1]) and torch.equal(logits[2], before[2])
+    assert logits[3].argmax() == 7 and torch.isinf(logits[3]).sum() == 9
+
+
+def test_a_stop_monitor_without_eos_is_refused_naming_it():
+    specs = parse_monitors([_monitor()], FACTS)
+    with pytest.raises(ValueError, match=r"monitors\[0\]\.action"):
+        MonitorState.build(specs, torch.device("cpu"), eos=None, split=False)
+
+
+def test_records_name_the_first_crossing_and_the_first_stop_wins():
+    _, lens = parse_extra_args({"monitors": [_monitor(name="a"), _monitor(name="b"),
+                                             _monitor(name="c", action="flag")]},
+                               lambda: FACTS)
+    scored = [{"positions": torch.arange(4), "scores": torch.tensor(s)} for s in (
+        [0.0, 1.0, 3.0, 5.0], [0.0, 2.5, 0.0, 9.0], [9.0, 9.0, 9.0, 9.0])]
+    records = monitor_records(lens, scored)
+    assert [(r["fired"], r["position"], r["score"]) for r in records] == [
+        (True, 2, 3.0), (True, 1, 2.5), (True, 0, 9.0)]
+    assert _stopped_by(records) == "b"  # the earliest stop; a flag never names the stop
+    quiet = monitor_records(lens, [{"positions": torch.arange(1),
+                                    "scores": torch.tensor([0.0])}] * 3)
+    assert _stopped_by(quiet) is None and quiet[0]["position"] is None
+    as_json = monitors_to_json(records)
+    assert as_json[0]["positions"] == [0, 1, 2, 3] and as_json[1]["score"] == 2.5
+    json.dumps(as_json)  # plain JSON
+    with pytest.raises(ValueError):
+        monitor_records(lens, scored[:2])  # a rank that sent fewer monitors than asked

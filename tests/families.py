@@ -71,10 +71,11 @@ DERIVED_FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         **_MOE, "num_experts": 4, "head_dim": 64, "decoder_sparse_step": 1}),
     # GLM-4.5's MoE: a dense first layer, then sigmoid-routed experts and a shared expert.
+    # Untied: vLLM's GLM-4-MoE loads no LM head from a tied checkpoint (every logit equal).
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {
         **_MOE, "head_dim": 64, "n_routed_experts": 4, "first_k_dense_replace": 1,
         "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "partial_rotary_factor": 0.5,
-        "pad_token_id": None}),
+        "pad_token_id": None, "tie_word_embeddings": False}),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {"partial_rotary_factor": 0.25}),
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 64}),
     # vLLM's OLMoE does not tie its LM head to the embeddings: a tied checkpoint would load

@@ -56,16 +56,17 @@ class ChildEngine:
         self.proc.wait(timeout=120)
 
 
-def time_plugin_code(extra: tuple[tuple[type, str], ...] = ()) -> dict[str, float]:
-    """Wrap vllm-lens' entry points (and ``extra`` (class, method) pairs) with timers; returns
-    the running totals by method name, which the caller may reset."""
-    from vllm_lens.frontend.collate import LensSession
+def time_plugin_code(extra: tuple[tuple[Any, str], ...] = ()) -> dict[str, float]:
+    """Wrap vllm-lens' entry points (and ``extra`` (class or module, name) pairs) with timers;
+    returns the running totals by name, which the caller may reset."""
+    from vllm_lens.frontend import collator
+    from vllm_lens.frontend.session import LensSession
     from vllm_lens.worker.extension import LensWorkerExtension
     from vllm_lens.worker.tap_handler import LensRuntime
 
     spent: dict[str, float] = {}
 
-    def timed(cls: type, name: str) -> None:
+    def timed(cls: Any, name: str) -> None:
         original = getattr(cls, name)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -77,7 +78,8 @@ def time_plugin_code(extra: tuple[tuple[type, str], ...] = ()) -> dict[str, floa
 
         setattr(cls, name, wrapper)
 
-    for cls, name in ((LensRuntime, "on_tap"), (LensWorkerExtension, "lens_fetch"),
-                      (LensSession, "prepare"), (LensSession, "attach"), *extra):
+    for cls, name in ((LensRuntime, "on_tap"), (LensRuntime, "before_sample"),
+                      (LensWorkerExtension, "lens_fetch"), (LensSession, "prepare"),
+                      (collator, "attach"), *extra):
         timed(cls, name)
     return spent

@@ -200,6 +200,14 @@ def test_monitors_over_http_stream_and_stop_with_the_reason(smol_server):
     assert records and records[-1][0]["position"] == position
     assert records[-1][0]["fired"] and records[-1][0]["name"] == "lighthouse"
 
+    from vllm_lens.client import LensClient  # the same stop through LensClient (a tensor probe)
+
+    with LensClient(smol_server.base_url) as lens_client:
+        result = lens_client.generate(prompt, max_tokens=16, monitors=[
+            {**_monitor("lighthouse", probe, threshold, "stop", layer=10), "probe": probe}])
+    assert result.stop_reason == "lighthouse" and result.finish_reason == "stop"
+    assert result.token_ids == tokens and result.monitors[0]["position"] == position
+
 
 def test_a_bad_monitor_over_http_is_a_400_naming_the_field(smol_server):
     r = httpx.post(f"{smol_server.base_url}/v1/completions", timeout=120, json={

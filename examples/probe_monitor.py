@@ -12,6 +12,10 @@
    score as it arrives (green positive, red negative), then the scores as numbers.
 4. The same generation runs with the probe inside the engine (the ``linear_probe`` named hook,
    which any client may call over HTTP): its scores equal the streamed ones.
+5. A guardrail: the same generation with the probe as a ``stop`` monitor on negativity (the
+   negated probe, threshold ``--guard``, on the generated tokens: the prompt itself asks about
+   a hated meal): the engine ends it right after the first token whose row reads that
+   negative, and says which monitor stopped it.
 """
 
 from __future__ import annotations
@@ -127,10 +131,37 @@ async def in_engine(engine, tokenizer, weight: torch.Tensor, bias: float, layer:
     return dict(zip(positions, scores))
 
 
+async def guard(engine, tokenizer, weight: torch.Tensor, bias: float, layer: int,
+                max_tokens: int, threshold: float) -> dict:
+    """Step 5: the generation with a ``stop`` monitor that fires where the probe reads more
+    negative than ``-threshold``."""
+    from vllm import SamplingParams
+
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
+                                        add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    monitor = {"name": "negativity", "probe": (-weight).tolist(), "bias": -bias,
+               "layer": layer, "threshold": threshold, "action": "stop",
+               "positions": "generated"}  # a guard on what the model writes, not the prompt
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0, extra_args={"monitors": [monitor]})
+    last = None
+    async for out in engine.generate({"prompt_token_ids": ids}, sp, "guarded"):
+        last = out
+    record, completion = last.monitors[0], last.outputs[0]
+    print(f"\nguarded (stop when the probe reads below {-threshold:+.1f}): "
+          f"{completion.text!r}\n  finish_reason={completion.finish_reason!r}, "
+          f"stop_reason={completion.stop_reason!r}, fired at position {record['position']} "
+          f"(score {record['score']})")
+    return {"position": record["position"], "n_prompt": len(ids),
+            "stop_reason": completion.stop_reason, "tokens": len(completion.token_ids)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layer", type=int, default=15, help="the layer the probe reads")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens to generate")
+    parser.add_argument("--guard", type=float, default=1.0,
+                        help="the guardrail stops where the probe reads below minus this")
     parser.add_argument("--workdir", type=Path, default=Path("probe_monitor"),
                         help="where the activation dataset is written")
     args = parser.parse_args()
@@ -156,10 +187,12 @@ def main() -> None:
     async def both(engine):
         streamed = await monitor(engine, tokenizer, weight, bias, args.layer, args.max_tokens)
         hooked = await in_engine(engine, tokenizer, weight, bias, args.layer, args.max_tokens)
-        return streamed, hooked
+        guarded = await guard(engine, tokenizer, weight, bias, args.layer, args.max_tokens,
+                              args.guard)
+        return streamed, hooked, guarded
 
     try:
-        (positions, scores), hooked = asyncio.run(both(engine))
+        (positions, scores), hooked, guarded = asyncio.run(both(engine))
     finally:
         engine.shutdown()
         del engine
@@ -167,8 +200,11 @@ def main() -> None:
     diff = max(abs(hooked[p] - s) for p, s in zip(positions, scores))
     print(f"\nin-engine linear_probe scored the same {len(scores)} tokens: max |difference| "
           f"from the streamed scores {diff:.2e}")
+    # Where the streamed scores (generated positions) first read below -guard.
+    crossing = next((p for p, s in zip(positions, scores) if -s > args.guard), None)
     print(json.dumps({"held_out_accuracy": accuracy, "tokens_scored": len(scores),
-                      "max_difference": diff}))
+                      "max_difference": diff, "guard": guarded,
+                      "streamed_first_crossing": crossing}))
 
 
 if __name__ == "__main__":

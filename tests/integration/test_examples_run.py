@@ -57,8 +57,8 @@ def test_attention_tracker_example_scores_held_out_prompts_in_the_engine(tmp_pat
 
 def test_probe_monitor_scores_streamed_tokens_like_the_in_engine_probe(tmp_path):
     """The probe fitted on an extracted dataset separates held-out reviews, the streamed rows
-    score every generated token but the last, and the in-engine ``linear_probe`` hook gives
-    the same scores."""
+    score every generated token but the last, the in-engine ``linear_probe`` hook gives the
+    same scores, and the probe as a stop monitor ends the generation where they cross."""
     import json
 
     proc = subprocess.run(
@@ -69,6 +69,12 @@ def test_probe_monitor_scores_streamed_tokens_like_the_in_engine_probe(tmp_path)
     assert result["held_out_accuracy"] >= 0.8, result  # measured 1.00 (docs/datasets.md)
     assert 4 <= result["tokens_scored"] <= 15, result
     assert result["max_difference"] <= 1e-3, result
+    # The guardrail stops right after the first generated token whose streamed score crosses
+    # (measured: "... I loved the food at the restaurant, but"), and says which monitor.
+    guard, crossing = result["guard"], result["streamed_first_crossing"]
+    assert crossing is not None and guard["position"] == crossing, result
+    assert guard["stop_reason"] == "negativity", result
+    assert guard["tokens"] == crossing - guard["n_prompt"] + 2, result  # and the EOS token
     assert "\x1b[48;5;" in proc.stdout  # the coloured line
     assert (tmp_path / "sentiment-acts" / "index.jsonl").exists()
 

@@ -4,11 +4,14 @@
 A request's ``extra_args["monitors"]`` is a list (or its JSON string) of::
 
     {"name": "refusal", "probe": [hidden floats], "bias": 0.0, "layer": 12,
-     "point": "resid_post", "threshold": 2.5, "action": "stop" | "flag"}
+     "point": "resid_post", "threshold": 2.5, "action": "stop" | "flag",
+     "positions": "all" | "generated"}
 
 The score of a row is ``h · probe + bias`` (float32), ``h`` the point's value at ``layer``
 (after any steering there, as a capture sees it), for every position the engine computes:
-the prompt's and each generated token's. A monitor fires at the first position whose score
+the prompt's and each generated token's (``"positions": "all"``, the default), or the
+generated tokens' alone (``"generated"``: a guard on what the model writes, not on what it
+was asked). A monitor fires at the first position whose score
 is above ``threshold``. ``stop``: when position ``p`` fires (in the step that computes it),
 the next token sampled is the end-of-sequence token (not shown in the text), so no token
 after ``p`` is generated and the request finishes in that step with ``finish_reason``
@@ -44,7 +47,8 @@ MAX_MONITORS = 16
 #: tensor-parallel rank (each rank computes the scores it stops on).
 MONITOR_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_FIELDS = {"name", "probe", "bias", "layer", "point", "threshold", "action"}
+_FIELDS = {"name", "probe", "bias", "layer", "point", "threshold", "action", "positions"}
+POSITIONS = ("all", "generated")
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,8 @@ class MonitorSpec:
     probe: bytes
     """``wire.dumps`` of the ``(hidden,)`` float32 probe."""
     bias: float = 0.0
+    generated_only: bool = False
+    """Scores the generated tokens' rows alone (``"positions": "generated"``)."""
 
     @property
     def stops(self) -> bool:
@@ -67,13 +73,14 @@ class MonitorSpec:
     def to_payload(self) -> dict[str, Any]:
         return {"name": self.name, "action": self.action, "threshold": self.threshold,
                 "layer": self.layer, "point": self.point, "probe": self.probe,
-                "bias": self.bias}
+                "bias": self.bias, "generated_only": self.generated_only}
 
     @classmethod
     def from_payload(cls, d: Mapping[str, Any]) -> MonitorSpec:
         return cls(name=str(d["name"]), action=str(d["action"]),
                    threshold=float(d["threshold"]), layer=int(d["layer"]),
-                   point=str(d["point"]), probe=bytes(d["probe"]), bias=float(d["bias"]))
+                   point=str(d["point"]), probe=bytes(d["probe"]), bias=float(d["bias"]),
+                   generated_only=bool(d["generated_only"]))
 
 
 def parse_monitors(raw: Any, facts: ModelFacts,
@@ -149,9 +156,15 @@ def _parse_one(item: Any, i: int, facts: ModelFacts, request_id: str | None) -> 
         raise LensRequestError(f"{where}.point", f"{point!r}; a monitor reads one of "
                                f"{', '.join(MONITOR_POINTS)}", request_id=request_id)
     check_site(point, facts, f"{where}.point", request_id)
+    positions = item.get("positions", "all")
+    if positions not in POSITIONS:
+        raise LensRequestError(f"{where}.positions", f"{positions!r}; use 'all' (the prompt "
+                               "and the generated tokens) or 'generated'",
+                               request_id=request_id)
     probe = _probe(item.get("probe"), facts.hidden_size, f"{where}.probe", request_id)
     return MonitorSpec(name=name, action=action, threshold=threshold,
-                       layer=layer % facts.n_layers, point=point, probe=probe, bias=bias)
+                       layer=layer % facts.n_layers, point=point, probe=probe, bias=bias,
+                       generated_only=positions == "generated")
 
 
 def _number(raw: Any, field: str, request_id: str | None) -> float:

@@ -41,11 +41,10 @@ class MonitorState:
     specs: tuple[MonitorSpec, ...]
     eos: int | None
     """The request's end-of-sequence token (``None``: a ``stop`` monitor cannot end it)."""
-    by_site: dict[tuple[int, str], list[tuple[str, list[int], torch.Tensor, torch.Tensor]]] = \
-        field(default_factory=dict)
+    by_site: dict[tuple[int, str], list[tuple[Any, ...]]] = field(default_factory=dict)
     """(layer, site) -> per point read there (``resid_post`` and ``mlp_out`` may share a
-    site): (point, monitor indices, their probes ``[hidden, k]`` float32 on the device,
-    their biases ``[k]``)."""
+    site) and prompt rule: (point, generated only, monitor indices, their probes
+    ``[hidden, k]`` float32 on the device, their biases ``[k]``)."""
     steps: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     """Per monitor: (positions on the host, scores on the device), a step each, joined every
     ``_JOIN_EVERY`` steps (so a long generation keeps a few tensors, 4 bytes a position)."""
@@ -64,33 +63,36 @@ class MonitorState:
             i = next(i for i, s in enumerate(specs) if s.stops)
             raise ValueError(f"monitors[{i}].action: 'stop' ends the generation with the "
                              "end-of-sequence token, and this request has none")
-        grouped: dict[tuple[int, str, str], list[int]] = {}
+        grouped: dict[tuple[int, str, str, bool], list[int]] = {}
         for i, spec in enumerate(specs):
             site = hook_site(spec.point, split=split)
-            grouped.setdefault((spec.layer, site, spec.point), []).append(i)
+            grouped.setdefault((spec.layer, site, spec.point, spec.generated_only), []).append(i)
         by_site: dict[tuple[int, str], list[Any]] = {}
-        for (layer, site, point), indices in grouped.items():
+        for (layer, site, point, generated_only), indices in grouped.items():
             probes = torch.stack([wire.loads(specs[i].probe).float() for i in indices], dim=1)
             biases = torch.tensor([specs[i].bias for i in indices], dtype=torch.float32)
             by_site.setdefault((layer, site), []).append(
-                (point, indices, probes.to(device), biases.to(device)))
+                (point, generated_only, indices, probes.to(device), biases.to(device)))
         return cls(specs=specs, eos=eos, by_site=by_site, steps=[[] for _ in specs],
                    stops=stops)
 
     def score(self, where: tuple[int, str], hidden: torch.Tensor,
               residual: torch.Tensor | None, start: int, end: int, pos0: int,
-              keep: bool) -> None:
-        """Score rows ``start:end`` (positions from ``pos0``) for the monitors read at
-        ``where``; ``keep``: this rank reports the scores."""
+              n_prompt: int, keep: bool) -> None:
+        """Score rows ``start:end`` (positions from ``pos0``; the prompt has ``n_prompt``)
+        for the monitors read at ``where``; ``keep``: this rank reports the scores."""
         try:
-            positions = torch.arange(pos0, pos0 + end - start)
-            for point, indices, probes, biases in self.by_site[where]:
+            for point, generated_only, indices, probes, biases in self.by_site[where]:
+                lo = max(start, start + n_prompt - pos0) if generated_only else start
+                if lo >= end:
+                    continue  # prompt rows only, and these monitors skip them
                 a, b = operands(point, hidden, residual)
-                scores = _project(a, start, end, probes)
+                scores = _project(a, lo, end, probes)
                 if b is not None:  # h = a + b, and the score is linear in h
-                    scores += _project(b, start, end, probes)
+                    scores += _project(b, lo, end, probes)
                 scores += biases
-                self._keep(indices, positions, scores, keep)
+                self._keep(indices, torch.arange(pos0 + lo - start, pos0 + end - start),
+                           scores, keep)
         except BaseException:
             self.failed = True
             raise

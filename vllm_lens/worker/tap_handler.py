@@ -126,7 +126,7 @@ class LensRuntime:
                 self._guarded_capture(plan, group, index, hidden, residual)
         for s, state in plan.monitors.get(where, ()):
             self._guarded("monitors", (s.req_id,), state.score, where, hidden, residual,
-                          s.start, s.end, s.pos0, self.tp_rank == 0)
+                          s.start, s.end, s.pos0, s.n_prompt, self.tp_rank == 0)
 
     def _steer(self, plan: StepPlan, group: SteerGroup, hidden: torch.Tensor,
                residual: torch.Tensor | None) -> None:

@@ -62,12 +62,12 @@ def test_probe_monitor_scores_streamed_tokens_like_the_in_engine_probe(tmp_path)
     import json
 
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "probe_monitor.py"), "--max-tokens", "16",
+        [sys.executable, str(ROOT / "examples" / "probe_monitor.py"), "--max-tokens", "32",
          "--workdir", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["held_out_accuracy"] >= 0.8, result  # measured 1.00 (docs/datasets.md)
-    assert 4 <= result["tokens_scored"] <= 15, result
+    assert 4 <= result["tokens_scored"] <= 31, result
     assert result["max_difference"] <= 1e-3, result
     # The guardrail stops right after the first generated token whose streamed score crosses
     # (measured: "... I loved the food at the restaurant, but"), and says which monitor.
@@ -90,7 +90,9 @@ def test_refusal_direction_example_ablates_the_direction_at_every_layer(tmp_path
         [sys.executable, str(ROOT / "examples" / "refusal_direction.py"), "--max-tokens", "24"],
         cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # The summary line (vLLM may print after it while the engine shuts down).
+    result = json.loads(next(line for line in reversed(proc.stdout.splitlines())
+                             if line.startswith('{"layer"')))
     assert result["separation"] > 1.0, result
     assert result["max_component_left"] <= 1e-3 * result["plain_component"], result
     assert result["answers_changed"] >= 1, result

@@ -99,14 +99,14 @@ def test_scores_at_a_site_are_the_probe_on_the_points_value_and_the_flag_sticks(
     sites = list(state.by_site)
     assert len(sites) == 1  # resid_post and mlp_out share the post site (fused layout)
     state.score(sites[0], hidden, residual, 2, 6, 40, n_prompt=4, keep=True)
-    post, out = state.steps[0][0][1], state.steps[1][0][1]
+    (positions, post), (_, out) = state.kept(0), state.kept(1)
     assert torch.allclose(post, (hidden[2:6] + residual[2:6]) @ probe + 0.5, atol=1e-5)
     assert torch.allclose(out, hidden[2:6] @ probe, atol=1e-5)
-    assert state.steps[0][0][0].tolist() == [40, 41, 42, 43]
+    assert positions.tolist() == [40, 41, 42, 43]
     assert not bool(state.fired)
     low = _state({"threshold": -1e9})
     low.score(next(iter(low.by_site)), hidden, residual, 0, 1, 0, n_prompt=4, keep=False)
-    assert bool(low.fired) and low.steps == [[]]  # fired, nothing kept on this rank
+    assert bool(low.fired) and low.chunks == [[]]  # fired, nothing kept on this rank
 
 
 def test_a_generated_only_monitor_skips_the_prompt_rows():
@@ -115,8 +115,8 @@ def test_a_generated_only_monitor_skips_the_prompt_rows():
     where = next(iter(state.by_site))
     state.score(where, hidden, None, 0, 6, 0, n_prompt=4, keep=True)  # prompt 0-3, then 4-5
     state.score(where, hidden, None, 6, 7, 6, n_prompt=4, keep=True)
-    generated = torch.cat([p for p, _ in state.steps[0]]).tolist()
-    every = torch.cat([p for p, _ in state.steps[1]]).tolist()
+    generated = state.kept(0)[0].tolist()
+    every = state.kept(1)[0].tolist()
     assert generated == [4, 5, 6] and every == list(range(7))
     assert bool(state.fired)  # the stop monitor over every position: 8 > its threshold 2
     with pytest.raises(LensRequestError, match=r"monitors\[0\]\.positions"):
@@ -131,7 +131,7 @@ def test_steps_are_joined_and_packed_once_per_position_below_the_valid_count(mon
     for pos0 in range(0, 8):  # one row a step, position 5 computed again (a preemption)
         state.score(where, hidden, None, pos0, pos0 + 1, pos0, n_prompt=3, keep=True)
     state.score(where, hidden * 0, None, 5, 6, 5, n_prompt=3, keep=True)
-    assert len(state.steps[0]) < 8
+    assert len(state.chunks[0]) < 9 and state.ranges[0] == [[0, 8], [5, 1]]
     (packed,) = wire.loads(pack_scores(state, valid=7))
     assert packed["positions"].tolist() == list(range(7))
     assert packed["scores"][5] == 0.0 and packed["scores"][4] == hidden[4].sum()
@@ -175,3 +175,15 @@ def test_records_name_the_first_crossing_and_the_first_stop_wins():
     json.dumps(as_json)  # plain JSON
     with pytest.raises(ValueError):
         monitor_records(lens, scored[:2])  # a rank that sent fewer monitors than asked
+
+
+def test_long_chunks_are_scored_a_block_of_rows_at_a_time(monkeypatch):
+    monkeypatch.setattr(worker_monitors, "_BLOCK_ROWS", 2)
+    g = torch.Generator().manual_seed(1)
+    hidden, residual = torch.randn(9, 8, generator=g), torch.randn(9, 8, generator=g)
+    probe = torch.randn(8, generator=g)
+    state = _state({"probe": probe.tolist(), "bias": -1.0, "action": "flag"})
+    state.score(next(iter(state.by_site)), hidden, residual, 1, 8, 0, n_prompt=0, keep=True)
+    positions, scores = state.kept(0)
+    assert positions.tolist() == list(range(7))
+    assert torch.allclose(scores, (hidden[1:8] + residual[1:8]) @ probe - 1.0, atol=1e-5)

@@ -45,9 +45,12 @@ class MonitorState:
     """(layer, site) -> per point read there (``resid_post`` and ``mlp_out`` may share a
     site) and prompt rule: (point, generated only, monitor indices, their probes
     ``[hidden, k]`` float32 on the device, their biases ``[k]``)."""
-    steps: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
-    """Per monitor: (positions on the host, scores on the device), a step each, joined every
-    ``_JOIN_EVERY`` steps (so a long generation keeps a few tensors, 4 bytes a position)."""
+    ranges: list[list[list[int]]] = field(default_factory=list)
+    """Per monitor: the positions its kept scores cover, in order, as ``[first, count]`` runs
+    (consecutive steps extend one run)."""
+    chunks: list[list[torch.Tensor]] = field(default_factory=list)
+    """Per monitor: its kept scores on the device, a step each, joined every ``_JOIN_EVERY``
+    steps (so a long generation keeps a few tensors, 4 bytes a position)."""
     fired: torch.Tensor | None = None
     """Some ``stop`` monitor's score crossed its threshold (a device boolean)."""
     stops: bool = False
@@ -73,8 +76,8 @@ class MonitorState:
             biases = torch.tensor([specs[i].bias for i in indices], dtype=torch.float32)
             by_site.setdefault((layer, site), []).append(
                 (point, generated_only, indices, probes.to(device), biases.to(device)))
-        return cls(specs=specs, eos=eos, by_site=by_site, steps=[[] for _ in specs],
-                   stops=stops)
+        return cls(specs=specs, eos=eos, by_site=by_site, ranges=[[] for _ in specs],
+                   chunks=[[] for _ in specs], stops=stops)
 
     def score(self, where: tuple[int, str], hidden: torch.Tensor,
               residual: torch.Tensor | None, start: int, end: int, pos0: int,
@@ -87,29 +90,36 @@ class MonitorState:
                 if lo >= end:
                     continue  # prompt rows only, and these monitors skip them
                 a, b = operands(point, hidden, residual)
-                scores = _project(a, lo, end, probes)
-                if b is not None:  # h = a + b, and the score is linear in h
-                    scores += _project(b, lo, end, probes)
-                scores += biases
-                self._keep(indices, torch.arange(pos0 + lo - start, pos0 + end - start),
-                           scores, keep)
+                scores = _scores(a, b, lo, end, probes, biases)
+                first = pos0 + lo - start
+                for column, i in enumerate(indices):
+                    if keep:
+                        self._keep(i, first, scores[:, column])
+                    spec = self.specs[i]
+                    if spec.stops:
+                        crossed = (scores[:, column] > spec.threshold).any()
+                        self.fired = crossed if self.fired is None else self.fired | crossed
         except BaseException:
             self.failed = True
             raise
 
-    def _keep(self, indices: list[int], positions: torch.Tensor, scores: torch.Tensor,
-              keep: bool) -> None:
-        for column, i in enumerate(indices):
-            spec = self.specs[i]
-            if keep:
-                steps = self.steps[i]
-                steps.append((positions, scores[:, column]))
-                if len(steps) >= _JOIN_EVERY:
-                    steps[:] = [(torch.cat([p for p, _ in steps]),
-                                 torch.cat([v for _, v in steps]))]
-            if spec.stops:
-                crossed = (scores[:, column] > spec.threshold).any()
-                self.fired = crossed if self.fired is None else self.fired | crossed
+    def _keep(self, i: int, first: int, scores: torch.Tensor) -> None:
+        runs, chunks = self.ranges[i], self.chunks[i]
+        if runs and runs[-1][0] + runs[-1][1] == first:
+            runs[-1][1] += len(scores)
+        else:
+            runs.append([first, len(scores)])
+        chunks.append(scores)
+        if len(chunks) >= _JOIN_EVERY:
+            chunks[:] = [torch.cat(chunks)]
+
+    def kept(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Monitor ``i``'s kept (positions on the host, scores on the host), in the order
+        they were computed (a position computed again appears again)."""
+        if not self.chunks[i]:
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
+        positions = torch.cat([torch.arange(f, f + n) for f, n in self.ranges[i]])
+        return positions, torch.cat(self.chunks[i]).cpu()  # one copy per monitor
 
     def free(self) -> None:
         """Drop the device tensors that only the running request needs."""
@@ -117,11 +127,21 @@ class MonitorState:
         self.fired = None
 
 
-def _project(x: torch.Tensor, start: int, end: int, probes: torch.Tensor) -> torch.Tensor:
-    """``x[start:end] @ probes`` in float32, a block of rows at a time."""
-    rows = x.reshape(-1, x.shape[-1])
-    return torch.cat([rows[lo:min(lo + _BLOCK_ROWS, end)].float() @ probes
-                      for lo in range(start, max(end, start + 1), _BLOCK_ROWS)])[:end - start]
+def _scores(a: torch.Tensor, b: torch.Tensor | None, lo: int, end: int,
+            probes: torch.Tensor, biases: torch.Tensor) -> torch.Tensor:
+    """``(a + b)[lo:end] @ probes + biases`` in float32 (``[end - lo, k]``), as two products
+    (the score is linear in the stream, so the sum is never made), a block of rows at a
+    time."""
+    rows_a = a.reshape(-1, a.shape[-1])
+    rows_b = None if b is None else b.reshape(-1, b.shape[-1])
+    parts = []
+    for s in range(lo, end, _BLOCK_ROWS):
+        e = min(s + _BLOCK_ROWS, end)
+        part = torch.addmm(biases, rows_a[s:e].float(), probes)
+        if rows_b is not None:
+            part.addmm_(rows_b[s:e].float(), probes)
+        parts.append(part)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def force_stops(logits: torch.Tensor, rows: list[tuple[int, MonitorState, bool]]) -> None:
@@ -147,13 +167,8 @@ def pack_scores(state: MonitorState, valid: int | None) -> bytes:
     request's order: each of the ``valid`` positions the request's rows cover (all if
     ``None``) once (a position computed again after a preemption keeps its last score)."""
     out: list[dict[str, Any]] = []
-    for steps in state.steps:
-        if not steps:
-            out.append({"positions": torch.zeros(0, dtype=torch.int64),
-                        "scores": torch.zeros(0, dtype=torch.float32)})
-            continue
-        positions = torch.cat([p for p, _ in steps])
-        scores = torch.cat([v for _, v in steps]).cpu()  # one copy per monitor
+    for i in range(len(state.specs)):
+        positions, scores = state.kept(i)
         by_position = dict(zip(positions.tolist(), scores.tolist()))
         order = sorted(p for p in by_position if valid is None or p < valid)
         out.append({"positions": torch.tensor(order, dtype=torch.int64),

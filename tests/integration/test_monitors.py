@@ -245,3 +245,22 @@ def test_the_inspect_provider_sees_a_monitor_stop(smol_server, smollm2_path):
     flagged = generate(_monitor("guard", probe, -1e9, "flag", layer=5))
     assert flagged.completion != "" and flagged.stop_reason != "content_filter"
     assert flagged.metadata["monitors"][0]["fired"]
+
+
+def test_a_stop_monitor_whose_lens_work_fails_ends_the_generation(tiny_llm):
+    """Fail closed: when a request's lens work fails (an injected capture fault), its
+    monitors stop running, so a ``stop`` monitor's request is ended at the next token and
+    reports the failure; a ``flag`` monitor's request runs on (it only reports)."""
+    from vllm_lens.common.faults import FAULT_KEY
+
+    def params(action):
+        return SamplingParams(max_tokens=8, temperature=0, extra_args={
+            "monitors": [_monitor("never", torch.ones(128), 1e9, action)],
+            "output_residual_stream": [1], FAULT_KEY: "capture"})
+
+    stopped, flagged = tiny_llm.generate([TINY_PROMPT] * 2, [params("stop"), params("flag")])
+    eos = tiny_llm.get_tokenizer().eos_token_id
+    assert list(stopped.outputs[0].token_ids) == [eos]
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.lens_error is not None
+    assert stopped.monitors is None  # nothing partial is returned
+    assert len(flagged.outputs[0].token_ids) == 8 and flagged.lens_error is not None

@@ -10,8 +10,9 @@ samples, ``force_stops`` replaces the logits row of every request whose flag is 
 that puts all its mass on the request's end-of-sequence token; every tensor-parallel rank
 computes the same scores from the whole stream, so every rank forces the same rows. vLLM's
 scheduler then finishes the request in that step (``finish_reason`` ``"stop"``); the front end
-names the monitor (``frontend.collator``). A request whose monitoring failed on a rank, with a
-``stop`` monitor, is ended the same way (a guardrail fails closed) and reports the failure.
+names the monitor (``frontend.collator``). A request with a ``stop`` monitor whose lens work
+failed on a rank (its monitors, or anything else that stops its lens work) is ended the same
+way from then on (a guardrail fails closed) and reports the failure.
 """
 
 from __future__ import annotations

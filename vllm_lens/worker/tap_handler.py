@@ -86,8 +86,9 @@ class LensRuntime:
         self._steer_layout: tuple[tuple[str, int, int, int | None], ...] = ()
         self._steer_groups: dict[tuple[int, str], SteerGroup] = {}
         self._closing: dict[str, MonitorState] = {}
-        """Requests with a ``stop`` monitor whose monitoring failed: each step samples their
-        end-of-sequence token until they finish (a guardrail fails closed)."""
+        """Requests with a ``stop`` monitor whose lens work failed (their monitors no longer
+        run): each step samples their end-of-sequence token until they finish (a guardrail
+        fails closed)."""
         self.attention = AttentionTaps(attention, self.on_tap)
         """Wrappers around the attention kernels, on only for steps that read Q/K/attn_z."""
 
@@ -269,6 +270,9 @@ class LensRuntime:
         for sched in self.view.scheduled(plain=persistent):
             record = self.requests.lookup(sched.req_id, sched.payload)
             if record is not None and record.error is not None:
+                if record.monitors is not None and record.monitors.stops:
+                    # Its monitors no longer run: a guardrail fails closed.
+                    self._closing[sched.req_id] = record.monitors
                 record = None  # a failed request runs to its end without its lens work
             if record is None and not persistent:
                 continue
@@ -348,8 +352,12 @@ class LensRuntime:
         if not stops and not self._closing:
             return
         try:
+            records = self.requests.records
             for req_id, state in stops:
-                if state.failed:  # its monitoring failed: ended from now on (fails closed)
+                record = records.get(req_id)
+                if state.failed or record is None or record.error is not None:
+                    # Its lens work failed in this step, so its monitors stop running: it
+                    # ends now and at every later step (a guardrail fails closed).
                     self._closing[req_id] = state
             if self._closing:
                 live = self.view.live()

@@ -24,7 +24,9 @@ Cases: plain requests, captures (1 layer; all layers; all layers at the last pro
 only; ``attn_out`` at one layer; Q/K of one layer; every tap point at every layer at the last
 prompt token), steering (1 layer with one shared vector or a distinct vector per request; every
 layer; 256 requests each with its own vector at every layer; a replacement at one position;
-a conditional vector gated by a probe read 5 layers earlier), SAE features (one 16x-wide
+a conditional vector gated by a probe read 5 layers earlier), monitors (one probe on every
+request; plain requests beside one monitored), attention steering (PASTA on every head of 8
+layers: every request, plain requests beside one, one request alone), SAE features (one 16x-wide
 JumpReLU SAE with random weights, d_sae = 9216, at layer 15: its top 32 features at every
 position; steering by one of its features; clamping one), each with ``--prompts`` greedy
 requests of ``--tokens`` generated tokens; and plain requests one at a time (batch 1), where
@@ -91,6 +93,8 @@ def _monitor(seed: int, layer: int, action: str = "flag"):
             "layer": layer, "threshold": 1e30, "action": action}
 
 
+PASTA = [{"layers": list(range(16, 24)), "heads": None, "emphasize": [0, 8], "alpha": 0.01}]
+
 #: name -> (batch size: None = --prompts, extra_args for request i; None = a plain request)
 CASES: dict[str, tuple[int | None, Callable[[int], Any]]] = {
     "plain requests": (None, lambda i: None),
@@ -119,6 +123,11 @@ CASES: dict[str, tuple[int | None, Callable[[int], Any]]] = {
         "monitors": [_monitor(i, 15)]}),
     "plain requests beside 1 monitored": (None, lambda i: {
         "monitors": [_monitor(i, 15)]} if i == 0 else None),
+    # PASTA (``steer_attention``): every head of 8 layers, the first 8 prompt tokens emphasised.
+    "PASTA at 8 layers, every request": (None, lambda i: {"steer_attention": PASTA}),
+    "plain requests beside 1 PASTA": (None, lambda i: {"steer_attention": PASTA}
+                                      if i == 0 else None),
+    "PASTA at 8 layers, batch 1": (1, lambda i: {"steer_attention": PASTA}),
     "conditional steering at 1 layer": (None, lambda i: {
         "apply_steering_vectors": [_gated(i, 15, 10)]}),
     # One 16x-wide SAE (``_save_sae``) at layer 15's resid_post; ``SAE`` is its directory.

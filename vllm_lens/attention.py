@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["attention_patterns", "compute_attention_weights"]
+__all__ = ["attention_patterns", "attention_scores", "compute_attention_weights"]
 
 
 def compute_attention_weights(
@@ -72,6 +72,41 @@ def compute_attention_weights(
         >>> bool((w[:, 0, 1:] == 0).all())  # causal: the first query sees only itself
         True
     """
+    scores = attention_scores(q, k, scale=scale, causal=causal, q_start=q_start,
+                              q_positions=q_positions, sliding_window=sliding_window,
+                              logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+                              dtype=dtype)
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = torch.as_tensor(sinks, dtype=dtype, device=q.device)[:, None, None]
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+    weights = torch.exp(scores - top)
+    return weights / (weights.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
+
+
+def attention_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = True,
+    q_start: int | None = None,
+    q_positions: torch.Tensor | None = None,
+    sliding_window: Sequence[int] = (-1, -1),
+    logits_soft_cap: float = 0.0,
+    alibi_slopes: Sequence[float] | torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The scores ``[n_heads, q_len, kv_len]`` that the softmax of
+    ``compute_attention_weights`` reads: scaled, soft-capped, with ALiBi, and ``-inf`` where
+    the mask hides a key (same arguments, without ``sinks``). Attention steering edits them
+    (``worker.attention_steering``).
+
+    >>> import torch
+    >>> s = attention_scores(torch.ones(2, 1, 4), torch.ones(2, 1, 4), scale=0.5)
+    >>> s.tolist()
+    [[[2.0, -inf], [2.0, 2.0]]]
+    """
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(f"q and k must be [positions, heads, head_dim], got {tuple(q.shape)} "
                          f"and {tuple(k.shape)}")
@@ -81,8 +116,9 @@ def compute_attention_weights(
         raise ValueError(f"{n_heads} query heads cannot share {n_kv} key heads evenly")
     if q_start is None:
         q_start = kv_len - q_len
-    k = k.to(dtype).repeat_interleave(n_heads // n_kv, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.to(dtype), k) * scale
+    if n_heads != n_kv:
+        k = k.repeat_interleave(n_heads // n_kv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.to(dtype), k.to(dtype)) * scale
     if logits_soft_cap:
         scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     if q_positions is not None:
@@ -101,13 +137,7 @@ def compute_attention_weights(
         masked |= k_pos < q_pos - left
     if right >= 0:
         masked |= k_pos > q_pos + right
-    scores = scores.masked_fill(masked, float("-inf"))
-    if sinks is None:
-        return torch.softmax(scores, dim=-1)
-    sink = torch.as_tensor(sinks, dtype=dtype, device=q.device)[:, None, None]
-    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
-    weights = torch.exp(scores - top)
-    return weights / (weights.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
+    return scores.masked_fill(masked, float("-inf"))
 
 
 def attention_patterns(activations: Mapping[str, Any], layer: int, *,

@@ -35,6 +35,7 @@ from vllm_lens.errors import LensError
 from vllm_lens.hooks import hook_to_json
 from vllm_lens.spec import (
     ACTIVATIONS_KEY,
+    ATTENTION_STEER_KEY,
     CAPTURE_KEY,
     HOOKS_KEY,
     MONITORS_KEY,
@@ -233,7 +234,8 @@ class _Protocol:
                 raise TypeError(f"capture_layers: expected a list of layer indices or True, "
                                 f"got the string {capture_layers!r} (pass [12], not '12')")
             lens[CAPTURE_KEY] = capture_layers
-        for key in (ACTIVATIONS_KEY, QK_KEY, SINK_KEY, STREAM_KEY, SAE_KEY, MONITORS_KEY):
+        for key in (ACTIVATIONS_KEY, QK_KEY, SINK_KEY, STREAM_KEY, SAE_KEY, MONITORS_KEY,
+                    ATTENTION_STEER_KEY):
             if openai_kwargs.get(key) is not None:
                 lens[key] = openai_kwargs.pop(key)
         if openai_kwargs.get("sae_features") is not None:
@@ -383,8 +385,9 @@ class LensClient:
         """``/v1/completions``. Returns a ``LensResult`` or, with ``stream=True``, an iterator
         of partial ones. ``output_activations=``, ``output_qk=``, ``capture_sink=``,
         ``stream_activations=``, ``sae_features=`` (``output_sae_features``: SAEs the
-        server registered, by name) and ``monitors=`` (``spec.monitors``; a probe may be a
-        tensor) are sent as those lens keys; other ``openai_kwargs`` go into the request body
+        server registered, by name), ``monitors=`` (``spec.monitors``; a probe may be a
+        tensor) and ``steer_attention=`` (``spec.attention_steering``) are sent as those lens
+        keys; other ``openai_kwargs`` go into the request body
         (``n``, ``seed``, ...).
 
         Args:
@@ -415,7 +418,8 @@ class LensClient:
                 ``capture_sink=`` (``{"sink", "dataset", "key"}``), ``stream_activations=``
                 (``True``), ``output_sae_features=`` or its short name ``sae_features=``
                 (``{"sae": name the server registered, "top_k", "reconstruction"}`` or a
-                list of them). Anything else goes into the request body as it is (``n``,
+                list of them), ``monitors=``, ``steer_attention=`` (a list of edits). Anything
+                else goes into the request body as it is (``n``,
                 ``seed``, ``stop``, ``ignore_eos`` ...; ``vllm_xargs`` is merged with the
                 lens keys).
 

@@ -4,6 +4,9 @@
 - ``VLLM_LENS_WORKER_MAX_BYTES``: budget of captured rows held on each worker, running and
   waiting for their fetch (default 4 GiB); rows that would exceed it are refused and their
   request fails (rows already held are never dropped to make room).
+- ``VLLM_LENS_ATTENTION_STEER_MAX_BYTES``: device memory each worker may hold for the keys and
+  values of attention-steered requests (``steer_attention``; default 1 GiB); a request that
+  would exceed it fails, nobody else's is dropped.
 - ``VLLM_LENS_STAGING_POOL_BYTES``: host memory each worker keeps, free, for the staging
   tensors of the next steps' captures (default 512 MiB; ``0`` keeps none and allocates every
   step's afresh; CPU backend only: ``worker.staging_pool``).
@@ -86,7 +89,8 @@ from __future__ import annotations
 import os
 
 __all__ = [
-    "allow_persistent_hooks", "allow_pickled_hooks", "allow_steering_routes", "disabled",
+    "allow_persistent_hooks", "allow_pickled_hooks", "allow_steering_routes",
+    "attention_steer_max_bytes", "disabled",
     "finished_ttl_s", "hook_results_max", "http_store_max_bytes", "http_store_ttl_s",
     "max_capture_bytes", "max_concurrent_sweeps", "max_decoded_bytes", "max_hooks", "max_request_bytes",
     "max_steering_vectors", "max_sweep_cells", "sae_max_bytes",
@@ -158,6 +162,10 @@ def hook_results_max() -> int:
 
 def worker_max_bytes() -> int:
     return int(os.environ.get("VLLM_LENS_WORKER_MAX_BYTES", str(4 << 30)))
+
+
+def attention_steer_max_bytes() -> int:
+    return int(os.environ.get("VLLM_LENS_ATTENTION_STEER_MAX_BYTES", str(1 << 30)))
 
 
 def staging_pool_bytes() -> int:

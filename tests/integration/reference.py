@@ -230,6 +230,85 @@ class HFReference:
                 ids.append(int(self.model(torch.tensor([ids])).logits[0, -1].argmax()))
         return ids[len(prompt_ids):]
 
+    @contextlib.contextmanager
+    def attention_edits(self, edits: list[dict]):
+        """Within the block, eager attention applies ``steer_attention`` edits (the request's
+        dicts; ``layers`` a list, ``heads`` global query heads or ``None``), written here
+        from the issue's definition: biases added to the masked scores, softmax (a row with
+        no key left attends to nothing), then each emphasis multiplies the probabilities of
+        keys outside ``[start, end)`` by ``alpha`` and renormalises the rows that see the
+        span."""
+        import sys
+
+        modules = {sys.modules[type(m).__module__] for m in self.model.modules()
+                   if hasattr(m, "layer_idx") and hasattr(sys.modules[type(m).__module__],
+                                                          "eager_attention_forward")}
+        assert modules, "no eager attention function to edit"
+        originals = {m: m.eager_attention_forward for m in modules}
+
+        def steered(original):
+            def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                        softcap=None, **kwargs):
+                mine = [e for e in edits if module.layer_idx in e["layers"]]
+                if not mine:
+                    return original(module, query, key, value, attention_mask, dropout=dropout,
+                                    scaling=scaling, softcap=softcap, **kwargs)
+                if scaling is None:
+                    scaling = query.shape[-1] ** -0.5
+                groups = query.shape[1] // key.shape[1]
+                k = key.repeat_interleave(groups, dim=1).float()
+                v = value.repeat_interleave(groups, dim=1).float()
+                scores = query.float() @ k.transpose(2, 3) * scaling  # [1, h, q, k]
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
+                n_keys = scores.shape[-1]
+                if attention_mask is not None:
+                    hidden = (attention_mask < -1e30) if attention_mask.dtype.is_floating_point \
+                        else ~attention_mask
+                    scores = scores.masked_fill(hidden[..., :n_keys], float("-inf"))
+                every = range(query.shape[1])
+                for e in mine:
+                    if "key_positions" in e:
+                        heads = every if e["heads"] is None else e["heads"]
+                        bias = float(e["bias"])
+                        for h in heads:
+                            for p in e["key_positions"]:
+                                if p < n_keys:
+                                    scores[0, h, :, p] = scores[0, h, :, p] + bias
+                probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+                for e in mine:
+                    if "emphasize" in e:
+                        start, end = e["emphasize"]
+                        heads = every if e["heads"] is None else e["heads"]
+                        for h in heads:
+                            row = probs[0, h].clone()
+                            w = torch.full((n_keys,), float(e["alpha"]))
+                            w[start:end] = 1.0
+                            weighted = row * w
+                            total = weighted.sum(-1, keepdim=True)
+                            probs[0, h] = torch.where(total > 0, weighted / total, row)
+                out = (probs @ v).to(query.dtype).transpose(1, 2).contiguous()
+                return out, probs
+            return forward
+
+        for m, original in originals.items():
+            m.eager_attention_forward = steered(original)
+        try:
+            yield
+        finally:
+            for m, original in originals.items():
+                m.eager_attention_forward = original
+
+    @torch.no_grad()
+    def attention_greedy(self, prompt_ids: list[int], max_new_tokens: int,
+                         edits: list[dict]) -> list[int]:
+        """Greedy generation under ``attention_edits``, recomputing every step."""
+        ids = list(prompt_ids)
+        with self.attention_edits(edits):
+            for _ in range(max_new_tokens):
+                ids.append(int(self.model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt_ids):]
+
     @torch.no_grad()
     def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         out = self.model.generate(

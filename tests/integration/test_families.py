@@ -183,6 +183,25 @@ def test_plain_requests_are_token_identical_to_vllm_without_plugin(family):
     assert with_plugin == generate_without_plugin(path, prompts, 8, **_mode(name)), name
 
 
+def test_attention_steering_matches_transformers(family):
+    """``steer_attention``: PASTA on one head of two (they share one key head) at layers 1
+    and 2, and a bias lowering two keys in every head at layer 3, equal transformers' eager
+    attention doing the same edit (Gemma 2's soft cap and both Gemmas' 16-token windows
+    included); the stream leaving layer 3 too."""
+    name, _, llm, ref = family
+    edits = [{"layers": [1, 2], "heads": [1], "emphasize": [3, 12], "alpha": 0.02},
+             {"layers": [3], "heads": None, "key_positions": [0, 5], "bias": -3.0}]
+    out = llm.generate([PROMPT], SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True,
+        extra_args={"steer_attention": edits, "output_residual_stream": [3]}))[0]
+    assert out.lens_error is None
+    assert list(out.outputs[0].token_ids) == ref.attention_greedy(
+        list(out.prompt_token_ids), 8, edits), name
+    with ref.attention_edits(edits):
+        expected = ref.residual_stream(_ids(out)[:-1], [3])
+    assert max_relative_error(out.activations["residual_stream"][0], expected[0]) <= TOL, name
+
+
 def test_a_stop_monitor_stops_where_the_transformers_scores_cross(family):
     """A probe monitor at layer 2 (``monitors``): the ``flag`` run's scores are
     ``h · probe`` of transformers' rows, and the ``stop`` run ends right after the first

@@ -270,6 +270,13 @@ def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch, tmp_
         check_features_and_clamp(llm, tiny_ref, *resid_sae, PROMPTS[0], kept=[0, 1])
         # The TopK SAE at layer 2: only the second stage keeps it, also to clamp it.
         check_architectures(llm, tiny_ref, arch_saes, PROMPTS[1], kept=[1, 2])
+        # Attention steered on both stages (each recomputes its own layers' heads).
+        pasta = [{"layers": [1, 3], "heads": [1], "emphasize": [2, 9], "alpha": 0.02}]
+        attention = llm.generate([PROMPTS[0]], SamplingParams(
+            max_tokens=8, temperature=0, ignore_eos=True,
+            extra_args={"steer_attention": pasta}))[0]
+    assert list(attention.outputs[0].token_ids) == tiny_ref.attention_greedy(
+        list(attention.prompt_token_ids), 8, pasta)
     _assert_hook_results(hooked, vocab)
     assert [d.local_layers for d in read_all(DescribeAnswer, describe)] == [[0, 1], [2, 3]]
     for got, expected in zip(outs[:2], reference[:2]):

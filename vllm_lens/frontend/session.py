@@ -137,9 +137,10 @@ class LensSession:
                 lens, facts, prompt_length(prompt), params.max_tokens))
         engine_params = params.clone()
         engine_params.extra_args = {**rest, PAYLOAD_KEY: lens.to_payload()}
-        if lens.hooks or lens.monitors or any(c.wants_prompt_rows()
-                                              for c in (*lens.captures, *lens.sae_captures)):
-            # Prompt tokens served from the prefix cache never run through the layers.
+        if lens.hooks or lens.monitors or lens.steer_attention or any(
+                c.wants_prompt_rows() for c in (*lens.captures, *lens.sae_captures)):
+            # Prompt tokens served from the prefix cache never run through the layers (and
+            # attention steering recomputes its rows from the keys it saw).
             engine_params.skip_reading_prefix_cache = True
         self.in_flight[request_id] = lens
         if lens.sink is not None:

@@ -12,16 +12,20 @@ alone with an error naming the key. One module per job:
 - ``capture``: captures at the residual stream, tap points and Q/K;
 - ``steering``: steering vectors, presets, replacements, conditions;
 - ``hooks``: hooks, named and pickled;
+- ``monitors``: probes that stop a generation or report;
+- ``attention_steering``: edits of chosen heads' attention (PASTA, key biases);
 - ``outputs``: capture sinks and streamed rows;
 - ``request``: ``LensRequest``, ``parse_extra_args`` and the engine-wide checks.
 """
 
 from vllm_lens.common.positions import NAMED as POSITION_SELECTORS
+from vllm_lens.spec.attention_steering import AttentionEdit
 from vllm_lens.spec.capture import CaptureSpec
 from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.hooks import HookSpec, parse_hooks
 from vllm_lens.spec.keys import (
     ACTIVATIONS_KEY,
+    ATTENTION_STEER_KEY,
     CAPTURE_KEY,
     HOOKS_KEY,
     LENS_KEYS,
@@ -56,6 +60,8 @@ __all__ = [
     "SAE_KEY",
     "LENS_KEYS",
     "MONITORS_KEY",
+    "ATTENTION_STEER_KEY",
+    "AttentionEdit",
     "MonitorSpec",
     "SINK_KEY",
     "STREAM_KEY",

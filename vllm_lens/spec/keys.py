@@ -29,9 +29,12 @@ STREAM_KEY = "stream_activations"
 SAE_KEY = "output_sae_features"
 #: Probes read while the model generates, that stop it or report (``spec.monitors``).
 MONITORS_KEY = "monitors"
+#: Attention steering: in chosen heads, emphasise a span of keys (PASTA) or bias chosen keys'
+#: scores (``spec.attention_steering``).
+ATTENTION_STEER_KEY = "steer_attention"
 #: Every key vllm-lens reads from ``extra_args``; near-misses of these are reported as typos.
 LENS_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, TRANSPORT_KEY,
-             SINK_KEY, STREAM_KEY, SAE_KEY, MONITORS_KEY)
+             SINK_KEY, STREAM_KEY, SAE_KEY, MONITORS_KEY, ATTENTION_STEER_KEY)
 #: The reserved ``extra_args`` entry that carries the validated spec to the workers.
 PAYLOAD_KEY = "vllm_lens"
 PAYLOAD_VERSION = 1

@@ -27,8 +27,10 @@ from vllm_lens.spec.capture import CaptureSpec, parse_capture, parse_points, par
 from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import check_site
 from vllm_lens.spec.hooks import HookSpec, parse_hooks
+from vllm_lens.spec.attention_steering import AttentionEdit, parse_attention_steering
 from vllm_lens.spec.keys import (
     ACTIVATIONS_KEY,
+    ATTENTION_STEER_KEY,
     CAPTURE_KEY,
     HOOKS_KEY,
     LENS_KEYS,
@@ -72,6 +74,8 @@ class LensRequest:
     """SAE features (``output_sae_features``), each read at its SAE's point and layer."""
     monitors: tuple[MonitorSpec, ...] = ()
     """Probes that stop the generation or report (``monitors``, ``spec.monitors``)."""
+    steer_attention: tuple[AttentionEdit, ...] = ()
+    """Edits of chosen heads' attention (``steer_attention``, ``spec.attention_steering``)."""
     reserve_bytes: int = 0
     """The most captured bytes one sample of the request can hold on a worker at once
     (``admission.capture_reservation``), set by the front end after admission, never read
@@ -111,6 +115,10 @@ class LensRequest:
         if self.hooks:
             # A hook may change the stream in ways no digest can name: never share blocks.
             return f"vllm-lens:hooks:{self.key}"
+        if self.steer_attention:
+            # Its steered rows are recomputed from the keys and values it saw itself: it
+            # never reads cached blocks (``skip_reading_prefix_cache``), and nobody reads its.
+            return f"vllm-lens:attention:{self.key}"
         if any(s.condition is not None and s.phase != "decode" for s in self.steer):
             # Gate values are reported for every steered position: compute them all.
             return f"vllm-lens:gated:{self.key}"
@@ -149,6 +157,8 @@ class LensRequest:
             payload["saes"] = [s.to_payload() for s in self.saes]
         if self.monitors:
             payload["monitors"] = [m.to_payload() for m in self.monitors]
+        if self.steer_attention:
+            payload["steer_attention"] = [e.to_payload() for e in self.steer_attention]
         if self.reserve_bytes:
             payload["reserve"] = self.reserve_bytes
         return payload
@@ -173,12 +183,14 @@ class LensRequest:
                    saes=tuple(SAEFeatureSpec.from_payload(d) for d in payload.get("saes", ())),
                    monitors=tuple(MonitorSpec.from_payload(d)
                                   for d in payload.get("monitors", ())),
+                   steer_attention=tuple(AttentionEdit.from_payload(d)
+                                         for d in payload.get("steer_attention", ())),
                    reserve_bytes=int(payload.get("reserve", 0)))
 
 
 #: The keys that ask for lens work (the others only say how to return it).
 _WORK_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, SINK_KEY, STREAM_KEY,
-              SAE_KEY, MONITORS_KEY)
+              SAE_KEY, MONITORS_KEY, ATTENTION_STEER_KEY)
 
 
 def _asks_nothing(value: Any) -> bool:
@@ -253,6 +265,7 @@ def parse_extra_args(
     if raw_saes is False:
         raw_saes = None
     raw_monitors = rest.pop(MONITORS_KEY, None)
+    raw_attention = rest.pop(ATTENTION_STEER_KEY, None)
     fault = parse_fault(rest.pop(faults.FAULT_KEY, None), request_id)
     if raw_capture is False:
         raw_capture = None
@@ -260,7 +273,8 @@ def parse_extra_args(
         raw_qk = None
     asked = [(k, v) for k, v in ((CAPTURE_KEY, raw_capture), (ACTIVATIONS_KEY, raw_points),
                                  (QK_KEY, raw_qk), (STEER_KEY, raw_steer), (HOOKS_KEY, raw_hooks),
-                                 (SAE_KEY, raw_saes), (MONITORS_KEY, raw_monitors))
+                                 (SAE_KEY, raw_saes), (MONITORS_KEY, raw_monitors),
+                                 (ATTENTION_STEER_KEY, raw_attention))
              if v is not None]
     if not asked:
         for key, value in ((SINK_KEY, raw_sink), (STREAM_KEY, raw_stream)):
@@ -287,9 +301,11 @@ def parse_extra_args(
                                                     saes=features)
     stream = parse_stream(raw_stream, captures, sink, request_id, saes=features)
     monitors = () if raw_monitors is None else parse_monitors(raw_monitors, facts, request_id)
+    attention = () if raw_attention is None else parse_attention_steering(
+        raw_attention, facts, request_id)
     return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
                              fault=fault, points=points, sink=sink, stream=stream,
-                             saes=features, monitors=monitors)
+                             saes=features, monitors=monitors, steer_attention=attention)
 
 
 def reuse_parsed(
@@ -299,7 +315,7 @@ def reuse_parsed(
     ``lens`` was parsed from (``parsed_from``): the same spec under a fresh key. ``None`` if
     they differ."""
     own = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, SINK_KEY, STREAM_KEY,
-           SAE_KEY, MONITORS_KEY, faults.FAULT_KEY)
+           SAE_KEY, MONITORS_KEY, ATTENTION_STEER_KEY, faults.FAULT_KEY)
     extra_args = extra_args or {}
     if any(extra_args.get(k) != parsed_from.get(k) for k in own) or PAYLOAD_KEY in extra_args:
         return None

@@ -5,9 +5,12 @@ CUDA alike), outside the compiled graph and outside CUDA graphs; its body looks 
 ``layer.impl.forward`` at run time. Wrapping that bound method therefore sees the post-RoPE
 query ``[tokens, heads, head_dim]`` and key ``[tokens, kv_heads, head_dim]`` exactly as the
 kernel receives them, and the kernel's output (``attn_z``), with no change to the traced graph.
+Attention steering (``worker.attention_steering``) rewrites rows of that output there, before
+``attn_z`` is read.
 
 The wrappers are dormant: they are installed only for the steps that capture Q/K or
-``attn_z`` and removed when no step needs them, so plain traffic pays nothing.
+``attn_z`` or steer attention, and removed when no step needs them, so plain traffic pays
+nothing.
 """
 
 from __future__ import annotations
@@ -23,14 +26,20 @@ __all__ = ["AttentionTaps", "attention_meta"]
 #: handler(a, b, layer, site): ``("attn", q, k)`` before the kernel, ``("attn_z", out, None)``
 #: after it.
 Handler = Callable[[torch.Tensor, "torch.Tensor | None", int, str], None]
+#: editor(query, key, value, output, layer): after the kernel, may rewrite rows of ``output``
+#: (``None`` when the kernel's output cannot be rewritten: quantized).
+Editor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", int],
+                  None]
 
 
 class AttentionTaps:
     """Wraps (or unwraps) ``impl.forward`` of each local layer's ``Attention`` module."""
 
-    def __init__(self, modules: tuple[tuple[int, nn.Module], ...], handler: Handler) -> None:
+    def __init__(self, modules: tuple[tuple[int, nn.Module], ...], handler: Handler,
+                 editor: Editor | None = None) -> None:
         self.modules = modules
         self.handler = handler
+        self.editor = editor
         self.enabled = False
         self.meta: dict[int, dict[str, Any]] = {}
         """Layer -> ``attention_meta`` (for hooks at ``attn_qk``), where it can be read."""
@@ -48,13 +57,14 @@ class AttentionTaps:
             wrapped = "forward" in impl.__dict__  # judged per module: a failure part-way
             if on and not wrapped:               # leaves nothing wrapped twice or forgotten
                 impl.forward = _wrapped(type(impl).forward.__get__(impl), layer,
-                                        self.handler)
+                                        self.handler, self.editor)
             elif not on and wrapped:
                 del impl.forward  # back to the class's method
         self.enabled = on  # after the loop: a failure part-way is retried next step
 
 
-def _wrapped(original: Callable[..., Any], layer: int, handler: Handler) -> Callable[..., Any]:
+def _wrapped(original: Callable[..., Any], layer: int, handler: Handler,
+             editor: Editor | None) -> Callable[..., Any]:
     def forward(attn_layer, query, key, value, kv_cache, attn_metadata, output=None,
                 **kwargs):
         if key is not None:
@@ -63,8 +73,12 @@ def _wrapped(original: Callable[..., Any], layer: int, handler: Handler) -> Call
                           output=output, **kwargs)
         z = output if output is not None else result
         # With a fused output quantization the kernel writes quantized values: no attn_z
-        # then (its capture is incomplete, and the request fails rather than get them).
-        if isinstance(z, torch.Tensor) and kwargs.get("output_scale") is None:
+        # then (its capture is incomplete, and the request fails rather than get them), and
+        # no steering (the editor is told, with ``None``, and fails its requests).
+        plain = isinstance(z, torch.Tensor) and kwargs.get("output_scale") is None
+        if editor is not None and key is not None and value is not None:
+            editor(query, key, value, z if plain else None, layer)
+        if plain:
             handler(z, None, layer, "attn_z")
         return result
 

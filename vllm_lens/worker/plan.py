@@ -160,6 +160,9 @@ class StepPlan:
     """(layer, site) pairs where some hook of this step runs."""
     monitors: dict[tuple[int, str], list[Any]] = field(default_factory=dict)
     """(layer, site) -> (slice, ``monitors.MonitorState``) per request monitored there."""
+    attention: dict[int, list[tuple[RequestSlice, Any]]] = field(default_factory=dict)
+    """Layer -> (slice, ``attention_steering.RequestAttentionSteer``) per request whose
+    attention is steered there."""
     stops: list[tuple[str, Any]] = field(default_factory=list)
     """(request id, ``monitors.MonitorState``) of the requests a ``stop`` monitor may end."""
     faults: bool = False

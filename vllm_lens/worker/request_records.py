@@ -56,6 +56,9 @@ class RequestRecord:
     monitors: MonitorState | None = None
     """Its monitors' probes, scores and stop flag (``worker.monitors``), built when it first
     runs; the probes are freed when it finishes, the scores wait for the fetch."""
+    attention: Any = None
+    """Its attention steering (``worker.attention_steering.RequestAttentionSteer``) with the
+    keys and values it keeps, built when it first runs; freed when it finishes."""
     error: str | None = None
     """The first failure of the lens path for this request (its message)."""
     refused: str | None = None
@@ -78,7 +81,8 @@ class RequestRecord:
     def device_bytes(self) -> int:
         # (a vector of ``layer_indices="all"`` is one row's storage, viewed at every layer)
         return sum(p.clamp.nbytes if p.clamp is not None
-                   else p.vectors.untyped_storage().nbytes() for p in self.steer or ())
+                   else p.vectors.untyped_storage().nbytes() for p in self.steer or ()) + (
+            0 if self.attention is None else self.attention.nbytes)
 
     def fail(self, exc: BaseException | str, stage: str) -> None:
         if self.error is None:
@@ -171,6 +175,8 @@ class RequestTable:
                 if req_id not in live:
                     record.finished_at = now
                     record.steer = None
+                    if record.attention is not None:
+                        record.attention.free()
                     if record.monitors is not None:
                         record.monitors.free()
                     if record.hooks is not None:

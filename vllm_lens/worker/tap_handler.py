@@ -27,6 +27,11 @@ from vllm_lens.common import faults
 from vllm_lens.common.points import SAE_PREFIX, hook_site
 from vllm_lens.saes import SAE
 from vllm_lens.spec import HookSpec, SteerSpec
+from vllm_lens.worker.attention_steering import (
+    HistoryBudget,
+    RequestAttentionSteer,
+    steer_rows,
+)
 from vllm_lens.worker.attention_taps import AttentionTaps
 from vllm_lens.worker.capture import capture_layer
 from vllm_lens.worker.hooks import HookCall, HookState, ParameterSource, run_hook_calls
@@ -89,8 +94,11 @@ class LensRuntime:
         """Requests with a ``stop`` monitor whose lens work failed (their monitors no longer
         run): each step samples their end-of-sequence token until they finish (a guardrail
         fails closed)."""
-        self.attention = AttentionTaps(attention, self.on_tap)
-        """Wrappers around the attention kernels, on only for steps that read Q/K/attn_z."""
+        self.attention = AttentionTaps(attention, self.on_tap, self.on_attention)
+        """Wrappers around the attention kernels, on only for steps that read Q/K/attn_z or
+        steer attention."""
+        self.attention_budget = HistoryBudget(envs.attention_steer_max_bytes())
+        """Device bytes of the keys and values kept for attention-steered requests."""
 
     # -- tap handler ---------------------------------------------------------------------------
     def on_tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: int,
@@ -128,6 +136,27 @@ class LensRuntime:
         for s, state in plan.monitors.get(where, ()):
             self._guarded("monitors", (s.req_id,), state.score, where, hidden, residual,
                           s.start, s.end, s.pos0, s.n_prompt, self.tp_rank == 0)
+
+    def on_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     out: torch.Tensor | None, layer: int) -> None:
+        """After one layer's attention kernel: the attention-steered requests' rows of its
+        output (``worker.attention_steering``)."""
+        try:
+            steered = self._plan_for_step(query).attention.get(layer)
+        except Exception:  # noqa: BLE001 -- on_tap reports a step that cannot be planned
+            return
+        for s, state in steered or ():
+            try:
+                if out is None:
+                    raise RuntimeError("this layer's attention kernel writes a quantized "
+                                       "output, which attention steering cannot rewrite")
+                heads = query.shape[1]
+                z = out if out.dim() == 3 else out.view(out.shape[0], heads, -1)
+                rows = slice(s.start, s.end)
+                steer_rows(state.by_layer[layer], state.history, layer, s.pos0, query[rows],
+                           key[rows], value[rows], z[rows])
+            except Exception as exc:
+                self._fail([s.req_id], exc, "steer_attention")
 
     def _steer(self, plan: StepPlan, group: SteerGroup, hidden: torch.Tensor,
                residual: torch.Tensor | None) -> None:
@@ -236,7 +265,8 @@ class LensRuntime:
                 self._fail_step(exc)
             self.attention.enable(
                 any(key[1] in ("attn", "attn_z") for key in self._plan.capture)
-                or any(site == "attn" for _, site in self._plan.hook_layers))
+                or any(site == "attn" for _, site in self._plan.hook_layers)
+                or bool(self._plan.attention))
         return self._plan
 
     def _fail_step(self, exc: BaseException) -> None:
@@ -331,7 +361,26 @@ class LensRuntime:
         for s in slices:
             if s.lens.monitors:
                 self._guarded("monitors", (s.req_id,), self._plan_monitors, plan, s, device)
+            if s.lens.steer_attention:
+                self._guarded("steer_attention", (s.req_id,), self._plan_attention, plan, s,
+                              device)
         return plan
+
+    def _plan_attention(self, plan: StepPlan, s: RequestSlice, device: torch.device) -> None:
+        record = self.requests.records[s.req_id]
+        if record.attention is None:
+            faults.check(record.lens.fault, "steer_attention")
+            missing = sorted({layer for edit in s.lens.steer_attention for layer in edit.layers
+                              if layer in self.shard_layers
+                              and layer not in self.attention.meta})
+            if missing:
+                raise RuntimeError(f"the attention of layers {missing} is not tapped on this "
+                                   "worker")
+            record.attention = RequestAttentionSteer.build(
+                s.lens.steer_attention, self.attention.meta, self.tp_rank,
+                self.attention_budget, device)
+        for layer in record.attention.by_layer:
+            plan.attention.setdefault(layer, []).append((s, record.attention))
 
     def _plan_monitors(self, plan: StepPlan, s: RequestSlice, device: torch.device) -> None:
         record = self.requests.records[s.req_id]

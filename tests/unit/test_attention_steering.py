@@ -1,0 +1,207 @@
+"""``steer_attention``: parsing (every refusal names its field) and the worker's recomputation
+of the steered heads (``worker.attention_steering``) against the definition written out."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from vllm_lens.attention import compute_attention_weights
+from vllm_lens.errors import LensRequestError, UnsupportedConfigError, UnsupportedModelError
+from vllm_lens.spec import LensRequest
+from vllm_lens.spec.attention_steering import AttentionEdit, parse_attention_steering
+from vllm_lens.spec.facts import ModelFacts
+from vllm_lens.worker.attention_steering import (
+    HistoryBudget,
+    KeyValueHistory,
+    LayerEdits,
+    steer_rows,
+)
+
+META = {"scale": 0.25, "logits_soft_cap": 0.0, "sliding_window": [-1, -1],
+        "alibi_slopes": None, "sinks": None, "num_heads": 4, "num_kv_heads": 2,
+        "head_size": 16, "layer_name": ""}
+FACTS = ModelFacts(model_class="Toy", n_layers=3, hidden_size=64, max_model_len=128,
+                   mapped=True, sites=("pre", "post", "attn"), n_heads=4, n_kv_heads=2,
+                   head_dim=16, qk_meta=(META,) * 3)
+
+
+def test_both_forms_parse_from_python_and_json():
+    edits = parse_attention_steering(
+        '[{"layers": "all", "heads": null, "emphasize": [2, 9], "alpha": 0.01},'
+        ' {"layers": [-1, 0, 0], "heads": [3, 1], "key_positions": [5, 1], "bias": "-inf"}]',
+        FACTS)
+    assert edits[0] == AttentionEdit(layers=(0, 1, 2), heads=None, span=(2, 9), alpha=0.01)
+    assert edits[1] == AttentionEdit(layers=(0, 2), heads=(1, 3), key_positions=(1, 5),
+                                     bias=-math.inf)
+    one = parse_attention_steering({"layers": [1], "heads": None, "key_positions": [0],
+                                    "bias": 2}, FACTS)
+    assert one[0].bias == 2.0 and one[0].layers == (1,)
+    for edit in edits:
+        assert AttentionEdit.from_payload(edit.to_payload()) == edit
+
+
+@pytest.mark.parametrize("item, field", [
+    ("not a list", "steer_attention"),
+    ([], "steer_attention"),
+    ([1], "steer_attention[0]"),
+    ([{"layers": [0], "heads": None}], "steer_attention[0]"),
+    ([{"layers": [0], "heads": None, "emphasize": [0, 2], "alpha": 1,
+       "key_positions": [0], "bias": 1}], "steer_attention[0]"),
+    ([{"layers": [0], "heads": None, "emphasize": [0, 2], "alpha": 1, "bias": 1}],
+     "steer_attention[0].bias"),
+    ([{"layers": [], "heads": None, "emphasize": [0, 2], "alpha": 1}],
+     "steer_attention[0].layers"),
+    ([{"layers": [3], "heads": None, "emphasize": [0, 2], "alpha": 1}],
+     "steer_attention[0].layers[0]"),
+    ([{"layers": [True], "heads": None, "emphasize": [0, 2], "alpha": 1}],
+     "steer_attention[0].layers[0]"),
+    ([{"layers": [0], "heads": [4], "emphasize": [0, 2], "alpha": 1}],
+     "steer_attention[0].heads[0]"),
+    ([{"layers": [0], "heads": [], "emphasize": [0, 2], "alpha": 1}],
+     "steer_attention[0].heads"),
+    ([{"layers": [0], "heads": None, "emphasize": [2, 1], "alpha": 1}],
+     "steer_attention[0].emphasize"),
+    ([{"layers": [0], "heads": None, "emphasize": [0, 129], "alpha": 1}],
+     "steer_attention[0].emphasize"),
+    ([{"layers": [0], "heads": None, "emphasize": [0.5, 2], "alpha": 1}],
+     "steer_attention[0].emphasize"),
+    ([{"layers": [0], "heads": None, "emphasize": [0, 2], "alpha": float("nan")}],
+     "steer_attention[0].alpha"),
+    ([{"layers": [0], "heads": None, "emphasize": [0, 2], "alpha": -0.1}],
+     "steer_attention[0].alpha"),
+    ([{"layers": [0], "heads": None, "key_positions": [], "bias": 1}],
+     "steer_attention[0].key_positions"),
+    ([{"layers": [0], "heads": None, "key_positions": [128], "bias": 1}],
+     "steer_attention[0].key_positions[0]"),
+    ([{"layers": [0], "heads": None, "key_positions": [1], "bias": float("inf")}],
+     "steer_attention[0].bias"),
+    ([{"layers": [0], "heads": None, "key_positions": [1], "bias": "inf"}],
+     "steer_attention[0].bias"),
+    ([{"layers": [0], "heads": None, "key_positions": [1]}], "steer_attention[0].bias"),
+    ([{"layers": [0], "heads": None, "emphasize": [0, 2], "alpha": 1}] * 33,
+     "steer_attention"),
+])
+def test_bad_edits_name_the_field(item, field):
+    with pytest.raises(LensRequestError) as err:
+        parse_attention_steering(item, FACTS)
+    assert err.value.field == field
+
+
+def test_engines_and_layers_it_cannot_steer_are_refused():
+    good = [{"layers": [1], "heads": None, "emphasize": [0, 2], "alpha": 0.5}]
+    with pytest.raises(UnsupportedConfigError):
+        parse_attention_steering(good, dataclasses.replace(FACTS, speculative=True))
+    sinks = dataclasses.replace(FACTS, qk_meta=(META, {**META, "sinks": [0.0] * 4}, META))
+    with pytest.raises(UnsupportedModelError, match="layer 1 has attention sinks"):
+        parse_attention_steering(good, sinks)
+    parse_attention_steering([{**good[0], "layers": [0, 2]}], sinks)  # the others are fine
+    with pytest.raises(UnsupportedModelError):
+        parse_attention_steering(good, dataclasses.replace(FACTS, sites=("pre", "post")))
+
+
+def test_a_steered_request_never_shares_cached_blocks():
+    edit = AttentionEdit(layers=(0,), heads=None, span=(0, 2), alpha=0.1)
+    a = LensRequest(key="a", steer_attention=(edit,))
+    b = LensRequest(key="b", steer_attention=(edit,))
+    assert a.cache_salt and b.cache_salt and a.cache_salt != b.cache_salt
+    assert LensRequest.from_payload(a.to_payload()) == a
+
+
+# -- the worker's recomputation ---------------------------------------------------------------
+
+def _attention(q, k, v, meta=META, q_start=0):
+    """Plain softmax attention of rows ``q`` (positions ``q_start ..``) over every key."""
+    w = compute_attention_weights(q, k, scale=meta["scale"], q_start=q_start,
+                                  sliding_window=meta["sliding_window"],
+                                  logits_soft_cap=meta["logits_soft_cap"],
+                                  alibi_slopes=meta["alibi_slopes"])
+    group = q.shape[1] // k.shape[1]
+    return torch.einsum("hqk,khd->qhd", w, v.repeat_interleave(group, dim=1))
+
+
+def _toy(n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, 4, 16, generator=g), torch.randn(n, 2, 16, generator=g),
+            torch.randn(n, 2, 16, generator=g))
+
+
+def _run(edits, q, k, v, meta=META, chunks=(None,), tp_rank=0):
+    layer_edits = LayerEdits.build(list(edits), meta, tp_rank * meta["num_heads"],
+                                   torch.device("cpu"))
+    history = KeyValueHistory(HistoryBudget(1 << 30))
+    out = _attention(q, k, v, meta)  # the kernel's output, then steered rows in place
+    bounds = [0, *(c for c in chunks if c is not None), q.shape[0]]
+    for lo, hi in zip(bounds, bounds[1:]):
+        steer_rows(layer_edits, history, 0, lo, q[lo:hi], k[lo:hi], v[lo:hi], out[lo:hi])
+    return out
+
+
+@pytest.mark.parametrize("meta", [
+    META,
+    {**META, "sliding_window": [3, 0], "logits_soft_cap": 5.0},
+    {**META, "alibi_slopes": [0.5, 0.25, 0.125, 0.0625]},
+], ids=["plain", "window-softcap", "alibi"])
+def test_edits_that_change_nothing_reproduce_the_kernel(meta):
+    q, k, v = _toy()
+    edits = [AttentionEdit(layers=(0,), heads=None, span=(2, 5), alpha=1.0),
+             AttentionEdit(layers=(0,), heads=(1,), key_positions=(3,), bias=0.0)]
+    out = _run(edits, q, k, v, meta, chunks=(5,))
+    assert torch.allclose(out, _attention(q, k, v, meta), atol=1e-6)
+
+
+def test_emphasis_renormalises_the_span_in_the_chosen_heads_only():
+    q, k, v = _toy()
+    start, end, alpha = 4, 7, 0.1
+    out = _run([AttentionEdit(layers=(0,), heads=(2,), span=(start, end), alpha=alpha)],
+               q, k, v, chunks=(3, 8))
+    plain = _attention(q, k, v)
+    assert torch.equal(out[:, [0, 1, 3]], plain[:, [0, 1, 3]])
+    w = compute_attention_weights(q, k, scale=META["scale"])[2]  # head 2 reads key head 1
+    keep = torch.full((12,), alpha)
+    keep[start:end] = 1.0
+    for p in range(12):
+        if p < start:  # sees no key of the span: left as it is
+            assert torch.allclose(out[p, 2], plain[p, 2], atol=1e-6)
+            continue
+        row = w[p] * keep
+        assert torch.allclose(out[p, 2], (row / row.sum()) @ v[:, 1], atol=1e-5)
+
+
+def test_a_bias_knocking_out_every_edge_leaves_nothing_attended():
+    q, k, v = _toy()
+    out = _run([AttentionEdit(layers=(0,), heads=(0,), key_positions=(0, 1),
+                              bias=-math.inf)], q, k, v)
+    assert torch.equal(out[0, 0], torch.zeros(16)) and torch.equal(out[1, 0], torch.zeros(16))
+    scores = torch.einsum("d,kd->k", q[5, 0], k[:6, 0]) * META["scale"]
+    scores[:2] = -math.inf
+    assert torch.allclose(out[5, 0], torch.softmax(scores, 0) @ v[:6, 0], atol=1e-5)
+
+
+def test_heads_are_global_under_tensor_parallelism():
+    """Rank 1 of two holds global heads 4..7 as its local 0..3: a global head 5 is its 1."""
+    q, k, v = _toy()
+    edit = AttentionEdit(layers=(0,), heads=(5,), span=(0, 2), alpha=0.0)
+    on_rank_1 = _run([edit], q, k, v, tp_rank=1)
+    local = _run([dataclasses.replace(edit, heads=(1,))], q, k, v)
+    assert torch.equal(on_rank_1, local)
+    assert LayerEdits.build([edit], META, 0, torch.device("cpu")) is None  # not rank 0's
+
+
+def test_a_gap_in_the_history_and_a_full_budget_fail_with_a_reason():
+    q, k, v = _toy()
+    edits = LayerEdits.build([AttentionEdit(layers=(0,), heads=None, span=(0, 2), alpha=0.5)],
+                             META, 0, torch.device("cpu"))
+    history = KeyValueHistory(HistoryBudget(1 << 30))
+    with pytest.raises(RuntimeError, match="has not seen the keys of positions 0..3"):
+        steer_rows(edits, history, 0, 4, q[4:], k[4:], v[4:], q[4:].clone())
+    small = KeyValueHistory(HistoryBudget(1000))
+    with pytest.raises(MemoryError, match="VLLM_LENS_ATTENTION_STEER_MAX_BYTES"):
+        steer_rows(edits, small, 0, 0, q, k, v, q.clone())
+    budget = HistoryBudget(1 << 30)
+    held = KeyValueHistory(budget)
+    steer_rows(edits, held, 0, 0, q, k, v, q.clone())
+    assert budget.used == held.nbytes > 0
+    held.free()
+    assert budget.used == 0

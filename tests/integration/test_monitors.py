@@ -106,13 +106,59 @@ def test_a_stop_monitor_on_the_prompt_generates_nothing_visible(tiny_llm, tiny_r
     assert out.monitors[0]["position"] == first < len(ids)
 
 
+def test_a_monitor_by_sae_feature_scores_and_stops_like_sae_lens(tiny_llm, tiny_ref,
+                                                                 tmp_path):
+    """A JumpReLU SAE (saved by sae-lens) at layer 2's stream: a ``flag`` monitor's scores
+    are sae-lens' ``encode`` of transformers' rows for the feature, and a ``stop`` monitor
+    ends right after the first position where they cross; a TopK SAE's feature is refused
+    naming the field."""
+    from tests.integration.saes import saved_sae
+
+    path = tmp_path / "jumprelu"
+    sae = saved_sae(path, "jumprelu", f"blocks.{LAYER}.hook_resid_post")
+    eos = tiny_llm.get_tokenizer().eos_token_id
+    plain = tiny_llm.generate([TINY_PROMPT], SamplingParams(max_tokens=12, temperature=0))[0]
+    ids = list(plain.prompt_token_ids) + list(plain.outputs[0].token_ids)
+    n_prompt = len(plain.prompt_token_ids)
+    rows = tiny_ref.points(ids[:-1])[("resid_post", LAYER)].float()
+    with torch.no_grad():
+        acts = sae.encode(rows)  # [positions, d_sae]
+    # The feature that rises to a new high on a generated position by the widest margin.
+    margins = acts[n_prompt + 1:].max(0).values - acts[:n_prompt + 1].max(0).values
+    feature = int(margins.argmax())
+    assert float(margins[feature]) > 0
+    scores = acts[:, feature]
+    position, threshold = _crossing(scores, n_prompt + 1)
+    monitor = {"name": "feature", "sae": str(path), "feature": feature,
+               "threshold": threshold}
+    stopped, flagged = tiny_llm.generate([TINY_PROMPT] * 2, [
+        SamplingParams(max_tokens=12, temperature=0,
+                       extra_args={"monitors": [{**monitor, "action": "stop"}]}),
+        SamplingParams(max_tokens=12, temperature=0,
+                       extra_args={"monitors": json.dumps([{**monitor, "action": "flag"}])})])
+    assert list(stopped.outputs[0].token_ids) == [*ids[n_prompt:position + 1], eos]
+    assert stopped.outputs[0].stop_reason == "feature"
+    assert stopped.monitors[0]["position"] == position
+    assert list(flagged.outputs[0].token_ids) == ids[n_prompt:]
+    got = flagged.monitors[0]["scores"]
+    assert (got - scores).abs().max() <= TOL * scores.abs().max(), (got, scores)
+    topk = tmp_path / "topk"
+    saved_sae(topk, "topk", f"blocks.{LAYER}.hook_resid_post", k=8)
+    with pytest.raises(LensRequestError, match=r"monitors\[0\]\.sae.*topk"):
+        tiny_llm.generate([TINY_PROMPT], SamplingParams(max_tokens=2, extra_args={
+            "monitors": [{**monitor, "sae": str(topk), "action": "flag"}]}))
+    with pytest.raises(LensRequestError, match=r"monitors\[0\]\.feature"):
+        tiny_llm.generate([TINY_PROMPT], SamplingParams(max_tokens=2, extra_args={
+            "monitors": [{**monitor, "feature": 512, "action": "flag"}]}))
+
+
 @pytest.mark.parametrize(("change", "field"), [
     ({"probe": [1.0, 2.0]}, "monitors[0].probe"),
     ({"action": "halt"}, "monitors[0].action"),
     ({"threshold": float("nan")}, "monitors[0].threshold"),
     ({"layer": 99}, "monitors[0].layer"),
     ({"point": "mlp_post"}, "monitors[0].point"),
-    ({"sae": "x", "feature": 3}, "monitors[0]"),
+    ({"sae": "x", "feature": 3}, "monitors[0].bias"),  # a probe's fields with an SAE's
     ({"nme": "typo"}, "monitors[0].nme"),
 ])
 def test_bad_monitors_are_refused_naming_the_field(tiny_llm, change, field):
@@ -207,6 +253,31 @@ def test_monitors_over_http_stream_and_stop_with_the_reason(smol_server):
             {**_monitor("lighthouse", probe, threshold, "stop", layer=10), "probe": probe}])
     assert result.stop_reason == "lighthouse" and result.finish_reason == "stop"
     assert result.token_ids == tokens and result.monitors[0]["position"] == position
+
+
+def test_a_monitor_by_a_served_sae_feature_over_http(smol_server, smol_sae, smol_ref):
+    """``smol-l10`` (the server's SAE, by name): a flag monitor's scores are sae-lens'
+    ``encode`` of transformers' rows at layer 10 for the feature; a directory instead of a
+    registered name is refused naming the field."""
+    from vllm_lens.client import LensClient, LensHTTPError
+
+    prompt = "Once upon a time, in a small village by the sea, there lived"
+    feature = 11
+    with LensClient(smol_server.base_url) as client:
+        result = client.generate(prompt, max_tokens=6, ignore_eos=True, monitors=[
+            {"name": "f", "sae": "smol-l10", "feature": feature, "threshold": 1e9,
+             "action": "flag"}])
+        with pytest.raises(LensHTTPError, match=r"monitors\[0\]\.sae"):
+            client.generate(prompt, max_tokens=2, monitors=[
+                {"name": "f", "sae": str(smol_sae[0]), "feature": feature,
+                 "threshold": 1.0, "action": "flag"}])
+    ids = result.prompt_token_ids + result.token_ids
+    rows = smol_ref.points(ids[:-1])[("resid_post", 10)].float()
+    with torch.no_grad():
+        expected = smol_sae[1].encode(rows)[:, feature]
+    got = result.monitors[0]["scores"]
+    assert float(expected.abs().max()) > 0  # the feature is active somewhere
+    assert (torch.as_tensor(got) - expected).abs().max() <= TOL * expected.abs().max() + 1e-5
 
 
 def test_a_bad_monitor_over_http_is_a_400_naming_the_field(smol_server):

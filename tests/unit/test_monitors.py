@@ -52,7 +52,7 @@ def test_a_monitor_is_parsed_with_its_defaults_and_travels_in_the_payload():
     ({"point": "attn_z"}, "monitors[0].point"),
     ({"name": "has space"}, "monitors[0].name"),
     ({"thresold": 1}, "monitors[0].thresold"),
-    ({"feature": 3}, "monitors[0]"),
+    ({"feature": 3}, "monitors[0].layer"),  # a probe's fields with an SAE feature's
 ])
 def test_a_bad_field_is_named(change, field):
     with pytest.raises(LensRequestError) as raised:
@@ -187,3 +187,43 @@ def test_long_chunks_are_scored_a_block_of_rows_at_a_time(monkeypatch):
     positions, scores = state.kept(0)
     assert positions.tolist() == list(range(7))
     assert torch.allclose(scores, (hidden[1:8] + residual[1:8]) @ probe - 1.0, atol=1e-5)
+
+
+def test_sae_feature_monitors_are_referenced_before_the_parse_and_need_a_describer():
+    from vllm_lens.spec.monitors import monitor_sae_references
+
+    one = {"name": "f", "sae": "s", "feature": 3, "threshold": 1.0, "action": "flag"}
+    assert monitor_sae_references([one, _monitor()]) == [("s", None, (3,), False)]
+    assert monitor_sae_references(json.dumps(one)) == [("s", None, (3,), False)]
+    assert monitor_sae_references("not json") == [] and monitor_sae_references(None) == []
+    with pytest.raises(LensRequestError) as err:
+        parse_monitors([one], FACTS)  # no SAE describer: refused by field
+    assert err.value.field == "monitors[0].sae"
+    with pytest.raises(LensRequestError) as err:
+        parse_monitors([{**one, "feature": "3"}], FACTS)
+    assert err.value.field == "monitors[0].feature"
+    with pytest.raises(LensRequestError) as err:
+        parse_monitors([{**one, "hook": "logit_lens"}], FACTS)
+    assert err.value.field == "monitors[0]"
+
+
+def test_an_sae_feature_monitor_scores_the_features_activation():
+    """The worker's score is the cut-down SAE's ``encode`` of ``a + b`` (JumpReLU: zero at or
+    below the threshold)."""
+    g = torch.Generator().manual_seed(0)
+    w_enc, w_dec = torch.randn(8, 1, generator=g), torch.randn(1, 8, generator=g)
+    encoder = {"architecture": "jumprelu", "W_enc": w_enc, "b_enc": torch.tensor([0.1]),
+               "W_dec": w_dec, "b_dec": torch.randn(8, generator=g),
+               "threshold": torch.tensor([0.5]), "apply_b_dec_to_input": True}
+    from vllm_lens.spec.monitors import MonitorSpec
+
+    spec = MonitorSpec(name="f", action="flag", threshold=1.0, layer=1, point="resid_mid",
+                       probe=b"", encoder=wire.dumps(encoder), sae="s", feature=0)
+    state = MonitorState.build((spec,), torch.device("cpu"), 2, split=False)
+    hidden, residual = torch.randn(5, 8, generator=g), torch.randn(5, 8, generator=g)
+    (where,) = state.by_site
+    state.score(where, hidden, residual, 0, 5, 0, 5, True)
+    _, got = state.kept(0)
+    h = (hidden + residual - encoder["b_dec"]) @ w_enc[:, 0] + 0.1
+    assert torch.allclose(got, torch.where(h > 0.5, h, torch.zeros(())), atol=1e-6)
+    assert MonitorSpec.from_payload(spec.to_payload()) == spec

@@ -42,7 +42,8 @@ from vllm_lens.common.messages import SaeAnswer, SaeSliceAnswer, read_all
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.session import LensSession
 from vllm_lens.frontend.engine_methods import Steps, drive_async, install_methods
-from vllm_lens.spec.keys import SAE_KEY, STEER_KEY
+from vllm_lens.spec.keys import MONITORS_KEY, SAE_KEY, STEER_KEY
+from vllm_lens.spec.monitors import monitor_sae_references
 from vllm_lens.spec.sae_steering import steering_sae_references
 from vllm_lens.spec.facts import facts_from_describe
 from vllm_lens.spec.saes import Describe, check_description, sae_references
@@ -278,6 +279,7 @@ async def async_describer(engine: Any, extra_args: Mapping[str, Any] | None,
         return given
     reads = await _off_the_loop(sae_references, extra_args.get(SAE_KEY))
     steers = await _off_the_loop(steering_sae_references, extra_args.get(STEER_KEY))
+    steers += await _off_the_loop(monitor_sae_references, extra_args.get(MONITORS_KEY))
     if not reads and not steers:
         return None
     return await drive_async(engine, describing(LensSession.of(engine), reads, steers, paths))

@@ -7,8 +7,14 @@ A request's ``extra_args["monitors"]`` is a list (or its JSON string) of::
      "point": "resid_post", "threshold": 2.5, "action": "stop" | "flag",
      "positions": "all" | "generated"}
 
-The score of a row is ``h · probe + bias`` (float32), ``h`` the point's value at ``layer``
-(after any steering there, as a capture sees it), for every position the engine computes:
+or, by an SAE feature (a ``standard`` or ``jumprelu`` SAE registered or, offline, a
+directory), ``{"name", "sae": NAME, "hook_point": optional, "feature": i, "threshold",
+"action", "positions"}``, read at the SAE's own point and layer.
+
+The score of a row is ``h · probe + bias`` (float32), or the feature's activation as
+``output_sae_features`` reports it (the SAE's ``encode`` of ``h``, that feature's column,
+float32), ``h`` the point's value at ``layer`` (after any steering there, as a capture sees
+it), for every position the engine computes:
 the prompt's and each generated token's (``"positions": "all"``, the default), or the
 generated tokens' alone (``"generated"``: a guard on what the model writes, not on what it
 was asked). A monitor fires at the first position whose score
@@ -19,12 +25,14 @@ after ``p`` is generated and the request finishes in that step with ``finish_rea
 request before any visible token. ``flag``: generation goes on. Either way the result holds
 one record per monitor (``worker.monitors``, ``frontend.collator``).
 
-Monitors by SAE feature or by a named hook's score are not built yet: refused by field.
-The front end parses and checks; the workers decode ``MonitorSpec.from_payload``.
+Monitors by a TopK SAE's feature (which depends on every other feature) and by a named
+hook's score are not built yet: refused by field. The front end parses and checks; the
+workers decode ``MonitorSpec.from_payload``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -36,9 +44,11 @@ from vllm_lens.errors import LensRequestError, UnsupportedConfigError, WireError
 from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import check_site, json_value
 from vllm_lens.spec.keys import MONITORS_KEY
+from vllm_lens.spec.sae_steering import steering_sae_references
+from vllm_lens.spec.saes import Describe, described
 
-__all__ = ["ACTIONS", "MAX_MONITORS", "MONITOR_POINTS", "MonitorSpec", "check_sampling",
-           "parse_monitors"]
+__all__ = ["ACTIONS", "MAX_MONITORS", "MONITOR_POINTS", "SAE_ARCHITECTURES", "MonitorSpec",
+           "check_sampling", "monitor_sae_references", "parse_monitors"]
 
 ACTIONS = ("stop", "flag")
 #: Monitors one request may carry.
@@ -48,6 +58,9 @@ MAX_MONITORS = 16
 MONITOR_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _FIELDS = {"name", "probe", "bias", "layer", "point", "threshold", "action", "positions"}
+_SAE_FIELDS = {"name", "sae", "hook_point", "feature", "threshold", "action", "positions"}
+#: SAE architectures whose feature a monitor reads from its own encoder column.
+SAE_ARCHITECTURES = ("standard", "jumprelu")
 POSITIONS = ("all", "generated")
 
 
@@ -61,31 +74,45 @@ class MonitorSpec:
     layer: int
     point: str
     probe: bytes
-    """``wire.dumps`` of the ``(hidden,)`` float32 probe."""
+    """``wire.dumps`` of the ``(hidden,)`` float32 probe (empty for an SAE feature)."""
     bias: float = 0.0
     generated_only: bool = False
     """Scores the generated tokens' rows alone (``"positions": "generated"``)."""
+    encoder: bytes = b""
+    """By SAE feature: ``wire.dumps`` of the feature's slice of the SAE (``{"architecture",
+    "W_enc" [d_in, 1], "b_enc" [1], "W_dec" [1, d_in], "b_dec" [d_in], "threshold" [1] or
+    None, "apply_b_dec_to_input"}``); empty for a probe."""
+    sae: str = ""
+    """By SAE feature: the SAE's name as the request gave it, and the feature."""
+    feature: int = -1
 
     @property
     def stops(self) -> bool:
         return self.action == "stop"
 
     def to_payload(self) -> dict[str, Any]:
-        return {"name": self.name, "action": self.action, "threshold": self.threshold,
-                "layer": self.layer, "point": self.point, "probe": self.probe,
-                "bias": self.bias, "generated_only": self.generated_only}
+        payload = {"name": self.name, "action": self.action, "threshold": self.threshold,
+                   "layer": self.layer, "point": self.point, "probe": self.probe,
+                   "bias": self.bias, "generated_only": self.generated_only}
+        if self.encoder:
+            payload.update(encoder=self.encoder, sae=self.sae, feature=self.feature)
+        return payload
 
     @classmethod
     def from_payload(cls, d: Mapping[str, Any]) -> MonitorSpec:
         return cls(name=str(d["name"]), action=str(d["action"]),
                    threshold=float(d["threshold"]), layer=int(d["layer"]),
                    point=str(d["point"]), probe=bytes(d["probe"]), bias=float(d["bias"]),
-                   generated_only=bool(d["generated_only"]))
+                   generated_only=bool(d["generated_only"]),
+                   encoder=bytes(d.get("encoder", b"")), sae=str(d.get("sae", "")),
+                   feature=int(d.get("feature", -1)))
 
 
-def parse_monitors(raw: Any, facts: ModelFacts,
-                   request_id: str | None = None) -> tuple[MonitorSpec, ...]:
-    """Validate ``monitors`` against the served model.
+def parse_monitors(raw: Any, facts: ModelFacts, request_id: str | None = None,
+                   saes: Describe | None = None) -> tuple[MonitorSpec, ...]:
+    """Validate ``monitors`` against the served model. ``saes``: describes an SAE a monitor
+    names and gives its feature's slice (``describe.sae_slice``, as for steering by feature);
+    without it, monitors by SAE feature are refused.
 
     Raises:
         LensRequestError: naming the field (``monitors[i].<field>``).
@@ -111,7 +138,7 @@ def parse_monitors(raw: Any, facts: ModelFacts,
         raise UnsupportedConfigError(MONITORS_KEY, "monitors are refused while speculative "
                                      "decoding is on (draft tokens the sampler may reject "
                                      "would be scored)", request_id=request_id)
-    specs = [_parse_one(item, i, facts, request_id) for i, item in enumerate(raw)]
+    specs = [_parse_one(item, i, facts, request_id, saes) for i, item in enumerate(raw)]
     names = [s.name for s in specs]
     for i, name in enumerate(names):
         if name in names[:i]:
@@ -120,19 +147,24 @@ def parse_monitors(raw: Any, facts: ModelFacts,
     return tuple(specs)
 
 
-def _parse_one(item: Any, i: int, facts: ModelFacts, request_id: str | None) -> MonitorSpec:
+def _parse_one(item: Any, i: int, facts: ModelFacts, request_id: str | None,
+               saes: Describe | None) -> MonitorSpec:
     where = f"{MONITORS_KEY}[{i}]"
     if not isinstance(item, Mapping):
         raise LensRequestError(where, f"expected an object, got {type(item).__name__}",
                                request_id=request_id)
-    if "sae" in item or "feature" in item or "hook" in item:
-        raise LensRequestError(where, "monitors by SAE feature or by a named hook's score are "
-                               "not available yet; give a linear probe (\"probe\", \"bias\", "
-                               "\"layer\", \"point\")", request_id=request_id)
-    unknown = sorted(set(item) - _FIELDS)
+    if "hook" in item:
+        raise LensRequestError(where, "monitors by a named hook's score are not available "
+                               "yet; give a linear probe (\"probe\", \"bias\", \"layer\", "
+                               "\"point\") or an SAE feature (\"sae\", \"feature\")",
+                               request_id=request_id)
+    by_feature = "sae" in item or "feature" in item
+    allowed = _SAE_FIELDS if by_feature else _FIELDS
+    unknown = sorted(set(item) - allowed)
     if unknown:
-        raise LensRequestError(f"{where}.{unknown[0]}", f"unknown field; a monitor has "
-                               f"{', '.join(sorted(_FIELDS))}", request_id=request_id)
+        raise LensRequestError(f"{where}.{unknown[0]}", f"unknown field; a monitor by "
+                               f"{'SAE feature' if by_feature else 'probe'} has "
+                               f"{', '.join(sorted(allowed))}", request_id=request_id)
     name = item.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise LensRequestError(f"{where}.name", f"{name!r} is not a monitor name (1 to 64 "
@@ -144,6 +176,15 @@ def _parse_one(item: Any, i: int, facts: ModelFacts, request_id: str | None) -> 
                                "generation when it fires) or 'flag' (report, go on)",
                                request_id=request_id)
     threshold = _number(item.get("threshold"), f"{where}.threshold", request_id)
+    positions = item.get("positions", "all")
+    if positions not in POSITIONS:
+        raise LensRequestError(f"{where}.positions", f"{positions!r}; use 'all' (the prompt "
+                               "and the generated tokens) or 'generated'",
+                               request_id=request_id)
+    common = dict(name=name, action=action, threshold=threshold,
+                  generated_only=positions == "generated")
+    if by_feature:
+        return _sae_monitor(item, where, facts, request_id, saes, common)
     bias = _number(item.get("bias", 0.0), f"{where}.bias", request_id)
     layer = item.get("layer")
     if isinstance(layer, bool) or not isinstance(layer, int) or not (
@@ -156,15 +197,53 @@ def _parse_one(item: Any, i: int, facts: ModelFacts, request_id: str | None) -> 
         raise LensRequestError(f"{where}.point", f"{point!r}; a monitor reads one of "
                                f"{', '.join(MONITOR_POINTS)}", request_id=request_id)
     check_site(point, facts, f"{where}.point", request_id)
-    positions = item.get("positions", "all")
-    if positions not in POSITIONS:
-        raise LensRequestError(f"{where}.positions", f"{positions!r}; use 'all' (the prompt "
-                               "and the generated tokens) or 'generated'",
-                               request_id=request_id)
     probe = _probe(item.get("probe"), facts.hidden_size, f"{where}.probe", request_id)
-    return MonitorSpec(name=name, action=action, threshold=threshold,
-                       layer=layer % facts.n_layers, point=point, probe=probe, bias=bias,
-                       generated_only=positions == "generated")
+    return MonitorSpec(layer=layer % facts.n_layers, point=point, probe=probe, bias=bias,
+                       **common)
+
+
+def _sae_monitor(item: Mapping[str, Any], where: str, facts: ModelFacts,
+                 request_id: str | None, saes: Describe | None,
+                 common: dict[str, Any]) -> MonitorSpec:
+    """A monitor by one feature of a standard or JumpReLU SAE, read at the SAE's point and
+    layer from the feature's encoder column (``describe.sae_slice``)."""
+    name, hook_point, feature = item.get("sae"), item.get("hook_point"), item.get("feature")
+    if not isinstance(name, str) or not name:
+        raise LensRequestError(f"{where}.sae", "a registered SAE's name (offline, also the "
+                               "directory holding one)", request_id=request_id)
+    if hook_point is not None and not isinstance(hook_point, str):
+        raise LensRequestError(f"{where}.hook_point", "a name such as "
+                               "'blocks.3.hook_resid_post'", request_id=request_id)
+    if isinstance(feature, bool) or not isinstance(feature, int):
+        raise LensRequestError(f"{where}.feature", f"one feature index, got {feature!r}",
+                               request_id=request_id)
+    slice_of = getattr(saes, "sae_slice", None)
+    info, point, layer, d_sae = described(saes if slice_of is not None else None, name,
+                                          hook_point, facts, f"{where}.sae",
+                                          "monitor an SAE feature", request_id)
+    if not 0 <= feature < d_sae:
+        raise LensRequestError(f"{where}.feature", f"{feature} is not a feature of this SAE "
+                               f"(0 to {d_sae - 1})", request_id=request_id)
+    architecture = str(info.get("architecture"))
+    if architecture not in SAE_ARCHITECTURES:
+        raise LensRequestError(f"{where}.sae", f"a {architecture} SAE; monitors read a feature "
+                               f"of a {' or '.join(SAE_ARCHITECTURES)} SAE (a TopK feature "
+                               "depends on every other feature: not built yet)",
+                               request_id=request_id)
+    if point not in MONITOR_POINTS:
+        raise LensRequestError(f"{where}.sae", f"the SAE reads {point}; a monitor reads one of "
+                               f"{', '.join(MONITOR_POINTS)}", request_id=request_id)
+    check_site(point, facts, f"{where}.sae", request_id)
+    try:
+        with wire.trusted():
+            found = slice_of(name, hook_point, (feature,))
+    except (ValueError, OSError) as exc:  # WireError included
+        raise LensRequestError(f"{where}.sae", str(exc), request_id=request_id) from None
+    encoder = {k: found[k] for k in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold",
+                                     "apply_b_dec_to_input")}
+    encoder["architecture"] = architecture
+    return MonitorSpec(layer=layer, point=point, probe=b"", encoder=wire.dumps(encoder),
+                       sae=name, feature=feature, **common)
 
 
 def _number(raw: Any, field: str, request_id: str | None) -> float:
@@ -200,6 +279,26 @@ def _probe(raw: Any, hidden: int, field: str, request_id: str | None) -> bytes:
     if not bool(torch.isfinite(tensor).all()):
         raise LensRequestError(field, "contains NaN or inf", request_id=request_id)
     return wire.dumps(tensor.contiguous())
+
+
+def monitor_sae_references(raw: Any) -> list[tuple[str, str | None, tuple[int, ...], bool]]:
+    """The ``(sae, hook_point, (feature,), False)`` of the monitors by SAE feature in a
+    ``monitors`` value, without checking anything else: what an asynchronous front end fetches
+    the features' slices for before it parses (``frontend.sae_names``). Malformed values
+    give nothing (the parse names the problem)."""
+    if isinstance(raw, str):
+        if '"sae"' not in raw:
+            return []
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return []
+    items = [raw] if isinstance(raw, Mapping) else raw
+    if not isinstance(items, (list, tuple)):
+        return []
+    return steering_sae_references([item for item in items[:MAX_MONITORS]
+                                    if isinstance(item, Mapping) and "sae" in item
+                                    and "clamp" not in item])
 
 
 def check_sampling(monitors: tuple[MonitorSpec, ...], params: Any,

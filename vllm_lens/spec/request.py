@@ -300,7 +300,8 @@ def parse_extra_args(
     sink = None if raw_sink is None else parse_sink(raw_sink, captures, facts, request_id,
                                                     saes=features)
     stream = parse_stream(raw_stream, captures, sink, request_id, saes=features)
-    monitors = () if raw_monitors is None else parse_monitors(raw_monitors, facts, request_id)
+    monitors = () if raw_monitors is None else parse_monitors(raw_monitors, facts, request_id,
+                                                              saes=saes)
     attention = () if raw_attention is None else parse_attention_steering(
         raw_attention, facts, request_id)
     return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,

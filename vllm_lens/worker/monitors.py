@@ -3,7 +3,8 @@ the sampled token forced to end-of-sequence once a ``stop`` monitor fired (runs 
 
 At a tap (after steering and hooks there, as a capture sees the signal) ``score`` computes
 ``h · probe + bias`` in float32 for the request's rows (the monitors read at one site in one
-product, a block of rows at a time), keeps the scores on the device (TP rank 0 reports them
+product, a block of rows at a time), or for a monitor by SAE feature the feature's activation
+(the SAE cut down to that feature, ``encode`` in float32), keeps the scores on the device (TP rank 0 reports them
 at fetch, one copy per monitor) and, for ``stop`` monitors, ORs ``any(score > threshold)``
 into the request's ``fired`` flag, a device boolean: nothing waits on the device. Before the step
 samples, ``force_stops`` replaces the logits row of every request whose flag is set by one
@@ -24,6 +25,7 @@ import torch
 
 from vllm_lens.common import wire
 from vllm_lens.common.points import hook_site, operands
+from vllm_lens.saes import SAE
 from vllm_lens.spec.monitors import MonitorSpec
 
 __all__ = ["MonitorState", "force_stops", "pack_scores"]
@@ -45,7 +47,9 @@ class MonitorState:
     by_site: dict[tuple[int, str], list[tuple[Any, ...]]] = field(default_factory=dict)
     """(layer, site) -> per point read there (``resid_post`` and ``mlp_out`` may share a
     site) and prompt rule: (point, generated only, monitor indices, their probes
-    ``[hidden, k]`` float32 on the device, their biases ``[k]``)."""
+    ``[hidden, k]`` float32 on the device, their biases ``[k]``, ``None``); for a monitor by
+    SAE feature (point, generated only, ``[index]``, ``None``, ``None``, the SAE cut down to
+    its feature, float32 on the device)."""
     ranges: list[list[list[int]]] = field(default_factory=list)
     """Per monitor: the positions its kept scores cover, in order, as ``[first, count]`` runs
     (consecutive steps extend one run)."""
@@ -68,15 +72,20 @@ class MonitorState:
             raise ValueError(f"monitors[{i}].action: 'stop' ends the generation with the "
                              "end-of-sequence token, and this request has none")
         grouped: dict[tuple[int, str, str, bool], list[int]] = {}
+        by_site: dict[tuple[int, str], list[Any]] = {}
         for i, spec in enumerate(specs):
             site = hook_site(spec.point, split=split)
+            if spec.encoder:
+                by_site.setdefault((spec.layer, site), []).append(
+                    (spec.point, spec.generated_only, [i], None, None,
+                     _feature_sae(spec.encoder, device)))
+                continue
             grouped.setdefault((spec.layer, site, spec.point, spec.generated_only), []).append(i)
-        by_site: dict[tuple[int, str], list[Any]] = {}
         for (layer, site, point, generated_only), indices in grouped.items():
             probes = torch.stack([wire.loads(specs[i].probe).float() for i in indices], dim=1)
             biases = torch.tensor([specs[i].bias for i in indices], dtype=torch.float32)
             by_site.setdefault((layer, site), []).append(
-                (point, generated_only, indices, probes.to(device), biases.to(device)))
+                (point, generated_only, indices, probes.to(device), biases.to(device), None))
         return cls(specs=specs, eos=eos, by_site=by_site, ranges=[[] for _ in specs],
                    chunks=[[] for _ in specs], stops=stops)
 
@@ -86,12 +95,13 @@ class MonitorState:
         """Score rows ``start:end`` (positions from ``pos0``; the prompt has ``n_prompt``)
         for the monitors read at ``where``; ``keep``: this rank reports the scores."""
         try:
-            for point, generated_only, indices, probes, biases in self.by_site[where]:
+            for point, generated_only, indices, probes, biases, sae in self.by_site[where]:
                 lo = max(start, start + n_prompt - pos0) if generated_only else start
                 if lo >= end:
                     continue  # prompt rows only, and these monitors skip them
                 a, b = operands(point, hidden, residual)
-                scores = _scores(a, b, lo, end, probes, biases)
+                scores = (_scores(a, b, lo, end, probes, biases) if sae is None
+                          else _feature_scores(a, b, lo, end, sae))
                 first = pos0 + lo - start
                 for column, i in enumerate(indices):
                     if keep:
@@ -142,6 +152,32 @@ def _scores(a: torch.Tensor, b: torch.Tensor | None, lo: int, end: int,
         if rows_b is not None:
             part.addmm_(rows_b[s:e].float(), probes)
         parts.append(part)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _feature_sae(encoder: bytes, device: torch.device) -> SAE:
+    """A monitor's SAE, cut down to its feature, float32 on ``device``."""
+    parts = wire.loads(encoder)
+    return SAE(architecture=str(parts["architecture"]), W_enc=parts["W_enc"],
+               b_enc=parts["b_enc"], W_dec=parts["W_dec"], b_dec=parts["b_dec"],
+               layout="slice", threshold=parts["threshold"],
+               apply_b_dec_to_input=bool(parts["apply_b_dec_to_input"])).to(device,
+                                                                             torch.float32)
+
+
+def _feature_scores(a: torch.Tensor, b: torch.Tensor | None, lo: int, end: int,
+                    sae: SAE) -> torch.Tensor:
+    """The feature's activation ``[end - lo, 1]`` of rows ``(a + b)[lo:end]``, float32, a
+    block of rows at a time."""
+    rows_a = a.reshape(-1, a.shape[-1])
+    rows_b = None if b is None else b.reshape(-1, b.shape[-1])
+    parts = []
+    for s in range(lo, end, _BLOCK_ROWS):
+        e = min(s + _BLOCK_ROWS, end)
+        rows = rows_a[s:e].float()
+        if rows_b is not None:
+            rows = rows + rows_b[s:e].float()
+        parts.append(sae.encode(rows).float())
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

@@ -78,7 +78,8 @@ def time_plugin_code(extra: tuple[tuple[Any, str], ...] = ()) -> dict[str, float
 
         setattr(cls, name, wrapper)
 
-    for cls, name in ((LensRuntime, "on_tap"), (LensRuntime, "before_sample"),
+    for cls, name in ((LensRuntime, "on_tap"), (LensRuntime, "on_attention"),
+                      (LensRuntime, "before_sample"),
                       (LensWorkerExtension, "lens_fetch"), (LensSession, "prepare"),
                       (collator, "attach"), *extra):
         timed(cls, name)

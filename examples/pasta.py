@@ -60,8 +60,10 @@ def follows(answer: str, first: str, second: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", default="16-23", help="first-last layer (default 16-23)")
-    parser.add_argument("--alpha", type=float, default=0.01)
-    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--alpha", type=float, default=0.01,
+                        help="factor on the attention to keys outside the note (default 0.01)")
+    parser.add_argument("--max-tokens", type=int, default=12,
+                        help="tokens generated per answer (default 12)")
     args = parser.parse_args()
     first, last = (int(x) for x in args.layers.split("-"))
     layers = list(range(first, last + 1))

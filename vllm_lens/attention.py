@@ -97,15 +97,37 @@ def attention_scores(
     alibi_slopes: Sequence[float] | torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """The scores ``[n_heads, q_len, kv_len]`` that the softmax of
-    ``compute_attention_weights`` reads: scaled, soft-capped, with ALiBi, and ``-inf`` where
-    the mask hides a key (same arguments, without ``sinks``). Attention steering edits them
-    (``worker.attention_steering``).
+    """The scores that the softmax of ``compute_attention_weights`` reads: scaled,
+    soft-capped, with ALiBi, and ``-inf`` where the mask hides a key. Attention steering edits
+    them (``worker.attention_steering``).
 
-    >>> import torch
-    >>> s = attention_scores(torch.ones(2, 1, 4), torch.ones(2, 1, 4), scale=0.5)
-    >>> s.tolist()
-    [[[2.0, -inf], [2.0, 2.0]]]
+    Args:
+        q: ``[q_len, n_heads, head_dim]``; its rows are positions ``q_start ..``.
+        k: ``[kv_len, n_kv_heads, head_dim]`` at positions ``0 .. kv_len - 1``; query head
+            ``h`` reads key head ``h // (n_heads / n_kv_heads)`` (the keys are not copied per
+            query head).
+        scale: multiplies ``q · k``.
+        causal: mask keys after each query's position (default ``True``).
+        q_start: position of ``q[0]`` (default ``kv_len - q_len``).
+        q_positions: the position of each query row (overrides ``q_start``).
+        sliding_window: ``(left, right)`` as vLLM keeps it (``-1``: unbounded).
+        logits_soft_cap: ``cap * tanh(scores / cap)`` before masking (0: off).
+        alibi_slopes: per head, ``slope * (key_pos - query_pos)`` is added.
+        dtype: the dtype the scores are computed and returned in (default float32).
+
+    Returns:
+        ``[n_heads, q_len, kv_len]`` scores in ``dtype``, ``-inf`` at masked keys.
+
+    Raises:
+        ValueError: ``q`` or ``k`` is not 3D, or ``n_heads`` is not a multiple of
+            ``n_kv_heads``.
+
+    Examples:
+        >>> import torch
+        >>> from vllm_lens.attention import attention_scores
+        >>> s = attention_scores(torch.ones(2, 1, 4), torch.ones(2, 1, 4), scale=0.5)
+        >>> s.tolist()
+        [[[2.0, -inf], [2.0, 2.0]]]
     """
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(f"q and k must be [positions, heads, head_dim], got {tuple(q.shape)} "
@@ -116,9 +138,11 @@ def attention_scores(
         raise ValueError(f"{n_heads} query heads cannot share {n_kv} key heads evenly")
     if q_start is None:
         q_start = kv_len - q_len
-    if n_heads != n_kv:
-        k = k.repeat_interleave(n_heads // n_kv, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.to(dtype), k.to(dtype)) * scale
+    # Grouped: query head h reads key head h // (n_heads / n_kv), without copying the keys
+    # once per query head.
+    grouped = q.to(dtype).reshape(q_len, n_kv, n_heads // n_kv, q.shape[-1])
+    scores = torch.einsum("qgrd,kgd->grqk", grouped, k.to(dtype)).reshape(
+        n_heads, q_len, kv_len) * scale
     if logits_soft_cap:
         scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
     if q_positions is not None:

@@ -235,9 +235,9 @@ class HFReference:
         """Within the block, eager attention applies ``steer_attention`` edits (the request's
         dicts; ``layers`` a list, ``heads`` global query heads or ``None``), written here
         from the issue's definition: biases added to the masked scores, softmax (a row with
-        no key left attends to nothing), then each emphasis multiplies the probabilities of
-        keys outside ``[start, end)`` by ``alpha`` and renormalises the rows that see the
-        span."""
+        no key left attends to nothing), then the emphases' weights (1 inside ``[start, end)``,
+        ``alpha`` outside) multiply the probabilities, and each row is renormalised once (left
+        as it was where no key keeps weight)."""
         import sys
 
         modules = {sys.modules[type(m).__module__] for m in self.model.modules()
@@ -269,24 +269,26 @@ class HFReference:
                 every = range(query.shape[1])
                 for e in mine:
                     if "key_positions" in e:
-                        heads = every if e["heads"] is None else e["heads"]
+                        heads = every if e["heads"] is None else set(e["heads"])
                         bias = float(e["bias"])
                         for h in heads:
-                            for p in e["key_positions"]:
+                            for p in set(e["key_positions"]):
                                 if p < n_keys:
                                     scores[0, h, :, p] = scores[0, h, :, p] + bias
                 probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+                weights = torch.ones(query.shape[1], n_keys)  # the emphases' product
                 for e in mine:
                     if "emphasize" in e:
                         start, end = e["emphasize"]
-                        heads = every if e["heads"] is None else e["heads"]
-                        for h in heads:
-                            row = probs[0, h].clone()
+                        for h in sorted(set(every if e["heads"] is None else e["heads"])):
                             w = torch.full((n_keys,), float(e["alpha"]))
                             w[start:end] = 1.0
-                            weighted = row * w
-                            total = weighted.sum(-1, keepdim=True)
-                            probs[0, h] = torch.where(total > 0, weighted / total, row)
+                            weights[h] *= w
+                for h in every:
+                    row = probs[0, h].clone()
+                    weighted = row * weights[h]
+                    total = weighted.sum(-1, keepdim=True)
+                    probs[0, h] = torch.where(total > 0, weighted / total, row)
                 out = (probs @ v).to(query.dtype).transpose(1, 2).contiguous()
                 return out, probs
             return forward

@@ -183,6 +183,39 @@ def test_plain_requests_are_token_identical_to_vllm_without_plugin(family):
     assert with_plugin == generate_without_plugin(path, prompts, 8, **_mode(name)), name
 
 
+def test_ablation_and_cap_match_transformers(family):
+    """``mode="ablate"`` at resid_pre, attn_out and mlp_out of every layer (the refusal
+    recipe) and a one-sided ``cap`` at layer 2's stream, together, equal transformers with
+    hooks doing the same edits; the ablated direction is gone from the stream leaving every
+    layer but the capped one."""
+    from tests.integration.test_steering_projections import _projecting
+    from vllm_lens.steering import ABLATION_POINTS
+
+    name, _, llm, ref = family
+    ids = list(llm.get_tokenizer()(PROMPT)["input_ids"])
+    stream = ref.points(ids)[("resid_post", 1)]
+    r = stream[1:].mean(dim=0)  # a direction the model uses (the first position left out)
+    g = torch.Generator().manual_seed(11)
+    d = torch.randn(128, generator=g)
+    upper = float((stream @ (d / d.norm())).median())
+    vectors = [*SteeringVector.ablation(r),
+               SteeringVector(activations=d[None], layer_indices=[2], mode="cap",
+                              cap=(None, upper))]
+    out = llm.generate([PROMPT], SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True,
+        extra_args={"apply_steering_vectors": vectors, "output_residual_stream": True}))[0]
+    assert out.lens_error is None
+    edits = {(point, layer): _projecting(r) for point in ABLATION_POINTS for layer in range(4)}
+    ablate_post2 = edits.get(("resid_post", 2))
+    cap = _projecting(d, -float("inf"), upper)
+    edits[("resid_post", 2)] = cap if ablate_post2 is None else (
+        lambda h: cap(ablate_post2(h)))
+    assert list(out.outputs[0].token_ids) == ref.point_greedy(ids, 8, edits), name
+    got = out.activations["residual_stream"][[0, 1, 3]].float()  # (layer 2's cap adds some)
+    unit = (r / r.norm()).float()
+    assert float(((got @ unit).abs() / got.norm(dim=-1)).max()) < 1e-4, name
+
+
 def test_attention_steering_matches_transformers(family):
     """``steer_attention``: PASTA on one head of two (they share one key head) at layers 1
     and 2, and a bias lowering two keys in every head at layer 3, equal transformers' eager
@@ -200,6 +233,8 @@ def test_attention_steering_matches_transformers(family):
     with ref.attention_edits(edits):
         expected = ref.residual_stream(_ids(out)[:-1], [3])
     assert max_relative_error(out.activations["residual_stream"][0], expected[0]) <= TOL, name
+    plain = ref.residual_stream(_ids(out)[:-1], [3])
+    assert max_relative_error(expected[0], plain[0]) > 1e-3, name  # the edits matter
 
 
 def test_a_stop_monitor_stops_where_the_transformers_scores_cross(family):

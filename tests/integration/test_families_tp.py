@@ -46,3 +46,8 @@ def test_tp2_a_stop_monitor_stops_where_the_transformers_scores_cross(family):
 def test_tp2_attention_steering_matches_transformers(family):
     """Each rank steers its own head (the key head replicated on both)."""
     single.test_attention_steering_matches_transformers(family)
+
+
+def test_tp2_ablation_and_cap_match_transformers(family):
+    """Applied on both ranks, on the whole stream."""
+    single.test_ablation_and_cap_match_transformers(family)

@@ -274,9 +274,14 @@ def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch, tmp_
         pasta = [{"layers": [1, 3], "heads": [1], "emphasize": [2, 9], "alpha": 0.02}]
         attention = llm.generate([PROMPTS[0]], SamplingParams(
             max_tokens=8, temperature=0, ignore_eos=True,
-            extra_args={"steer_attention": pasta}))[0]
+            extra_args={"steer_attention": pasta, "output_residual_stream": [3]}))[0]
     assert list(attention.outputs[0].token_ids) == tiny_ref.attention_greedy(
         list(attention.prompt_token_ids), 8, pasta)
+    rows = list(attention.prompt_token_ids) + list(attention.outputs[0].token_ids)[:-1]
+    with tiny_ref.attention_edits(pasta):
+        steered = tiny_ref.residual_stream(rows, [3])[0]
+    assert max_relative_error(attention.activations["residual_stream"][0], steered) <= 1e-4
+    assert max_relative_error(steered, tiny_ref.residual_stream(rows, [3])[0]) > 1e-3
     _assert_hook_results(hooked, vocab)
     assert [d.local_layers for d in read_all(DescribeAnswer, describe)] == [[0, 1], [2, 3]]
     for got, expected in zip(outs[:2], reference[:2]):

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from vllm_lens.attention import compute_attention_weights
 from vllm_lens.errors import LensRequestError, UnsupportedConfigError, UnsupportedModelError
 from vllm_lens.spec import LensRequest
 from vllm_lens.spec.attention_steering import AttentionEdit, parse_attention_steering
@@ -16,6 +15,7 @@ from vllm_lens.worker.attention_steering import (
     HistoryBudget,
     KeyValueHistory,
     LayerEdits,
+    RequestAttentionSteer,
     steer_rows,
 )
 
@@ -71,6 +71,10 @@ def test_both_forms_parse_from_python_and_json():
      "steer_attention[0].alpha"),
     ([{"layers": [0], "heads": None, "emphasize": [0, 2], "alpha": -0.1}],
      "steer_attention[0].alpha"),
+    ([{"layers": [0], "heads": None, "emphasize": [0, 2], "alpha": 1e39}],
+     "steer_attention[0].alpha"),
+    ([{"layers": [0], "heads": None, "key_positions": [1], "bias": 3e38}],
+     "steer_attention[0].bias"),
     ([{"layers": [0], "heads": None, "key_positions": [], "bias": 1}],
      "steer_attention[0].key_positions"),
     ([{"layers": [0], "heads": None, "key_positions": [128], "bias": 1}],
@@ -111,14 +115,31 @@ def test_a_steered_request_never_shares_cached_blocks():
 
 # -- the worker's recomputation ---------------------------------------------------------------
 
-def _attention(q, k, v, meta=META, q_start=0):
-    """Plain softmax attention of rows ``q`` (positions ``q_start ..``) over every key."""
-    w = compute_attention_weights(q, k, scale=meta["scale"], q_start=q_start,
-                                  sliding_window=meta["sliding_window"],
-                                  logits_soft_cap=meta["logits_soft_cap"],
-                                  alibi_slopes=meta["alibi_slopes"])
+def _weights(q, k, meta=META):
+    """Softmax attention weights ``[heads, n, n]`` written out loop by loop (no code shared
+    with ``vllm_lens.attention``): scale, soft cap, ALiBi, causal mask and window."""
+    n, heads, _ = q.shape
+    group = heads // k.shape[1]
+    left = meta["sliding_window"][0]
+    cap = meta["logits_soft_cap"]
+    w = torch.zeros(heads, n, n)
+    for h in range(heads):
+        for i in range(n):
+            seen = [j for j in range(i + 1) if left < 0 or j >= i - left]
+            scores = torch.stack([q[i, h] @ k[j, h // group] * meta["scale"] for j in seen])
+            if cap:
+                scores = cap * torch.tanh(scores / cap)
+            if meta["alibi_slopes"] is not None:
+                scores = scores + meta["alibi_slopes"][h] * torch.tensor(
+                    [j - i for j in seen], dtype=torch.float32)
+            w[h, i, seen] = torch.softmax(scores, 0)
+    return w
+
+
+def _attention(q, k, v, meta=META):
+    """Plain softmax attention of rows ``q`` (positions ``0 ..``) over every key."""
     group = q.shape[1] // k.shape[1]
-    return torch.einsum("hqk,khd->qhd", w, v.repeat_interleave(group, dim=1))
+    return torch.einsum("hqk,khd->qhd", _weights(q, k, meta), v.repeat_interleave(group, dim=1))
 
 
 def _toy(n=12, seed=0):
@@ -130,8 +151,10 @@ def _toy(n=12, seed=0):
 def _run(edits, q, k, v, meta=META, chunks=(None,), tp_rank=0):
     layer_edits = LayerEdits.build(list(edits), meta, tp_rank * meta["num_heads"],
                                    torch.device("cpu"))
-    history = KeyValueHistory(HistoryBudget(1 << 30))
-    out = _attention(q, k, v, meta)  # the kernel's output, then steered rows in place
+    history = KeyValueHistory(HistoryBudget(1 << 30), positions=q.shape[0])
+    # The kernel's output, the steered heads' rows NaN: each must be written.
+    out = _attention(q, k, v, meta)
+    out[:, layer_edits.written] = float("nan")
     bounds = [0, *(c for c in chunks if c is not None), q.shape[0]]
     for lo, hi in zip(bounds, bounds[1:]):
         steer_rows(layer_edits, history, 0, lo, q[lo:hi], k[lo:hi], v[lo:hi], out[lo:hi])
@@ -158,7 +181,7 @@ def test_emphasis_renormalises_the_span_in_the_chosen_heads_only():
                q, k, v, chunks=(3, 8))
     plain = _attention(q, k, v)
     assert torch.equal(out[:, [0, 1, 3]], plain[:, [0, 1, 3]])
-    w = compute_attention_weights(q, k, scale=META["scale"])[2]  # head 2 reads key head 1
+    w = _weights(q, k)[2]  # head 2 reads key head 1
     keep = torch.full((12,), alpha)
     keep[start:end] = 1.0
     for p in range(12):
@@ -191,17 +214,62 @@ def test_heads_are_global_under_tensor_parallelism():
 
 def test_a_gap_in_the_history_and_a_full_budget_fail_with_a_reason():
     q, k, v = _toy()
-    edits = LayerEdits.build([AttentionEdit(layers=(0,), heads=None, span=(0, 2), alpha=0.5)],
-                             META, 0, torch.device("cpu"))
-    history = KeyValueHistory(HistoryBudget(1 << 30))
+    edit = AttentionEdit(layers=(0,), heads=None, span=(0, 2), alpha=0.5)
+    edits = LayerEdits.build([edit], META, 0, torch.device("cpu"))
+    history = KeyValueHistory(HistoryBudget(1 << 30), positions=12)
     with pytest.raises(RuntimeError, match="has not seen the keys of positions 0..3"):
         steer_rows(edits, history, 0, 4, q[4:], k[4:], v[4:], q[4:].clone())
-    small = KeyValueHistory(HistoryBudget(1000))
-    with pytest.raises(MemoryError, match="VLLM_LENS_ATTENTION_STEER_MAX_BYTES"):
-        steer_rows(edits, small, 0, 0, q, k, v, q.clone())
+    short = KeyValueHistory(HistoryBudget(1 << 30), positions=8)
+    with pytest.raises(RuntimeError, match="past the 8 positions"):
+        steer_rows(edits, short, 0, 0, q, k, v, q.clone())
     budget = HistoryBudget(1 << 30)
-    held = KeyValueHistory(budget)
-    steer_rows(edits, held, 0, 0, q, k, v, q.clone())
-    assert budget.used == held.nbytes > 0
-    held.free()
+    meta = {0: META, 1: META}  # two layers here, 12 positions, 2 key heads of 16, float32
+    both = dataclasses.replace(edit, layers=(0, 1))
+    steer = RequestAttentionSteer.build((both,), meta, 0, budget, 12, 4, torch.device("cpu"))
+    assert budget.used == steer.history.reserved == 12 * 2 * (2 * 16) * 2 * 4
+    with pytest.raises(MemoryError, match="VLLM_LENS_ATTENTION_STEER_MAX_BYTES"):
+        RequestAttentionSteer.build((both,), meta, 0, HistoryBudget(1000), 12, 4,
+                                    torch.device("cpu"))
+    steer_rows(steer.by_layer[0], steer.history, 0, 0, q, k, v, q.clone())
+    assert 0 < steer.nbytes <= steer.history.reserved
+    steer.free()
+    steer.free()  # twice: nothing given back twice
+    assert budget.used == 0
+
+
+def test_only_the_key_heads_read_are_kept():
+    q, k, v = _toy()
+    edits = LayerEdits.build([AttentionEdit(layers=(0,), heads=(3,), span=(0, 2), alpha=0.5)],
+                             META, 0, torch.device("cpu"))
+    assert edits.kv_heads.tolist() == [1] and edits.written.tolist() == [3]
+    history = KeyValueHistory(HistoryBudget(1 << 30), positions=12)
+    steer_rows(edits, history, 0, 0, q, k, v, torch.zeros(12, 4, 16))
+    assert history.layers[0].keys.shape[1:] == (1, 16)
+
+
+def test_emphases_multiply_and_a_row_left_with_no_weight_is_kept():
+    """Two disjoint spans with ``alpha = 0`` leave every key without weight: each row stays
+    as the kernel computed it, whichever order the edits come in."""
+    q, k, v = _toy()
+    a = AttentionEdit(layers=(0,), heads=(0,), span=(1, 3), alpha=0.0)
+    b = AttentionEdit(layers=(0,), heads=(0,), span=(6, 8), alpha=0.0)
+    one, other = _run([a, b], q, k, v), _run([b, a], q, k, v)
+    assert torch.equal(one, other)
+    assert torch.allclose(one[:, 0], _attention(q, k, v)[:, 0], atol=1e-5)
+
+
+def test_fetching_a_request_gives_its_reservation_back():
+    """A record fetched (``RequestTable.pop``) before the runner dropped it frees its
+    history at once, not at a later step."""
+    from vllm_lens.worker.request_records import RequestTable
+
+    budget = HistoryBudget(1 << 30)
+    edit = AttentionEdit(layers=(0,), heads=None, span=(0, 2), alpha=0.5)
+    table = RequestTable(finished_ttl_s=60.0)
+    lens = LensRequest(key="k", steer_attention=(edit,), attention_positions=12)
+    record = table.lookup("r", lens.to_payload())
+    record.attention = RequestAttentionSteer.build(lens.steer_attention, {0: META}, 0, budget,
+                                                   12, 4, torch.device("cpu"))
+    assert budget.used > 0
+    table.pop("k")
     assert budget.used == 0

@@ -179,4 +179,4 @@ def test_the_public_forms_stay_as_they_were():
     meta = _describe().qk_meta[0].as_dict()
     assert sorted(meta) == sorted(["scale", "logits_soft_cap", "sliding_window",
                                    "alibi_slopes", "sinks", "num_heads", "num_kv_heads",
-                                   "head_size", "layer_name"])
+                                   "head_size", "layer_name", "kv_cache_dtype"])

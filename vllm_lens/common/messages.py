@@ -77,6 +77,8 @@ class AttentionMeta(msgspec.Struct, frozen=True, kw_only=True):
     num_kv_heads: int
     head_size: int
     layer_name: str
+    kv_cache_dtype: str = "auto"
+    """vLLM's ``kv_cache_dtype`` of the layer (``"auto"``: the model's dtype)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The form users see in ``activations["qk_meta"]`` (without ``layer``)."""

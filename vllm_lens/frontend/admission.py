@@ -13,6 +13,10 @@ the request's size: its prompt length (known once the engine input is tokenized)
   reserves its bound (``capture_reservation``, carried in its payload) when it first runs on a
   worker, and one that does not fit beside the reservations of the requests held there fails
   at once, before any of its rows exist; nobody else's rows are dropped for it;
+- attention steering keeps the keys and values of the layers it steers on every worker
+  (``worker.attention_steering``): its bound, positions × layers × key heads × head size × 2 ×
+  dtype bytes × ``n``, may not exceed ``VLLM_LENS_ATTENTION_STEER_MAX_BYTES``; the positions
+  travel in its payload and each worker reserves the bound when it first runs;
 - a named hook that declares ``max_rows = (ENV_VAR, default)`` (``logit_lens_topk``) may run on
   at most that many rows: hooked layers × positions × ``n`` (hooked requests compute every
   position, prefix cache or not), summed over all of the request's hooks of that name.
@@ -29,6 +33,7 @@ from vllm_lens.common.positions import parse_selector
 from vllm_lens.common.points import ATTENTION_SIGNALS, RESIDUAL_SIGNAL
 from vllm_lens.spec import (
     ACTIVATIONS_KEY,
+    ATTENTION_STEER_KEY,
     CAPTURE_KEY,
     HOOKS_KEY,
     QK_KEY,
@@ -38,7 +43,8 @@ from vllm_lens.spec import (
     ModelFacts,
 )
 
-__all__ = ["capture_bound", "capture_reservation", "check_admission", "check_capture_size"]
+__all__ = ["attention_history_bound", "attention_positions", "capture_bound",
+           "capture_reservation", "check_admission", "check_capture_size"]
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -116,9 +122,38 @@ def check_capture_size(specs: CaptureSpec | Sequence[CaptureSpec], facts: ModelF
         request_id=request_id)
 
 
+def attention_positions(facts: ModelFacts, prompt_len: int | None,
+                        max_tokens: int | None) -> int:
+    """The most positions an attention-steered request computes (its history's length)."""
+    return _lengths(facts, prompt_len, max_tokens)["all"]
+
+
+def attention_history_bound(lens: LensRequest, facts: ModelFacts, positions: int) -> int:
+    """The most bytes one sample's attention-steering history takes on one worker: every
+    steered layer's local key heads (all of them: a bound), ``positions`` rows of keys and
+    values in the model's dtype."""
+    layers = {layer for edit in lens.steer_attention for layer in edit.layers}
+    per_position = sum(int(facts.qk_meta[layer]["num_kv_heads"])
+                       * int(facts.qk_meta[layer]["head_size"]) for layer in layers)
+    return positions * per_position * 2 * _ITEMSIZE.get(facts.dtype, 4)
+
+
 def check_admission(lens: LensRequest, facts: ModelFacts, prompt_len: int | None,
                     max_tokens: int | None, n: int, request_id: str | None = None) -> None:
-    """Refuse ``lens`` if its captures (together) or a row-bounded named hook are too large."""
+    """Refuse ``lens`` if its captures (together), its attention-steering history or a
+    row-bounded named hook are too large."""
+    if lens.steer_attention:
+        bound = attention_history_bound(
+            lens, facts, attention_positions(facts, prompt_len, max_tokens)) * max(1, n)
+        limit = envs.attention_steer_max_bytes()
+        if bound > limit:
+            raise LensRequestError(
+                ATTENTION_STEER_KEY, f"its keys and values could take up to {bound:,} bytes on "
+                f"a worker (steered layers x positions x key heads x head size x 2"
+                + (f" x n={n}" if n > 1 else "") + f"), above this server's "
+                f"VLLM_LENS_ATTENTION_STEER_MAX_BYTES ({limit:,}); steer fewer layers, lower "
+                "max_tokens or shorten the prompt, or raise the setting",
+                request_id=request_id)
     if lens.captures:
         check_capture_size(lens.captures, facts, prompt_len, max_tokens, n, request_id)
     if lens.saes:  # counted together with the captures, against the same cap

@@ -10,8 +10,8 @@ A request's ``extra_args["steer_attention"]`` is a list (or its JSON string) of 
 
 Positions are absolute token positions (0 = the first prompt token), ``end`` exclusive;
 ``heads`` are query heads of the whole model (``null``: every head), whatever the tensor
-parallelism. In every query row of the request (prompt and generated tokens alike) of the
-chosen heads at the chosen layers:
+parallelism; ``0 <= alpha <= 1e6``, a finite bias within ``±1e4``. In every query row of the
+request (prompt and generated tokens alike) of the chosen heads at the chosen layers:
 
 - ``emphasize`` (PASTA, Zhang et al. 2024): the attention probabilities of the keys outside
   ``[start, end)`` are multiplied by ``alpha`` and the row renormalised. A row that sees no
@@ -22,8 +22,9 @@ chosen heads at the chosen layers:
   knocks the edges out. A row whose every visible key is knocked out attends to nothing: its
   output is zero.
 
-Edits of one layer compose: every bias first, then the softmax, then every emphasis (which
-commute). The workers recompute the steered heads' output rows from the Q, K and V the
+Edits of one layer compose: every bias is added first, then the softmax, then the emphases
+together (their weights multiply; the row is renormalised once, and left as it is where no key
+keeps any weight). The workers recompute the steered heads' output rows from the Q, K and V the
 kernel received (``worker.attention_steering``); other heads, requests and layers keep the
 kernel's output. The front end parses and checks; the workers decode
 ``AttentionEdit.from_payload``.
@@ -41,12 +42,17 @@ from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import check_site, json_value, position_rule, sorted_indices
 from vllm_lens.spec.keys import ATTENTION_STEER_KEY
 
-__all__ = ["MAX_EDITS", "MAX_KEY_POSITIONS", "AttentionEdit", "parse_attention_steering"]
+__all__ = ["MAX_ALPHA", "MAX_BIAS", "MAX_EDITS", "MAX_KEY_POSITIONS", "AttentionEdit",
+           "parse_attention_steering"]
 
 #: Edits one request may carry.
 MAX_EDITS = 32
 #: Key positions one ``key_positions`` edit may name.
 MAX_KEY_POSITIONS = 4096
+#: Largest ``alpha`` and largest finite ``|bias|`` (their products and sums stay far inside
+#: float32).
+MAX_ALPHA = 1e6
+MAX_BIAS = 1e4
 _COMMON = {"layers", "heads"}
 _EMPHASIS = _COMMON | {"emphasize", "alpha"}
 _BIAS = _COMMON | {"key_positions", "bias"}
@@ -145,9 +151,9 @@ def _parse_one(item: Any, i: int, facts: ModelFacts, request_id: str | None) -> 
                                    request_id=request_id)
         alpha = item["alpha"]
         if (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
-                or not math.isfinite(alpha) or alpha < 0):
-            raise LensRequestError(f"{where}.alpha", f"expected a finite number >= 0, got "
-                                   f"{alpha!r}", request_id=request_id)
+                or not 0 <= alpha <= MAX_ALPHA):  # (NaN fails the comparison)
+            raise LensRequestError(f"{where}.alpha", f"expected a number from 0 to {MAX_ALPHA:g}, "
+                                   f"got {alpha!r}", request_id=request_id)
         return AttentionEdit(layers=layers, heads=heads, span=span, alpha=float(alpha))
     positions = item["key_positions"]
     if hasattr(positions, "tolist") and not isinstance(positions, (str, bytes)):
@@ -192,6 +198,12 @@ def _layers(raw: Any, facts: ModelFacts, field: str,
             raise UnsupportedModelError(field, f"the attention of layer {layer} cannot be "
                                         "described (scale, window ...), so it is not "
                                         "recomputed", request_id=request_id)
+        if meta.get("kv_cache_dtype", "auto") != "auto":
+            raise UnsupportedModelError(field, f"layer {layer} keeps a "
+                                        f"{meta['kv_cache_dtype']} KV cache, which the kernel "
+                                        "reads quantized: attention steering would not be exact "
+                                        "(start the engine with kv_cache_dtype='auto')",
+                                        request_id=request_id)
         if meta.get("sinks") is not None:
             raise UnsupportedModelError(field, f"layer {layer} has attention sinks, which "
                                         "attention steering does not handle yet (untested)",
@@ -231,8 +243,9 @@ def _span(raw: Any, facts: ModelFacts, field: str, request_id: str | None) -> tu
 def _bias(raw: Any, field: str, request_id: str | None) -> float:
     if isinstance(raw, str) and raw.strip().lower() in ("-inf", "-infinity"):
         return -math.inf
-    if (isinstance(raw, bool) or not isinstance(raw, (int, float)) or math.isnan(raw)
-            or raw == math.inf):
-        raise LensRequestError(field, f"expected a finite number or -inf (the string \"-inf\" "
-                               f"in JSON), got {raw!r}", request_id=request_id)
+    if (isinstance(raw, bool) or not isinstance(raw, (int, float))
+            or not (raw == -math.inf or -MAX_BIAS <= raw <= MAX_BIAS)):
+        raise LensRequestError(field, f"expected a number from {-MAX_BIAS:g} to {MAX_BIAS:g}, or "
+                               f"-inf (the string \"-inf\" in JSON), got {raw!r}",
+                               request_id=request_id)
     return float(raw)

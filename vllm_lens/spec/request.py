@@ -76,6 +76,10 @@ class LensRequest:
     """Probes that stop the generation or report (``monitors``, ``spec.monitors``)."""
     steer_attention: tuple[AttentionEdit, ...] = ()
     """Edits of chosen heads' attention (``steer_attention``, ``spec.attention_steering``)."""
+    attention_positions: int = 0
+    """With ``steer_attention``: the most positions the request computes (prompt and
+    ``max_tokens`` within the context), set by the front end after admission, never read from
+    the client; a worker reserves its history for them (``worker.attention_steering``)."""
     reserve_bytes: int = 0
     """The most captured bytes one sample of the request can hold on a worker at once
     (``admission.capture_reservation``), set by the front end after admission, never read
@@ -161,6 +165,8 @@ class LensRequest:
             payload["steer_attention"] = [e.to_payload() for e in self.steer_attention]
         if self.reserve_bytes:
             payload["reserve"] = self.reserve_bytes
+        if self.attention_positions:
+            payload["attn_positions"] = self.attention_positions
         return payload
 
     @classmethod
@@ -185,7 +191,8 @@ class LensRequest:
                                   for d in payload.get("monitors", ())),
                    steer_attention=tuple(AttentionEdit.from_payload(d)
                                          for d in payload.get("steer_attention", ())),
-                   reserve_bytes=int(payload.get("reserve", 0)))
+                   reserve_bytes=int(payload.get("reserve", 0)),
+                   attention_positions=int(payload.get("attn_positions", 0)))
 
 
 #: The keys that ask for lens work (the others only say how to return it).

@@ -3,21 +3,27 @@ request's edits (runs in: worker).
 
 vLLM's attention kernel reads past keys and values from its paged cache, whose layout each
 backend chooses. Rather than read it, a request with ``steer_attention`` keeps its own copy of
-the keys and values of the layers it steers (``KeyValueHistory``, this rank's KV heads, on the
-model's device), written by position as its rows are computed. The request never reads the
-prefix cache (the front end sets ``skip_reading_prefix_cache`` and a salt of its own), so every
-position it attends to passed through here first; after a preemption its recomputed rows are
-written again, equal to the first.
+the keys and values it needs (``KeyValueHistory``: at the layers it steers, the key heads its
+steered query heads read, on the model's device), written by position as its rows are
+computed. The request never reads the prefix cache (the front end sets
+``skip_reading_prefix_cache`` and a salt of its own), so every position it attends to passed
+through here first; after a preemption its recomputed rows are written again, equal to the
+first.
 
 After the kernel has run, for each steered request and layer, the chosen heads' rows of the
 kernel's output (``attn_z``, ``[tokens, heads, head_dim]``) are replaced by the softmax
 attention recomputed in float32 from the same post-RoPE Q, K and V with the layer's scale,
 soft cap, sliding window and ALiBi slopes (``vllm_lens.attention.attention_scores``) and the
-edits of ``spec.attention_steering`` applied. Other heads, layers and requests keep the
-kernel's values; the compiled graph is untouched (the kernel runs outside it).
+edits of ``spec.attention_steering`` applied. Every query head of a key head read is computed
+(grouped, so the keys are never copied per query head) and only the steered ones written.
+Other heads, layers and requests keep the kernel's values; the compiled graph is untouched
+(the kernel runs outside it).
 
-Memory: ``VLLM_LENS_ATTENTION_STEER_MAX_BYTES`` bounds the histories a worker holds (default
-1 GiB); a request that would exceed it fails, and nobody else's is dropped.
+Memory: when a request first runs here it reserves, from
+``VLLM_LENS_ATTENTION_STEER_MAX_BYTES`` (``HistoryBudget``), the most its history can hold
+(its position bound from the front end × its layers here × key heads × head size × 2 ×
+dtype bytes), or fails at once; a running request never fails for lack of room. The scores
+are computed a block of query rows at a time (``_BLOCK_ELEMENTS``).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ _BLOCK_ELEMENTS = 1 << 24
 
 @dataclass
 class HistoryBudget:
-    """The device bytes all requests' histories on this worker may hold."""
+    """The device bytes all requests' histories on this worker may reserve."""
 
     limit: int
     used: int = 0
@@ -50,10 +56,11 @@ class HistoryBudget:
     def take(self, nbytes: int) -> None:
         if self.used + nbytes > self.limit:
             raise MemoryError(
-                f"attention steering needs {nbytes:,} more bytes for this request's keys and "
-                f"values, and the requests steered here hold {self.used:,} of "
-                f"VLLM_LENS_ATTENTION_STEER_MAX_BYTES ({self.limit:,}); steer fewer layers, "
-                "shorten the request, or raise the setting")
+                f"attention steering would reserve {nbytes:,} bytes for this request's keys "
+                f"and values (its layers × positions × key heads × head size × 2), and the "
+                f"requests steered here hold {self.used:,} of "
+                f"VLLM_LENS_ATTENTION_STEER_MAX_BYTES ({self.limit:,}); retry later, steer "
+                "fewer layers or heads, shorten the request, or raise the setting")
         self.used += nbytes
 
     def give(self, nbytes: int) -> None:
@@ -67,22 +74,27 @@ class _Layer:
     filled: int = 0
     """Positions ``0 .. filled - 1`` are written."""
 
-    @property
-    def nbytes(self) -> int:
-        return (self.keys.numel() * self.keys.element_size()
-                + self.values.numel() * self.values.element_size())
-
 
 @dataclass
 class KeyValueHistory:
-    """One request's keys and values, by absolute position, at the layers it steers."""
+    """One request's keys and values, by absolute position, at the layers it steers
+    (``[positions, key heads read, head_dim]`` each)."""
 
     budget: HistoryBudget
+    positions: int
+    """The most positions the request can compute (its reservation's bound)."""
+    reserved: int = 0
+    """Bytes taken from ``budget``."""
     layers: dict[int, _Layer] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return sum(entry.nbytes for entry in self.layers.values())
+        return sum(e.keys.numel() * e.keys.element_size()
+                   + e.values.numel() * e.values.element_size() for e in self.layers.values())
+
+    def reserve(self, nbytes: int) -> None:
+        self.budget.take(nbytes)
+        self.reserved = nbytes
 
     def extend(self, layer: int, pos0: int, keys: torch.Tensor,
                values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,11 +108,13 @@ class KeyValueHistory:
                 f"attention steering has not seen the keys of positions {filled}..{pos0 - 1} "
                 f"at layer {layer} (served from a cache it does not read?); the request cannot "
                 "be steered exactly")
+        if end > self.positions:
+            raise RuntimeError(f"position {end - 1} is past the {self.positions} positions "
+                               "this request's attention steering reserved for")
         if entry is None or end > entry.keys.shape[0]:
-            capacity = max(64, 1 << math.ceil(math.log2(end)))
+            capacity = min(self.positions, max(64, 1 << math.ceil(math.log2(end))))
             grown = _Layer(keys.new_empty((capacity, *keys.shape[1:])),
                            values.new_empty((capacity, *values.shape[1:])), filled)
-            self.budget.take(grown.nbytes - (0 if entry is None else entry.nbytes))
             if entry is not None:
                 grown.keys[:filled] = entry.keys[:filled]
                 grown.values[:filled] = entry.values[:filled]
@@ -111,25 +125,44 @@ class KeyValueHistory:
         return entry.keys[:end], entry.values[:end]
 
     def free(self) -> None:
-        self.budget.give(self.nbytes)
         self.layers.clear()
+        self.budget.give(self.reserved)
+        self.reserved = 0
 
 
 @dataclass(frozen=True)
 class LayerEdits:
-    """One request's edits at one layer, on this rank's heads."""
+    """One request's edits at one layer, on this rank's heads.
 
-    heads: torch.Tensor
-    """Local query heads edited (ascending, on the device)."""
+    The heads computed are every query head of the key heads the steered heads read
+    (``kv_heads``), in local order: computed head ``i`` is local query head
+    ``kv_heads[i // group] * group + i % group``.
+    """
+
     kv_heads: torch.Tensor
-    """The local KV head each of them reads."""
-    biases: tuple[tuple[torch.Tensor | slice, torch.Tensor, tuple[int, ...], float], ...]
-    """(indices into ``heads``, key positions on the device and on the host (ascending),
-    bias) per ``key_positions`` edit."""
-    emphases: tuple[tuple[torch.Tensor | slice, int, int, float], ...]
-    """(indices into ``heads``, start, end, alpha) per ``emphasize`` edit."""
+    """Local key heads read (ascending), whose keys and values the history keeps."""
+    group: int
+    """Query heads per key head."""
+    steered: torch.Tensor
+    """Indices (into the computed heads) of the steered heads, ascending."""
+    written: torch.Tensor
+    """Their local query heads (where their rows are written)."""
+    by_kv: tuple[tuple[int, torch.Tensor | None], ...]
+    """(slot in ``kv_heads``, indices into ``steered`` of the heads reading it; ``None``:
+    all of them) per key head read."""
+    biases: tuple[tuple[torch.Tensor, torch.Tensor, tuple[int, ...], float], ...]
+    """(computed heads, key positions on the device and on the host (ascending), bias) per
+    ``key_positions`` edit."""
+    emphases: tuple[tuple[torch.Tensor, int, int, float], ...]
+    """(computed heads, start, end, alpha) per ``emphasize`` edit."""
     meta: dict[str, Any]
     """The layer's ``attention_taps.attention_meta``."""
+    slopes: torch.Tensor | None = None
+    """The computed heads' ALiBi slopes (float32), if the layer has them."""
+
+    @property
+    def n_heads(self) -> int:
+        return self.kv_heads.numel() * self.group
 
     @classmethod
     def build(cls, edits: list[AttentionEdit], meta: dict[str, Any], head_offset: int,
@@ -142,28 +175,39 @@ class LayerEdits:
             wanted = range(local) if edit.heads is None else [
                 h - head_offset for h in edit.heads if head_offset <= h < head_offset + local]
             mine.append(sorted(wanted))
-        heads = sorted({h for hs in mine for h in hs})
-        if not heads:
+        steered = sorted({h for hs in mine for h in hs})
+        if not steered:
             return None
-        where = {h: i for i, h in enumerate(heads)}
+        kv_heads = sorted({h // group for h in steered})
+        slot = {kv: i for i, kv in enumerate(kv_heads)}
 
-        def select(hs: list[int]) -> torch.Tensor | slice:
-            if hs == heads:
-                return slice(None)
-            return torch.tensor([where[h] for h in hs], dtype=torch.long, device=device)
+        def computed(hs: list[int]) -> torch.Tensor:
+            return torch.tensor([slot[h // group] * group + h % group for h in hs],
+                                dtype=torch.long, device=device)
 
         biases, emphases = [], []
         for edit, hs in zip(edits, mine):
             if not hs:
                 continue
             if edit.emphasis:
-                emphases.append((select(hs), *edit.span, edit.alpha))
+                emphases.append((computed(hs), *edit.span, edit.alpha))
             else:
                 positions = torch.tensor(edit.key_positions, dtype=torch.long, device=device)
-                biases.append((select(hs), positions, edit.key_positions, edit.bias))
-        index = torch.tensor(heads, dtype=torch.long, device=device)
-        return cls(heads=index, kv_heads=torch.div(index, group, rounding_mode="floor"),
-                   biases=tuple(biases), emphases=tuple(emphases), meta=meta)
+                biases.append((computed(hs), positions, edit.key_positions, edit.bias))
+        heads = [kv * group + r for kv in kv_heads for r in range(group)]
+        by_kv = tuple(
+            (i, None if len(kv_heads) == 1 else torch.tensor(
+                [j for j, h in enumerate(steered) if h // group == kv], dtype=torch.long,
+                device=device))
+            for i, kv in enumerate(kv_heads))
+        slopes = meta.get("alibi_slopes")
+        if slopes is not None:
+            slopes = torch.tensor([slopes[h] for h in heads], dtype=torch.float32,
+                                  device=device)
+        return cls(kv_heads=torch.tensor(kv_heads, dtype=torch.long, device=device),
+                   group=group, steered=computed(steered),
+                   written=torch.tensor(steered, dtype=torch.long, device=device), by_kv=by_kv,
+                   biases=tuple(biases), emphases=tuple(emphases), meta=meta, slopes=slopes)
 
 
 @dataclass
@@ -175,9 +219,11 @@ class RequestAttentionSteer:
 
     @classmethod
     def build(cls, edits: tuple[AttentionEdit, ...], meta: dict[int, dict[str, Any]],
-              tp_rank: int, budget: HistoryBudget,
+              tp_rank: int, budget: HistoryBudget, positions: int, itemsize: int,
               device: torch.device) -> RequestAttentionSteer:
-        """For the layers of this worker (``meta``: its layers' attention metadata)."""
+        """For the layers of this worker (``meta``: its layers' attention metadata), with
+        the history's reservation for ``positions`` positions of ``itemsize``-byte values
+        taken from ``budget`` (``MemoryError`` if it does not fit)."""
         by_layer: dict[int, LayerEdits] = {}
         for layer, layer_meta in meta.items():
             here = [e for e in edits if layer in e.layers]
@@ -186,7 +232,10 @@ class RequestAttentionSteer:
                 built = LayerEdits.build(here, layer_meta, offset, device)
                 if built is not None:
                     by_layer[layer] = built
-        return cls(by_layer, KeyValueHistory(budget))
+        history = KeyValueHistory(budget, positions)
+        history.reserve(sum(positions * e.kv_heads.numel() * 2 * int(e.meta["head_size"])
+                            * itemsize for e in by_layer.values()))
+        return cls(by_layer, history)
 
     @property
     def nbytes(self) -> int:
@@ -199,51 +248,78 @@ class RequestAttentionSteer:
 def steer_rows(edits: LayerEdits, history: KeyValueHistory, layer: int, pos0: int,
                query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                out: torch.Tensor) -> None:
-    """Replace the edited heads' output rows of one request at one layer.
+    """Replace the steered heads' output rows of one request at one layer.
 
     ``query`` ``[n, heads, d]``, ``key`` / ``value`` ``[n, kv_heads, d]`` and ``out``
     ``[n, heads, d_v]`` are the request's rows (positions ``pos0 ..``) of the kernel's inputs
     and output on this rank; ``out`` is written in place.
     """
-    keys, values = history.extend(layer, pos0, key, value)
+    keys, values = history.extend(layer, pos0, key.index_select(1, edits.kv_heads),
+                                  value.index_select(1, edits.kv_heads))
     meta = edits.meta
-    q = query.index_select(1, edits.heads)
-    k = keys.index_select(1, edits.kv_heads)
-    v = values.index_select(1, edits.kv_heads).float()
-    slopes = meta.get("alibi_slopes")
-    if slopes is not None:
-        slopes = torch.as_tensor(slopes, dtype=torch.float32,
-                                 device=q.device).index_select(0, edits.heads)
-    n, n_keys = q.shape[0], k.shape[0]
+    n = query.shape[0]
+    local_kv = key.shape[1]
+    # The query heads of the key heads read, grouped by key head: [n, computed heads, d].
+    q = query.reshape(n, local_kv, edits.group, query.shape[-1]).index_select(
+        1, edits.kv_heads).reshape(n, edits.n_heads, query.shape[-1])
+    n_keys = keys.shape[0]
     k_pos = torch.arange(n_keys, device=q.device)
     bias = _bias_row(edits, n_keys, q.device)
-    step = max(1, _BLOCK_ELEMENTS // max(1, q.shape[1] * n_keys))
+    weight = _emphasis_weight(edits, k_pos)
+    step = max(1, _BLOCK_ELEMENTS // max(1, edits.n_heads * n_keys))
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         scores = attention_scores(
-            q[lo:hi], k, scale=meta["scale"], q_start=pos0 + lo,
+            q[lo:hi], keys, scale=meta["scale"], q_start=pos0 + lo,
             sliding_window=meta["sliding_window"], logits_soft_cap=meta["logits_soft_cap"],
-            alibi_slopes=slopes)  # [h, rows, keys]
+            alibi_slopes=edits.slopes)  # [computed heads, rows, keys]
         if bias is not None:
-            scores = scores + bias[:, None, :]
+            scores += bias[:, None, :]
         probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
-        for sel, start, end, alpha in edits.emphases:
-            chosen = probs[sel]
-            weighted = chosen * torch.where((k_pos >= start) & (k_pos < end), 1.0, alpha)
+        del scores
+        if weight is not None:
+            weighted = probs * weight[:, None, :]
             total = weighted.sum(dim=-1, keepdim=True)
-            probs[sel] = torch.where(total > 0, weighted / total.clamp_min(1e-38), chosen)
-        z = torch.einsum("hqk,khd->qhd", probs, v)
-        out[lo:hi].index_copy_(1, edits.heads, z.to(out.dtype))
+            probs = torch.where(total > 0, weighted / total.clamp_min(1e-38), probs)
+            del weighted
+        probs = probs.index_select(0, edits.steered)
+        # Each steered head against its key head's values (float32, one key head at a time).
+        z = None
+        for slot, mine in edits.by_kv:
+            if mine is None:  # one key head read: every steered head reads it
+                z = torch.einsum("hqk,kd->qhd", probs, values[:, slot].float())
+                break
+            if z is None:
+                z = torch.empty((hi - lo, edits.steered.numel(), values.shape[-1]),
+                                dtype=torch.float32, device=q.device)
+            z[:, mine] = torch.einsum("hqk,kd->qhd", probs.index_select(0, mine),
+                                      values[:, slot].float())
+        out[lo:hi].index_copy_(1, edits.written, z.to(out.dtype))
 
 
 def _bias_row(edits: LayerEdits, n_keys: int, device: torch.device) -> torch.Tensor | None:
-    """``[heads, n_keys]``: the sum of the biases on each key (``None`` without one)."""
+    """``[computed heads, n_keys]``: the sum of the biases on each key (``None`` without
+    one)."""
     if not edits.biases:
         return None
-    bias = torch.zeros((edits.heads.numel(), n_keys), dtype=torch.float32, device=device)
-    for sel, positions, host, value in edits.biases:
+    bias = torch.zeros((edits.n_heads, n_keys), dtype=torch.float32, device=device)
+    for heads, positions, host, value in edits.biases:
         seen = positions[:bisect.bisect_left(host, n_keys)]  # no device sync
-        rows = bias[sel]
+        rows = bias.index_select(0, heads)
         rows[:, seen] += value
-        bias[sel] = rows
+        bias.index_copy_(0, heads, rows)
     return bias
+
+
+def _emphasis_weight(edits: LayerEdits, k_pos: torch.Tensor) -> torch.Tensor | None:
+    """``[computed heads, n_keys]``: the product of every emphasis's weights (1 inside its
+    span, ``alpha`` outside) for each head and key (``None`` without one)."""
+    if not edits.emphases:
+        return None
+    weight = torch.ones((edits.n_heads, k_pos.numel()), dtype=torch.float32,
+                        device=k_pos.device)
+    for heads, start, end, alpha in edits.emphases:
+        inside = (k_pos >= start) & (k_pos < end)
+        rows = weight.index_select(0, heads) * torch.where(inside, 1.0, alpha)
+        weight.index_copy_(0, heads, rows)
+    return weight

@@ -76,8 +76,9 @@ def _wrapped(original: Callable[..., Any], layer: int, handler: Handler,
         # then (its capture is incomplete, and the request fails rather than get them), and
         # no steering (the editor is told, with ``None``, and fails its requests).
         plain = isinstance(z, torch.Tensor) and kwargs.get("output_scale") is None
-        if editor is not None and key is not None and value is not None:
-            editor(query, key, value, z if plain else None, layer)
+        if editor is not None:  # (told ``None`` where it cannot rewrite: it fails its requests)
+            editable = plain and key is not None and value is not None
+            editor(query, key, value, z if editable else None, layer)
         if plain:
             handler(z, None, layer, "attn_z")
         return result
@@ -108,4 +109,5 @@ def attention_meta(module: nn.Module) -> dict[str, Any]:
         "num_kv_heads": int(impl.num_kv_heads),
         "head_size": int(impl.head_size),
         "layer_name": str(getattr(module, "layer_name", "")),
+        "kv_cache_dtype": str(getattr(module, "kv_cache_dtype", "auto")),
     }

@@ -196,8 +196,10 @@ class RequestTable:
         """Remove every record of lens key ``key`` (request id -> record); later steps of its
         requests are ignored."""
         found = {r: rec for r, rec in self.records.items() if rec.lens.key == key}
-        for req_id in found:
+        for req_id, record in found.items():
             del self.records[req_id]
+            if record.attention is not None:  # (fetched before the runner dropped it)
+                record.attention.free()
         self._closed.pop(key, None)  # re-inserted at the end: the dict stays in time order
         self._closed[key] = time.monotonic()
         return found

@@ -146,10 +146,13 @@ class LensRuntime:
         except Exception:  # noqa: BLE001 -- on_tap reports a step that cannot be planned
             return
         for s, state in steered or ():
+            record = self.requests.records.get(s.req_id)
+            if record is None or record.error is not None:
+                continue  # failed earlier in the step: its history is freed
             try:
                 if out is None:
-                    raise RuntimeError("this layer's attention kernel writes a quantized "
-                                       "output, which attention steering cannot rewrite")
+                    raise RuntimeError("this layer's attention kernel call cannot be rewritten "
+                                       "(a quantized output, or no key and value)")
                 heads = query.shape[1]
                 z = out if out.dim() == 3 else out.view(out.shape[0], heads, -1)
                 rows = slice(s.start, s.end)
@@ -198,6 +201,8 @@ class LensRuntime:
             record = self.requests.records.get(req_id)
             if record is not None:
                 record.fail(exc, stage)
+                if record.attention is not None:  # its lens work stops: so does its history
+                    record.attention.free()
                 self.store.discard(record.lens.key, req_id)  # partial rows are never returned
 
     def settle(self, wait: bool = False,
@@ -363,10 +368,11 @@ class LensRuntime:
                 self._guarded("monitors", (s.req_id,), self._plan_monitors, plan, s, device)
             if s.lens.steer_attention:
                 self._guarded("steer_attention", (s.req_id,), self._plan_attention, plan, s,
-                              device)
+                              device, dtype)
         return plan
 
-    def _plan_attention(self, plan: StepPlan, s: RequestSlice, device: torch.device) -> None:
+    def _plan_attention(self, plan: StepPlan, s: RequestSlice, device: torch.device,
+                        dtype: torch.dtype) -> None:
         record = self.requests.records[s.req_id]
         if record.attention is None:
             faults.check(record.lens.fault, "steer_attention")
@@ -376,9 +382,13 @@ class LensRuntime:
             if missing:
                 raise RuntimeError(f"the attention of layers {missing} is not tapped on this "
                                    "worker")
+            positions = s.lens.attention_positions
+            if positions <= 0:
+                raise ValueError("the front end set no position bound for its attention "
+                                 "steering (attention_positions)")
             record.attention = RequestAttentionSteer.build(
                 s.lens.steer_attention, self.attention.meta, self.tp_rank,
-                self.attention_budget, device)
+                self.attention_budget, positions, dtype.itemsize, device)
         for layer in record.attention.by_layer:
             plan.attention.setdefault(layer, []).append((s, record.attention))
 

@@ -73,7 +73,7 @@ def main() -> None:
     from vllm_lens.demo_models import smollm2_dir
 
     llm = LLM(model=smollm2_dir(), dtype="float32", max_model_len=1024, enforce_eager=True,
-              gpu_memory_utilization=0.3)
+              kv_cache_memory_bytes=512 << 20)
     tokenizer = llm.get_tokenizer()
     prompts, params, rows = [], [], []
     for subject, one, two, question in ITEMS:

@@ -37,13 +37,17 @@ LACKING = "test_points_a_family_lacks_are_refused_by_name"
 COLUMNS = {  # column -> the tests behind it (per family)
     "steering 2D/3D": ["test_2d_and_3d_steering_match_transformers"],
     "hooks": ["test_hooks_replace_and_read_as_transformers"],
+    "ablate/cap": ["test_ablation_and_cap_match_transformers"],
+    "attention steering": ["test_attention_steering_matches_transformers"],
     "stop monitor": ["test_a_stop_monitor_stops_where_the_transformers_scores_cross"],
     "plain tokens = no plugin": ["test_plain_requests_are_token_identical_to_vllm_without_plugin"],
 }
 REFUSED_TEST = "test_a_layout_not_derived_or_not_proven_is_refused_with_why"
 TP_TESTS = ["test_tp2_every_point_and_attention_match_transformers",
             "test_tp2_steering_matches_transformers",
-            "test_tp2_a_stop_monitor_stops_where_the_transformers_scores_cross"]
+            "test_tp2_a_stop_monitor_stops_where_the_transformers_scores_cross",
+            "test_tp2_ablation_and_cap_match_transformers",
+            "test_tp2_attention_steering_matches_transformers"]
 
 
 def outcomes(junit: Path) -> dict[tuple[str, str], str]:

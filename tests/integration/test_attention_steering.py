@@ -61,6 +61,16 @@ def test_biases_and_knocked_out_edges_beside_plain_requests(tiny_llm, tiny_ref):
     assert outs[0].outputs[0].token_ids != outs[2].outputs[0].token_ids
 
 
+def test_a_history_above_the_budget_is_refused_before_it_runs(tiny_llm, monkeypatch):
+    """The front end's bound (layers x positions x key heads x head size x 2 x 4 bytes) above
+    ``VLLM_LENS_ATTENTION_STEER_MAX_BYTES``: refused naming the key and the setting."""
+    monkeypatch.setenv("VLLM_LENS_ATTENTION_STEER_MAX_BYTES", "4096")
+    edits = [{"layers": [0, 1], "heads": None, "emphasize": [0, 2], "alpha": 0.5}]
+    with pytest.raises(LensRequestError, match="VLLM_LENS_ATTENTION_STEER_MAX_BYTES") as err:
+        _generate(tiny_llm, [TINY_PROMPT], [{"steer_attention": edits}])
+    assert err.value.field == "steer_attention"
+
+
 @pytest.mark.parametrize("edit, field", [
     ({"layers": [0], "heads": [0]}, "steer_attention[0]"),
     ({"layers": [0], "heads": [0], "emphasize": [0, 4], "alpha": 0.1, "key_positions": [1],

@@ -25,12 +25,15 @@ PROMPTS = [
 
 
 def _everything(fault=None):
-    """Capture, steering and a named hook at once (every stage has work to do)."""
+    """Capture, steering, a named hook and attention steering at once (every stage has work
+    to do)."""
     extra = {
         "output_residual_stream": [1, 3],
         "apply_steering_vectors": [SteeringVector(activations=torch.ones(1, 128),
                                                   layer_indices=[0])],
         "apply_hooks": [NamedHook("linear_probe", [2], {"weight": [0.01] * 128})],
+        "steer_attention": [{"layers": [2], "heads": None, "emphasize": [0, 3],
+                             "alpha": 0.5}],
     }
     if fault is not None:
         extra[FAULT_KEY] = fault
@@ -119,6 +122,8 @@ def test_a_failing_stage_is_a_500_for_that_request_and_the_server_serves_on(smol
     xargs = {"output_residual_stream": "[3, 7]", "apply_steering_vectors": steering.to_wire(),
              "apply_hooks": '[{"name": "linear_probe", "layer_indices": [5], '
                             '"args": {"weight": ' + str([0.0] * 576) + '}}]',
+             "steer_attention": '[{"layers": [4], "heads": [0], "key_positions": [1], '
+                                '"bias": -1.0}]',
              FAULT_KEY: stage}
     failed = httpx.post(url, json={**body, "vllm_xargs": xargs}, timeout=120)
     assert failed.status_code == 500, failed.text

@@ -273,3 +273,48 @@ def test_fetching_a_request_gives_its_reservation_back():
     assert budget.used > 0
     table.pop("k")
     assert budget.used == 0
+
+
+def test_three_key_heads_a_subset_of_heads_and_alibi():
+    """Six heads on three key heads, steering heads 0 and 5 (key heads 0 and 2: slots 0 and
+    1, neither equal to its key head), with ALiBi: each steered row is the definition's, the
+    other heads untouched."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(10, 6, 8, generator=g), torch.randn(10, 3, 8, generator=g),
+               torch.randn(10, 3, 8, generator=g))
+    meta = {**META, "num_heads": 6, "num_kv_heads": 3, "head_size": 8,
+            "alibi_slopes": [0.5, 0.4, 0.3, 0.2, 0.1, 0.05]}
+    edits = [AttentionEdit(layers=(0,), heads=(0, 5), span=(2, 6), alpha=0.1),
+             AttentionEdit(layers=(0,), heads=(5,), key_positions=(1, 7), bias=-2.0)]
+    out = _run(edits, q, k, v, meta, chunks=(4,))
+    plain = _attention(q, k, v, meta)
+    assert torch.equal(out[:, 1:5], plain[:, 1:5])
+    w = _weights(q, k, meta)
+    keep = torch.full((10,), 0.1)
+    keep[2:6] = 1.0
+    for p in range(10):
+        row = w[0, p, : p + 1] * keep[: p + 1]
+        expected = (row / row.sum()) @ v[: p + 1, 0] if p >= 2 else plain[p, 0]
+        assert torch.allclose(out[p, 0], expected, atol=1e-5), p
+        # Head 5 (key head 2): the bias on keys 1 and 7 first, then the emphasis.
+        scores = torch.stack([q[p, 5] @ k[j, 2] * META["scale"] + 0.05 * (j - p)
+                              for j in range(p + 1)])
+        scores[[j for j in (1, 7) if j <= p]] -= 2.0
+        row = torch.softmax(scores, 0) * keep[: p + 1]
+        expected = (row / row.sum()) @ v[: p + 1, 2] if p >= 2 else \
+            torch.softmax(scores, 0) @ v[: p + 1, 2]
+        assert torch.allclose(out[p, 5], expected, atol=1e-5), p
+
+
+def test_every_rank_reserves_alike_whichever_heads_it_steers():
+    """Rank 0 of two holds heads 0..3, rank 1 heads 4..7: an edit of head 5 steers nothing on
+    rank 0, yet both reserve the same (so they refuse alike under a full budget)."""
+    edit = AttentionEdit(layers=(0,), heads=(5,), span=(0, 2), alpha=0.5)
+    reserved = []
+    for rank in (0, 1):
+        budget = HistoryBudget(1 << 30)
+        steer = RequestAttentionSteer.build((edit,), {0: META}, rank, budget, 12, 4,
+                                            torch.device("cpu"))
+        reserved.append(budget.used)
+        assert bool(steer.by_layer) == (rank == 1)
+    assert reserved[0] == reserved[1] == 12 * 2 * 16 * 2 * 4

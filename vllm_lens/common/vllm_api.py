@@ -371,8 +371,9 @@ REGISTRY: tuple[Need, ...] = (
        "layers another pipeline stage owns"),
     _n(_ATTN, "class", "import", "worker.taps", "the attention module whose kernel is tapped"),
     *(_n(f"{_ATTN}.{name}", "instance attribute", "read", "worker.taps worker.attention_taps",
-         "the kernel, K sharing, query quantization, layer name")
-      for name in ("impl", "kv_sharing_target_layer_name", "query_quant", "layer_name")),
+         "the kernel, K sharing, query quantization, layer name, KV cache dtype")
+      for name in ("impl", "kv_sharing_target_layer_name", "query_quant", "layer_name",
+                   "kv_cache_dtype")),
     _n("vllm.v1.attention.backend:AttentionImpl.forward", "method", "wrap",
        "worker.attention_taps", "Q, K and the kernel's output (wrapped per instance)",
        "layer query key value kv_cache attn_metadata output output_scale"),

@@ -14,9 +14,10 @@ the request's size: its prompt length (known once the engine input is tokenized)
   worker, and one that does not fit beside the reservations of the requests held there fails
   at once, before any of its rows exist; nobody else's rows are dropped for it;
 - attention steering keeps the keys and values of the layers it steers on every worker
-  (``worker.attention_steering``): its bound, positions × layers × key heads × head size × 2 ×
-  dtype bytes × ``n``, may not exceed ``VLLM_LENS_ATTENTION_STEER_MAX_BYTES``; the positions
-  travel in its payload and each worker reserves the bound when it first runs;
+  (``worker.attention_steering``): its bound, positions × layers × key heads per rank × head
+  size × 2 × dtype bytes × ``n``, may not exceed ``VLLM_LENS_ATTENTION_STEER_MAX_BYTES``
+  (checked here once the prompt is tokenized; each worker reserves the bound, with the prompt
+  it sees, when the request first runs, and fails it there if it does not fit);
 - a named hook that declares ``max_rows = (ENV_VAR, default)`` (``logit_lens_topk``) may run on
   at most that many rows: hooked layers × positions × ``n`` (hooked requests compute every
   position, prefix cache or not), summed over all of the request's hooks of that name.
@@ -43,8 +44,8 @@ from vllm_lens.spec import (
     ModelFacts,
 )
 
-__all__ = ["attention_history_bound", "attention_positions", "capture_bound",
-           "capture_reservation", "check_admission", "check_capture_size"]
+__all__ = ["attention_history_bound", "capture_bound", "capture_reservation",
+           "check_admission", "check_capture_size"]
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -122,18 +123,13 @@ def check_capture_size(specs: CaptureSpec | Sequence[CaptureSpec], facts: ModelF
         request_id=request_id)
 
 
-def attention_positions(facts: ModelFacts, prompt_len: int | None,
-                        max_tokens: int | None) -> int:
-    """The most positions an attention-steered request computes (its history's length)."""
-    return _lengths(facts, prompt_len, max_tokens)["all"]
-
-
 def attention_history_bound(lens: LensRequest, facts: ModelFacts, positions: int) -> int:
     """The most bytes one sample's attention-steering history takes on one worker: every
-    steered layer's local key heads (all of them: a bound), ``positions`` rows of keys and
-    values in the model's dtype."""
+    steered layer's key heads on one tensor-parallel rank (all of them: a bound),
+    ``positions`` rows of keys and values in the model's dtype."""
     layers = {layer for edit in lens.steer_attention for layer in edit.layers}
-    per_position = sum(int(facts.qk_meta[layer]["num_kv_heads"])
+    tp = max(1, facts.tp_size)
+    per_position = sum(max(1, int(facts.qk_meta[layer]["num_kv_heads"]) // tp)
                        * int(facts.qk_meta[layer]["head_size"]) for layer in layers)
     return positions * per_position * 2 * _ITEMSIZE.get(facts.dtype, 4)
 
@@ -142,9 +138,9 @@ def check_admission(lens: LensRequest, facts: ModelFacts, prompt_len: int | None
                     max_tokens: int | None, n: int, request_id: str | None = None) -> None:
     """Refuse ``lens`` if its captures (together), its attention-steering history or a
     row-bounded named hook are too large."""
-    if lens.steer_attention:
+    if lens.steer_attention and prompt_len is not None:  # (else: the workers check it)
         bound = attention_history_bound(
-            lens, facts, attention_positions(facts, prompt_len, max_tokens)) * max(1, n)
+            lens, facts, _lengths(facts, prompt_len, max_tokens)["all"]) * max(1, n)
         limit = envs.attention_steer_max_bytes()
         if bound > limit:
             raise LensRequestError(

@@ -18,11 +18,7 @@ from vllm import SamplingParams
 from vllm_lens import envs
 from vllm_lens.common import handoff
 from vllm_lens.errors import LensRequestError
-from vllm_lens.frontend.admission import (
-    attention_positions,
-    capture_reservation,
-    check_admission,
-)
+from vllm_lens.frontend.admission import capture_reservation, check_admission
 from vllm_lens.sinks.config import SinkSpec
 from vllm_lens.spec.monitors import check_sampling
 from vllm_lens.spec import (
@@ -140,8 +136,11 @@ class LensSession:
             lens = dataclasses.replace(lens, reserve_bytes=capture_reservation(
                 lens, facts, prompt_length(prompt), params.max_tokens))
         if lens.steer_attention:
-            lens = dataclasses.replace(lens, attention_positions=attention_positions(
-                facts, prompt_length(prompt), params.max_tokens))
+            context = facts.max_model_len
+            lens = dataclasses.replace(
+                lens, attention_positions=context,
+                attention_max_tokens=context if params.max_tokens is None
+                else min(params.max_tokens, context))
         engine_params = params.clone()
         engine_params.extra_args = {**rest, PAYLOAD_KEY: lens.to_payload()}
         if lens.hooks or lens.monitors or lens.steer_attention or any(

@@ -49,8 +49,8 @@ __all__ = ["MAX_ALPHA", "MAX_BIAS", "MAX_EDITS", "MAX_KEY_POSITIONS", "Attention
 MAX_EDITS = 32
 #: Key positions one ``key_positions`` edit may name.
 MAX_KEY_POSITIONS = 4096
-#: Largest ``alpha`` and largest finite ``|bias|`` (their products and sums stay far inside
-#: float32).
+#: Largest ``alpha`` and largest finite ``|bias|``: 32 biases sum far inside float32, and the
+#: worker multiplies up to 32 alphas in float64.
 MAX_ALPHA = 1e6
 MAX_BIAS = 1e4
 _COMMON = {"layers", "heads"}

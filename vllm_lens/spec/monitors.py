@@ -45,7 +45,7 @@ from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import check_site, json_value
 from vllm_lens.spec.keys import MONITORS_KEY
 from vllm_lens.spec.sae_steering import steering_sae_references
-from vllm_lens.spec.saes import Describe, described
+from vllm_lens.spec.saes import MAX_SAE_ENTRIES, Describe, described, named_sae
 
 __all__ = ["ACTIONS", "MAX_MONITORS", "MONITOR_POINTS", "SAE_ARCHITECTURES", "MonitorSpec",
            "check_sampling", "monitor_sae_references", "parse_monitors"]
@@ -138,6 +138,10 @@ def parse_monitors(raw: Any, facts: ModelFacts, request_id: str | None = None,
         raise UnsupportedConfigError(MONITORS_KEY, "monitors are refused while speculative "
                                      "decoding is on (draft tokens the sampler may reject "
                                      "would be scored)", request_id=request_id)
+    by_feature = sum(isinstance(m, Mapping) and "sae" in m for m in raw)
+    if by_feature > MAX_SAE_ENTRIES:
+        raise LensRequestError(MONITORS_KEY, f"{by_feature} monitors by SAE feature; at most "
+                               f"{MAX_SAE_ENTRIES} per request", request_id=request_id)
     specs = [_parse_one(item, i, facts, request_id, saes) for i, item in enumerate(raw)]
     names = [s.name for s in specs]
     for i, name in enumerate(names):
@@ -207,13 +211,8 @@ def _sae_monitor(item: Mapping[str, Any], where: str, facts: ModelFacts,
                  common: dict[str, Any]) -> MonitorSpec:
     """A monitor by one feature of a standard or JumpReLU SAE, read at the SAE's point and
     layer from the feature's encoder column (``describe.sae_slice``)."""
-    name, hook_point, feature = item.get("sae"), item.get("hook_point"), item.get("feature")
-    if not isinstance(name, str) or not name:
-        raise LensRequestError(f"{where}.sae", "a registered SAE's name (offline, also the "
-                               "directory holding one)", request_id=request_id)
-    if hook_point is not None and not isinstance(hook_point, str):
-        raise LensRequestError(f"{where}.hook_point", "a name such as "
-                               "'blocks.3.hook_resid_post'", request_id=request_id)
+    name, hook_point = named_sae(item, where, request_id)
+    feature = item.get("feature")
     if isinstance(feature, bool) or not isinstance(feature, int):
         raise LensRequestError(f"{where}.feature", f"one feature index, got {feature!r}",
                                request_id=request_id)

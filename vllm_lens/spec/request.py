@@ -77,9 +77,12 @@ class LensRequest:
     steer_attention: tuple[AttentionEdit, ...] = ()
     """Edits of chosen heads' attention (``steer_attention``, ``spec.attention_steering``)."""
     attention_positions: int = 0
-    """With ``steer_attention``: the most positions the request computes (prompt and
-    ``max_tokens`` within the context), set by the front end after admission, never read from
-    the client; a worker reserves its history for them (``worker.attention_steering``)."""
+    """With ``steer_attention``: the model's context, which bounds the positions the request
+    computes; set by the front end after admission, never read from the client."""
+    attention_max_tokens: int = 0
+    """With ``steer_attention``: its ``max_tokens`` (the context if unset); a worker reserves
+    its history for ``min(context, prompt + max_tokens)`` positions, the prompt's length as
+    the worker sees it (``worker.attention_steering``)."""
     reserve_bytes: int = 0
     """The most captured bytes one sample of the request can hold on a worker at once
     (``admission.capture_reservation``), set by the front end after admission, never read
@@ -167,6 +170,7 @@ class LensRequest:
             payload["reserve"] = self.reserve_bytes
         if self.attention_positions:
             payload["attn_positions"] = self.attention_positions
+            payload["attn_max_tokens"] = self.attention_max_tokens
         return payload
 
     @classmethod
@@ -192,7 +196,8 @@ class LensRequest:
                    steer_attention=tuple(AttentionEdit.from_payload(d)
                                          for d in payload.get("steer_attention", ())),
                    reserve_bytes=int(payload.get("reserve", 0)),
-                   attention_positions=int(payload.get("attn_positions", 0)))
+                   attention_positions=int(payload.get("attn_positions", 0)),
+                   attention_max_tokens=int(payload.get("attn_max_tokens", 0)))
 
 
 #: The keys that ask for lens work (the others only say how to return it).

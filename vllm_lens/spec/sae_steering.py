@@ -41,7 +41,7 @@ from vllm_lens.spec.fields import (
     position_rule,
     sorted_indices,
 )
-from vllm_lens.spec.saes import MAX_SAE_ENTRIES, Describe, described
+from vllm_lens.spec.saes import MAX_SAE_ENTRIES, Describe, described, named_sae
 from vllm_lens.spec.steer_records import ClampSpec, SteerSpec
 
 __all__ = ["MAX_FEATURES", "check_clamps_alone", "is_feature_item", "parse_feature_steering",
@@ -96,13 +96,7 @@ def parse_feature_steering(item: Mapping[str, Any], facts: ModelFacts, describe:
     if unknown:
         raise LensRequestError(f"{where}.{unknown[0]}", "unknown field; steering by SAE feature "
                                f"takes {', '.join(_FIELDS)}", request_id=request_id)
-    name, hook_point = item.get("sae"), item.get("hook_point")
-    if not isinstance(name, str) or not name:
-        raise LensRequestError(f"{where}.sae", "a registered SAE's name (offline, also the "
-                               "directory holding one)", request_id=request_id)
-    if hook_point is not None and not isinstance(hook_point, str):
-        raise LensRequestError(f"{where}.hook_point", "a name such as "
-                               "'blocks.3.hook_resid_post'", request_id=request_id)
+    name, hook_point = named_sae(item, where, request_id)
     clamping = item.get("clamp") is not None
     if clamping and item.get("scale") is not None:
         raise LensRequestError(f"{where}.clamp", "give \"scale\" (add the decoder rows) or "

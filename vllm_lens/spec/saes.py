@@ -28,7 +28,7 @@ from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import check_site, json_value
 from vllm_lens.spec.keys import SAE_KEY
 
-__all__ = ["MAX_SAE_ENTRIES", "SAEFeatureSpec", "check_description", "described",
+__all__ = ["MAX_SAE_ENTRIES", "SAEFeatureSpec", "check_description", "described", "named_sae",
            "parse_sae_features", "sae_references"]
 
 _FIELDS = ("sae", "hook_point", "positions", "top_k", "reconstruction")
@@ -178,6 +178,20 @@ def check_description(info: Mapping[str, Any], facts: ModelFacts, field: str,
         raise LensRequestError(field, f"has {d_sae:,} features; feature indices travel as "
                                "float32, exact below 2**24 (16,777,216)", request_id=request_id)
     return point, layer, d_sae
+
+
+def named_sae(item: Mapping[str, Any], where: str,
+              request_id: str | None) -> tuple[str, str | None]:
+    """An item's ``sae`` and ``hook_point`` (steering or a monitor by feature), checked for
+    their types; a problem is a ``LensRequestError`` naming ``where.sae`` / ``.hook_point``."""
+    name, hook_point = item.get("sae"), item.get("hook_point")
+    if not isinstance(name, str) or not name:
+        raise LensRequestError(f"{where}.sae", "a registered SAE's name (offline, also the "
+                               "directory holding one)", request_id=request_id)
+    if hook_point is not None and not isinstance(hook_point, str):
+        raise LensRequestError(f"{where}.hook_point", "a name such as "
+                               "'blocks.3.hook_resid_post'", request_id=request_id)
+    return name, hook_point
 
 
 def described(describe: Describe | None, name: str, hook_point: str | None, facts: ModelFacts,

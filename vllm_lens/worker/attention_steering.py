@@ -20,26 +20,30 @@ Other heads, layers and requests keep the kernel's values; the compiled graph is
 (the kernel runs outside it).
 
 Memory: when a request first runs here it reserves, from
-``VLLM_LENS_ATTENTION_STEER_MAX_BYTES`` (``HistoryBudget``), the most its history can hold
-(its position bound from the front end × its layers here × key heads × head size × 2 ×
-dtype bytes), or fails at once; a running request never fails for lack of room. The scores
-are computed a block of query rows at a time (``_BLOCK_ELEMENTS``).
+``VLLM_LENS_ATTENTION_STEER_MAX_BYTES`` (``HistoryBudget``), the most its history can hold:
+its positions (prompt + ``max_tokens`` within the context) × its layers here × the layer's
+key heads on this rank × head size × 2 × dtype bytes — the same on every tensor-parallel rank,
+so the ranks refuse alike. One that does not fit fails then (it runs on without its lens work
+and reports the setting); a running one never fails for room. The history of a layer is
+allocated whole when first written. The scores are computed a block of query rows at a time
+(``_BLOCK_ELEMENTS``).
 """
 
 from __future__ import annotations
 
 import bisect
-import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from vllm_lens.attention import attention_scores
+from vllm_lens.spec import LensRequest
 from vllm_lens.spec.attention_steering import AttentionEdit
 
-__all__ = ["HistoryBudget", "KeyValueHistory", "LayerEdits", "RequestAttentionSteer",
-           "steer_rows"]
+__all__ = ["AttentionSteering", "HistoryBudget", "KeyValueHistory", "LayerEdits",
+           "RequestAttentionSteer", "steer_rows"]
 
 #: Scores computed at once for one request's rows of one layer (float32 elements): the query
 #: rows are taken in blocks so that a long prefill chunk never needs heads × rows × keys.
@@ -111,14 +115,10 @@ class KeyValueHistory:
         if end > self.positions:
             raise RuntimeError(f"position {end - 1} is past the {self.positions} positions "
                                "this request's attention steering reserved for")
-        if entry is None or end > entry.keys.shape[0]:
-            capacity = min(self.positions, max(64, 1 << math.ceil(math.log2(end))))
-            grown = _Layer(keys.new_empty((capacity, *keys.shape[1:])),
-                           values.new_empty((capacity, *values.shape[1:])), filled)
-            if entry is not None:
-                grown.keys[:filled] = entry.keys[:filled]
-                grown.values[:filled] = entry.values[:filled]
-            entry = self.layers[layer] = grown
+        if entry is None:  # reserved whole: allocated whole, never grown
+            entry = self.layers[layer] = _Layer(
+                keys.new_empty((self.positions, *keys.shape[1:])),
+                values.new_empty((self.positions, *values.shape[1:])))
         entry.keys[pos0:end] = keys
         entry.values[pos0:end] = values
         entry.filled = max(filled, end)
@@ -233,8 +233,11 @@ class RequestAttentionSteer:
                 if built is not None:
                     by_layer[layer] = built
         history = KeyValueHistory(budget, positions)
-        history.reserve(sum(positions * e.kv_heads.numel() * 2 * int(e.meta["head_size"])
-                            * itemsize for e in by_layer.values()))
+        # Every layer it steers here, with all of the layer's key heads on this rank (a
+        # bound: the same on every rank, whichever heads it steers).
+        layers = {layer for e in edits for layer in e.layers if layer in meta}
+        history.reserve(sum(positions * int(meta[layer]["num_kv_heads"]) * 2
+                            * int(meta[layer]["head_size"]) * itemsize for layer in layers))
         return cls(by_layer, history)
 
     @property
@@ -243,6 +246,59 @@ class RequestAttentionSteer:
 
     def free(self) -> None:
         self.history.free()
+
+
+class AttentionSteering:
+    """This worker's attention steering: a request's state when it first runs (``prepare``)
+    and, after each layer's kernel, the steered requests' rows of its output (``edit``)."""
+
+    def __init__(self, meta: dict[int, dict[str, Any]], tp_rank: int,
+                 layers: frozenset[int], limit: int) -> None:
+        self.meta = meta
+        """Layer -> ``attention_meta`` of this worker's tapped attention layers."""
+        self.tp_rank = tp_rank
+        self.layers = layers
+        """The layers of this worker's pipeline stage."""
+        self.budget = HistoryBudget(limit)
+        """``VLLM_LENS_ATTENTION_STEER_MAX_BYTES``: what the histories may reserve."""
+
+    def prepare(self, lens: LensRequest, n_prompt: int, device: torch.device,
+                dtype: torch.dtype) -> RequestAttentionSteer:
+        """A request's edits on this worker, its history reserved for
+        ``min(context, n_prompt + max_tokens)`` positions (``MemoryError`` naming the setting
+        if the budget cannot hold it)."""
+        missing = sorted({layer for edit in lens.steer_attention for layer in edit.layers
+                          if layer in self.layers and layer not in self.meta})
+        if missing:
+            raise RuntimeError(f"the attention of layers {missing} is not tapped on this worker")
+        if lens.attention_positions <= 0:
+            raise ValueError("the front end set no position bound for its attention steering "
+                             "(attention_positions)")
+        positions = min(lens.attention_positions, n_prompt + lens.attention_max_tokens)
+        return RequestAttentionSteer.build(lens.steer_attention, self.meta, self.tp_rank,
+                                           self.budget, positions, dtype.itemsize, device)
+
+    def edit(self, steered: list[tuple[Any, RequestAttentionSteer]], layer: int,
+             query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             out: torch.Tensor | None, *, alive: Callable[[str], bool],
+             fail: Callable[[str, BaseException], None]) -> None:
+        """Rewrite ``out`` (the kernel's output, ``None`` where it cannot be rewritten) for
+        each ``(plan.RequestSlice, state)`` steered at ``layer``; a request that fails is
+        reported to ``fail`` and the others go on; ``alive``: whether a request still runs its
+        lens work (one failed earlier in the step has no history left)."""
+        for s, state in steered:
+            if not alive(s.req_id):
+                continue
+            try:
+                if out is None:
+                    raise RuntimeError("this layer's attention kernel call cannot be rewritten "
+                                       "(a quantized output, or no key and value)")
+                z = out if out.dim() == 3 else out.view(out.shape[0], query.shape[1], -1)
+                rows = slice(s.start, s.end)
+                steer_rows(state.by_layer[layer], state.history, layer, s.pos0, query[rows],
+                           key[rows], value[rows], z[rows])
+            except Exception as exc:  # this request fails, never the forward pass
+                fail(s.req_id, exc)
 
 
 def steer_rows(edits: LayerEdits, history: KeyValueHistory, layer: int, pos0: int,
@@ -277,10 +333,10 @@ def steer_rows(edits: LayerEdits, history: KeyValueHistory, layer: int, pos0: in
             scores += bias[:, None, :]
         probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
         del scores
-        if weight is not None:
-            weighted = probs * weight[:, None, :]
+        if weight is not None:  # (float64: stacked alphas up to 1e6 ** 32 stay finite)
+            weighted = probs.double() * weight[:, None, :]
             total = weighted.sum(dim=-1, keepdim=True)
-            probs = torch.where(total > 0, weighted / total.clamp_min(1e-38), probs)
+            probs = torch.where(total > 0, (weighted / total.clamp_min(1e-300)).float(), probs)
             del weighted
         probs = probs.index_select(0, edits.steered)
         # Each steered head against its key head's values (float32, one key head at a time).
@@ -313,10 +369,10 @@ def _bias_row(edits: LayerEdits, n_keys: int, device: torch.device) -> torch.Ten
 
 def _emphasis_weight(edits: LayerEdits, k_pos: torch.Tensor) -> torch.Tensor | None:
     """``[computed heads, n_keys]``: the product of every emphasis's weights (1 inside its
-    span, ``alpha`` outside) for each head and key (``None`` without one)."""
+    span, ``alpha`` outside) for each head and key, float64 (``None`` without one)."""
     if not edits.emphases:
         return None
-    weight = torch.ones((edits.n_heads, k_pos.numel()), dtype=torch.float32,
+    weight = torch.ones((edits.n_heads, k_pos.numel()), dtype=torch.float64,
                         device=k_pos.device)
     for heads, start, end, alpha in edits.emphases:
         inside = (k_pos >= start) & (k_pos < end)

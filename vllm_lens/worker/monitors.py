@@ -3,11 +3,12 @@ the sampled token forced to end-of-sequence once a ``stop`` monitor fired (runs 
 
 At a tap (after steering and hooks there, as a capture sees the signal) ``score`` computes
 ``h · probe + bias`` in float32 for the request's rows (the monitors read at one site in one
-product, a block of rows at a time), or for a monitor by SAE feature the feature's activation
-(the SAE cut down to that feature, ``encode`` in float32), keeps the scores on the device (TP rank 0 reports them
-at fetch, one copy per monitor) and, for ``stop`` monitors, ORs ``any(score > threshold)``
-into the request's ``fired`` flag, a device boolean: nothing waits on the device. Before the step
-samples, ``force_stops`` replaces the logits row of every request whose flag is set by one
+product, a block of rows at a time), or for a monitor by SAE feature the feature's
+activation (the SAE cut down to that feature, ``encode`` in float32 of the float32 sum),
+keeps the scores on the device (TP rank 0 reports them at fetch, one copy per monitor) and,
+for ``stop`` monitors, ORs ``any(score > threshold)`` into the request's ``fired`` flag, a
+device boolean: nothing waits on the device. Before the step samples, ``force_stops``
+(through ``StopControl``) replaces the logits row of every request whose flag is set by one
 that puts all its mass on the request's end-of-sequence token; every tensor-parallel rank
 computes the same scores from the whole stream, so every rank forces the same rows. vLLM's
 scheduler then finishes the request in that step (``finish_reason`` ``"stop"``); the front end
@@ -28,7 +29,7 @@ from vllm_lens.common.points import hook_site, operands
 from vllm_lens.saes import SAE
 from vllm_lens.spec.monitors import MonitorSpec
 
-__all__ = ["MonitorState", "force_stops", "pack_scores"]
+__all__ = ["MonitorState", "StopControl", "force_stops", "pack_scores"]
 
 
 #: Rows scored at once: bounds the float32 copy a long prefill chunk makes.
@@ -179,6 +180,37 @@ def _feature_scores(a: torch.Tensor, b: torch.Tensor | None, lo: int, end: int,
             rows = rows + rows_b[s:e].float()
         parts.append(sae.encode(rows).float())
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+@dataclass
+class StopControl:
+    """Which rows of the logits a step forces to end-of-sequence: the requests a ``stop``
+    monitor fired for, and those whose lens work failed while a ``stop`` monitor guarded them
+    (their monitors no longer run: they end at every step until they finish)."""
+
+    closing: dict[str, MonitorState] = field(default_factory=dict)
+
+    def close(self, req_id: str, state: MonitorState) -> None:
+        self.closing[req_id] = state
+
+    def force(self, logits: torch.Tensor, stops: list[tuple[str, MonitorState]],
+              records: dict[str, Any], view: Any) -> None:
+        """Before the step samples: ``stops`` are this step's (request id, state) with a
+        ``stop`` monitor; ``records`` the worker's request records; ``view`` the runner's
+        (``runner.RunnerView``: live requests, each one's row of the logits)."""
+        for req_id, state in stops:
+            record = records.get(req_id)
+            if state.failed or record is None or record.error is not None:
+                # Its lens work failed in this step, so its monitors stop running: it ends
+                # now and at every later step (a guardrail fails closed).
+                self.closing[req_id] = state
+        if self.closing:
+            live = view.live()
+            self.closing = {r: st for r, st in self.closing.items() if r in live}
+        rows = [(row, state, req_id in self.closing)
+                for req_id, state in [*stops, *self.closing.items()]
+                if (row := view.logits_row(req_id)) is not None and state.eos is not None]
+        force_stops(logits, rows)
 
 
 def force_stops(logits: torch.Tensor, rows: list[tuple[int, MonitorState, bool]]) -> None:

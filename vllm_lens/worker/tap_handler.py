@@ -27,15 +27,11 @@ from vllm_lens.common import faults
 from vllm_lens.common.points import SAE_PREFIX, hook_site
 from vllm_lens.saes import SAE
 from vllm_lens.spec import HookSpec, SteerSpec
-from vllm_lens.worker.attention_steering import (
-    HistoryBudget,
-    RequestAttentionSteer,
-    steer_rows,
-)
+from vllm_lens.worker.attention_steering import AttentionSteering
 from vllm_lens.worker.attention_taps import AttentionTaps
 from vllm_lens.worker.capture import capture_layer
 from vllm_lens.worker.hooks import HookCall, HookState, ParameterSource, run_hook_calls
-from vllm_lens.worker.monitors import MonitorState, force_stops
+from vllm_lens.worker.monitors import MonitorState, StopControl
 from vllm_lens.worker.plan import RequestSlice, StepPlan
 from vllm_lens.worker.request_records import RequestRecord, RequestTable, describe
 from vllm_lens.worker.runner import RunnerView
@@ -90,15 +86,15 @@ class LensRuntime:
         self._plan: StepPlan = _EMPTY_PLAN
         self._steer_layout: tuple[tuple[str, int, int, int | None], ...] = ()
         self._steer_groups: dict[tuple[int, str], SteerGroup] = {}
-        self._closing: dict[str, MonitorState] = {}
-        """Requests with a ``stop`` monitor whose lens work failed (their monitors no longer
-        run): each step samples their end-of-sequence token until they finish (a guardrail
-        fails closed)."""
+        self._stops = StopControl()
+        """The requests ``stop`` monitors end, and those ending because their lens work
+        failed (a guardrail fails closed)."""
         self.attention = AttentionTaps(attention, self.on_tap, self.on_attention)
         """Wrappers around the attention kernels, on only for steps that read Q/K/attn_z or
         steer attention."""
-        self.attention_budget = HistoryBudget(envs.attention_steer_max_bytes())
-        """Device bytes of the keys and values kept for attention-steered requests."""
+        self.attention_steering = AttentionSteering(
+            self.attention.meta, tp_rank, self.shard_layers, envs.attention_steer_max_bytes())
+        """Attention-steered requests' states and the edit after each kernel."""
 
     # -- tap handler ---------------------------------------------------------------------------
     def on_tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: int,
@@ -145,21 +141,12 @@ class LensRuntime:
             steered = self._plan_for_step(query).attention.get(layer)
         except Exception:  # noqa: BLE001 -- on_tap reports a step that cannot be planned
             return
-        for s, state in steered or ():
-            record = self.requests.records.get(s.req_id)
-            if record is None or record.error is not None:
-                continue  # failed earlier in the step: its history is freed
-            try:
-                if out is None:
-                    raise RuntimeError("this layer's attention kernel call cannot be rewritten "
-                                       "(a quantized output, or no key and value)")
-                heads = query.shape[1]
-                z = out if out.dim() == 3 else out.view(out.shape[0], heads, -1)
-                rows = slice(s.start, s.end)
-                steer_rows(state.by_layer[layer], state.history, layer, s.pos0, query[rows],
-                           key[rows], value[rows], z[rows])
-            except Exception as exc:
-                self._fail([s.req_id], exc, "steer_attention")
+        if steered:
+            records = self.requests.records
+            self.attention_steering.edit(
+                steered, layer, query, key, value, out,
+                alive=lambda r: r in records and records[r].error is None,
+                fail=lambda r, exc: self._fail([r], exc, "steer_attention"))
 
     def _steer(self, plan: StepPlan, group: SteerGroup, hidden: torch.Tensor,
                residual: torch.Tensor | None) -> None:
@@ -307,7 +294,7 @@ class LensRuntime:
             if record is not None and record.error is not None:
                 if record.monitors is not None and record.monitors.stops:
                     # Its monitors no longer run: a guardrail fails closed.
-                    self._closing[sched.req_id] = record.monitors
+                    self._stops.close(sched.req_id, record.monitors)
                 record = None  # a failed request runs to its end without its lens work
             if record is None and not persistent:
                 continue
@@ -376,19 +363,8 @@ class LensRuntime:
         record = self.requests.records[s.req_id]
         if record.attention is None:
             faults.check(record.lens.fault, "steer_attention")
-            missing = sorted({layer for edit in s.lens.steer_attention for layer in edit.layers
-                              if layer in self.shard_layers
-                              and layer not in self.attention.meta})
-            if missing:
-                raise RuntimeError(f"the attention of layers {missing} is not tapped on this "
-                                   "worker")
-            positions = s.lens.attention_positions
-            if positions <= 0:
-                raise ValueError("the front end set no position bound for its attention "
-                                 "steering (attention_positions)")
-            record.attention = RequestAttentionSteer.build(
-                s.lens.steer_attention, self.attention.meta, self.tp_rank,
-                self.attention_budget, positions, dtype.itemsize, device)
+            record.attention = self.attention_steering.prepare(s.lens, s.n_prompt, device,
+                                                               dtype)
         for layer in record.attention.by_layer:
             plan.attention.setdefault(layer, []).append((s, record.attention))
 
@@ -408,24 +384,10 @@ class LensRuntime:
         step (``monitors.force_stops``); runs before the step samples."""
         plan = self._plan
         stops, plan.stops = plan.stops, []  # this step's, used once
-        if not stops and not self._closing:
+        if not stops and not self._stops.closing:
             return
         try:
-            records = self.requests.records
-            for req_id, state in stops:
-                record = records.get(req_id)
-                if state.failed or record is None or record.error is not None:
-                    # Its lens work failed in this step, so its monitors stop running: it
-                    # ends now and at every later step (a guardrail fails closed).
-                    self._closing[req_id] = state
-            if self._closing:
-                live = self.view.live()
-                self._closing = {r: st for r, st in self._closing.items() if r in live}
-            rows = [(row, state, req_id in self._closing)
-                    for req_id, state in [*stops, *self._closing.items()]
-                    if (row := self.view.logits_row(req_id)) is not None
-                    and state.eos is not None]
-            force_stops(logits, rows)
+            self._stops.force(logits, stops, self.requests.records, self.view)
         except Exception as exc:  # never into the sampler: the requests fail, not the engine
             self._fail([req_id for req_id, _ in stops], exc, "monitors")
 

@@ -166,8 +166,11 @@ against transformers with forward hooks on its modules. **tested**: the values m
 transformers to 1e-4 (relative, per row; attention patterns to 1e-5), on prompt and decode
 rows, with the prompt prefilled in chunks of 16 tokens. **refused**: the point does not exist
 in that family and a request for it fails up front naming it. `router_experts` (the experts
-each token is routed to) comes with `router_logits`. The TP=2 column covers every point, Q/K
-and steering with two tensor-parallel workers.
+each token is routed to) comes with `router_logits`. **ablate/cap**: `mode="ablate"` at every
+layer with a one-sided `cap`, against hooks doing the same edits; **attention steering**:
+`steer_attention` (PASTA and a key bias) against transformers' eager attention doing the same
+edit. The TP=2 column covers every point, Q/K, steering, ablate/cap, attention steering and
+the stop monitor with two tensor-parallel workers.
 
 """
 

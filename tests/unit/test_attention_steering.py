@@ -318,3 +318,24 @@ def test_every_rank_reserves_alike_whichever_heads_it_steers():
         reserved.append(budget.used)
         assert bool(steer.by_layer) == (rank == 1)
     assert reserved[0] == reserved[1] == 12 * 2 * 16 * 2 * 4
+
+
+def test_prepare_reserves_prompt_plus_max_tokens_within_the_context():
+    from vllm_lens.worker.attention_steering import AttentionSteering
+
+    edit = AttentionEdit(layers=(0,), heads=None, span=(0, 2), alpha=0.5)
+    steering = AttentionSteering({0: META}, 0, frozenset({0}), 1 << 30)
+    per_position = 2 * 16 * 2 * 4  # key heads x head size x (keys, values) x float32
+    lens = LensRequest(key="k", steer_attention=(edit,), attention_positions=100,
+                       attention_max_tokens=30)
+    state = steering.prepare(lens, 20, torch.device("cpu"), torch.float32)
+    assert state.history.positions == 50 and steering.budget.used == 50 * per_position
+    long = steering.prepare(lens, 90, torch.device("cpu"), torch.float32)  # the context caps
+    assert long.history.positions == 100
+    state.free()
+    long.free()
+    assert steering.budget.used == 0
+    for unset in (dict(attention_positions=0), dict(attention_max_tokens=0)):
+        with pytest.raises(ValueError, match="no position bound"):
+            steering.prepare(dataclasses.replace(lens, **unset), 20, torch.device("cpu"),
+                             torch.float32)

@@ -227,3 +227,29 @@ def test_an_sae_feature_monitor_scores_the_features_activation():
     h = (hidden + residual - encoder["b_dec"]) @ w_enc[:, 0] + 0.1
     assert torch.allclose(got, torch.where(h > 0.5, h, torch.zeros(())), atol=1e-6)
     assert MonitorSpec.from_payload(spec.to_payload()) == spec
+
+
+def test_stop_control_closes_failed_requests_until_they_are_gone():
+    """A request whose lens work failed while a stop monitor guarded it is forced to end at
+    this step and every later one, until the runner drops it; a healthy one only once fired."""
+    from types import SimpleNamespace
+
+    from vllm_lens.worker.monitors import StopControl
+
+    healthy, broken = _state({}), _state({})
+    healthy.fired = torch.tensor(False)
+    live = {"a", "b"}
+    view = SimpleNamespace(live=lambda: live, logits_row={"a": 0, "b": 1}.get)
+    records = {"a": SimpleNamespace(error=None), "b": SimpleNamespace(error="failed")}
+    control = StopControl()
+    logits = torch.zeros(2, 10)
+    control.force(logits, [("a", healthy), ("b", broken)], records, view)
+    assert "b" in control.closing and "a" not in control.closing
+    assert logits[0].argmax() == 0 and not torch.isinf(logits[0]).any()  # not fired
+    assert logits[1].argmax() == 7  # failed: ends (fails closed)
+    again = torch.zeros(2, 10)
+    control.force(again, [], records, view)  # a later step: still closing
+    assert again[1].argmax() == 7
+    live.discard("b")
+    control.force(torch.zeros(2, 10), [], records, view)
+    assert control.closing == {}

@@ -138,9 +138,12 @@ def check_admission(lens: LensRequest, facts: ModelFacts, prompt_len: int | None
                     max_tokens: int | None, n: int, request_id: str | None = None) -> None:
     """Refuse ``lens`` if its captures (together), its attention-steering history or a
     row-bounded named hook are too large."""
-    if lens.steer_attention and prompt_len is not None:  # (else: the workers check it)
-        bound = attention_history_bound(
-            lens, facts, _lengths(facts, prompt_len, max_tokens)["all"]) * max(1, n)
+    if lens.steer_attention:
+        # Prompt not tokenized yet: the least it can hold (one prompt token), so that only a
+        # request that can never fit is refused here; the workers check the real bound.
+        positions = (_lengths(facts, prompt_len, max_tokens)["all"] if prompt_len is not None
+                     else min(facts.max_model_len, 1 + (max_tokens or facts.max_model_len)))
+        bound = attention_history_bound(lens, facts, positions) * max(1, n)
         limit = envs.attention_steer_max_bytes()
         if bound > limit:
             raise LensRequestError(

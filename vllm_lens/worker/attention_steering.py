@@ -271,9 +271,9 @@ class AttentionSteering:
                           if layer in self.layers and layer not in self.meta})
         if missing:
             raise RuntimeError(f"the attention of layers {missing} is not tapped on this worker")
-        if lens.attention_positions <= 0:
+        if lens.attention_positions <= 0 or lens.attention_max_tokens <= 0:
             raise ValueError("the front end set no position bound for its attention steering "
-                             "(attention_positions)")
+                             "(attention_positions, attention_max_tokens)")
         positions = min(lens.attention_positions, n_prompt + lens.attention_max_tokens)
         return RequestAttentionSteer.build(lens.steer_attention, self.meta, self.tp_rank,
                                            self.budget, positions, dtype.itemsize, device)
@@ -336,7 +336,8 @@ def steer_rows(edits: LayerEdits, history: KeyValueHistory, layer: int, pos0: in
         if weight is not None:  # (float64: stacked alphas up to 1e6 ** 32 stay finite)
             weighted = probs.double() * weight[:, None, :]
             total = weighted.sum(dim=-1, keepdim=True)
-            probs = torch.where(total > 0, (weighted / total.clamp_min(1e-300)).float(), probs)
+            probs = torch.where(total > 0, weighted.div_(total.clamp_min(1e-300)).float(),
+                                probs)
             del weighted
         probs = probs.index_select(0, edits.steered)
         # Each steered head against its key head's values (float32, one key head at a time).
@@ -376,6 +377,7 @@ def _emphasis_weight(edits: LayerEdits, k_pos: torch.Tensor) -> torch.Tensor | N
                         device=k_pos.device)
     for heads, start, end, alpha in edits.emphases:
         inside = (k_pos >= start) & (k_pos < end)
-        rows = weight.index_select(0, heads) * torch.where(inside, 1.0, alpha)
-        weight.index_copy_(0, heads, rows)
+        factor = torch.full((k_pos.numel(),), alpha, dtype=torch.float64,
+                            device=k_pos.device).masked_fill_(inside, 1.0)
+        weight.index_copy_(0, heads, weight.index_select(0, heads) * factor)
     return weight

@@ -141,12 +141,16 @@ class LensRuntime:
             steered = self._plan_for_step(query).attention.get(layer)
         except Exception:  # noqa: BLE001 -- on_tap reports a step that cannot be planned
             return
-        if steered:
-            records = self.requests.records
+        if not steered:
+            return
+        records = self.requests.records
+        try:
             self.attention_steering.edit(
                 steered, layer, query, key, value, out,
                 alive=lambda r: r in records and records[r].error is None,
                 fail=lambda r, exc: self._fail([r], exc, "steer_attention"))
+        except Exception:  # never into the forward pass
+            logger.exception("vllm-lens: cannot report an attention-steering failure")
 
     def _steer(self, plan: StepPlan, group: SteerGroup, hidden: torch.Tensor,
                residual: torch.Tensor | None) -> None:

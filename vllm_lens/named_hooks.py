@@ -12,7 +12,11 @@ the request field at fault (``"args.weight"``, ``"hook_point"``). What it stores
 JSON types, which is what crosses HTTP. Any client may call a named hook, so one that costs
 much per row declares a bound: a factory attribute ``max_rows = (ENV_VAR, default)`` caps the
 rows (positions × hooked layers × samples) one request may run it on, checked before the
-request is scheduled. Any installed package can publish more::
+request is scheduled. A hook whose rows make a score a monitor can stop a generation on
+(``spec.monitors``) declares ``monitor_score = (KEY, COLUMNS)``: ``saved[KEY][layer]`` holds one
+row per scored position, paired with ``saved["positions"][layer]``, each a number
+(``COLUMNS`` ``None``) or a vector a monitor reduces to one (``COLUMNS`` says what its entries
+are, e.g. ``"heads"``). Any installed package can publish more::
 
     [project.entry-points."vllm_lens.hooks"]
     my_hook = "my_package.hooks:make_my_hook"
@@ -187,6 +191,7 @@ def _check_probe(args: Mapping[str, Any], point: str, row_shape: tuple[int, ...]
 
 
 linear_probe.check = _check_probe  # type: ignore[attr-defined]
+linear_probe.monitor_score = ("scores", None)  # type: ignore[attr-defined]
 
 
 #: Attention weights ``attention_to_span`` materialises at once (heads × queries × keys).
@@ -306,3 +311,4 @@ def _check_attention_hook(args: Mapping[str, Any], point: str,
 
 
 attention_to_span.check = _check_attention_hook  # type: ignore[attr-defined]
+attention_to_span.monitor_score = ("mass", "heads")  # type: ignore[attr-defined]

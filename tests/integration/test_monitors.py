@@ -3,7 +3,9 @@ position equals the one computed from transformers' rows; a ``stop`` monitor end
 generation right after the first position where that reference crosses the threshold (on a
 generated token, or on the prompt: no visible token), with ``stop_reason`` its name; a ``flag``
 monitor reports and lets it go on; a plain request in the same batch is untouched; bad
-monitors are refused naming the field, offline and over HTTP (streaming included)."""
+monitors are refused naming the field, offline and over HTTP (streaming included). Monitors
+read a probe, an SAE feature, or a named hook's score (``linear_probe``,
+``attention_to_span``)."""
 
 import json
 
@@ -152,6 +154,72 @@ def test_a_monitor_by_sae_feature_scores_and_stops_like_sae_lens(tiny_llm, tiny_
             "monitors": [{**monitor, "feature": 512, "action": "flag"}]}))
 
 
+def test_monitors_by_a_named_hooks_score_stop_like_the_reference(tiny_llm, tiny_ref):
+    """By ``linear_probe``'s score at ``resid_post`` and by ``attention_to_span``'s mass at
+    ``attn_qk`` (the largest head's, on generated queries): a
+    ``flag`` monitor reports transformers' scores, a ``stop`` monitor ends right after the
+    first position where they cross, and a plain request beside them is untouched. The
+    hooks' rows are the monitors' (no ``hook_results``)."""
+    eos = tiny_llm.get_tokenizer().eos_token_id
+    plain_sp = SamplingParams(max_tokens=12, temperature=0)
+    plain = tiny_llm.generate([TINY_PROMPT], plain_sp)[0]
+    ids = list(plain.prompt_token_ids) + list(plain.outputs[0].token_ids)
+    n_prompt = len(plain.prompt_token_ids)
+    seen = tiny_ref.points(ids[:-1], attentions=True)
+    rows = seen[("resid_post", LAYER)].float()
+    target = n_prompt + 3
+    probe = rows[target] - rows[:target].mean(0)
+    probe = probe / probe.norm()
+    probe_scores = rows @ probe - 0.5
+    probe_at, probe_threshold = _crossing(probe_scores, n_prompt + 1)
+    # The largest head's mass on the first eight generated positions, from generated queries:
+    # it grows while more of the span becomes visible (the tiny random model attends almost
+    # evenly), so it rises to new highs.
+    weights = seen[("attn", 1)].float()  # [heads, T, T], eager attention
+    span = [n_prompt, n_prompt + 8]
+    span_scores = weights[:, n_prompt:, span[0]:span[1]].sum(-1).amax(0)
+    span_at, span_threshold = _crossing(span_scores, 1)
+    span_at += n_prompt
+
+    def monitors(action):
+        return [{"name": "probe", "hook": "linear_probe", "layer": LAYER,
+                 "args": {"weight": probe.tolist(), "bias": -0.5}, "threshold":
+                 probe_threshold if action == "stop" else 1e9, "action": action},
+                {"name": "span", "hook": "attention_to_span", "layer": 1, "point": "attn_qk",
+                 "args": {"span": span, "queries": "generated"},
+                 "reduce": "max", "threshold": span_threshold if action == "stop" else 1e9,
+                 "action": action}]
+
+    flag_sp = SamplingParams(max_tokens=12, temperature=0,
+                             extra_args={"monitors": monitors("flag")})
+    by_probe = SamplingParams(max_tokens=12, temperature=0,
+                              extra_args={"monitors": monitors("stop")[:1]})
+    by_span = SamplingParams(max_tokens=12, temperature=0,
+                             extra_args={"monitors": json.dumps(monitors("stop")[1:])})
+    flagged, beside, stopped_probe, stopped_span = tiny_llm.generate(
+        [TINY_PROMPT] * 4, [flag_sp, plain_sp, by_probe, by_span])
+
+    assert list(flagged.outputs[0].token_ids) == ids[n_prompt:]
+    assert list(beside.outputs[0].token_ids) == ids[n_prompt:] and beside.monitors is None
+    assert flagged.hook_results is None
+    probe_record, span_record = flagged.monitors
+    assert probe_record["positions"].tolist() == list(range(len(ids) - 1))
+    assert (probe_record["scores"] - probe_scores).abs().max() <= TOL * probe_scores.abs().max()
+    assert span_record["positions"].tolist() == list(range(n_prompt, len(ids) - 1))
+    torch.testing.assert_close(span_record["scores"], span_scores, rtol=1e-4,
+                               atol=1e-5)
+    assert not probe_record["fired"] and not span_record["fired"]
+    for out, at, name in ((stopped_probe, probe_at, "probe"), (stopped_span, span_at, "span")):
+        assert list(out.outputs[0].token_ids) == [*ids[n_prompt:at + 1], eos], name
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == name
+        assert out.monitors[0]["fired"] and out.monitors[0]["position"] == at
+    for change, field in (({"hook": "logit_lens_topk", "args": {}}, r"monitors\[0\]\.hook"),
+                          ({"reduce": None}, r"monitors\[0\]\.reduce")):
+        with pytest.raises(LensRequestError, match=field):
+            tiny_llm.generate([TINY_PROMPT], SamplingParams(max_tokens=2, extra_args={
+                "monitors": [{**monitors("flag")[1], **change}]}))
+
+
 @pytest.mark.parametrize(("change", "field"), [
     ({"probe": [1.0, 2.0]}, "monitors[0].probe"),
     ({"action": "halt"}, "monitors[0].action"),
@@ -210,10 +278,16 @@ def test_monitors_over_http_stream_and_stop_with_the_reason(smol_server):
     target = len(first["prompt_token_ids"]) + 3
     probe = rows[target] - rows[:target].mean(0)
     probe = probe / probe.norm()
-    flagged = complete({"monitors": [_monitor("m", probe, 1e9, "flag", layer=10)],
+    by_hook = {"name": "m-hook", "hook": "linear_probe", "args": {"weight": probe.tolist()},
+               "layer": 10, "threshold": 1e9, "action": "flag"}
+    flagged = complete({"monitors": [_monitor("m", probe, 1e9, "flag", layer=10), by_hook],
                         "output_residual_stream": [10]})
     choice = flagged.choices[0].model_extra
-    record = choice["monitors"][0]
+    record, hook_record = choice["monitors"]
+    # By the named hook's score: the same probe, the same float32 scores.
+    assert hook_record["name"] == "m-hook" and hook_record["positions"] == record["positions"]
+    torch.testing.assert_close(torch.tensor(hook_record["scores"]),
+                               torch.tensor(record["scores"]), rtol=1e-5, atol=1e-5)
     assert not record["fired"] and record["action"] == "flag"
     rows = decode_json_tensors(choice["activations"])["residual_stream"][0].float()
     expected = rows @ probe
@@ -318,20 +392,32 @@ def test_the_inspect_provider_sees_a_monitor_stop(smol_server, smollm2_path):
     assert flagged.metadata["monitors"][0]["fired"]
 
 
-def test_a_stop_monitor_whose_lens_work_fails_ends_the_generation(tiny_llm):
-    """Fail closed: when a request's lens work fails (an injected capture fault), its
+_NEVER_BY_HOOK = {"name": "never", "hook": "linear_probe", "layer": 1,
+                  "args": {"weight": [1.0] * 128}, "threshold": 1e9}
+
+
+@pytest.mark.parametrize(("stage", "monitor", "extra"), [
+    ("capture", None, {"output_residual_stream": [1]}),
+    ("plan", None, {}),  # before its monitors are built
+    ("hooks", _NEVER_BY_HOOK, {}),  # the monitor's own hook fails
+])
+def test_a_stop_monitor_whose_lens_work_fails_ends_the_generation(tiny_llm, stage, monitor,
+                                                                  extra):
+    """Fail closed: when a request's lens work fails (an injected fault at ``stage``), its
     monitors stop running, so a ``stop`` monitor's request is ended at the next token and
     reports the failure; a ``flag`` monitor's request runs on (it only reports)."""
     from vllm_lens.common.faults import FAULT_KEY
 
     def params(action):
+        watch = (_monitor("never", torch.ones(128), 1e9, action) if monitor is None
+                 else {**monitor, "action": action})
         return SamplingParams(max_tokens=8, temperature=0, extra_args={
-            "monitors": [_monitor("never", torch.ones(128), 1e9, action)],
-            "output_residual_stream": [1], FAULT_KEY: "capture"})
+            "monitors": [watch], **extra, FAULT_KEY: stage})
 
     stopped, flagged = tiny_llm.generate([TINY_PROMPT] * 2, [params("stop"), params("flag")])
     eos = tiny_llm.get_tokenizer().eos_token_id
     assert list(stopped.outputs[0].token_ids) == [eos]
     assert stopped.outputs[0].finish_reason == "stop" and stopped.lens_error is not None
+    assert f"stage {stage!r}" in str(stopped.lens_error)
     assert stopped.monitors is None  # nothing partial is returned
     assert len(flagged.outputs[0].token_ids) == 8 and flagged.lens_error is not None

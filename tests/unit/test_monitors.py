@@ -5,6 +5,7 @@ them (``frontend.collator``, ``frontend.http.results``). The engine tests are in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -204,7 +205,7 @@ def test_sae_feature_monitors_are_referenced_before_the_parse_and_need_a_describ
     assert err.value.field == "monitors[0].feature"
     with pytest.raises(LensRequestError) as err:
         parse_monitors([{**one, "hook": "logit_lens"}], FACTS)
-    assert err.value.field == "monitors[0]"
+    assert err.value.field == "monitors[0].feature"  # a hook monitor has no SAE fields
 
 
 def test_an_sae_feature_monitor_scores_the_features_activation():
@@ -253,3 +254,141 @@ def test_stop_control_closes_failed_requests_until_they_are_gone():
     live.discard("b")
     control.force(torch.zeros(2, 10), [], records, view)
     assert control.closing == {}
+
+
+QK_FACTS = ModelFacts(**{**FACTS.__dict__, "sites": ["pre", "mid", "post", "attn"],
+                         "n_heads": 4, "n_kv_heads": 2, "head_dim": 2})
+
+
+def _hook_monitor(**change):
+    return {"name": "h", "hook": "linear_probe", "args": {"weight": [1.0] * 8, "bias": 0.5},
+            "layer": 1, "threshold": 2.0, "action": "stop", **change}
+
+
+def test_a_monitor_by_a_hooks_score_is_parsed_and_travels_in_the_payload():
+    (spec,) = parse_monitors([_hook_monitor(layer=-2, point="mlp_out")], FACTS)
+    assert (spec.hook, spec.layer, spec.point, spec.score_key, spec.reduce) == (
+        "linear_probe", 2, "mlp_out", "scores", "")
+    assert json.loads(spec.hook_args) == {"weight": [1.0] * 8, "bias": 0.5}
+    hook = spec.hook_spec()
+    assert (hook.layers, hook.name, hook.point, hook.args) == (
+        (2,), "linear_probe", "mlp_out", spec.hook_args)
+    _, lens = parse_extra_args({"monitors": [_hook_monitor()]}, lambda: FACTS)
+    assert LensRequest.from_payload(lens.to_payload()).monitors == lens.monitors
+    (attention,) = parse_monitors([_hook_monitor(
+        hook="attention_to_span", args={"span": [0, 3], "queries": "generated"},
+        point="attn_qk", reduce="max")], QK_FACTS)
+    assert (attention.score_key, attention.reduce, attention.point) == ("mass", "max", "attn_qk")
+
+
+@pytest.mark.parametrize(("change", "field", "message"), [
+    ({"hook": "no_such_hook"}, "monitors[0].hook", "no hook named"),
+    ({"hook": "logit_lens_topk", "args": {}}, "monitors[0].hook", "monitor_score"),
+    ({"hook": 3}, "monitors[0].hook", "name"),
+    ({"args": {"weight": [1.0] * 7}}, "monitors[0].args.weight", "7 numbers"),
+    ({"args": {"weight": [1.0] * 8, "scale": 2}}, "monitors[0].args", "unknown argument"),
+    ({"args": [1, 2]}, "monitors[0].args", "JSON object"),
+    ({"reduce": "max"}, "monitors[0].reduce", "nothing to reduce"),
+    ({"point": "mlp_post"}, "monitors[0].point", "cannot be written"),
+    ({"layer": 9}, "monitors[0].layer", "not a layer"),
+    ({"probe": [1.0] * 8}, "monitors[0].probe", "unknown field"),
+    ({"hook": "attention_to_span", "args": {"span": [0, 3]}, "point": "attn_qk"},
+     "monitors[0].reduce", "one number per head"),
+    ({"hook": "attention_to_span", "args": {"span": [0, 3]}, "reduce": "max"},
+     "monitors[0].point", "attn_qk"),
+    ({"hook": "attention_to_span", "args": {"span": [3, 0]}, "point": "attn_qk",
+      "reduce": "median"}, "monitors[0].args", "span must be"),
+])
+def test_a_bad_hook_monitor_is_refused_naming_the_field(change, field, message):
+    with pytest.raises(LensRequestError) as raised:
+        parse_monitors([_hook_monitor(**change)], QK_FACTS)
+    assert raised.value.field == field and message in str(raised.value)
+
+
+def test_a_hook_monitor_at_qk_is_refused_under_tensor_parallelism():
+    tp2 = ModelFacts(**{**QK_FACTS.__dict__, "tp_size": 2})
+    with pytest.raises(UnsupportedConfigError) as raised:
+        parse_monitors([_hook_monitor(hook="attention_to_span", args={"span": [0, 3]},
+                                      point="attn_qk", reduce="max")], tp2)
+    assert raised.value.field == "monitors[0].point"
+
+
+def _run_hooks(state, where, hidden, residual, start, end, pos0, n_prompt):
+    from vllm_lens.worker.hooks import HookCall, run_hook_calls
+
+    call = HookCall("r", start, end, pos0, (state.hooks,), n_prompt)
+    run_hook_calls([call], where[0], where[1], hidden, residual, None, 0, None, split=False)
+    state.score(where, hidden, residual, start, end, pos0, n_prompt, True)
+
+
+def test_a_hook_monitor_reads_what_its_hook_saved_for_these_rows():
+    """A monitor by ``linear_probe``'s score scores like a probe monitor with the same
+    weights (the hook runs first, at the same tap), fires on a crossing in the new rows only,
+    skips prompt rows when asked, and its report is the hook's rows."""
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(8, generator=g)
+    args = {"weight": weight.tolist(), "bias": 0.25}
+    state = _state_of([_hook_monitor(args=args, threshold=1e9),
+                       _hook_monitor(name="g", args=args, action="flag",
+                                     positions="generated")])
+    assert state.hooks is not None and len(state.hooks.runs) == 2
+    (where,) = state.sites
+    hidden, residual = torch.randn(10, 8, generator=g), torch.randn(10, 8, generator=g)
+    _run_hooks(state, where, hidden, residual, 0, 6, 0, 4)  # prompt 0-3, then 4-5
+    _run_hooks(state, where, hidden, residual, 6, 7, 6, 4)
+    expected = (hidden[:7] + residual[:7]) @ weight + 0.25
+    positions, scores = state.kept(0)
+    assert positions.tolist() == list(range(7))
+    assert torch.allclose(scores, expected, atol=1e-5)
+    generated, later = state.kept(1)
+    assert generated.tolist() == [4, 5, 6] and torch.allclose(later, expected[4:], atol=1e-5)
+    assert not bool(state.fired)
+    # A threshold crossed only at position 6: fires in the step that computes 6, not before.
+    low = _state_of([_hook_monitor(args=args, threshold=float(expected[6]) - 1e-4)])
+    if float(expected[:6].max()) < float(expected[6]) - 1e-4:
+        _run_hooks(low, where, hidden, residual, 0, 6, 0, 4)
+        assert not bool(low.fired)
+    _run_hooks(low, where, hidden, residual, 6, 7, 6, 4)
+    assert bool(low.fired)
+    (packed,) = wire.loads(pack_scores(low, valid=None))
+    assert packed["positions"].tolist()[-1] == 6
+    low.free()  # what the hook saved goes to the host, and the report still reads it
+    assert low.kept(0)[0].tolist()[-1] == 6 and low.hooks.runs[0].fn is None
+
+
+def test_a_hook_monitor_reduces_a_positions_entries_and_fails_with_its_hook():
+    g = torch.Generator().manual_seed(4)
+    specs = parse_monitors([_hook_monitor(action="flag")], FACTS)
+    for reduce, fn in (("max", lambda t: t.amax(1)), ("min", lambda t: t.amin(1)),
+                       ("mean", lambda t: t.mean(1)), ("sum", lambda t: t.sum(1))):
+        spec = dataclasses.replace(specs[0], score_key="mass", reduce=reduce)
+        state = MonitorState.build((spec,), torch.device("cpu"), eos=7, split=False)
+        mass = torch.randn(3, 4, generator=g)
+        state.hooks.runs[0].saved.update({"mass": {"1": mass},
+                                          "positions": {"1": torch.tensor([2, 5, 9])}})
+        positions, scores = state.kept(0)
+        assert positions.tolist() == [2, 5, 9] and torch.allclose(scores, fn(mass))
+    state = _state_of([_hook_monitor()])
+    state.hooks.fail(ValueError("probe has 7 weights"))
+    with pytest.raises(RuntimeError, match="probe has 7 weights"):
+        state.score(next(iter(state.sites)), torch.ones(2, 8), None, 0, 2, 0, 2, True)
+    assert state.failed
+
+
+def _state_of(monitors):
+    specs = parse_monitors(monitors, FACTS)
+    return MonitorState.build(specs, torch.device("cpu"), eos=7, split=False)
+
+
+def test_a_hook_monitors_rows_count_against_the_hooks_row_bound(monkeypatch):
+    from vllm_lens.frontend.admission import check_admission
+
+    monkeypatch.setenv("VLLM_LENS_ATTENTION_HOOK_MAX_ROWS", "100")
+    _, lens = parse_extra_args({"monitors": [_hook_monitor(
+        hook="attention_to_span", args={"span": [0, 3]}, point="attn_qk", reduce="max")]},
+        lambda: QK_FACTS)
+    check_admission(lens, QK_FACTS, prompt_len=20, max_tokens=30, n=1)
+    with pytest.raises(LensRequestError) as raised:
+        check_admission(lens, QK_FACTS, prompt_len=60, max_tokens=50, n=1)
+    assert raised.value.field == "monitors[0].hook"
+    assert "VLLM_LENS_ATTENTION_HOOK_MAX_ROWS" in str(raised.value)

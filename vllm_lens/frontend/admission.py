@@ -20,7 +20,8 @@ the request's size: its prompt length (known once the engine input is tokenized)
   it sees, when the request first runs, and fails it there if it does not fit);
 - a named hook that declares ``max_rows = (ENV_VAR, default)`` (``logit_lens_topk``) may run on
   at most that many rows: hooked layers × positions × ``n`` (hooked requests compute every
-  position, prefix cache or not), summed over all of the request's hooks of that name.
+  position, prefix cache or not), summed over all of the request's hooks of that name and
+  the hooks its monitors run (``monitors[i].hook``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from vllm_lens.spec import (
     ATTENTION_STEER_KEY,
     CAPTURE_KEY,
     HOOKS_KEY,
+    MONITORS_KEY,
     QK_KEY,
     SAE_KEY,
     CaptureSpec,
@@ -163,7 +165,10 @@ def check_admission(lens: LensRequest, facts: ModelFacts, prompt_len: int | None
                 f"above this server's VLLM_LENS_MAX_CAPTURE_BYTES "
                 f"({envs.max_capture_bytes():,}); select fewer positions or a smaller top_k, "
                 "or lower max_tokens", request_id=request_id)
-    if not any(h.name for h in lens.hooks):
+    named = [(f"{HOOKS_KEY}[{i}]", hook) for i, hook in enumerate(lens.hooks)]
+    named += [(f"{MONITORS_KEY}[{i}].hook", m.hook_spec())
+              for i, m in enumerate(lens.monitors) if m.hook]
+    if not any(h.name for _, h in named):
         return
     from vllm_lens import named_hooks
 
@@ -172,7 +177,7 @@ def check_admission(lens: LensRequest, facts: ModelFacts, prompt_len: int | None
     # one hook cost what one hook on all their layers would.
     layers_by_name: dict[str, int] = {}
     copies: dict[str, int] = {}
-    for i, hook in enumerate(lens.hooks):
+    for where, hook in named:
         limit = getattr(named_hooks.load(hook.name), "max_rows", None) if hook.name else None
         if limit is None:
             continue
@@ -185,7 +190,7 @@ def check_admission(lens: LensRequest, facts: ModelFacts, prompt_len: int | None
             together = (f", {copies[hook.name]} hooks named so together"
                         if copies[hook.name] > 1 else "")
             raise LensRequestError(
-                f"{HOOKS_KEY}[{i}]",
+                where,
                 f"named hook {hook.name!r} would run on up to {rows:,} rows ({layers} layers x "
                 f"{positions} positions" + (f" x n={n}" if n > 1 else "") + f"{together}), "
                 f"above this server's {setting} ({cap:,}); hook fewer layers, lower "

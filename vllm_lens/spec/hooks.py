@@ -86,7 +86,6 @@ def _parse_hook(item: Any, facts: ModelFacts, where: str, request_id: str | None
 
     import cloudpickle
 
-    from vllm_lens import named_hooks
     from vllm_lens.hooks import Hook, NamedHook
 
     if isinstance(item, Mapping) and "pickle" in item:
@@ -137,10 +136,28 @@ def _parse_hook(item: Any, facts: ModelFacts, where: str, request_id: str | None
             raise LensRequestError(f"{where}.fn", "is not callable", request_id=request_id)
         return HookSpec(layers=layers, pre=item.pre, pickled=cloudpickle.dumps(item.fn),
                         point=point)
-    if not isinstance(item.args, Mapping):
+    args_json = check_named_hook(item.name, item.args, point, facts, where, request_id)
+    return HookSpec(layers=layers, pre=item.pre, name=str(item.name), args=args_json,
+                    point=point)
+
+
+def check_named_hook(name: Any, args: Any, point: str, facts: ModelFacts, where: str,
+                     request_id: str | None, *, name_field: str = "name",
+                     point_field: str = "hook_point") -> str:
+    """Validate a named hook's arguments at ``point`` (the factory runs once, and its
+    ``check`` against the served model's rows); returns them as JSON. ``name_field`` and
+    ``point_field``: what the item calls the hook's name and point (a monitor by a hook's
+    score says ``hook`` and ``point``).
+
+    Raises:
+        LensRequestError: naming ``{where}.{field}``.
+    """
+    from vllm_lens import named_hooks
+
+    if not isinstance(args, Mapping):
         raise LensRequestError(f"{where}.args", "expected a JSON object", request_id=request_id)
     try:
-        args_json = json.dumps(dict(item.args))
+        args_json = json.dumps(dict(args))
     except (TypeError, ValueError) as exc:
         raise LensRequestError(f"{where}.args", f"not JSON-serialisable ({exc})",
                                request_id=request_id) from None
@@ -149,17 +166,18 @@ def _parse_hook(item: Any, facts: ModelFacts, where: str, request_id: str | None
                                f"hook arguments are limited to {MAX_HOOK_ARGS_BYTES:,}",
                                request_id=request_id)
     try:
-        factory = named_hooks.load(str(item.name))
-        factory(item.args)
+        factory = named_hooks.load(str(name))
+        factory(args)
         check = getattr(factory, "check", None)
         if check is not None:  # what depends on the model: before anything is scheduled
-            check(item.args, point, None if point in tap_points.SHARDED
+            check(args, point, None if point in tap_points.SHARDED
                   or point == tap_points.QK_HOOK_POINT else facts.row_shape(point))
     except KeyError as exc:
-        raise LensRequestError(f"{where}.name", exc.args[0], request_id=request_id) from None
+        raise LensRequestError(f"{where}.{name_field}", exc.args[0],
+                               request_id=request_id) from None
     except named_hooks.HookArgumentError as exc:
-        raise LensRequestError(f"{where}.{exc.field}", str(exc), request_id=request_id) from None
+        field = point_field if exc.field == "hook_point" else exc.field
+        raise LensRequestError(f"{where}.{field}", str(exc), request_id=request_id) from None
     except (ValueError, TypeError) as exc:
         raise LensRequestError(f"{where}.args", str(exc), request_id=request_id) from None
-    return HookSpec(layers=layers, pre=item.pre, name=str(item.name), args=args_json,
-                    point=point)
+    return args_json

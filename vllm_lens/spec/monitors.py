@@ -9,12 +9,20 @@ A request's ``extra_args["monitors"]`` is a list (or its JSON string) of::
 
 or, by an SAE feature (a ``standard`` or ``jumprelu`` SAE registered or, offline, a
 directory), ``{"name", "sae": NAME, "hook_point": optional, "feature": i, "threshold",
-"action", "positions"}``, read at the SAE's own point and layer.
+"action", "positions"}``, read at the SAE's own point and layer; or by a named hook's score
+(a hook that declares ``monitor_score``, ``named_hooks``: ``linear_probe``,
+``attention_to_span``), ``{"name", "hook": NAME, "args": {...}, "layer": L, "point": the
+hook's point (default ``resid_post``), "reduce": "max" | "min" | "mean" | "sum" (for a hook
+whose score has several entries per position, such as one per head), "threshold", "action",
+"positions"}``: the hook runs at that layer for the request alone (its results are the
+monitor's, not ``hook_results``).
 
 The score of a row is ``h · probe + bias`` (float32), or the feature's activation as
 ``output_sae_features`` reports it (the SAE's ``encode`` of ``h``, that feature's column,
-float32), ``h`` the point's value at ``layer`` (after any steering there, as a capture sees
-it), for every position the engine computes:
+float32), or the hook's score for the position (reduced over its entries in float32),
+``h`` the point's value at ``layer`` (after any steering there, as a capture sees
+it), for every position the engine computes (a hook may score fewer:
+``attention_to_span`` scores its ``queries``):
 the prompt's and each generated token's (``"positions": "all"``, the default), or the
 generated tokens' alone (``"generated"``: a guard on what the model writes, not on what it
 was asked). A monitor fires at the first position whose score
@@ -25,8 +33,8 @@ after ``p`` is generated and the request finishes in that step with ``finish_rea
 request before any visible token. ``flag``: generation goes on. Either way the result holds
 one record per monitor (``worker.monitors``, ``frontend.collator``).
 
-Monitors by a TopK SAE's feature (which depends on every other feature) and by a named
-hook's score are not built yet: refused by field. The front end parses and checks; the
+Monitors by a TopK SAE's feature (which depends on every other feature) are not built yet:
+refused by field. The front end parses and checks; the
 workers decode ``MonitorSpec.from_payload``.
 """
 
@@ -42,12 +50,14 @@ from typing import Any
 from vllm_lens.common import wire
 from vllm_lens.errors import LensRequestError, UnsupportedConfigError, WireError
 from vllm_lens.spec.facts import ModelFacts
-from vllm_lens.spec.fields import check_site, json_value
+from vllm_lens.spec.fields import check_site, json_value, parse_write_point
+from vllm_lens.spec.hooks import HookSpec, check_named_hook
 from vllm_lens.spec.keys import MONITORS_KEY
 from vllm_lens.spec.sae_steering import steering_sae_references
 from vllm_lens.spec.saes import MAX_SAE_ENTRIES, Describe, described, named_sae
 
-__all__ = ["ACTIONS", "MAX_MONITORS", "MONITOR_POINTS", "SAE_ARCHITECTURES", "MonitorSpec",
+__all__ = ["ACTIONS", "MAX_MONITORS", "MONITOR_POINTS", "REDUCTIONS", "SAE_ARCHITECTURES",
+           "MonitorSpec",
            "check_sampling", "monitor_sae_references", "parse_monitors"]
 
 ACTIONS = ("stop", "flag")
@@ -59,6 +69,10 @@ MONITOR_POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _FIELDS = {"name", "probe", "bias", "layer", "point", "threshold", "action", "positions"}
 _SAE_FIELDS = {"name", "sae", "hook_point", "feature", "threshold", "action", "positions"}
+_HOOK_FIELDS = {"name", "hook", "args", "layer", "point", "reduce", "threshold", "action",
+                "positions"}
+#: How a monitor by a hook's score makes one number of a position's several (float32).
+REDUCTIONS = ("max", "min", "mean", "sum")
 #: SAE architectures whose feature a monitor reads from its own encoder column.
 SAE_ARCHITECTURES = ("standard", "jumprelu")
 POSITIONS = ("all", "generated")
@@ -85,6 +99,18 @@ class MonitorSpec:
     sae: str = ""
     """By SAE feature: the SAE's name as the request gave it, and the feature."""
     feature: int = -1
+    hook: str = ""
+    """By a named hook's score: the hook, its arguments (JSON), the key of ``saved`` its
+    scores are under (``monitor_score``) and how a position's entries are reduced (empty: one
+    number per position)."""
+    hook_args: str = "{}"
+    score_key: str = ""
+    reduce: str = ""
+
+    def hook_spec(self) -> HookSpec:
+        """The hook this monitor runs (by a named hook's score only)."""
+        return HookSpec(layers=(self.layer,), pre=self.point == "resid_pre", name=self.hook,
+                        args=self.hook_args, point=self.point)
 
     @property
     def stops(self) -> bool:
@@ -96,6 +122,9 @@ class MonitorSpec:
                    "bias": self.bias, "generated_only": self.generated_only}
         if self.encoder:
             payload.update(encoder=self.encoder, sae=self.sae, feature=self.feature)
+        if self.hook:
+            payload.update(hook=self.hook, hook_args=self.hook_args, score_key=self.score_key,
+                           reduce=self.reduce)
         return payload
 
     @classmethod
@@ -105,7 +134,9 @@ class MonitorSpec:
                    point=str(d["point"]), probe=bytes(d["probe"]), bias=float(d["bias"]),
                    generated_only=bool(d["generated_only"]),
                    encoder=bytes(d.get("encoder", b"")), sae=str(d.get("sae", "")),
-                   feature=int(d.get("feature", -1)))
+                   feature=int(d.get("feature", -1)), hook=str(d.get("hook", "")),
+                   hook_args=str(d.get("hook_args", "{}")),
+                   score_key=str(d.get("score_key", "")), reduce=str(d.get("reduce", "")))
 
 
 def parse_monitors(raw: Any, facts: ModelFacts, request_id: str | None = None,
@@ -157,18 +188,14 @@ def _parse_one(item: Any, i: int, facts: ModelFacts, request_id: str | None,
     if not isinstance(item, Mapping):
         raise LensRequestError(where, f"expected an object, got {type(item).__name__}",
                                request_id=request_id)
-    if "hook" in item:
-        raise LensRequestError(where, "monitors by a named hook's score are not available "
-                               "yet; give a linear probe (\"probe\", \"bias\", \"layer\", "
-                               "\"point\") or an SAE feature (\"sae\", \"feature\")",
-                               request_id=request_id)
-    by_feature = "sae" in item or "feature" in item
-    allowed = _SAE_FIELDS if by_feature else _FIELDS
+    by_hook = "hook" in item
+    by_feature = not by_hook and ("sae" in item or "feature" in item)
+    kind, allowed = (("a named hook's score", _HOOK_FIELDS) if by_hook
+                     else ("SAE feature", _SAE_FIELDS) if by_feature else ("probe", _FIELDS))
     unknown = sorted(set(item) - allowed)
     if unknown:
-        raise LensRequestError(f"{where}.{unknown[0]}", f"unknown field; a monitor by "
-                               f"{'SAE feature' if by_feature else 'probe'} has "
-                               f"{', '.join(sorted(allowed))}", request_id=request_id)
+        raise LensRequestError(f"{where}.{unknown[0]}", f"unknown field; a monitor by {kind} "
+                               f"has {', '.join(sorted(allowed))}", request_id=request_id)
     name = item.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise LensRequestError(f"{where}.name", f"{name!r} is not a monitor name (1 to 64 "
@@ -189,21 +216,61 @@ def _parse_one(item: Any, i: int, facts: ModelFacts, request_id: str | None,
                   generated_only=positions == "generated")
     if by_feature:
         return _sae_monitor(item, where, facts, request_id, saes, common)
+    layer = _layer(item.get("layer"), facts, f"{where}.layer", request_id)
+    if by_hook:
+        return _hook_monitor(item, where, layer, facts, request_id, common)
     bias = _number(item.get("bias", 0.0), f"{where}.bias", request_id)
-    layer = item.get("layer")
-    if isinstance(layer, bool) or not isinstance(layer, int) or not (
-            -facts.n_layers <= layer < facts.n_layers):
-        raise LensRequestError(f"{where}.layer", f"{layer!r} is not a layer of the model "
-                               f"(0..{facts.n_layers - 1}, or negative from the end)",
-                               request_id=request_id)
     point = item.get("point", "resid_post")
     if point not in MONITOR_POINTS:
         raise LensRequestError(f"{where}.point", f"{point!r}; a monitor reads one of "
                                f"{', '.join(MONITOR_POINTS)}", request_id=request_id)
     check_site(point, facts, f"{where}.point", request_id)
     probe = _probe(item.get("probe"), facts.hidden_size, f"{where}.probe", request_id)
-    return MonitorSpec(layer=layer % facts.n_layers, point=point, probe=probe, bias=bias,
-                       **common)
+    return MonitorSpec(layer=layer, point=point, probe=probe, bias=bias, **common)
+
+
+def _layer(raw: Any, facts: ModelFacts, field: str, request_id: str | None) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or not (
+            -facts.n_layers <= raw < facts.n_layers):
+        raise LensRequestError(field, f"{raw!r} is not a layer of the model "
+                               f"(0..{facts.n_layers - 1}, or negative from the end)",
+                               request_id=request_id)
+    return raw % facts.n_layers
+
+
+def _hook_monitor(item: Mapping[str, Any], where: str, layer: int, facts: ModelFacts,
+                  request_id: str | None, common: dict[str, Any]) -> MonitorSpec:
+    """A monitor by the score of a named hook that declares ``monitor_score``, run at
+    ``layer`` and ``point`` for this request alone."""
+    from vllm_lens import named_hooks
+
+    name = item.get("hook")
+    if not isinstance(name, str):
+        raise LensRequestError(f"{where}.hook", f"a named hook's name, got {name!r}",
+                               request_id=request_id)
+    try:
+        declared = getattr(named_hooks.load(name), "monitor_score", None)
+    except KeyError as exc:
+        raise LensRequestError(f"{where}.hook", exc.args[0], request_id=request_id) from None
+    if declared is None:
+        raise LensRequestError(f"{where}.hook", f"the named hook {name!r} does not publish a "
+                               "score a monitor can read (its factory declares no "
+                               "monitor_score)", request_id=request_id)
+    score_key, columns = declared
+    point = parse_write_point(item.get("point", "resid_post"), facts, f"{where}.point",
+                              request_id, hook=True)
+    args = check_named_hook(name, item.get("args", {}), point, facts, where, request_id,
+                            name_field="hook", point_field="point")
+    reduce = item.get("reduce")
+    if columns is not None and reduce not in REDUCTIONS:
+        raise LensRequestError(f"{where}.reduce", f"{reduce!r}; {name!r} scores a position "
+                               f"with one number per {columns.rstrip('s')}: say how to make "
+                               f"one of them ({', '.join(REDUCTIONS)})", request_id=request_id)
+    if columns is None and reduce is not None:
+        raise LensRequestError(f"{where}.reduce", f"{name!r} scores a position with one "
+                               "number; there is nothing to reduce", request_id=request_id)
+    return MonitorSpec(layer=layer, point=point, probe=b"", hook=name, hook_args=args,
+                       score_key=str(score_key), reduce=reduce or "", **common)
 
 
 def _sae_monitor(item: Mapping[str, Any], where: str, facts: ModelFacts,

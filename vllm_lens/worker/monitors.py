@@ -5,6 +5,8 @@ At a tap (after steering and hooks there, as a capture sees the signal) ``score`
 ``h · probe + bias`` in float32 for the request's rows (the monitors read at one site in one
 product, a block of rows at a time), or for a monitor by SAE feature the feature's
 activation (the SAE cut down to that feature, ``encode`` in float32 of the float32 sum),
+or for a monitor by a named hook's score the rows its hook (run just before, at the same tap,
+as one of the request's hooks) saved for these positions, reduced to one number each; it
 keeps the scores on the device (TP rank 0 reports them at fetch, one copy per monitor) and,
 for ``stop`` monitors, ORs ``any(score > threshold)`` into the request's ``fired`` flag, a
 device boolean: nothing waits on the device. Before the step samples, ``force_stops``
@@ -28,6 +30,7 @@ from vllm_lens.common import wire
 from vllm_lens.common.points import hook_site, operands
 from vllm_lens.saes import SAE
 from vllm_lens.spec.monitors import MonitorSpec
+from vllm_lens.worker.hooks import HookState
 
 __all__ = ["MonitorState", "StopControl", "force_stops", "pack_scores"]
 
@@ -51,6 +54,16 @@ class MonitorState:
     ``[hidden, k]`` float32 on the device, their biases ``[k]``, ``None``); for a monitor by
     SAE feature (point, generated only, ``[index]``, ``None``, ``None``, the SAE cut down to
     its feature, float32 on the device)."""
+    hooks: HookState | None = None
+    """The hooks of its monitors by a named hook's score, one run each in their order (run
+    with the request's hooks; their ``saved`` holds the scores)."""
+    by_hook: dict[tuple[int, str], list[tuple[int, int]]] = field(default_factory=dict)
+    """(layer, site) -> (monitor index, index of its run in ``hooks``) per monitor by a
+    hook's score read there."""
+    hook_run: dict[int, int] = field(default_factory=dict)
+    """Monitor index -> index of its run in ``hooks`` (monitors by a hook's score)."""
+    n_prompt: int | None = None
+    """The request's prompt length, once scored."""
     ranges: list[list[list[int]]] = field(default_factory=list)
     """Per monitor: the positions its kept scores cover, in order, as ``[first, count]`` runs
     (consecutive steps extend one run)."""
@@ -74,8 +87,16 @@ class MonitorState:
                              "end-of-sequence token, and this request has none")
         grouped: dict[tuple[int, str, str, bool], list[int]] = {}
         by_site: dict[tuple[int, str], list[Any]] = {}
+        by_hook: dict[tuple[int, str], list[tuple[int, int]]] = {}
+        hooked = [i for i, spec in enumerate(specs) if spec.hook]
+        hooks = HookState.build(specs[i].hook_spec() for i in hooked) if hooked else None
+        if hooks is not None and hooks.error is not None:
+            raise RuntimeError(f"monitors: a hook could not be built: {hooks.error['message']}")
         for i, spec in enumerate(specs):
             site = hook_site(spec.point, split=split)
+            if spec.hook:
+                by_hook.setdefault((spec.layer, site), []).append((i, hooked.index(i)))
+                continue
             if spec.encoder:
                 by_site.setdefault((spec.layer, site), []).append(
                     (spec.point, spec.generated_only, [i], None, None,
@@ -87,16 +108,26 @@ class MonitorState:
             biases = torch.tensor([specs[i].bias for i in indices], dtype=torch.float32)
             by_site.setdefault((layer, site), []).append(
                 (point, generated_only, indices, probes.to(device), biases.to(device), None))
-        return cls(specs=specs, eos=eos, by_site=by_site, ranges=[[] for _ in specs],
-                   chunks=[[] for _ in specs], stops=stops)
+        return cls(specs=specs, eos=eos, by_site=by_site, hooks=hooks, by_hook=by_hook,
+                   hook_run={i: j for j, i in enumerate(hooked)},
+                   ranges=[[] for _ in specs], chunks=[[] for _ in specs], stops=stops)
+
+    @property
+    def sites(self) -> set[tuple[int, str]]:
+        """The (layer, site) pairs its monitors read at."""
+        return {*self.by_site, *self.by_hook}
 
     def score(self, where: tuple[int, str], hidden: torch.Tensor,
               residual: torch.Tensor | None, start: int, end: int, pos0: int,
               n_prompt: int, keep: bool) -> None:
         """Score rows ``start:end`` (positions from ``pos0``; the prompt has ``n_prompt``)
         for the monitors read at ``where``; ``keep``: this rank reports the scores."""
+        self.n_prompt = n_prompt
         try:
-            for point, generated_only, indices, probes, biases, sae in self.by_site[where]:
+            for i, run in self.by_hook.get(where, ()):
+                self._score_hook(i, run, start, end, pos0, n_prompt)
+            for point, generated_only, indices, probes, biases, sae in self.by_site.get(
+                    where, ()):
                 lo = max(start, start + n_prompt - pos0) if generated_only else start
                 if lo >= end:
                     continue  # prompt rows only, and these monitors skip them
@@ -115,6 +146,51 @@ class MonitorState:
             self.failed = True
             raise
 
+    def _score_hook(self, i: int, run: int, start: int, end: int, pos0: int,
+                    n_prompt: int) -> None:
+        """Monitor ``i`` by its hook's score: the rows the hook saved for positions
+        ``pos0 .. pos0 + end - start`` (those it scored: every one, or its own selection), so
+        the stop flag. They stay in the hook's ``saved`` for the report (``kept``)."""
+        spec = self.specs[i]
+        assert self.hooks is not None
+        if self.hooks.error is not None:  # the hook raised (its rows are incomplete)
+            raise RuntimeError(f"the hook {spec.hook!r} of monitor {spec.name!r} failed: "
+                               f"{self.hooks.error['message']}")
+        positions, scores = self._hook_rows(i, run)
+        if positions is None or not spec.stops:
+            return
+        lo = max(pos0, n_prompt) if spec.generated_only else pos0
+        rows = torch.nonzero((positions >= lo) & (positions < pos0 + end - start)).flatten()
+        if not rows.numel():
+            return  # no position of these rows scored (or only prompt ones, skipped)
+        crossed = (scores.index_select(0, rows.to(scores.device)) > spec.threshold).any()
+        self.fired = crossed if self.fired is None else self.fired | crossed
+
+    def _hook_rows(self, i: int, run: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Monitor ``i``'s hook rows so far: positions (host, int64) and one float32 score
+        each (on the hook's device), reduced over the entries of a position as the monitor
+        says (``spec.monitors.REDUCTIONS``)."""
+        spec = self.specs[i]
+        assert self.hooks is not None
+        saved, layer = self.hooks.runs[run].saved, str(spec.layer)
+        values = saved.get(spec.score_key, {}).get(layer)
+        if values is None:
+            return None, torch.zeros(0, dtype=torch.float32)
+        positions = saved["positions"][layer].to("cpu", torch.int64)
+        values = values.float()
+        if spec.reduce:
+            flat = values.reshape(values.shape[0], -1)
+            values = (flat.amax(1) if spec.reduce == "max" else flat.amin(1)
+                      if spec.reduce == "min" else flat.mean(1) if spec.reduce == "mean"
+                      else flat.sum(1))
+        elif values.dim() != 1:
+            raise ValueError(f"the hook {spec.hook!r} saved {tuple(values.shape[1:])} numbers "
+                             "per position under monitor_score, declared as one")
+        if values.shape[0] != positions.shape[0]:
+            raise ValueError(f"the hook {spec.hook!r} saved {values.shape[0]} scores for "
+                             f"{positions.shape[0]} positions")
+        return positions, values
+
     def _keep(self, i: int, first: int, scores: torch.Tensor) -> None:
         runs, chunks = self.ranges[i], self.chunks[i]
         if runs and runs[-1][0] + runs[-1][1] == first:
@@ -128,15 +204,27 @@ class MonitorState:
     def kept(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Monitor ``i``'s kept (positions on the host, scores on the host), in the order
         they were computed (a position computed again appears again)."""
+        spec = self.specs[i]
+        if spec.hook:
+            positions, scores = self._hook_rows(i, self.hook_run[i])
+            if positions is None:
+                return torch.zeros(0, dtype=torch.int64), scores
+            if spec.generated_only and self.n_prompt is not None:
+                keep = positions >= self.n_prompt
+                positions, scores = positions[keep], scores.cpu()[keep]
+            return positions, scores.cpu()
         if not self.chunks[i]:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.float32)
         positions = torch.cat([torch.arange(f, f + n) for f, n in self.ranges[i]])
         return positions, torch.cat(self.chunks[i]).cpu()  # one copy per monitor
 
     def free(self) -> None:
-        """Drop the device tensors that only the running request needs."""
-        self.by_site = {}
+        """Drop the device tensors that only the running request needs (what its monitors'
+        hooks saved goes to the host, for the report)."""
+        self.by_site, self.by_hook = {}, {}
         self.fired = None
+        if self.hooks is not None:
+            self.hooks.to_host()
 
 
 def _scores(a: torch.Tensor, b: torch.Tensor | None, lo: int, end: int,

@@ -178,7 +178,10 @@ class RequestTable:
                     if record.attention is not None:
                         record.attention.free()
                     if record.monitors is not None:
-                        record.monitors.free()
+                        try:  # its monitors' hooks' rows wait for the fetch on the host
+                            record.monitors.free()
+                        except Exception as exc:  # noqa: BLE001 -- fail it, not the step
+                            record.fail(exc, "monitors")
                     if record.hooks is not None:
                         try:  # what its hooks saved waits for the fetch on the host
                             record.hooks.to_host()

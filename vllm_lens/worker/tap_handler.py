@@ -195,6 +195,23 @@ class LensRuntime:
                 if record.attention is not None:  # its lens work stops: so does its history
                     record.attention.free()
                 self.store.discard(record.lens.key, req_id)  # partial rows are never returned
+                self._close_guarded(record)
+
+    def _close_guarded(self, record: RequestRecord) -> None:
+        """A failed request a ``stop`` monitor guards ends from this step on (a guardrail
+        fails closed), whether or not its monitors were built."""
+        if not any(m.stops for m in record.lens.monitors):
+            return
+        state = record.monitors
+        if state is None:
+            try:
+                eos = self.view.eos_token_id(record.req_id)
+            except Exception:  # noqa: BLE001 -- not in the batch: nothing to end
+                return
+            if eos is None:
+                return
+            state = MonitorState(specs=record.lens.monitors, eos=eos, stops=True, failed=True)
+        self._stops.close(record.req_id, state)
 
     def settle(self, wait: bool = False,
                destination: Callable[[str, str], Hashable | None] | None = None) -> None:
@@ -229,12 +246,17 @@ class LensRuntime:
         """Remove the records of lens key ``key`` (request id -> record)."""
         return self.requests.pop(key)
 
-    def _hook_states(self, record: RequestRecord | None, req_id: str) -> tuple[HookState, ...]:
+    def _hook_states(self, record: RequestRecord | None, req_id: str,
+                     device: torch.device) -> tuple[HookState, ...]:
         states = []
         if record is not None and record.lens.hooks:
             if record.hooks is None:
                 record.hooks = HookState.build(record.lens.hooks)
             states.append(record.hooks)
+        if record is not None and any(m.hook for m in record.lens.monitors):
+            monitors = self._monitor_state(record, device)
+            if monitors.hooks is not None:  # they run with its hooks; the monitors read them
+                states.append(monitors.hooks)
         if self.persistent_specs:
             state = self.persistent_results.get(req_id)
             if state is None:
@@ -296,16 +318,14 @@ class LensRuntime:
         for sched in self.view.scheduled(plain=persistent):
             record = self.requests.lookup(sched.req_id, sched.payload)
             if record is not None and record.error is not None:
-                if record.monitors is not None and record.monitors.stops:
-                    # Its monitors no longer run: a guardrail fails closed.
-                    self._stops.close(sched.req_id, record.monitors)
+                self._close_guarded(record)  # its monitors no longer run: it ends
                 record = None  # a failed request runs to its end without its lens work
             if record is None and not persistent:
                 continue
             try:
                 if record is not None:
                     faults.check(record.lens.fault, "plan")
-                states = self._hook_states(record, sched.req_id)
+                states = self._hook_states(record, sched.req_id, device)
             except Exception as exc:
                 self._fail([sched.req_id], exc, "plan")
                 continue
@@ -372,13 +392,19 @@ class LensRuntime:
         for layer in record.attention.by_layer:
             plan.attention.setdefault(layer, []).append((s, record.attention))
 
+    def _monitor_state(self, record: RequestRecord, device: torch.device) -> MonitorState:
+        """The request's monitors on this worker, built when it first runs (if they cannot
+        be, the request fails, and so ends: ``_close_guarded``)."""
+        if record.monitors is None:
+            record.monitors = MonitorState.build(record.lens.monitors, device,
+                                                 self.view.eos_token_id(record.req_id),
+                                                 self.split)
+        return record.monitors
+
     def _plan_monitors(self, plan: StepPlan, s: RequestSlice, device: torch.device) -> None:
         record = self.requests.records[s.req_id]
-        if record.monitors is None:
-            record.monitors = MonitorState.build(s.lens.monitors, device,
-                                                 self.view.eos_token_id(s.req_id), self.split)
-        state = record.monitors
-        for where in state.by_site:
+        state = self._monitor_state(record, device)
+        for where in state.sites:
             plan.monitors.setdefault(where, []).append((s, state))
         if state.stops:
             plan.stops.append((s.req_id, state))

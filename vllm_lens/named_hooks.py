@@ -14,9 +14,10 @@ much per row declares a bound: a factory attribute ``max_rows = (ENV_VAR, defaul
 rows (positions × hooked layers × samples) one request may run it on, checked before the
 request is scheduled. A hook whose rows make a score a monitor can stop a generation on
 (``spec.monitors``) declares ``monitor_score = (KEY, COLUMNS)``: ``saved[KEY][layer]`` holds one
-row per scored position, paired with ``saved["positions"][layer]``, each a number
-(``COLUMNS`` ``None``) or a vector a monitor reduces to one (``COLUMNS`` says what its entries
-are, e.g. ``"heads"``). Any installed package can publish more::
+row per scored position, paired with ``saved["positions"][layer]`` (on the host, ascending,
+each position once), each a number (``COLUMNS`` ``None``) or a vector a monitor reduces to one
+(``COLUMNS`` says what its entries are, e.g. ``"heads"``); such a hook only reads (a monitor's
+hook that returns a tensor fails its request). Any installed package can publish more::
 
     [project.entry-points."vllm_lens.hooks"]
     my_hook = "my_package.hooks:make_my_hook"
@@ -170,12 +171,16 @@ def linear_probe(args: Mapping[str, Any]) -> HookFn:
     if unknown:
         raise ValueError(f"unknown argument(s) {sorted(unknown)}; linear_probe takes weight, bias")
     direction = torch.tensor(weight, dtype=torch.float32)
+    on_device: dict[torch.device, torch.Tensor] = {}  # copied once, not at every step
 
     def hook(ctx: Any, hidden: torch.Tensor) -> None:
         if hidden.shape[-1] != direction.numel():
             raise ValueError(f"probe has {direction.numel()} weights but the hidden size is "
                              f"{hidden.shape[-1]}")
-        scores = hidden.float() @ direction.to(hidden.device) + bias
+        weights = on_device.get(hidden.device)
+        if weights is None:
+            weights = on_device[hidden.device] = direction.to(hidden.device)
+        scores = hidden.float() @ weights + bias
         start = int(ctx.positions[0])
         _append(ctx.saved, "scores", ctx.layer_idx, scores, start)
         _append(ctx.saved, "positions", ctx.layer_idx, ctx.positions, start)
@@ -185,6 +190,11 @@ def linear_probe(args: Mapping[str, Any]) -> HookFn:
 
 
 def _check_probe(args: Mapping[str, Any], point: str, row_shape: tuple[int, ...] | None) -> None:
+    from vllm_lens.common.points import QK_HOOK_POINT
+
+    if point == QK_HOOK_POINT:
+        raise HookArgumentError("hook_point", f"linear_probe reads a stream point (its rows are "
+                                f"hidden-wide), not the attention kernel's Q ({point})")
     if row_shape is not None and len(args["weight"]) != row_shape[-1]:
         raise HookArgumentError("args.weight", f"has {len(args['weight'])} numbers; the rows "
                                 f"at {point} have {row_shape[-1]} (one weight per unit)")
@@ -307,7 +317,7 @@ def _check_attention_hook(args: Mapping[str, Any], point: str,
 
     if point != QK_HOOK_POINT:
         raise HookArgumentError("hook_point", f"attention_to_span reads the attention kernel's "
-                                f"Q and K, not {point}: give hook_point='{QK_HOOK_POINT}'")
+                                f"Q and K, at the point '{QK_HOOK_POINT}', not {point}")
 
 
 attention_to_span.check = _check_attention_hook  # type: ignore[attr-defined]

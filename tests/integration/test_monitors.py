@@ -159,7 +159,7 @@ def test_monitors_by_a_named_hooks_score_stop_like_the_reference(tiny_llm, tiny_
     ``attn_qk`` (the largest head's, on generated queries): a
     ``flag`` monitor reports transformers' scores, a ``stop`` monitor ends right after the
     first position where they cross, and a plain request beside them is untouched. The
-    hooks' rows are the monitors' (no ``hook_results``)."""
+    monitors' hooks' rows are theirs: ``hook_results`` holds the request's own hooks only."""
     eos = tiny_llm.get_tokenizer().eos_token_id
     plain_sp = SamplingParams(max_tokens=12, temperature=0)
     plain = tiny_llm.generate([TINY_PROMPT], plain_sp)[0]
@@ -190,8 +190,11 @@ def test_monitors_by_a_named_hooks_score_stop_like_the_reference(tiny_llm, tiny_
                  "reduce": "max", "threshold": span_threshold if action == "stop" else 1e9,
                  "action": action}]
 
-    flag_sp = SamplingParams(max_tokens=12, temperature=0,
-                             extra_args={"monitors": monitors("flag")})
+    from vllm_lens import NamedHook
+
+    same_probe = NamedHook("linear_probe", [LAYER], {"weight": probe.tolist(), "bias": -0.5})
+    flag_sp = SamplingParams(max_tokens=12, temperature=0, extra_args={
+        "monitors": monitors("flag"), "apply_hooks": [same_probe]})
     by_probe = SamplingParams(max_tokens=12, temperature=0,
                               extra_args={"monitors": monitors("stop")[:1]})
     by_span = SamplingParams(max_tokens=12, temperature=0,
@@ -201,8 +204,11 @@ def test_monitors_by_a_named_hooks_score_stop_like_the_reference(tiny_llm, tiny_
 
     assert list(flagged.outputs[0].token_ids) == ids[n_prompt:]
     assert list(beside.outputs[0].token_ids) == ids[n_prompt:] and beside.monitors is None
-    assert flagged.hook_results is None
     probe_record, span_record = flagged.monitors
+    # The request's own hook beside its monitors' (which are not in hook_results).
+    assert list(flagged.hook_results) == ["0"] and flagged.hook_error is None
+    torch.testing.assert_close(flagged.hook_results["0"]["scores"][str(LAYER)],
+                               probe_record["scores"])
     assert probe_record["positions"].tolist() == list(range(len(ids) - 1))
     assert (probe_record["scores"] - probe_scores).abs().max() <= TOL * probe_scores.abs().max()
     assert span_record["positions"].tolist() == list(range(n_prompt, len(ids) - 1))
@@ -399,7 +405,7 @@ _NEVER_BY_HOOK = {"name": "never", "hook": "linear_probe", "layer": 1,
 @pytest.mark.parametrize(("stage", "monitor", "extra"), [
     ("capture", None, {"output_residual_stream": [1]}),
     ("plan", None, {}),  # before its monitors are built
-    ("hooks", _NEVER_BY_HOOK, {}),  # the monitor's own hook fails
+    ("hooks", _NEVER_BY_HOOK, {}),  # the hooks stage fails before the monitor's hook runs
 ])
 def test_a_stop_monitor_whose_lens_work_fails_ends_the_generation(tiny_llm, stage, monitor,
                                                                   extra):

@@ -68,7 +68,7 @@ def test_bad_hooks_name_their_field(hooks, field):
 def test_model_dependent_hook_arguments_say_what_fits():
     with pytest.raises(LensRequestError, match=r"has 7 numbers; the rows at resid_post have 8"):
         parse([NamedHook("linear_probe", [1], {"weight": [1.0] * 7})])
-    with pytest.raises(LensRequestError, match="give hook_point='attn_qk'"):
+    with pytest.raises(LensRequestError, match="at the point 'attn_qk', not resid_post"):
         parse([NamedHook("attention_to_span", [1], {"span": [0, 2]})])
     assert parse([NamedHook("linear_probe", [1], {"weight": [1.0] * 8})]).hooks[0].name
 

@@ -322,9 +322,9 @@ def _run_hooks(state, where, hidden, residual, start, end, pos0, n_prompt):
 
 
 def test_a_hook_monitor_reads_what_its_hook_saved_for_these_rows():
-    """A monitor by ``linear_probe``'s score scores like a probe monitor with the same
-    weights (the hook runs first, at the same tap), fires on a crossing in the new rows only,
-    skips prompt rows when asked, and its report is the hook's rows."""
+    """A monitor by ``linear_probe``'s score reports what the probe computes (the hook runs
+    first, at the same tap), the generated rows alone when asked, from the hook's rows, also
+    once they moved to the host."""
     g = torch.Generator().manual_seed(3)
     weight = torch.randn(8, generator=g)
     args = {"weight": weight.tolist(), "bias": 0.25}
@@ -343,17 +343,57 @@ def test_a_hook_monitor_reads_what_its_hook_saved_for_these_rows():
     generated, later = state.kept(1)
     assert generated.tolist() == [4, 5, 6] and torch.allclose(later, expected[4:], atol=1e-5)
     assert not bool(state.fired)
-    # A threshold crossed only at position 6: fires in the step that computes 6, not before.
-    low = _state_of([_hook_monitor(args=args, threshold=float(expected[6]) - 1e-4)])
-    if float(expected[:6].max()) < float(expected[6]) - 1e-4:
-        _run_hooks(low, where, hidden, residual, 0, 6, 0, 4)
-        assert not bool(low.fired)
-    _run_hooks(low, where, hidden, residual, 6, 7, 6, 4)
-    assert bool(low.fired)
-    (packed,) = wire.loads(pack_scores(low, valid=None))
-    assert packed["positions"].tolist()[-1] == 6
-    low.free()  # what the hook saved goes to the host, and the report still reads it
-    assert low.kept(0)[0].tolist()[-1] == 6 and low.hooks.runs[0].fn is None
+    packed = wire.loads(pack_scores(state, valid=None))
+    assert packed[1]["positions"].tolist() == [4, 5, 6]
+    state.free()  # what the hook saved goes to the host, and the report still reads it
+    assert state.kept(0)[0].tolist() == list(range(7)) and state.hooks.runs[0].fn is None
+
+
+def test_a_stop_hook_monitor_fires_on_this_steps_rows_only():
+    """Rows whose first unit is the score (weight e0): a stop monitor fires in the step that
+    computes a crossing position, reads only that step's rows (an old crossing row does not
+    fire it again), and with ``"positions": "generated"`` a crossing prompt row does not."""
+    weight = [1.0] + [0.0] * 7
+    hidden = torch.zeros(10, 8)
+    hidden[:, 0] = torch.tensor([0.0, 20.0, 2.0, 3.0, 1.0, 2.0, 10.0, 1.0, 0.0, 0.0])
+    every = _state_of([_hook_monitor(args={"weight": weight}, threshold=7.0)])
+    generated = _state_of([_hook_monitor(args={"weight": weight}, threshold=7.0,
+                                         positions="generated")])
+    (where,) = every.sites
+    for state in (every, generated):
+        _run_hooks(state, where, hidden, None, 0, 4, 0, 4)  # the prompt: position 1 is 20
+    assert bool(every.fired) and (generated.fired is None or not bool(generated.fired))
+    every.fired = None  # only this step's rows count: old position 1 is not read again
+    for pos in (4, 5):
+        for state in (every, generated):
+            _run_hooks(state, where, hidden, None, pos, pos + 1, pos, 4)
+    assert not bool(every.fired) and not bool(generated.fired)
+    for state in (every, generated):
+        _run_hooks(state, where, hidden, None, 6, 7, 6, 4)  # 10 > 7
+    assert bool(every.fired) and bool(generated.fired)
+
+
+def test_a_monitors_hook_only_reads_and_a_failure_closes_on_rank_0_only():
+    from types import SimpleNamespace
+
+    from vllm_lens.worker.hooks import HookCall, HookState, _Run, run_hook_calls
+    from vllm_lens.worker.monitors import StopControl
+
+    state = HookState(runs=[_Run(fn=lambda ctx, h: h * 2, layers=frozenset({1}),
+                                 point="resid_post")], trusted=False, read_only=True)
+    hidden = torch.ones(3, 8)
+    run_hook_calls([HookCall("r", 0, 3, 0, (state,), 3)], 1, "post", hidden, None, None, 0,
+                   None, split=False)
+    assert "only reads" in state.error["message"] and bool((hidden == 1).all())
+    guarded = _state_of([_hook_monitor()])
+    view = SimpleNamespace(live=lambda: {"a"}, logits_row={"a": 0}.get)
+    for on_failure, forced in ((True, True), (False, False)):
+        control = StopControl(on_failure=on_failure)
+        control.close("a", guarded)
+        guarded.failed = True
+        logits = torch.zeros(1, 10)
+        control.force(logits, [("a", guarded)], {"a": SimpleNamespace(error="x")}, view)
+        assert (logits[0].argmax() == 7) == forced and ("a" in control.closing) == forced
 
 
 def test_a_hook_monitor_reduces_a_positions_entries_and_fails_with_its_hook():

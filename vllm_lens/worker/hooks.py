@@ -48,11 +48,15 @@ class HookState:
     """Some hook was pickled, so the request came from a trusted caller (offline, or a client
     the operator allowed to send code): results may be pickled back if needed."""
     error: dict[str, str] | None = None
+    read_only: bool = False
+    """Its hooks may only read (a monitor's hooks: ``worker.monitors``); one that returns a
+    tensor fails the request instead of replacing the stream."""
 
     @classmethod
-    def build(cls, specs: Iterable[HookSpec]) -> HookState:
+    def build(cls, specs: Iterable[HookSpec], *, read_only: bool = False) -> HookState:
         specs = tuple(specs)
-        state = cls(runs=[], trusted=any(s.pickled is not None for s in specs))
+        state = cls(runs=[], trusted=any(s.pickled is not None for s in specs),
+                    read_only=read_only)
         try:
             for spec in specs:
                 if spec.pickled is not None:
@@ -158,6 +162,9 @@ def run_hook_calls(calls: list[HookCall], layer: int, site: str, hidden: torch.T
                 ctx = _Context(run.saved, layer, call, model, tp_rank, params, run.point)
                 try:
                     out = run.fn(ctx, stream.clone())
+                    if out is not None and state.read_only:
+                        raise TypeError(f"hook at layer {layer} returned a value; a "
+                                        "monitor's hook only reads (return None)")
                     if out is not None:
                         stream = _checked(out, stream, layer)
                         hidden[rows] = stream - b[rows] if b is not None else stream

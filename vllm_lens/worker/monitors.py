@@ -15,8 +15,9 @@ that puts all its mass on the request's end-of-sequence token; every tensor-para
 computes the same scores from the whole stream, so every rank forces the same rows. vLLM's
 scheduler then finishes the request in that step (``finish_reason`` ``"stop"``); the front end
 names the monitor (``frontend.collator``). A request with a ``stop`` monitor whose lens work
-failed on a rank (its monitors, or anything else that stops its lens work) is ended the same
-way from then on (a guardrail fails closed) and reports the failure.
+failed (its monitors, or anything else that stops its lens work) is ended the same way from
+then on by tensor-parallel rank 0, whose tokens vLLM's scheduler reads (a guardrail fails
+closed; ``StopControl.on_failure``), and reports the failure.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class MonitorState:
         by_site: dict[tuple[int, str], list[Any]] = {}
         by_hook: dict[tuple[int, str], list[tuple[int, int]]] = {}
         hooked = [i for i, spec in enumerate(specs) if spec.hook]
-        hooks = HookState.build(specs[i].hook_spec() for i in hooked) if hooked else None
+        hooks = (HookState.build((specs[i].hook_spec() for i in hooked), read_only=True)
+                 if hooked else None)
         if hooks is not None and hooks.error is not None:
             raise RuntimeError(f"monitors: a hook could not be built: {hooks.error['message']}")
         for i, spec in enumerate(specs):
@@ -156,20 +158,22 @@ class MonitorState:
         if self.hooks.error is not None:  # the hook raised (its rows are incomplete)
             raise RuntimeError(f"the hook {spec.hook!r} of monitor {spec.name!r} failed: "
                                f"{self.hooks.error['message']}")
-        positions, scores = self._hook_rows(i, run)
-        if positions is None or not spec.stops:
-            return
+        if not spec.stops:
+            return  # a flag monitor's rows are read once, at fetch
         lo = max(pos0, n_prompt) if spec.generated_only else pos0
-        rows = torch.nonzero((positions >= lo) & (positions < pos0 + end - start)).flatten()
-        if not rows.numel():
+        positions, scores = self._hook_rows(i, run, lo, pos0 + end - start)
+        if positions is None or not len(positions):
             return  # no position of these rows scored (or only prompt ones, skipped)
-        crossed = (scores.index_select(0, rows.to(scores.device)) > spec.threshold).any()
+        crossed = (scores > spec.threshold).any()
         self.fired = crossed if self.fired is None else self.fired | crossed
 
-    def _hook_rows(self, i: int, run: int) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Monitor ``i``'s hook rows so far: positions (host, int64) and one float32 score
-        each (on the hook's device), reduced over the entries of a position as the monitor
-        says (``spec.monitors.REDUCTIONS``)."""
+    def _hook_rows(self, i: int, run: int, lo: int | None = None, hi: int | None = None
+                   ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Monitor ``i``'s hook rows (those of positions ``lo`` to ``hi``, or all): positions
+        (host, int64) and one float32 score each (on the hook's device), reduced over the
+        entries of a position as the monitor says (``spec.monitors.REDUCTIONS``). The hook
+        keeps its positions on the host, ascending (``named_hooks``): the rows of a step are
+        found by bisection, and only they are read."""
         spec = self.specs[i]
         assert self.hooks is not None
         saved, layer = self.hooks.runs[run].saved, str(spec.layer)
@@ -177,6 +181,12 @@ class MonitorState:
         if values is None:
             return None, torch.zeros(0, dtype=torch.float32)
         positions = saved["positions"][layer].to("cpu", torch.int64)
+        if values.shape[0] != positions.shape[0]:
+            raise ValueError(f"the hook {spec.hook!r} saved {values.shape[0]} scores for "
+                             f"{positions.shape[0]} positions")
+        if lo is not None:
+            a, b = torch.searchsorted(positions, torch.tensor([lo, hi])).tolist()
+            positions, values = positions[a:b], values[a:b]
         values = values.float()
         if spec.reduce:
             flat = values.reshape(values.shape[0], -1)
@@ -186,9 +196,6 @@ class MonitorState:
         elif values.dim() != 1:
             raise ValueError(f"the hook {spec.hook!r} saved {tuple(values.shape[1:])} numbers "
                              "per position under monitor_score, declared as one")
-        if values.shape[0] != positions.shape[0]:
-            raise ValueError(f"the hook {spec.hook!r} saved {values.shape[0]} scores for "
-                             f"{positions.shape[0]} positions")
         return positions, values
 
     def _keep(self, i: int, first: int, scores: torch.Tensor) -> None:
@@ -277,9 +284,16 @@ class StopControl:
     (their monitors no longer run: they end at every step until they finish)."""
 
     closing: dict[str, MonitorState] = field(default_factory=dict)
+    on_failure: bool = True
+    """Whether a failure ends the request here. Only the rank whose sampled tokens vLLM's
+    scheduler reads (tensor-parallel rank 0) acts on one: a failure may be this rank's alone,
+    and a token forced on another rank only would leave the ranks' inputs apart; on rank 0
+    the end-of-sequence token ends the request for every rank. A fired monitor's flag is the
+    same on every rank, so every rank forces that."""
 
     def close(self, req_id: str, state: MonitorState) -> None:
-        self.closing[req_id] = state
+        if self.on_failure:
+            self.closing[req_id] = state
 
     def force(self, logits: torch.Tensor, stops: list[tuple[str, MonitorState]],
               records: dict[str, Any], view: Any) -> None:
@@ -288,7 +302,8 @@ class StopControl:
         (``runner.RunnerView``: live requests, each one's row of the logits)."""
         for req_id, state in stops:
             record = records.get(req_id)
-            if state.failed or record is None or record.error is not None:
+            if self.on_failure and (state.failed or record is None
+                                    or record.error is not None):
                 # Its lens work failed in this step, so its monitors stop running: it ends
                 # now and at every later step (a guardrail fails closed).
                 self.closing[req_id] = state

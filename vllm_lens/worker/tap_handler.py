@@ -86,7 +86,7 @@ class LensRuntime:
         self._plan: StepPlan = _EMPTY_PLAN
         self._steer_layout: tuple[tuple[str, int, int, int | None], ...] = ()
         self._steer_groups: dict[tuple[int, str], SteerGroup] = {}
-        self._stops = StopControl()
+        self._stops = StopControl(on_failure=tp_rank == 0)
         """The requests ``stop`` monitors end, and those ending because their lens work
         failed (a guardrail fails closed)."""
         self.attention = AttentionTaps(attention, self.on_tap, self.on_attention)
@@ -195,6 +195,11 @@ class LensRuntime:
                 if record.attention is not None:  # its lens work stops: so does its history
                     record.attention.free()
                 self.store.discard(record.lens.key, req_id)  # partial rows are never returned
+                if record.monitors is not None:  # its monitors stop: so does their state
+                    try:
+                        record.monitors.free()
+                    except Exception:  # noqa: BLE001 -- its report is not returned anyway
+                        logger.exception("vllm-lens: cannot free a failed request's monitors")
                 self._close_guarded(record)
 
     def _close_guarded(self, record: RequestRecord) -> None:
@@ -253,10 +258,6 @@ class LensRuntime:
             if record.hooks is None:
                 record.hooks = HookState.build(record.lens.hooks)
             states.append(record.hooks)
-        if record is not None and any(m.hook for m in record.lens.monitors):
-            monitors = self._monitor_state(record, device)
-            if monitors.hooks is not None:  # they run with its hooks; the monitors read them
-                states.append(monitors.hooks)
         if self.persistent_specs:
             state = self.persistent_results.get(req_id)
             if state is None:
@@ -265,6 +266,10 @@ class LensRuntime:
                 while len(self.persistent_results) > envs.hook_results_max():
                     self.persistent_results.popitem(last=False)
             states.append(state)
+        if record is not None and any(m.hook for m in record.lens.monitors):
+            monitors = self._monitor_state(record, device)
+            if monitors.hooks is not None:  # they run after its hooks; the monitors read them
+                states.append(monitors.hooks)
         return tuple(states)
 
     # -- per-step plan -------------------------------------------------------------------------

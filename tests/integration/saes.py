@@ -9,11 +9,18 @@ from vllm_lens.common.messages import StatsAnswer, read_all
 
 def saved_sae(path, architecture: str, hook: str, d_in: int = 128, **fields):
     """A sae-lens SAE with random weights at ``hook``, saved to ``path``; returns it."""
-    from sae_lens import JumpReLUSAEConfig, StandardSAEConfig, TopKSAEConfig
+    from sae_lens import (
+        AbsTopKSAEConfig,
+        GatedSAEConfig,
+        JumpReLUSAEConfig,
+        StandardSAEConfig,
+        TopKSAEConfig,
+    )
     from sae_lens.saes.sae import SAE
 
     config = {"standard": StandardSAEConfig, "jumprelu": JumpReLUSAEConfig,
-              "topk": TopKSAEConfig}[architecture]
+              "topk": TopKSAEConfig, "abstopk": AbsTopKSAEConfig,
+              "gated": GatedSAEConfig}[architecture]
     cfg = config(d_in=d_in, d_sae=512, dtype="float32", device="cpu", **fields)
     sae = SAE.get_sae_class_for_architecture(cfg.architecture())(cfg)
     sae.cfg.metadata.hook_name = hook

@@ -105,6 +105,54 @@ def test_features_equal_sae_lens_on_transformers_rows(tiny_llm, tiny_ref, saes):
     assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
 
 
+@pytest.mark.parametrize(("architecture", "fields"), [("gated", {}), ("abstopk", {"k": 16})])
+def test_gated_and_abstopk_features_and_clamps_equal_sae_lens(tiny_llm, tiny_ref, tmp_path,
+                                                              architecture, fields):
+    """sae-lens' gated and AbsTopK SAEs at layer 2's stream: the top features (AbsTopK's by
+    magnitude, signed) and the reconstruction error equal sae-lens' ``encode`` / ``decode`` of
+    transformers' rows, and clamping two features (with the whole SAE on the worker) gives
+    transformers' tokens with the same edit in a hook."""
+    path = tmp_path / architecture
+    sae = saved_sae(path, architecture, "blocks.2.hook_resid_post", **fields)
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
+        "output_sae_features": {"sae": str(path), "top_k": 8, "reconstruction": True}})
+    out = tiny_llm.generate([PROMPT], sp)[0]
+    assert out.lens_error is None
+    ids = _ids(out)
+    x = tiny_ref.points(ids[:-1])[("resid_post", 2)]
+    with torch.no_grad():
+        dense = sae.encode(x)
+        recon = sae.decode(dense)
+    (found,) = out.sae_features
+    assert found["l0"].tolist() == (dense != 0).sum(-1).tolist()
+    if architecture == "abstopk":
+        assert (dense < 0).any()
+        top = dense.abs().topk(8).indices
+    else:
+        assert (dense == 0).any() and (dense > 0).any()
+        top = dense.topk(8).indices
+    values = dense.gather(-1, top)
+    active = values != 0
+    torch.testing.assert_close(found["values"], torch.where(active, values, 0.0), rtol=1e-4,
+                               atol=1e-4)
+    assert torch.equal(found["indices"][active], top[active].to(torch.int32))
+    torch.testing.assert_close(found["nmse"], _nmse(x, recon), rtol=1e-4, atol=1e-6)
+    features, targets = torch.tensor([11, 300]), torch.tensor([4.0, 0.0])
+
+    def clamp(rows):
+        with torch.no_grad():
+            return rows + (targets - sae.encode(rows)[:, features]) @ sae.W_dec[features]
+
+    prompt_ids = list(out.prompt_token_ids)
+    clamped = tiny_llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, extra_args={"apply_steering_vectors": [
+            {"sae": str(path), "feature": features.tolist(), "clamp": targets.tolist()}]}))[0]
+    assert clamped.lens_error is None
+    assert list(clamped.outputs[0].token_ids) == tiny_ref.point_greedy(
+        prompt_ids, 6, {("resid_post", 2): clamp})
+    assert list(clamped.outputs[0].token_ids) != tiny_ref.point_greedy(prompt_ids, 6, {})
+
+
 def test_bad_saes_are_refused_by_field_before_anything_runs(tiny_llm, saes, tmp_path):
     resid_path = str(saes["resid"][0])
 

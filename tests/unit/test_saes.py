@@ -18,10 +18,17 @@ from vllm_lens.saes import LAYOUTS, SAEFormatError, load_sae
 def _sae_lens(tmp_path, architecture: str, **cfg_fields):
     """A sae-lens SAE with random weights (some features active, some not), saved."""
     from sae_lens.saes.sae import SAE as SaeLensSAE
-    from sae_lens import JumpReLUSAEConfig, StandardSAEConfig, TopKSAEConfig
+    from sae_lens import (
+        AbsTopKSAEConfig,
+        GatedSAEConfig,
+        JumpReLUSAEConfig,
+        StandardSAEConfig,
+        TopKSAEConfig,
+    )
 
     config = {"standard": StandardSAEConfig, "jumprelu": JumpReLUSAEConfig,
-              "topk": TopKSAEConfig}[architecture]
+              "topk": TopKSAEConfig, "abstopk": AbsTopKSAEConfig,
+              "gated": GatedSAEConfig}[architecture]
     hook = cfg_fields.pop("hook_name", "blocks.2.hook_resid_post")
     cfg = config(d_in=16, d_sae=64, dtype="float32", device="cpu", **cfg_fields)
     sae = SaeLensSAE.get_sae_class_for_architecture(cfg.architecture())(cfg)
@@ -44,6 +51,8 @@ def _rows(n=12, dtype=torch.float32):
 @pytest.mark.parametrize("architecture, fields", [
     ("standard", {}), ("standard", {"apply_b_dec_to_input": False}), ("jumprelu", {}),
     ("topk", {"k": 8}), ("topk", {"k": 8, "rescale_acts_by_decoder_norm": True}),
+    ("abstopk", {"k": 8}), ("abstopk", {"k": 8, "rescale_acts_by_decoder_norm": True}),
+    ("gated", {}), ("gated", {"apply_b_dec_to_input": False}),
 ])
 def test_sae_lens_architectures_encode_and_decode_as_sae_lens(tmp_path, architecture, fields):
     path, reference = _sae_lens(tmp_path, architecture, **fields)
@@ -60,7 +69,7 @@ def assert_encodes_and_decodes_as_sae_lens(sae, reference, x, *, decode_atol=1e-
         expected = reference.encode(x)
         features = sae.encode(x)
         torch.testing.assert_close(features, expected, rtol=1e-5, atol=1e-5)
-        assert (features > 0).any() and (features == 0).any()
+        assert (features != 0).any() and (features == 0).any()
         torch.testing.assert_close(sae.decode(features), reference.decode(expected),
                                    rtol=1e-5, atol=decode_atol)
         half = x.to(torch.bfloat16)
@@ -90,6 +99,57 @@ def test_top_features_are_the_largest_activations_descending_and_padded(tmp_path
     torch.testing.assert_close(out["nmse"], nmse)
     with pytest.raises(ValueError, match="top_k must be between 1 and d_sae=64"):
         sae.top_features(x, 65)
+
+
+def test_abstopk_top_features_rank_by_magnitude_and_keep_signs(tmp_path):
+    """An AbsTopK SAE's features may be negative: the top features are the largest in
+    magnitude, signed, and ``l0`` counts the non-zero ones; a gated SAE's gate zeroes
+    features whose magnitude path alone would be positive."""
+    path, reference = _sae_lens(tmp_path, "abstopk", k=8)
+    sae = load_sae(path)
+    x = _rows()
+    with torch.no_grad():
+        dense = reference.encode(x)
+        out = sae.top_features(x, 5, reconstruction=True)
+    assert (dense < 0).any()  # some kept feature is negative
+    top = dense.abs().topk(5)
+    torch.testing.assert_close(out["values"], dense.gather(-1, top.indices))
+    assert out["indices"].tolist() == top.indices.to(torch.int32).tolist()
+    assert out["l0"].tolist() == [8] * x.shape[0]
+    gated_path, gated = _sae_lens(tmp_path, "gated")
+    mine = load_sae(gated_path)
+    with torch.no_grad():
+        sae_in = x - gated.b_dec
+        magnitude = (sae_in @ (gated.W_enc * gated.r_mag.exp()) + gated.b_mag).relu()
+        gate_closed = (sae_in @ gated.W_enc + gated.b_gate) <= 0
+        assert bool((gate_closed & (magnitude > 0)).any())  # the gate matters here
+        assert bool((mine.encode(x)[gate_closed] == 0).all())
+
+
+def test_a_matryoshka_batchtopk_sae_saved_for_inference_is_a_jumprelu_sae(tmp_path):
+    """sae-lens saves a (Matryoshka) BatchTopK SAE for inference as JumpReLU with its
+    threshold: it loads and encodes as sae-lens loads it."""
+    from sae_lens.saes.matryoshka_batchtopk_sae import (
+        MatryoshkaBatchTopKTrainingSAE,
+        MatryoshkaBatchTopKTrainingSAEConfig,
+    )
+    from sae_lens.saes.sae import SAE as SaeLensSAE
+
+    cfg = MatryoshkaBatchTopKTrainingSAEConfig(d_in=16, d_sae=64, k=8,
+                                               matryoshka_widths=[16, 64], dtype="float32",
+                                               device="cpu")
+    training = MatryoshkaBatchTopKTrainingSAE(cfg)
+    training.cfg.metadata.hook_name = "blocks.1.hook_resid_post"
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in training.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.5)
+        training.topk_threshold.fill_(0.4)
+    training.save_inference_model(tmp_path / "matryoshka")
+    reference = SaeLensSAE.load_from_disk(tmp_path / "matryoshka")
+    sae = load_sae(tmp_path / "matryoshka")
+    assert (sae.architecture, sae.point, sae.layer) == ("jumprelu", "resid_post", 1)
+    assert_encodes_and_decodes_as_sae_lens(sae, reference, _rows())
 
 
 def test_hook_z_saes_read_flattened_heads(tmp_path):
@@ -157,7 +217,11 @@ def test_files_that_are_not_an_sae_are_refused_by_name(tmp_path):
     for field, value, problem in [
             ("normalize_activations", "layer_norm", "normalize_activations='layer_norm'"),
             ("architecture", "batchtopk", "save it for inference"),
-            ("architecture", "gated", "architecture 'gated'"),
+            ("architecture", "matryoshka_batchtopk", "save it for inference"),
+            ("architecture", "matching_pursuit", "matching pursuit.*not served yet"),
+            ("architecture", "temporal", "earlier rows of its sequence"),
+            ("architecture", "jumprelu_skip_transcoder", "is a transcoder"),
+            ("architecture", "hybrid", "not one vllm-lens serves"),
             ("d_sae", 65, "d_sae=65 but the weights have 64")]:
         (path / "cfg.json").write_text(json.dumps({**cfg, field: value}))
         with pytest.raises(SAEFormatError, match=problem):
@@ -634,6 +698,40 @@ def test_a_topk_clamp_adds_what_decoding_the_edited_features_adds(rescale):
     # On a pipeline stage without the clamp's layer there is nothing to hold.
     elsewhere = prepare(spec, torch.device("cpu"), torch.float32, None)
     assert elsewhere.clamp.sae is None and elsewhere.clamp.nbytes == 0
+
+
+@pytest.mark.parametrize(("architecture", "fields"), [
+    ("abstopk", {"k": 4}), ("abstopk", {"k": 4, "rescale_acts_by_decoder_norm": True}),
+    ("gated", {})])
+def test_abstopk_and_gated_clamps_use_the_whole_sae(tmp_path, architecture, fields):
+    """A clamp of an AbsTopK SAE (whose features depend on each other) or of a gated SAE
+    (whose gate a column slice does not carry) names the whole SAE, as a TopK clamp does
+    (``spec.sae_steering``), and adds ``decode(f') - decode(f)`` as sae-lens computes it."""
+    from vllm_lens.common import wire
+    from vllm_lens.saes.model import WHOLE_CLAMP
+    from vllm_lens.spec.steer_records import ClampSpec, SteerSpec
+    from vllm_lens.worker.steer import prepare
+
+    assert architecture in WHOLE_CLAMP
+    path, reference = _sae_lens(tmp_path, architecture, **fields)
+    sae = load_sae(path)
+    stream = _rows(6) * 1.5
+    with torch.no_grad():
+        before = reference.encode(stream)
+    active = int(before[0].abs().argmax())
+    quiet = int((before[0] == 0).nonzero()[0, 0])
+    features, targets = (active, quiet), (0.25, 3.0)
+    spec = SteerSpec(layers=(2,), vectors=wire.dumps(sae.W_dec[list(features)]), scale=1.0,
+                     norm_match=False, positions=None, mode="clamp",
+                     clamp=ClampSpec(architecture, targets, wire.dumps({}), path=str(path),
+                                     version=(1,), features=features,
+                                     field="apply_steering_vectors[0].sae"))
+    prepared = prepare(spec, torch.device("cpu"), torch.float32, sae)
+    edited = before.clone()
+    edited[:, list(features)] = torch.tensor(targets)
+    with torch.no_grad():
+        expected = reference.decode(edited) - reference.decode(before)
+    torch.testing.assert_close(prepared.clamp.delta(stream), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_topk_clamp_is_kept_by_every_steering_rank_and_a_refusal_names_the_field():

@@ -4,8 +4,10 @@ libraries that wrote them (runs in: any).
 ``LAYOUTS``, recognised by the files in the directory:
 
 - ``sae-lens``: ``cfg.json`` + ``sae_weights.safetensors`` (sae-lens' ``SAE.save_model``):
-  architectures ``standard``, ``jumprelu``, ``topk`` (a BatchTopK SAE saved for inference is
-  a ``jumprelu`` file); the hook point is the cfg's ``metadata.hook_name`` (or ``hook_name``).
+  architectures ``standard``, ``jumprelu``, ``topk``, ``abstopk`` and ``gated`` (a BatchTopK
+  or Matryoshka BatchTopK SAE saved for inference is a ``jumprelu`` file; their training
+  checkpoints, matching-pursuit, temporal SAEs and transcoders are refused naming why:
+  ``REFUSED``); the hook point is the cfg's ``metadata.hook_name`` (or ``hook_name``).
   Flags read and honoured: ``apply_b_dec_to_input``, ``rescale_acts_by_decoder_norm``,
   ``reshape_activations`` (``hook_z``: rows are flattened heads, as vllm-lens' ``attn_z``
   rows are once flattened); ``normalize_activations`` other than ``none`` is refused by name,
@@ -28,14 +30,31 @@ from typing import Any
 
 import torch
 
-from vllm_lens.saes.model import SAE
+from vllm_lens.saes.model import ARCHITECTURES, SAE
 
-__all__ = ["LAYOUTS", "SAEFormatError", "detect_layout", "read_sae"]
+__all__ = ["LAYOUTS", "REFUSED", "SAEFormatError", "detect_layout", "read_sae"]
 
 LAYOUTS = {
     "sae-lens": ("cfg.json", "sae_weights.safetensors"),
     "sparsify": ("cfg.json", "sae.safetensors"),
     "gemma-scope": ("params.npz",),
+}
+
+_TRANSCODER = ("is a transcoder (it reads the MLP's input and predicts its output); "
+               "transcoders are not served yet")
+#: sae-lens architectures that are not served, and why (the error names them).
+REFUSED = {
+    "batchtopk": "is a training checkpoint; save it for inference with sae-lens "
+                 "(save_inference_model writes it as 'jumprelu' with its threshold) and load that",
+    "matryoshka_batchtopk": "is a training checkpoint; save it for inference with sae-lens "
+                            "(save_inference_model writes it as 'jumprelu' with its threshold) "
+                            "and load that",
+    "matching_pursuit": "encodes by matching pursuit over its decoder (up to d_in dependent "
+                        "steps per row, each choosing one feature): not served yet",
+    "temporal": "encodes each row with attention over the earlier rows of its sequence (context "
+                "a per-step encoder does not have): not served",
+    **{name: _TRANSCODER for name in ("transcoder", "skip_transcoder", "jumprelu_transcoder",
+                                      "jumprelu_skip_transcoder")},
 }
 
 
@@ -174,13 +193,11 @@ def _read_sae_lens(path: Path) -> SAE:
     if "metadata" not in cfg:  # written before sae-lens 6.0
         cfg = _pre_6_0(cfg, where)
     architecture = cfg.get("architecture", "standard")
-    if architecture == "batchtopk":
-        raise SAEFormatError(f"{where}: architecture 'batchtopk' is a training checkpoint; "
-                             "save it for inference with sae-lens (which writes it as "
-                             "'jumprelu' with its threshold) and load that")
-    if architecture not in ("standard", "jumprelu", "topk"):
+    if architecture in REFUSED:
+        raise SAEFormatError(f"{where}: architecture {architecture!r} {REFUSED[architecture]}")
+    if architecture not in ARCHITECTURES:
         raise SAEFormatError(f"{where}: architecture {architecture!r} is not one vllm-lens "
-                             "serves (standard, jumprelu, topk)")
+                             f"serves ({', '.join(ARCHITECTURES)})")
     norm = cfg.get("normalize_activations") or "none"
     if norm != "none":
         raise SAEFormatError(f"{where}: normalize_activations={norm!r} is not supported (only "
@@ -199,18 +216,22 @@ def _read_sae_lens(path: Path) -> SAE:
     if (cfg.get("activation_fn_kwargs") or {}).get("signed"):
         raise SAEFormatError(f"{where}: signed activations are not supported")
     tensors = _safetensors(path / "sae_weights.safetensors")
-    W_enc, b_enc, W_dec, b_dec = _need(tensors, ("W_enc", "b_enc", "W_dec", "b_dec"),
+    gated = architecture == "gated"
+    W_enc, b_enc, W_dec, b_dec = _need(tensors, ("W_enc", "b_mag" if gated else "b_enc",
+                                                 "W_dec", "b_dec"),
                                        path / "sae_weights.safetensors")
-    threshold = None
+    threshold = b_gate = r_mag = None
     if architecture == "jumprelu":
         (threshold,) = _need(tensors, ("threshold",), path / "sae_weights.safetensors")
+    if gated:
+        b_gate, r_mag = _need(tensors, ("b_gate", "r_mag"), path / "sae_weights.safetensors")
     scaling = tensors.get("scaling_factor")
     if scaling is not None and not bool((scaling == 1).all()):
         raise SAEFormatError(f"{path / 'sae_weights.safetensors'}: a scaling_factor other than "
                              "1 is not supported; fold it into W_dec first")
     sae = SAE(architecture=architecture, W_enc=W_enc, b_enc=b_enc, W_dec=W_dec, b_dec=b_dec,
-              layout="sae-lens", threshold=threshold,
-              k=cfg.get("k") if architecture == "topk" else None,
+              layout="sae-lens", threshold=threshold, b_gate=b_gate, r_mag=r_mag,
+              k=cfg.get("k") if architecture in ("topk", "abstopk") else None,
               apply_b_dec_to_input=bool(cfg.get("apply_b_dec_to_input", True)),
               rescale_acts_by_decoder_norm=bool(cfg.get("rescale_acts_by_decoder_norm",
                                                         False)),

@@ -9,10 +9,15 @@ architecture computes what sae-lens' class of that name computes:
 - ``standard``: ``relu(x' @ W_enc + b_enc)``
 - ``jumprelu``: ``relu(h) * (h > threshold)`` with ``h = x' @ W_enc + b_enc``
 - ``topk``: the ``k`` largest of ``h`` (optionally ``h * |W_dec[i]|``), ReLU'd, the rest 0
+- ``abstopk``: the ``k`` of ``h`` (optionally ``h * |W_dec[i]|``) largest in magnitude, signed
+  (no ReLU: a feature may be negative), the rest 0
+- ``gated``: ``(x' @ W_enc + b_gate > 0) * relu(x' @ (W_enc * exp(r_mag)) + b_mag)``: one
+  encoder for the gate and, rescaled per feature, for the magnitude (``b_enc`` holds
+  ``b_mag``)
 
 where ``x' = x - b_dec`` if ``apply_b_dec_to_input`` else ``x``; decoding is
 ``f @ W_dec + b_dec`` (for a TopK SAE that rescaled by the decoder norms, ``f / |W_dec[i]|``
-first). Rows are computed in the wider of the SAE's and the rows' dtypes: a float32 SAE reads
+first; ``abstopk`` likewise). Rows are computed in the wider of the SAE's and the rows' dtypes: a float32 SAE reads
 bfloat16 rows cast up, never the other way round. The encoder's and decoder's products go
 through ``linear.Linear`` (oneDNN with a reordered copy of the weight on the host, where that
 is faster), made once per dtype (``prepare``).
@@ -27,9 +32,18 @@ import torch
 
 from vllm_lens.saes.linear import Linear
 
-__all__ = ["ARCHITECTURES", "SAE"]
+__all__ = ["ARCHITECTURES", "SAE", "SIGNED", "WHOLE_CLAMP"]
 
-ARCHITECTURES = ("standard", "jumprelu", "topk")
+ARCHITECTURES = ("standard", "jumprelu", "topk", "abstopk", "gated")
+#: Architectures whose features may be negative (ranked by magnitude, active where not 0).
+SIGNED = ("abstopk",)
+#: Architectures that keep ``k`` features per row.
+_TOPK = ("topk", "abstopk")
+#: Architectures a clamp needs whole on every steering rank: a feature depends on the others
+#: (TopK, AbsTopK) or on weights an encoder column does not carry (gated's gate).
+WHOLE_CLAMP = ("topk", "abstopk", "gated")
+#: The tensors only some architectures have.
+_OPTIONAL = ("threshold", "b_gate", "r_mag")
 
 
 @dataclass(eq=False)
@@ -41,20 +55,24 @@ class SAE:
     are its attributes as well.
 
     Args:
-        architecture: ``"standard"``, ``"jumprelu"`` or ``"topk"`` (``ARCHITECTURES``).
+        architecture: ``"standard"``, ``"jumprelu"``, ``"topk"``, ``"abstopk"`` or
+            ``"gated"`` (``ARCHITECTURES``).
         W_enc: the encoder, ``[d_in, d_sae]``; its dtype is the SAE's.
-        b_enc: the encoder bias, ``[d_sae]``.
+        b_enc: the encoder bias, ``[d_sae]`` (gated: the magnitude path's, ``b_mag``).
         W_dec: the decoder, ``[d_sae, d_in]``: row ``i`` is feature ``i``'s direction as
             stored.
         b_dec: the decoder bias, ``[d_in]``.
         layout: the on-disk layout it was read from (``formats.LAYOUTS``); any label for
             one made by hand.
         threshold: JumpReLU only (required there): ``[d_sae]``; default ``None``.
-        k: TopK only (required there): features kept per row, 1 to ``d_sae``; default
-            ``None``.
+        k: TopK and AbsTopK only (required there): features kept per row, 1 to
+            ``d_sae``; default ``None``.
+        b_gate: gated only (required there): the gate's bias, ``[d_sae]``; default ``None``.
+        r_mag: gated only (required there): the magnitude path's log-scale per feature,
+            ``[d_sae]``; default ``None``.
         apply_b_dec_to_input: subtract ``b_dec`` from rows before encoding (default
             ``True``, as sae-lens).
-        rescale_acts_by_decoder_norm: TopK only (sae-lens): pre-activations are scaled by
+        rescale_acts_by_decoder_norm: TopK and AbsTopK (sae-lens): pre-activations are scaled by
             each feature's decoder norm, and features divided by it again before decoding
             (default ``False``).
         hook_name: where it reads, as its files name it (``"blocks.12.hook_resid_post"``),
@@ -65,8 +83,9 @@ class SAE:
 
     Raises:
         ValueError: an architecture not in ``ARCHITECTURES``, a tensor whose shape does not
-            fit ``W_enc``'s ``[d_in, d_sae]``, a JumpReLU SAE without ``threshold``, or a
-            TopK SAE without a ``k`` from 1 to ``d_sae``.
+            fit ``W_enc``'s ``[d_in, d_sae]``, a JumpReLU SAE without ``threshold``, a
+            gated one without ``b_gate`` and ``r_mag``, or a TopK / AbsTopK SAE without a
+            ``k`` from 1 to ``d_sae``.
 
     Examples:
         >>> import torch
@@ -82,7 +101,7 @@ class SAE:
     """
 
     architecture: str
-    """``standard``, ``jumprelu`` or ``topk`` (``ARCHITECTURES``)."""
+    """One of ``ARCHITECTURES``."""
     W_enc: torch.Tensor
     """``[d_in, d_sae]``."""
     b_enc: torch.Tensor
@@ -94,7 +113,7 @@ class SAE:
     threshold: torch.Tensor | None = None
     """JumpReLU only: ``[d_sae]``."""
     k: int | None = None
-    """TopK only: features kept per row."""
+    """TopK and AbsTopK only: features kept per row."""
     apply_b_dec_to_input: bool = True
     rescale_acts_by_decoder_norm: bool = False
     """TopK only (sae-lens): pre-activations are scaled by each feature's decoder norm."""
@@ -103,6 +122,10 @@ class SAE:
     point: str | None = None
     """The vllm-lens tap point it reads (``points.POINTS``), once resolved (``load_sae``)."""
     layer: int | None = None
+    b_gate: torch.Tensor | None = None
+    """Gated only: the gate's bias ``[d_sae]``."""
+    r_mag: torch.Tensor | None = None
+    """Gated only: ``[d_sae]``; the magnitude path's encoder is ``W_enc * exp(r_mag)``."""
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -115,12 +138,20 @@ class SAE:
             if self.threshold is None:
                 raise ValueError("a jumprelu SAE needs a threshold")
             shapes["threshold"] = (self.threshold, (d_sae,))
+        if self.architecture == "gated":
+            if self.b_gate is None or self.r_mag is None:
+                raise ValueError("a gated SAE needs b_gate and r_mag")
+            shapes["b_gate"] = (self.b_gate, (d_sae,))
+            shapes["r_mag"] = (self.r_mag, (d_sae,))
         for name, (tensor, shape) in shapes.items():
             if tuple(tensor.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(tensor.shape)}; with W_enc "
                                  f"{tuple(self.W_enc.shape)} it must be {shape}")
-        if self.architecture == "topk" and not (isinstance(self.k, int) and 1 <= self.k <= d_sae):
-            raise ValueError(f"a topk SAE needs k between 1 and d_sae={d_sae}, got {self.k!r}")
+        if self.architecture in _TOPK and not (isinstance(self.k, int)
+                                               and 1 <= self.k <= d_sae):
+            raise ValueError(f"a{'n' if self.architecture[0] == 'a' else ''} "
+                             f"{self.architecture} SAE needs k between 1 and d_sae={d_sae}, "
+                             f"got {self.k!r}")
 
     @property
     def d_in(self) -> int:
@@ -143,7 +174,7 @@ class SAE:
         to a wider dtype, reordered encoder and decoder weights: ``prepare``)."""
         weights = sum(t.numel() * t.element_size() for t in (
             self.W_enc, self.b_enc, self.W_dec, self.b_dec,
-            *(() if self.threshold is None else (self.threshold,))))
+            *(getattr(self, n) for n in _OPTIONAL if getattr(self, n) is not None)))
         casts = sum(t.numel() * t.element_size() for cast in self.__dict__.get("_cast", {})
                     .values() for t in cast.values() if t is not None)
         products = sum(linear.nbytes for linear in self.__dict__.get("_linear", {}).values())
@@ -162,7 +193,7 @@ class SAE:
             none of the copies the arithmetic made).
         """
         names = ("W_enc", "b_enc", "W_dec", "b_dec",
-                 *(() if self.threshold is None else ("threshold",)))
+                 *(n for n in _OPTIONAL if getattr(self, n) is not None))
         move = {name: getattr(self, name).to(device, dtype) for name in names}
         if all(move[name] is getattr(self, name) for name in names):
             return self
@@ -176,22 +207,28 @@ class SAE:
     # -- arithmetic ---------------------------------------------------------------------------
     def _weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The weights in ``dtype``: its own, or a copy made once (rows wider than the SAE)."""
+        names = ("W_enc", "b_enc", "W_dec", "b_dec", *_OPTIONAL)
         if dtype == self.dtype:
-            names = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")
             return {n: getattr(self, n) for n in names}
         cache = self.__dict__.setdefault("_cast", {})
         if dtype not in cache:
             cache[dtype] = {n: None if getattr(self, n) is None else getattr(self, n).to(dtype)
-                            for n in ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")}
+                            for n in names}
         return cache[dtype]
 
     def _product(self, part: str, dtype: torch.dtype) -> Linear:
-        """The encoder's (``part="enc"``) or decoder's (``"dec"``) ``x @ W + b`` in ``dtype``,
-        made once."""
+        """The encoder's (``part="enc"``), decoder's (``"dec"``) or a gated SAE's gate's
+        (``"gate"``) ``x @ W + b`` in ``dtype``, made once (a gated SAE's encoder is its
+        magnitude path: ``W_enc * exp(r_mag)``, ``b_mag``)."""
         cache = self.__dict__.setdefault("_linear", {})
         if (part, dtype) not in cache:
             w = self._weights(dtype)
-            cache[part, dtype] = Linear(w[f"W_{part}"], w[f"b_{part}"])
+            if part == "gate":
+                cache[part, dtype] = Linear(w["W_enc"], w["b_gate"])
+            elif part == "enc" and self.architecture == "gated":
+                cache[part, dtype] = Linear(w["W_enc"] * w["r_mag"].exp(), w["b_enc"])
+            else:
+                cache[part, dtype] = Linear(w[f"W_{part}"], w[f"b_{part}"])
         return cache[part, dtype]
 
     def prepare(self, dtype: torch.dtype | None = None) -> None:
@@ -226,8 +263,9 @@ class SAE:
 
         Returns:
             ``(x - b_dec) @ W_enc + b_enc`` (without ``- b_dec`` unless
-            ``apply_b_dec_to_input``; times each feature's decoder norm for a TopK SAE with
-            ``rescale_acts_by_decoder_norm``), ``[n, d_sae]`` in `compute_dtype`.
+            ``apply_b_dec_to_input``; times each feature's decoder norm for a TopK or AbsTopK
+            SAE with ``rescale_acts_by_decoder_norm``; a gated SAE's magnitude path
+            ``x' @ (W_enc * exp(r_mag)) + b_mag``), ``[n, d_sae]`` in `compute_dtype`.
 
         Raises:
             RuntimeError: ``x``'s last dimension is not ``d_in`` (torch's error).
@@ -238,9 +276,14 @@ class SAE:
         if self.apply_b_dec_to_input:
             x = x - w["b_dec"]
         h = self._product("enc", dtype)(x)
-        if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
+        if self.architecture in _TOPK and self.rescale_acts_by_decoder_norm:
             h = h * w["W_dec"].norm(dim=-1)
         return h
+
+    def _sae_input(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.compute_dtype(x)
+        x = x.to(dtype)
+        return x - self._weights(dtype)["b_dec"] if self.apply_b_dec_to_input else x
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Feature activations ``[n, d_sae]`` of rows ``x`` ``[n, d_in]``.
@@ -250,8 +293,9 @@ class SAE:
 
         Returns:
             ``[n, d_sae]`` in `compute_dtype`, dense: ``relu(h)`` (standard),
-            ``relu(h)`` where ``h > threshold`` else 0 (jumprelu), or the ``k`` largest of
-            ``h`` ReLU'd and 0 elsewhere (topk).
+            ``relu(h)`` where ``h > threshold`` else 0 (jumprelu), the ``k`` largest of
+            ``h`` ReLU'd and 0 elsewhere (topk), the ``k`` largest in magnitude, signed
+            (abstopk), or ``relu(h)`` where the gate's pre-activation is above 0 (gated).
 
         Raises:
             RuntimeError: ``x``'s last dimension is not ``d_in`` (torch's error).
@@ -268,6 +312,12 @@ class SAE:
             above = torch.gt(h.detach(), threshold.detach(), out=torch.empty_like(h.detach()))
             features = h.relu()
             return features * above if features.requires_grad else features.mul_(above)
+        if self.architecture == "gated":
+            gate = self._product("gate", h.dtype)(self._sae_input(x))
+            return h.relu() * (gate > 0).to(h.dtype)
+        if self.architecture == "abstopk":
+            indices = torch.topk(h.abs(), k=self.k, dim=-1, sorted=False).indices  # type: ignore[arg-type]
+            return torch.zeros_like(h).scatter_(-1, indices, h.gather(-1, indices))
         values, indices = torch.topk(h, k=self.k, dim=-1, sorted=False)  # type: ignore[arg-type]
         return torch.zeros_like(h).scatter_(-1, indices, values.relu())
 
@@ -278,8 +328,8 @@ class SAE:
             features: feature activations ``[n, d_sae]`` (e.g. `encode`'s, edited).
 
         Returns:
-            ``features @ W_dec + b_dec`` (a TopK SAE with ``rescale_acts_by_decoder_norm``
-            first divides each feature by its decoder norm), ``[n, d_in]`` in the wider of
+            ``features @ W_dec + b_dec`` (a TopK or AbsTopK SAE with
+            ``rescale_acts_by_decoder_norm`` first divides each feature by its decoder norm), ``[n, d_in]`` in the wider of
             the SAE's and ``features``' dtypes.
 
         Raises:
@@ -287,18 +337,20 @@ class SAE:
         """
         dtype = torch.promote_types(self.dtype, features.dtype)
         f = features.to(dtype)
-        if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
+        if self.architecture in _TOPK and self.rescale_acts_by_decoder_norm:
             f = f / self._weights(dtype)["W_dec"].norm(dim=-1)
         return self._product("dec", dtype)(f)
 
     def top_features(self, x: torch.Tensor, top_k: int, *, reconstruction: bool = False
                      ) -> dict[str, torch.Tensor]:
-        """Per row of ``x`` ``[n, d_in]``, its ``top_k`` largest feature activations.
+        """Per row of ``x`` ``[n, d_in]``, its ``top_k`` largest feature activations (an
+        AbsTopK SAE's: largest in magnitude, with their signs).
 
-        Returns ``{"indices": int32 [n, top_k], "values": float32 [n, top_k]}``, descending,
-        padded with index -1 and value 0 where fewer than ``top_k`` features are active; with
-        ``reconstruction`` also ``"nmse"`` float32 ``[n]`` (``|x - x_hat|^2 / |x|^2``) and
-        ``"l0"`` int32 ``[n]`` (active features, before ``top_k``).
+        Returns ``{"indices": int32 [n, top_k], "values": float32 [n, top_k]}``, descending
+        (in magnitude for AbsTopK), padded with index -1 and value 0 where fewer than
+        ``top_k`` features are active (non-zero); with ``reconstruction`` also ``"nmse"``
+        float32 ``[n]`` (``|x - x_hat|^2 / |x|^2``) and ``"l0"`` int32 ``[n]`` (active
+        features, before ``top_k``).
 
         This is what a request's ``output_sae_features`` returns per position.
 
@@ -318,13 +370,18 @@ class SAE:
         if not 1 <= top_k <= self.d_sae:
             raise ValueError(f"top_k must be between 1 and d_sae={self.d_sae}, got {top_k}")
         features = self.encode(x)
-        values, indices = torch.topk(features, k=top_k, dim=-1, sorted=True)
-        active = values > 0
+        if self.architecture in SIGNED:
+            indices = torch.topk(features.abs(), k=top_k, dim=-1, sorted=True).indices
+            values = features.gather(-1, indices)
+            active = values != 0
+        else:
+            values, indices = torch.topk(features, k=top_k, dim=-1, sorted=True)
+            active = values > 0
         out = {"indices": torch.where(active, indices, -1).to(torch.int32),
                "values": torch.where(active, values, 0).to(torch.float32)}
         if reconstruction:
             rows = x.to(features.dtype)
             error = (rows - self.decode(features)).pow(2).sum(-1)
             out["nmse"] = (error / rows.pow(2).sum(-1)).to(torch.float32)
-            out["l0"] = (features > 0).sum(-1).to(torch.int32)
+            out["l0"] = (features != 0).sum(-1).to(torch.int32)
         return out

@@ -293,8 +293,8 @@ def _sae_monitor(item: Mapping[str, Any], where: str, facts: ModelFacts,
     architecture = str(info.get("architecture"))
     if architecture not in SAE_ARCHITECTURES:
         raise LensRequestError(f"{where}.sae", f"a {architecture} SAE; monitors read a feature "
-                               f"of a {' or '.join(SAE_ARCHITECTURES)} SAE (a TopK feature "
-                               "depends on every other feature: not built yet)",
+                               f"of a {' or '.join(SAE_ARCHITECTURES)} SAE (one read from its "
+                               "own encoder column; not built for this architecture yet)",
                                request_id=request_id)
     if point not in MONITOR_POINTS:
         raise LensRequestError(f"{where}.sae", f"the SAE reads {point}; a monitor reads one of "

@@ -35,6 +35,7 @@ import torch
 from vllm_lens.common import points as tap_points
 from vllm_lens.common import wire
 from vllm_lens.errors import LensRequestError
+from vllm_lens.saes.model import WHOLE_CLAMP
 from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import (
     parse_write_point,
@@ -125,7 +126,7 @@ def parse_feature_steering(item: Mapping[str, Any], facts: ModelFacts, describe:
     info, point, layer, d_sae = described(describe if slice_of is not None else None, name,
                                           hook_point, facts, f"{where}.sae",
                                           "steer by SAE feature", request_id)
-    whole = clamping and info.get("architecture") == "topk"
+    whole = clamping and info.get("architecture") in WHOLE_CLAMP
     bad = next((f for f in features if not 0 <= f < d_sae), None)
     if bad is not None:
         raise LensRequestError(f"{where}.feature", f"{bad} is not a feature of this SAE "
@@ -178,9 +179,10 @@ def _column_clamp(info: Mapping[str, Any], found: Mapping[str, Any],
 
 def _whole_sae_clamp(info: Mapping[str, Any], features: list[int], targets: list[float],
                      field: str) -> ClampSpec:
-    """A TopK clamp: it names the SAE every steering rank loaded for it (the key its
-    description gives) and the version of its files, for the prefix-cache salt."""
-    return ClampSpec(architecture="topk", targets=tuple(targets), encoder=wire.dumps({}),
+    """A clamp of a ``WHOLE_CLAMP`` SAE (TopK, AbsTopK, gated): it names the SAE every
+    steering rank loaded for it (the key its description gives) and the version of its files,
+    for the prefix-cache salt."""
+    return ClampSpec(architecture=str(info["architecture"]), targets=tuple(targets), encoder=wire.dumps({}),
                      path=str(info["path"]), hook_point=info.get("hook_point"),
                      version=tuple(int(v) for v in info.get("version", ())),
                      features=tuple(features), field=field)

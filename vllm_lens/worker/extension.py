@@ -31,6 +31,7 @@ from vllm_lens.worker.hooks import encode_results
 from vllm_lens.worker.layout_check import LayoutCheck, check_layout
 from vllm_lens.worker.request_records import describe
 from vllm_lens.worker.runner import unsupported_reason
+from vllm_lens.saes.model import WHOLE_CLAMP
 from vllm_lens.worker import sink_writes
 from vllm_lens.worker.tap_handler import LensRuntime
 from vllm_lens.worker.monitors import pack_scores
@@ -230,7 +231,7 @@ class LensWorkerExtension:
         def wanted(info: dict[str, Any]) -> bool:
             if info["layer"] in runtime.capture_layers:
                 return True
-            return (clamp and info["architecture"] == "topk"
+            return (clamp and info["architecture"] in WHOLE_CLAMP
                     and info["layer"] in runtime.shard_layers)
 
         held = {runtime.saes.key(*key) for key in runtime.requests.held_saes()}

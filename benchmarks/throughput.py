@@ -25,7 +25,8 @@ only; ``attn_out`` at one layer; Q/K of one layer; every tap point at every laye
 prompt token), steering (1 layer with one shared vector or a distinct vector per request; every
 layer; 256 requests each with its own vector at every layer; a replacement at one position;
 a conditional vector gated by a probe read 5 layers earlier), monitors (one probe on every
-request; plain requests beside one monitored), attention steering (PASTA on every head of 8
+request; plain requests beside one monitored; one probe alone, batch 1; by ``linear_probe``'s
+score on every request and alone; by ``attention_to_span``'s score alone), attention steering (PASTA on every head of 8
 layers: every request, plain requests beside one, one request alone), SAE features (one 16x-wide
 JumpReLU SAE with random weights, d_sae = 9216, at layer 15: its top 32 features at every
 position; steering by one of its features; clamping one), each with ``--prompts`` greedy
@@ -93,6 +94,13 @@ def _monitor(seed: int, layer: int, action: str = "flag"):
             "layer": layer, "threshold": 1e30, "action": action}
 
 
+def _hook_monitor(seed: int, layer: int):
+    """``_monitor``'s probe as a monitor by the ``linear_probe`` named hook's score."""
+    probe = _monitor(seed, layer)
+    return {"name": probe["name"], "hook": "linear_probe", "layer": layer,
+            "args": {"weight": probe["probe"]}, "threshold": 1e30, "action": "flag"}
+
+
 PASTA = [{"layers": list(range(16, 24)), "heads": None, "emphasize": [0, 8], "alpha": 0.01}]
 
 #: name -> (batch size: None = --prompts, extra_args for request i; None = a plain request)
@@ -123,6 +131,16 @@ CASES: dict[str, tuple[int | None, Callable[[int], Any]]] = {
         "monitors": [_monitor(i, 15)]}),
     "plain requests beside 1 monitored": (None, lambda i: {
         "monitors": [_monitor(i, 15)]} if i == 0 else None),
+    "monitor 1 probe at 1 layer, batch 1": (1, lambda i: {"monitors": [_monitor(i, 15)]}),
+    # Monitors by a named hook's score: the hook runs for the request, the monitor reads it.
+    "monitor by linear_probe hook, every request": (None, lambda i: {
+        "monitors": [_hook_monitor(i, 15)]}),
+    "monitor by linear_probe hook, batch 1": (1, lambda i: {
+        "monitors": [_hook_monitor(i, 15)]}),
+    "monitor by attention_to_span hook, batch 1": (1, lambda i: {"monitors": [{
+        "name": "span", "hook": "attention_to_span", "layer": 15, "point": "attn_qk",
+        "args": {"span": [0, 8], "queries": "generated"}, "reduce": "max",
+        "threshold": 1e30, "action": "flag"}]}),
     # PASTA (``steer_attention``): every head of 8 layers, the first 8 prompt tokens emphasised.
     "PASTA at 8 layers, every request": (None, lambda i: {"steer_attention": PASTA}),
     "plain requests beside 1 PASTA": (None, lambda i: {"steer_attention": PASTA}

@@ -12,16 +12,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 #: from the model, the rest from a layer): ``attn_out`` / ``mlp_out`` are the outputs of the
 #: modules whose results are added to the stream, ``mlp_post`` / ``attn_z`` the inputs of the
 #: MLP's and attention's output projections, ``router`` an MoE gate (logits, scores, indices).
-_LLAMA_MODULES = dict(layers="model.layers", attn_out="self_attn", mlp_out="mlp",
+_LLAMA_MODULES = dict(layers="model.layers", attn_out="self_attn", mlp_out="mlp", mlp="mlp",
                       down="mlp.down_proj", o_proj="self_attn.o_proj", router=None)
 _MODULES = {
     "gemma2": {**_LLAMA_MODULES, "attn_out": "post_attention_layernorm",
                "mlp_out": "post_feedforward_layernorm"},
-    "gpt2": dict(layers="transformer.h", attn_out="attn", mlp_out="mlp", down="mlp.c_proj",
+    "gpt2": dict(layers="transformer.h", attn_out="attn", mlp_out="mlp", mlp="mlp",
+                 down="mlp.c_proj",
                  o_proj="attn.c_proj", router=None),
     "mixtral": {**_LLAMA_MODULES, "down": None, "router": "mlp.gate"},
     "qwen2_moe": {**_LLAMA_MODULES, "down": None, "router": "mlp.gate"},
-    "gpt_neox": dict(layers="gpt_neox.layers", attn_out="attention", mlp_out="mlp",
+    "gpt_neox": dict(layers="gpt_neox.layers", attn_out="attention", mlp_out="mlp", mlp="mlp",
                      down="mlp.dense_4h_to_h", o_proj="attention.dense", router=None),
     "olmo2": {**_LLAMA_MODULES, "attn_out": "post_attention_layernorm",
               "mlp_out": "post_feedforward_layernorm"},
@@ -35,7 +36,8 @@ _MODULES["qwen3_moe"] = {**_LLAMA_MODULES, "down": None}
 _MODULES["olmoe"] = _MODULES["qwen3_moe"]
 _MODULES["glm4_moe"] = _MODULES["qwen3_moe"]  # a dense first layer, MoE after
 _MODULES["deepseek_v2"] = _MODULES["qwen3_moe"]
-_MODULES["granitemoe"] = {**_LLAMA_MODULES, "mlp_out": "block_sparse_moe", "down": None}
+_MODULES["granitemoe"] = {**_LLAMA_MODULES, "mlp_out": "block_sparse_moe",
+                           "mlp": "block_sparse_moe", "down": None}
 _MODULES["idefics3"] = {**_LLAMA_MODULES, "layers": "model.text_model.layers"}
 
 
@@ -139,8 +141,8 @@ class HFReference:
         """Record every tap point of every layer into the yielded dict
         ``{(point, layer): [T, ...]}``; ``edits[(point, layer)](value [T, d]) -> value``
         replaces a stream point (``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out``,
-        ``resid_post``) as vllm-lens does. MoE layers also record ``router_logits`` and
-        ``router_experts`` (the experts chosen per token)."""
+        ``resid_post``, and ``mlp_in``: the MLP's input) as vllm-lens does. MoE layers also
+        record ``router_logits`` and ``router_experts`` (the experts chosen per token)."""
         edits = edits or {}
         seen: dict = {}
         handles = []
@@ -174,6 +176,14 @@ class HFReference:
                 new = put("mlp_out", i, value[0])[None]
                 return (new, *out[1:]) if isinstance(out, tuple) else new
 
+            def mlp_in(_m, args, kwargs, i=i):
+                h = args[0] if args else next(iter(kwargs.values()))
+                new = put("mlp_in", i, h[0])[None]
+                if args:
+                    return (new, *args[1:]), kwargs
+                first = next(iter(kwargs))
+                return args, {**kwargs, first: new}
+
             def router(_m, _inp, out, i=i):
                 seen[("router_logits", i)] = out[0].reshape(-1, out[0].shape[-1])
                 seen[("router_experts", i)] = out[2].reshape(-1, out[2].shape[-1])
@@ -198,6 +208,9 @@ class HFReference:
                 layer.register_forward_hook(post),
                 _get(layer, where["o_proj"]).register_forward_pre_hook(o_proj),
             ]
+            mlp_module = getattr(layer, where.get("mlp", "mlp"), None)
+            if isinstance(mlp_module, torch.nn.Module):  # what the MLP reads: mlp_in
+                handles.append(mlp_module.register_forward_pre_hook(mlp_in, with_kwargs=True))
             if where["down"]:
                 handles.append(_get(layer, where["down"]).register_forward_pre_hook(down))
             if where["router"]:

@@ -24,22 +24,27 @@ from vllm_lens.attention import attention_patterns
 
 PROMPT = ("Once upon a time in a quiet village by the sea, an old fisherman mended his nets "
           "and told the children stories about the storms he had seen.")
-POINTS = ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "mlp_post", "attn_z"]
+POINTS = ["resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out", "resid_post", "mlp_post",
+          "attn_z"]
 #: MoE layers have no single MLP activation; they have a router.
 MOE = {"mixtral", "qwen2_moe"}
 
 
 #: Multimodal models (tested with text prompts and with an image).
 MULTIMODAL = {"idefics3"}
-#: Parallel blocks (attention and MLP both read resid_pre) have no resid_mid.
+#: Parallel blocks (attention and MLP both read resid_pre) have no resid_mid (nor mlp_in).
 PARALLEL = {"gpt_neox"}
+#: Post-norm layers: the MLP reads resid_mid itself, so no mlp_in is offered.
+POST_NORM = {"olmo2", "olmo3"}
 
 
 def points_of(family: str) -> list[str]:
     if family in MOE:
         return [p for p in POINTS if p != "mlp_post"] + ["router_logits"]
     if family in PARALLEL:
-        return [p for p in POINTS if p != "resid_mid"]
+        return [p for p in POINTS if p not in ("resid_mid", "mlp_in")]
+    if family in POST_NORM:
+        return [p for p in POINTS if p != "mlp_in"]
     return POINTS
 CHUNKED = dict(max_num_batched_tokens=16, max_num_seqs=8)
 #: Families run in vLLM's default compiled mode; the rest with ``enforce_eager``.
@@ -103,11 +108,17 @@ def test_2d_and_3d_steering_match_transformers(family):
                           scale=2.0, hook_point="attn_out")
     placed = SteeringVector(activations=torch.randn(1, 3, 128, generator=g) * 3,
                             layer_indices=[2], position_indices=[2, 20, n_prompt + 1])
-    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args={
-        "apply_steering_vectors": [flat, placed], "output_residual_stream": [3]})
-    out = llm.generate([PROMPT], sp)[0]
+    vectors = [flat, placed]
     edits = {("attn_out", 1): lambda h: h + _steering_delta(flat, 0, h),
              ("resid_post", 2): lambda h: h + _steering_delta(placed, 0, h)}
+    if "mlp_in" in points_of(name):  # what the MLP reads, at layer 0
+        into_mlp = SteeringVector(activations=torch.randn(1, 128, generator=g),
+                                  layer_indices=[0], scale=1.5, hook_point="mlp_in")
+        vectors.append(into_mlp)
+        edits[("mlp_in", 0)] = lambda h: h + _steering_delta(into_mlp, 0, h)
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args={
+        "apply_steering_vectors": vectors, "output_residual_stream": [3]})
+    out = llm.generate([PROMPT], sp)[0]
     assert list(out.outputs[0].token_ids) == ref.point_greedy(
         list(out.prompt_token_ids), 6, edits), name
     expected = ref.points(_ids(out)[:-1], edits)

@@ -10,7 +10,7 @@ from tests.integration.reference import max_relative_error
 from vllm_lens import Hook, LensRequestError, SteeringVector
 from vllm_lens.attention import attention_patterns
 
-STREAM_POINTS = ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"]
+STREAM_POINTS = ["resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out", "resid_post"]
 ALL_POINTS = [*STREAM_POINTS, "mlp_post", "attn_z"]
 TOL = 1e-4
 TINY_PROMPT = ("Once upon a time in a quiet village by the sea, an old fisherman mended his "
@@ -57,7 +57,9 @@ def test_two_layers_compiled_match_transformers(smol_llm, smol_ref):
         "output_activations": {"hook_resid_pre": layers, "blocks.2.hook_attn_out": True,
                                "blocks.21.hook_attn_out": True, "post_attn": layers,
                                "mlp_out": layers, "post_block": layers,
-                               "mlp.hook_post": layers, "attn.hook_z": layers}})
+                               "mlp.hook_post": layers, "attn.hook_z": layers,
+                               "blocks.2.ln2.hook_normalized": True,
+                               "blocks.21.hook_mlp_in": True}})
     out = smol_llm.generate(["The capital of France is"], sp)[0]
     ids = _ids(out)
     ref = smol_ref.points(ids[:-1])

@@ -28,7 +28,8 @@ def parse(extra, facts=FACTS):
     ("blocks.3.hook_mlp_out", ("mlp_out", 3)), ("blocks.0.attn.hook_z", ("attn_z", 0)),
     ("blocks.2.mlp.hook_post", ("mlp_post", 2)), ("pre_attn", ("resid_pre", None)),
     ("post_attn", ("resid_mid", None)), ("post_block", ("resid_post", None)),
-    ("hook_z", ("attn_z", None)),
+    ("hook_z", ("attn_z", None)), ("blocks.4.hook_mlp_in", ("mlp_in", 4)),
+    ("blocks.1.ln2.hook_normalized", ("mlp_in", 1)),
 ])
 def test_names_and_aliases(name, expected):
     assert resolve(name) == expected
@@ -41,7 +42,8 @@ def test_unknown_names_list_the_points(name):
 
 
 def test_steerable_points_are_the_stream_points():
-    assert STEERABLE == ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
+    assert STEERABLE == ("resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out",
+                         "resid_post")
     assert not POINTS["mlp_post"].steerable and not POINTS["attn_z"].steerable
 
 

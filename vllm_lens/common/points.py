@@ -6,7 +6,7 @@ The front end validates requests with it; workers route taps.
 Per decoder layer ``L`` (TransformerLens names)::
 
     resid_pre -> attention (attn_q, attn_k, attn_z) -> attn_out -> resid_mid
-              -> MLP (mlp_post) -> mlp_out -> resid_post
+              -> norm -> mlp_in -> MLP (mlp_post) -> mlp_out -> resid_post
 
 A point is read at one of the *sites* inside the traced model, each a tap op that receives
 two tensors ``(a, b)``: ``b`` is the fused residual where the model keeps one apart (Llama,
@@ -18,6 +18,7 @@ point      site   value                            what it is
 resid_pre  pre    ``a + b``                        the stream entering the layer
 attn_out   mid    ``a``                            what attention adds (after o_proj)
 resid_mid  mid    ``a + b``                        ``resid_pre + attn_out``
+mlp_in     mlp_in ``a``                            what the MLP reads (after its norm)
 mlp_out    post   ``a``                            what the MLP adds
 resid_post post   ``a + b``                        the stream leaving the layer
 mlp_post   act    ``a``                            the MLP's activation, input of down_proj
@@ -31,6 +32,10 @@ have no fused residual to read ``attn_out`` and ``mlp_out`` beside: there they a
 the outputs of the attention block (``attn_block``) and of the MLP (``mlp_block``), and the
 ``mid`` site is the MLP's input (``resid_mid`` alone). Parallel blocks (GPT-NeoX) have no
 ``mid`` site: attention and the MLP both read ``resid_pre``, so there is no ``resid_mid``.
+``mlp_in`` is read at the output of the module the ``mid`` site taps the input of (the norm
+before the MLP), where a written layout says that output is what the MLP reads
+(``Layout.mlp_in``); sae-lens' transcoders read it (``blocks.L.hook_mlp_in``,
+``blocks.L.ln2.hook_normalized``).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ __all__ = [
 ]
 
 #: Where taps run, in the order a layer reaches them.
-SITES = ("pre", "attn", "attn_block", "mid", "router", "act", "mlp_block", "post")
+SITES = ("pre", "attn", "attn_block", "mid", "mlp_in", "router", "act", "mlp_block", "post")
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,7 @@ POINTS: dict[str, Point] = {p.name: p for p in (
     Point("resid_pre", "pre", True, True),
     Point("attn_out", "mid", False, True, split_site="attn_block"),
     Point("resid_mid", "mid", True, True),
+    Point("mlp_in", "mlp_in", False, True),
     Point("mlp_out", "post", False, True, split_site="mlp_block"),
     Point("resid_post", "post", True, True),
     Point("mlp_post", "act", False, False),
@@ -105,6 +111,7 @@ _ALIASES = {
     "pre_attn": "resid_pre", "post_attn": "resid_mid", "post_block": "resid_post",
     "attn.hook_z": "attn_z", "hook_z": "attn_z", "z": "attn_z",
     "mlp.hook_post": "mlp_post", "hook_mlp_post": "mlp_post",
+    "ln2.hook_normalized": "mlp_in",
 }
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
 

@@ -60,6 +60,11 @@ class Layout:
     """The layers' tensors carry a leading batch dimension of 1 (the Transformers backend)."""
     requires: tuple[str, object] | None = None
     """(config attribute, value) the layout holds for; other configs are unmapped."""
+    mlp_in: bool = False
+    """The ``mid`` module's output (its first element, in a fused layout) is what the MLP
+    reads: ``mlp_in`` is tapped there. Written rows only, each proven against transformers
+    (``tests/integration/test_families.py``); not where the MLP reads ``resid_mid`` itself
+    (post-norm layers) or there is no ``mid`` module (parallel blocks)."""
     derived: bool = False
     """Derived from the module tree (``worker.layout_derivation``), not written here: served
     only once ``worker.layout_check`` proved it on the model's weights."""
@@ -72,25 +77,27 @@ class Layout:
 #: Llama and the families that share its layer: pre-norm, fused residual, gated MLP.
 _LLAMA = Layout(layers="model.layers", block="sequential", norms="pre", fused_residual=True,
                 mid="post_attention_layernorm", attention="self_attn.attn",
-                act="mlp.act_fn", down_proj="mlp.down_proj")
+                act="mlp.act_fn", down_proj="mlp.down_proj", mlp_in=True)
 #: Gemma 2 / 3: a norm before and after each sublayer; ``attn_out`` and ``mlp_out`` are what
 #: is added to the stream, after the post-norms (as in transformers and TransformerLens).
 _GEMMA = Layout(layers="model.layers", block="sequential", norms="sandwich",
                 fused_residual=True, mid="pre_feedforward_layernorm",
-                attention="self_attn.attn", act="mlp.act_fn", down_proj="mlp.down_proj")
+                attention="self_attn.attn", act="mlp.act_fn", down_proj="mlp.down_proj",
+                mlp_in=True)
 #: GPT-2: LayerNorm before each sublayer, the residual added inside the block.
 _GPT2 = Layout(layers="transformer.h", block="sequential", norms="pre", fused_residual=False,
                mid="ln_2", attention="attn.attn", act="mlp.act", down_proj="mlp.c_proj",
-               attn_block="attn", mlp_block="mlp")
+               attn_block="attn", mlp_block="mlp", mlp_in=True)
 #: Mixtral: Llama's layer with a sparse MoE block (no single activation: no ``mlp_post``).
 _MIXTRAL = Layout(layers="model.layers", block="sequential", norms="pre", fused_residual=True,
                   mid="post_attention_layernorm", attention="self_attn.attn", act=None,
-                  down_proj=None, router="block_sparse_moe.gate", routing="softmax_topk")
+                  down_proj=None, router="block_sparse_moe.gate", routing="softmax_topk",
+                  mlp_in=True)
 #: Qwen2-MoE: routed experts plus a gated shared expert (``mlp_out`` is their sum).
 _QWEN2_MOE = Layout(layers="model.layers", block="sequential", norms="pre",
                     fused_residual=True, mid="post_attention_layernorm",
                     attention="self_attn.attn", act=None, down_proj=None, router="mlp.gate",
-                    routing="softmax_topk")
+                    routing="softmax_topk", mlp_in=True)
 
 #: GPT-NeoX (Pythia), transformers' modules: attention and the MLP both read the layer's
 #: input and are added to it together (``use_parallel_residual``).
@@ -108,7 +115,7 @@ _OLMO2 = Layout(layers="model.layers", block="sequential", norms="post", fused_r
 _SMOLLM3 = Layout(layers="model.layers", block="sequential", norms="pre", fused_residual=False,
                   mid="post_attention_layernorm", attention="self_attn.attn",
                   act="mlp.act_fn", down_proj="mlp.down_proj", attn_block="self_attn",
-                  mlp_block="mlp", batched=True)
+                  mlp_block="mlp", batched=True, mlp_in=True)
 
 LAYOUTS: dict[str, Layout] = {
     "LlamaForCausalLM": _LLAMA,

@@ -239,18 +239,21 @@ def _submodule(layer: nn.Module, path: str) -> nn.Module | None:
     return obj if isinstance(obj, nn.Module) else None
 
 
-def _inner_tapped_class(cls: type[nn.Module], site: str, fused: bool, batched: bool
-                        ) -> type[nn.Module]:
+def _inner_tapped_class(cls: type[nn.Module], site: str, fused: bool, batched: bool,
+                        mlp_in: bool = False) -> type[nn.Module]:
     """``cls`` with a tap on its inputs (``mid``: its first argument, and the residual beside
-    it where the layout is ``fused``) or on its output (every other site; the first element
+    it where the layout is ``fused``; with ``mlp_in`` also on its output, the first element
+    of a tuple, which the MLP reads) or on its output (every other site; the first element
     of a tuple output). ``batched``: the tensors carry a leading batch dimension of 1."""
-    key = (cls, site, fused, batched)
+    key = (cls, site, fused, batched, mlp_in)
     tapped = _INNER_CLASSES.get(key)
     if tapped is None:
         op = getattr(torch.ops.vllm_lens, SITE_OP_NAMES[site].split("::")[1])
         rows = _rows if batched else _same
         if site == "mid":
             first = next(iter(list(inspect.signature(cls.forward).parameters)[1:]), "x")
+            out_op = (getattr(torch.ops.vllm_lens, SITE_OP_NAMES["mlp_in"].split("::")[1])
+                      if mlp_in else None)
 
             def forward(self, *args, **kwargs):
                 x = args[0] if args else kwargs.get(first)
@@ -258,7 +261,11 @@ def _inner_tapped_class(cls: type[nn.Module], site: str, fused: bool, batched: b
                 if fused:
                     residual = args[1] if len(args) > 1 else kwargs.get("residual")
                 op(rows(x), rows(residual), self._vllm_lens_layer)
-                return _call_original(cls, self, args, kwargs)
+                out = _call_original(cls, self, args, kwargs)
+                if out_op is not None:  # what the MLP reads: written to in place
+                    out_op(rows(out[0] if isinstance(out, tuple) else out), None,
+                           self._vllm_lens_layer)
+                return out
         else:
             def forward(self, *args, **kwargs):
                 out = _call_original(cls, self, args, kwargs)
@@ -267,12 +274,13 @@ def _inner_tapped_class(cls: type[nn.Module], site: str, fused: bool, batched: b
                 return out
 
         tapped = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                             "_vllm_lens_site": site})
+                                             "_vllm_lens_site": site,
+                                             "_vllm_lens_mlp_in": mlp_in})
         _INNER_CLASSES[key] = tapped
     return tapped
 
 
-_INNER_CLASSES: dict[tuple[type, str, bool, bool], type] = {}
+_INNER_CLASSES: dict[tuple[type, str, bool, bool, bool], type] = {}
 
 
 def _own_module(layer: nn.Module, path: str, module: nn.Module) -> nn.Module:
@@ -329,9 +337,12 @@ def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inne
                 continue  # shared with another site or layer: its tap could not tell them apart
             _claim_forward(module)
             module.__class__ = _inner_tapped_class(cls, site, layout.fused_residual,
-                                                   layout.batched)
+                                                   layout.batched,
+                                                   mlp_in=site == "mid" and layout.mlp_in)
             module._vllm_lens_layer = index
         sites.add(site)
+        if site == "mid" and layout.mlp_in:
+            sites.add("mlp_in")
     attention = _submodule(layer, layout.attention)
     # The kernel must see the query as the model computed it: not quantized first (an fp8 KV
     # cache with a backend taking fp8 queries), and K of its own (no KV sharing).

@@ -653,9 +653,7 @@ def test_a_topk_clamp_adds_what_decoding_the_edited_features_adds(rescale):
     from sae_lens import TopKSAEConfig
     from sae_lens.saes.sae import SAE as SaeLensSAE
 
-    from vllm_lens.common import wire
     from vllm_lens.saes import SAE
-    from vllm_lens.spec.steer_records import ClampSpec, SteerSpec
     from vllm_lens.worker.steer import prepare
 
     g = torch.Generator().manual_seed(21)
@@ -676,18 +674,8 @@ def test_a_topk_clamp_adds_what_decoding_the_edited_features_adds(rescale):
     inside = int(before[0].argmax())  # in row 0's top k: lowered
     outside = next(i for i in range(64) if i not in top)  # not among row 0's k: raised
     assert inside in top and before[0, inside] > 0.5
-    features, targets = (inside, outside), (0.5, 4.0)
-    spec = SteerSpec(layers=(0,), vectors=wire.dumps(weights["W_dec"][list(features)]),
-                     scale=1.0, norm_match=False, positions=None, mode="clamp",
-                     clamp=ClampSpec("topk", targets, wire.dumps({}), path="/saes/t",
-                                     version=(1,), features=features,
-                                     field="apply_steering_vectors[0].sae"))
-    prepared = prepare(spec, torch.device("cpu"), torch.float32, sae)
-    edited = before.clone()
-    edited[:, list(features)] = torch.tensor(targets)
-    with torch.no_grad():
-        expected = reference.decode(edited) - reference.decode(before)
-    torch.testing.assert_close(prepared.clamp.delta(stream), expected, rtol=1e-5, atol=1e-5)
+    spec, prepared = _check_whole_clamp(sae, reference, stream, before, (inside, outside),
+                                        (0.5, 4.0), "/saes/t")
     assert prepared.clamp.sae is sae and prepared.clamp.nbytes == 2 * 16 * 4  # not the SAE's
     from vllm_lens.spec import LensRequest
     from vllm_lens.worker.request_records import RequestRecord, RequestTable
@@ -707,10 +695,7 @@ def test_abstopk_and_gated_clamps_use_the_whole_sae(tmp_path, architecture, fiel
     """A clamp of an AbsTopK SAE (whose features depend on each other) or of a gated SAE
     (whose gate a column slice does not carry) names the whole SAE, as a TopK clamp does
     (``spec.sae_steering``), and adds ``decode(f') - decode(f)`` as sae-lens computes it."""
-    from vllm_lens.common import wire
     from vllm_lens.saes.model import WHOLE_CLAMP
-    from vllm_lens.spec.steer_records import ClampSpec, SteerSpec
-    from vllm_lens.worker.steer import prepare
 
     assert architecture in WHOLE_CLAMP
     path, reference = _sae_lens(tmp_path, architecture, **fields)
@@ -720,10 +705,20 @@ def test_abstopk_and_gated_clamps_use_the_whole_sae(tmp_path, architecture, fiel
         before = reference.encode(stream)
     active = int(before[0].abs().argmax())
     quiet = int((before[0] == 0).nonzero()[0, 0])
-    features, targets = (active, quiet), (0.25, 3.0)
-    spec = SteerSpec(layers=(2,), vectors=wire.dumps(sae.W_dec[list(features)]), scale=1.0,
-                     norm_match=False, positions=None, mode="clamp",
-                     clamp=ClampSpec(architecture, targets, wire.dumps({}), path=str(path),
+    _check_whole_clamp(sae, reference, stream, before, (active, quiet), (0.25, 3.0), str(path))
+
+
+def _check_whole_clamp(sae, reference, stream, before, features, targets, path):
+    """A clamp of ``features`` to ``targets`` with the whole ``sae`` held by the worker adds
+    ``decode(f') - decode(f)`` as sae-lens' ``reference`` computes it (``before`` = ``f``);
+    returns the spec and the prepared clamp."""
+    from vllm_lens.common import wire
+    from vllm_lens.spec.steer_records import ClampSpec, SteerSpec
+    from vllm_lens.worker.steer import prepare
+
+    spec = SteerSpec(layers=(0,), vectors=wire.dumps(sae.W_dec[list(features)].detach()),
+                     scale=1.0, norm_match=False, positions=None, mode="clamp",
+                     clamp=ClampSpec(sae.architecture, targets, wire.dumps({}), path=path,
                                      version=(1,), features=features,
                                      field="apply_steering_vectors[0].sae"))
     prepared = prepare(spec, torch.device("cpu"), torch.float32, sae)
@@ -732,6 +727,7 @@ def test_abstopk_and_gated_clamps_use_the_whole_sae(tmp_path, architecture, fiel
     with torch.no_grad():
         expected = reference.decode(edited) - reference.decode(before)
     torch.testing.assert_close(prepared.clamp.delta(stream), expected, rtol=1e-5, atol=1e-5)
+    return spec, prepared
 
 
 def test_a_topk_clamp_is_kept_by_every_steering_rank_and_a_refusal_names_the_field():

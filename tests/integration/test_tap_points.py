@@ -58,7 +58,7 @@ def test_two_layers_compiled_match_transformers(smol_llm, smol_ref):
                                "blocks.21.hook_attn_out": True, "post_attn": layers,
                                "mlp_out": layers, "post_block": layers,
                                "mlp.hook_post": layers, "attn.hook_z": layers,
-                               "blocks.2.ln2.hook_normalized": True,
+                               "blocks.2.hook_mlp_in": True,
                                "blocks.21.hook_mlp_in": True}})
     out = smol_llm.generate(["The capital of France is"], sp)[0]
     ids = _ids(out)

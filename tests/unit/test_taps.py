@@ -95,6 +95,40 @@ def test_the_mid_tap_of_a_split_layout_gets_the_stream_alone_and_writes_through(
     assert not torch.allclose(steered, plain)
 
 
+def test_mlp_in_is_the_norms_output_and_is_left_out_where_the_mlp_reads_otherwise(
+        calls, monkeypatch):
+    """With ``Layout.mlp_in`` the mid module's output is tapped after its input (a write
+    there reaches the MLP and nothing else); a layer with a time-conditioned norm, or a
+    quantized linear, gets no ``mlp_in``."""
+    import dataclasses
+
+    monkeypatch.setitem(layouts.LAYOUTS, "ToyForCausalLM", dataclasses.replace(SPLIT, mlp_in=True))
+    model = toy("ToyForCausalLM", [Block(nn.GELU())])
+    info = taps.install_taps(model)
+    assert info.sites == ("pre", "attn_block", "mid", "mlp_in", "act", "mlp_block", "post")
+    x = torch.randn(3, 4)
+
+    def bump(a, b, layer, site):
+        if site == "mlp_in":
+            a.add_(1.0)
+
+    taps.set_tap_handler(bump)
+    steered = model.model.layers[0](x)
+    taps.set_tap_handler(None)
+    block = model.model.layers[0]
+    h = x + block.attn(x)
+    torch.testing.assert_close(steered, h + block.mlp(block.ln_2(h) + 1.0))
+    conditioned = toy("ToyForCausalLM", [Block(nn.GELU())])
+    conditioned.model.layers[0].ada_rms_norm_t_cond = nn.Identity()
+    assert "mlp_in" not in taps.install_taps(conditioned).sites
+    quantized = toy("ToyForCausalLM", [Block(nn.GELU())])
+    quantized.model.layers[0].mlp.up.quant_method = type("Fp8LinearMethod", (), {})()
+    assert "mlp_in" not in taps.install_taps(quantized).sites
+    plain = toy("ToyForCausalLM", [Block(nn.GELU())])
+    plain.model.layers[0].mlp.up.quant_method = type("UnquantizedLinearMethod", (), {})()
+    assert "mlp_in" in taps.install_taps(plain).sites
+
+
 def test_unmapped_models_and_unmet_config_gates_are_left_alone(calls, monkeypatch):
     model = toy("OtherForCausalLM", [Block(nn.GELU())])
     info = taps.install_taps(model)

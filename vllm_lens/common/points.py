@@ -34,8 +34,10 @@ the outputs of the attention block (``attn_block``) and of the MLP (``mlp_block`
 ``mid`` site: attention and the MLP both read ``resid_pre``, so there is no ``resid_mid``.
 ``mlp_in`` is read at the output of the module the ``mid`` site taps the input of (the norm
 before the MLP), where a written layout says that output is what the MLP reads
-(``Layout.mlp_in``); sae-lens' transcoders read it (``blocks.L.hook_mlp_in``,
-``blocks.L.ln2.hook_normalized``).
+(``Layout.mlp_in``). ``hook_mlp_in`` names it as sae-lens' transcoders (Gemma Scope 2's)
+use the name: the norm's output, with its weight; TransformerLens' own ``hook_mlp_in`` is the
+block's input before ``ln2`` (that is ``resid_mid`` here), and ``ln2.hook_normalized`` (before
+the norm's weight) is not a point here.
 """
 
 from __future__ import annotations
@@ -111,7 +113,6 @@ _ALIASES = {
     "pre_attn": "resid_pre", "post_attn": "resid_mid", "post_block": "resid_post",
     "attn.hook_z": "attn_z", "hook_z": "attn_z", "z": "attn_z",
     "mlp.hook_post": "mlp_post", "hook_mlp_post": "mlp_post",
-    "ln2.hook_normalized": "mlp_in",
 }
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
 

@@ -97,7 +97,7 @@ def _check_kept(specs: tuple[SteerSpec, ...], name: str) -> None:
     for i, spec in enumerate(specs):
         if spec.clamp is not None and spec.clamp.path is not None:
             raise LensRequestError(
-                f"presets.{name}[{i}].clamp", "a TopK SAE's clamp encodes with the whole SAE, "
+                f"presets.{name}[{i}].clamp", "a TopK, AbsTopK or gated SAE's clamp encodes with the whole SAE, "
                 "which the workers load for each request that clamps it; a preset cannot keep "
                 "it (send the item in the request's apply_steering_vectors)")
 

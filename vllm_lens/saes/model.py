@@ -11,8 +11,8 @@ architecture computes what sae-lens' class of that name computes:
 - ``topk``: the ``k`` largest of ``h`` (optionally ``h * |W_dec[i]|``), ReLU'd, the rest 0
 - ``abstopk``: the ``k`` of ``h`` (optionally ``h * |W_dec[i]|``) largest in magnitude, signed
   (no ReLU: a feature may be negative), the rest 0
-- ``gated``: ``(x' @ W_enc + b_gate > 0) * relu(x' @ (W_enc * exp(r_mag)) + b_mag)``: one
-  encoder for the gate and, rescaled per feature, for the magnitude (``b_enc`` holds
+- ``gated``: ``(g + b_gate > 0) * relu(g * exp(r_mag) + b_mag)`` with ``g = x' @ W_enc``: one
+  product for the gate and, rescaled per feature, for the magnitude (``b_enc`` holds
   ``b_mag``)
 
 where ``x' = x - b_dec`` if ``apply_b_dec_to_input`` else ``x``; decoding is
@@ -32,13 +32,14 @@ import torch
 
 from vllm_lens.saes.linear import Linear
 
-__all__ = ["ARCHITECTURES", "SAE", "SIGNED", "WHOLE_CLAMP"]
+__all__ = ["ARCHITECTURES", "RESCALED", "SAE", "SIGNED", "WHOLE_CLAMP"]
 
 ARCHITECTURES = ("standard", "jumprelu", "topk", "abstopk", "gated")
 #: Architectures whose features may be negative (ranked by magnitude, active where not 0).
 SIGNED = ("abstopk",)
-#: Architectures that keep ``k`` features per row.
-_TOPK = ("topk", "abstopk")
+#: Architectures that keep ``k`` features per row; they honour
+#: ``rescale_acts_by_decoder_norm`` (as sae-lens' TopK classes do).
+_TOPK = RESCALED = ("topk", "abstopk")
 #: Architectures a clamp needs whole on every steering rank: a feature depends on the others
 #: (TopK, AbsTopK) or on weights an encoder column does not carry (gated's gate).
 WHOLE_CLAMP = ("topk", "abstopk", "gated")
@@ -217,18 +218,15 @@ class SAE:
         return cache[dtype]
 
     def _product(self, part: str, dtype: torch.dtype) -> Linear:
-        """The encoder's (``part="enc"``), decoder's (``"dec"``) or a gated SAE's gate's
-        (``"gate"``) ``x @ W + b`` in ``dtype``, made once (a gated SAE's encoder is its
-        magnitude path: ``W_enc * exp(r_mag)``, ``b_mag``)."""
+        """The encoder's (``part="enc"``) or decoder's (``"dec"``) ``x @ W + b`` in ``dtype``,
+        made once (a gated SAE's encoder has no bias here: its gate and magnitude add their
+        own to the one product, ``_gated``)."""
         cache = self.__dict__.setdefault("_linear", {})
         if (part, dtype) not in cache:
             w = self._weights(dtype)
-            if part == "gate":
-                cache[part, dtype] = Linear(w["W_enc"], w["b_gate"])
-            elif part == "enc" and self.architecture == "gated":
-                cache[part, dtype] = Linear(w["W_enc"] * w["r_mag"].exp(), w["b_enc"])
-            else:
-                cache[part, dtype] = Linear(w[f"W_{part}"], w[f"b_{part}"])
+            bias = (torch.zeros_like(w["b_enc"]) if part == "enc" and self.architecture == "gated"
+                    else w[f"b_{part}"])
+            cache[part, dtype] = Linear(w[f"W_{part}"], bias)
         return cache[part, dtype]
 
     def prepare(self, dtype: torch.dtype | None = None) -> None:
@@ -265,7 +263,7 @@ class SAE:
             ``(x - b_dec) @ W_enc + b_enc`` (without ``- b_dec`` unless
             ``apply_b_dec_to_input``; times each feature's decoder norm for a TopK or AbsTopK
             SAE with ``rescale_acts_by_decoder_norm``; a gated SAE's magnitude path
-            ``x' @ (W_enc * exp(r_mag)) + b_mag``), ``[n, d_sae]`` in `compute_dtype`.
+            ``g * exp(r_mag) + b_mag``), ``[n, d_sae]`` in `compute_dtype`.
 
         Raises:
             RuntimeError: ``x``'s last dimension is not ``d_in`` (torch's error).
@@ -276,14 +274,16 @@ class SAE:
         if self.apply_b_dec_to_input:
             x = x - w["b_dec"]
         h = self._product("enc", dtype)(x)
+        if self.architecture == "gated":
+            return self._gated(h, w)[1]
         if self.architecture in _TOPK and self.rescale_acts_by_decoder_norm:
             h = h * w["W_dec"].norm(dim=-1)
         return h
 
-    def _sae_input(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = self.compute_dtype(x)
-        x = x.to(dtype)
-        return x - self._weights(dtype)["b_dec"] if self.apply_b_dec_to_input else x
+    @staticmethod
+    def _gated(g: torch.Tensor, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A gated SAE's gate and magnitude pre-activations from ``g = x' @ W_enc``."""
+        return g + w["b_gate"], g * w["r_mag"].exp() + w["b_enc"]
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Feature activations ``[n, d_sae]`` of rows ``x`` ``[n, d_in]``.
@@ -300,6 +300,14 @@ class SAE:
         Raises:
             RuntimeError: ``x``'s last dimension is not ``d_in`` (torch's error).
         """
+        if self.architecture == "gated":
+            dtype = self.compute_dtype(x)
+            w = self._weights(dtype)
+            x = x.to(dtype)
+            if self.apply_b_dec_to_input:
+                x = x - w["b_dec"]
+            gate, magnitude = self._gated(self._product("enc", dtype)(x), w)
+            return magnitude.relu() * (gate > 0).to(dtype)
         h = self.pre_activations(x)
         if self.architecture == "standard":
             return h.relu()
@@ -312,9 +320,6 @@ class SAE:
             above = torch.gt(h.detach(), threshold.detach(), out=torch.empty_like(h.detach()))
             features = h.relu()
             return features * above if features.requires_grad else features.mul_(above)
-        if self.architecture == "gated":
-            gate = self._product("gate", h.dtype)(self._sae_input(x))
-            return h.relu() * (gate > 0).to(h.dtype)
         if self.architecture == "abstopk":
             indices = torch.topk(h.abs(), k=self.k, dim=-1, sorted=False).indices  # type: ignore[arg-type]
             return torch.zeros_like(h).scatter_(-1, indices, h.gather(-1, indices))

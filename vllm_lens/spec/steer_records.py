@@ -48,7 +48,7 @@ class ClampSpec:
     the workers hold for it (``path``, ``hook_point``), which encodes whole rows."""
 
     architecture: str
-    """``standard``, ``jumprelu`` or ``topk``."""
+    """The SAE's architecture (``saes.model.ARCHITECTURES``)."""
     targets: tuple[float, ...]
     encoder: bytes
     """``wire.dumps`` of ``{"W_enc" [d_in, k], "b_enc" [k], "b_dec" [d_in], "threshold" [k]

@@ -23,6 +23,7 @@ import torch
 from vllm_lens.common import faults, wire
 from vllm_lens.common.points import POINTS, site_of
 from vllm_lens.saes import SAE
+from vllm_lens.saes.model import RESCALED
 from vllm_lens.spec import SteerSpec
 from vllm_lens.worker.capture import sae_chunk_rows
 from vllm_lens.worker.plan import RequestSlice, device_index
@@ -130,7 +131,7 @@ def _held_clamp(sae: SAE | None, targets: torch.Tensor,
                              torch.empty(0, dtype=torch.long))
     index = torch.as_tensor(features, dtype=torch.long, device=sae.W_dec.device)
     rows = sae.W_dec.index_select(0, index)
-    if sae.rescale_acts_by_decoder_norm:
+    if sae.rescale_acts_by_decoder_norm and sae.architecture in RESCALED:
         rows = rows / rows.norm(dim=-1, keepdim=True)
     # (``id``: the SAE object is the worker's, held by each request keyed here while it runs.)
     key = ("held", id(sae), tuple(features), tuple(targets.tolist()))

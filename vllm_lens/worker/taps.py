@@ -75,7 +75,7 @@ def current_tap_handler() -> TapHandler | None:
 # Registered directly on a Library rather than with ``torch.library.custom_op``: the latter's
 # dispatch wrappers cost ~15 us per call, the direct registration ~2.5 us (measured on the CI
 # kind; ``benchmarks/tap_overhead.py``), and plain traffic pays this call at every tap op
-# of every layer per step (four on Llama-style layers). vLLM registers its own ops the same way (``direct_register_custom_op``). One
+# of every layer per step (five on Llama-style layers, with ``mlp_in``). vLLM registers its own ops the same way (``direct_register_custom_op``). One
 # ``CompositeExplicitAutograd`` kernel serves every device; the fake kernel lets Dynamo trace it.
 _LIBRARY = torch.library.Library("vllm_lens", "FRAGMENT")
 
@@ -314,6 +314,7 @@ def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inne
     paths = {"mid": layout.mid, "act": layout.act, "attn_block": layout.attn_block,
              "mlp_block": layout.mlp_block, "router": layout.router}
     n_experts = 0
+    mlp_in = layout.mlp_in and _mlp_reads_mid_output(layer)
     for site, path in paths.items() if inner else ():
         module = _submodule(layer, path) if path else None
         if module is None or (site == "act" and _quantized_input(down)):
@@ -338,10 +339,10 @@ def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inne
             _claim_forward(module)
             module.__class__ = _inner_tapped_class(cls, site, layout.fused_residual,
                                                    layout.batched,
-                                                   mlp_in=site == "mid" and layout.mlp_in)
+                                                   mlp_in=site == "mid" and mlp_in)
             module._vllm_lens_layer = index
         sites.add(site)
-        if site == "mid" and layout.mlp_in:
+        if site == "mid" and mlp_in:
             sites.add("mlp_in")
     attention = _submodule(layer, layout.attention)
     # The kernel must see the query as the model computed it: not quantized first (an fp8 KV
@@ -354,6 +355,23 @@ def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inne
         attention = None
     d_mlp = int(getattr(down, "input_size", 0) or 0)
     return sites, attention, d_mlp, n_experts
+
+
+def _mlp_reads_mid_output(layer: nn.Module) -> bool:
+    """Whether this layer's MLP reads what its ``mid`` module returns, as its written layout
+    says (``Layout.mlp_in``), unchanged: not with a time-conditioned norm scaling it first
+    (vLLM's Mistral with ``ada_rms_norm_t_cond``), nor on a quantized model, where vLLM may
+    fuse the norm with the quantization of the MLP's input (a tap between them would split
+    the fusion, and the MLP reads the quantized tensor)."""
+    if getattr(layer, "ada_rms_norm_t_cond", None) is not None:
+        return False
+    return not any(type(m.quant_method).__name__ not in _UNQUANTIZED for m in layer.modules()
+                   if getattr(m, "quant_method", None) is not None)
+
+
+#: vLLM's quant methods that leave weights and inputs as they are.
+_UNQUANTIZED = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod",
+                "UnquantizedFusedMoEMethod")
 
 
 def _quantized_input(linear: nn.Module | None) -> bool:

@@ -4,10 +4,10 @@
 
 The throughput benchmark compares whole engines, so on a shared machine its plain-traffic ratio
 carries run-to-run noise of several percent. This measures the one thing the plugin adds to a
-step without lens requests — four tap calls per Llama-style decoder layer
-(``vllm_lens::pre_tap`` at its input, ``mid_tap`` between attention and MLP, ``act_tap`` after
-the MLP's activation, ``vllm_lens::tap`` at its output; GPT-2-style layers add two, an MoE
-router one; all are registered the same way and cost the same; the
+step without lens requests — five tap calls per Llama-style decoder layer
+(``vllm_lens::pre_tap`` at its input, ``mid_tap`` between attention and MLP, ``mlp_in_tap`` at
+the MLP's input, ``act_tap`` after the MLP's activation, ``vllm_lens::tap`` at its output;
+GPT-2-style layers add two, an MoE router one; all are registered the same way and cost the same; the
 attention wrappers are not installed while no step reads Q/K) — and prints it next to the duration of a decode step (``--step-ms``: pass the one throughput.py
 implies on your machine, e.g. 64 tokens / (tokens/s) for the 64-request case, or
 1 / (tokens/s) for batch 1).
@@ -40,6 +40,8 @@ def main() -> None:
                         help="duration of the decode step to compare with (default: 64 "
                              "requests at 300 tokens/s)")
     parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--taps", type=int, default=5,
+                        help="tap calls per layer (default 5: a Llama-style layer)")
     args = parser.parse_args()
 
     hidden, residual = torch.randn(64, 576), torch.randn(64, 576)
@@ -49,7 +51,7 @@ def main() -> None:
     taps.set_tap_handler(lambda h, r, layer, site: None)
     attached = per_call_us(hidden, residual, args.calls)
     taps.set_tap_handler(None)
-    n_taps = len(taps.TAP_OPS)
+    n_taps = args.taps
     for name, us in (("no handler (before any lens request)", idle),
                      ("handler attached, nothing to do", attached)):
         per_step_ms = n_taps * us * args.layers / 1000

@@ -54,10 +54,10 @@ GATED = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args=
 
 #: Every tap point and Q/K at every layer: under TP the heads and MLP columns come from both
 #: ranks, under PP the layers from both stages.
-SIGNALS = ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post", "mlp_post", "attn_z",
-           "attn_q", "attn_k"]
+SIGNALS = ["resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out", "resid_post", "mlp_post",
+           "attn_z", "attn_q", "attn_k"]
 POINTS = SamplingParams(max_tokens=6, temperature=0, extra_args={
-    "output_activations": {p: True for p in SIGNALS[:7]}, "output_qk": True,
+    "output_activations": {p: True for p in SIGNALS[:8]}, "output_qk": True,
     "output_residual_stream": [1]})
 
 

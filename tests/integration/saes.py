@@ -56,20 +56,30 @@ def check_features_and_clamp(llm, ref, path, sae, prompt: str, kept: list[int]) 
     top = dense.topk(16)
     torch.testing.assert_close(found["values"], top.values * (top.values > 0), rtol=1e-4,
                                atol=1e-4)
-    features, targets = torch.tensor([11, 300]), torch.tensor([6.0, 0.0])
+    check_clamp(llm, ref, path, sae, ids, [11, 300], [6.0, 0.0])
+    assert [w.saes for w in read_all(StatsAnswer, llm.collective_rpc("lens_stats"))] == kept
+
+
+def check_clamp(llm, ref, path, sae, ids: list[int], features: list[int],
+                targets: list[float]) -> None:
+    """Clamping ``features`` of ``sae`` (saved at ``path``, read at layer 2's resid_post) to
+    ``targets`` gives transformers' tokens with the same edit in a hook, and not the unsteered
+    ones."""
+    from vllm import SamplingParams
+
+    index, goal = torch.tensor(features), torch.tensor(targets)
 
     def clamp(x):
         with torch.no_grad():
-            return x + (targets - sae.encode(x)[:, features]) @ sae.W_dec[features]
+            return x + (goal - sae.encode(x)[:, index]) @ sae.W_dec[index]
 
     clamped = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
         max_tokens=6, temperature=0, ignore_eos=True, extra_args={"apply_steering_vectors": [
-            {"sae": str(path), "feature": features.tolist(), "clamp": targets.tolist()}]}))[0]
+            {"sae": str(path), "feature": features, "clamp": targets}]}))[0]
     assert clamped.lens_error is None
     assert list(clamped.outputs[0].token_ids) == ref.point_greedy(
         ids, 6, {("resid_post", 2): clamp})
     assert list(clamped.outputs[0].token_ids) != ref.point_greedy(ids, 6, {})  # it mattered
-    assert [w.saes for w in read_all(StatsAnswer, llm.collective_rpc("lens_stats"))] == kept
 
 
 def assert_top_features(found, dense, k) -> None:

@@ -18,6 +18,7 @@ from vllm import SamplingParams
 from tests.integration.engines import IDLE, held
 from tests.integration.saes import (
     assert_top_features,
+    check_clamp,
     inside_and_outside,
     saved_sae,
     topk_clamp,
@@ -137,20 +138,7 @@ def test_gated_and_abstopk_features_and_clamps_equal_sae_lens(tiny_llm, tiny_ref
                                atol=1e-4)
     assert torch.equal(found["indices"][active], top[active].to(torch.int32))
     torch.testing.assert_close(found["nmse"], _nmse(x, recon), rtol=1e-4, atol=1e-6)
-    features, targets = torch.tensor([11, 300]), torch.tensor([4.0, 0.0])
-
-    def clamp(rows):
-        with torch.no_grad():
-            return rows + (targets - sae.encode(rows)[:, features]) @ sae.W_dec[features]
-
-    prompt_ids = list(out.prompt_token_ids)
-    clamped = tiny_llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(
-        max_tokens=6, temperature=0, ignore_eos=True, extra_args={"apply_steering_vectors": [
-            {"sae": str(path), "feature": features.tolist(), "clamp": targets.tolist()}]}))[0]
-    assert clamped.lens_error is None
-    assert list(clamped.outputs[0].token_ids) == tiny_ref.point_greedy(
-        prompt_ids, 6, {("resid_post", 2): clamp})
-    assert list(clamped.outputs[0].token_ids) != tiny_ref.point_greedy(prompt_ids, 6, {})
+    check_clamp(tiny_llm, tiny_ref, path, sae, list(out.prompt_token_ids), [11, 300], [4.0, 0.0])
 
 
 def test_bad_saes_are_refused_by_field_before_anything_runs(tiny_llm, saes, tmp_path):

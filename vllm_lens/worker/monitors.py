@@ -89,15 +89,16 @@ class MonitorState:
         grouped: dict[tuple[int, str, str, bool], list[int]] = {}
         by_site: dict[tuple[int, str], list[Any]] = {}
         by_hook: dict[tuple[int, str], list[tuple[int, int]]] = {}
-        hooked = [i for i, spec in enumerate(specs) if spec.hook]
-        hooks = (HookState.build((specs[i].hook_spec() for i in hooked), read_only=True)
-                 if hooked else None)
+        hook_run = {i: run for run, i in enumerate(
+            i for i, spec in enumerate(specs) if spec.hook)}
+        hooks = (HookState.build((specs[i].hook_spec() for i in hook_run), read_only=True)
+                 if hook_run else None)
         if hooks is not None and hooks.error is not None:
             raise RuntimeError(f"monitors: a hook could not be built: {hooks.error['message']}")
         for i, spec in enumerate(specs):
             site = hook_site(spec.point, split=split)
             if spec.hook:
-                by_hook.setdefault((spec.layer, site), []).append((i, hooked.index(i)))
+                by_hook.setdefault((spec.layer, site), []).append((i, hook_run[i]))
                 continue
             if spec.encoder:
                 by_site.setdefault((spec.layer, site), []).append(
@@ -111,7 +112,7 @@ class MonitorState:
             by_site.setdefault((layer, site), []).append(
                 (point, generated_only, indices, probes.to(device), biases.to(device), None))
         return cls(specs=specs, eos=eos, by_site=by_site, hooks=hooks, by_hook=by_hook,
-                   hook_run={i: j for j, i in enumerate(hooked)},
+                   hook_run=hook_run,
                    ranges=[[] for _ in specs], chunks=[[] for _ in specs], stops=stops)
 
     @property

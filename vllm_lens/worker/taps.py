@@ -274,8 +274,7 @@ def _inner_tapped_class(cls: type[nn.Module], site: str, fused: bool, batched: b
                 return out
 
         tapped = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                             "_vllm_lens_site": site,
-                                             "_vllm_lens_mlp_in": mlp_in})
+                                             "_vllm_lens_site": site})
         _INNER_CLASSES[key] = tapped
     return tapped
 

@@ -34,6 +34,37 @@ def saved_sae(path, architecture: str, hook: str, d_in: int = 128, **fields):
     return SAE.load_from_disk(path)
 
 
+def saved_transcoder(path, architecture: str, layer: int, d_in: int = 128, d_sae: int = 512,
+                     scale: float = 0.1, hook: str | None = None):
+    """A sae-lens transcoder (any of its four architectures) with random weights standing in
+    for ``layer``'s MLP (``blocks.L.hook_mlp_in`` -> ``blocks.L.hook_mlp_out``, or ``hook``
+    as its input), saved to ``path``; returns it as sae-lens loads it."""
+    from sae_lens.saes.sae import SAE
+    from sae_lens.saes.transcoder import (
+        JumpReLUSkipTranscoderConfig,
+        JumpReLUTranscoderConfig,
+        SkipTranscoderConfig,
+        TranscoderConfig,
+    )
+
+    config = {"transcoder": TranscoderConfig, "skip_transcoder": SkipTranscoderConfig,
+              "jumprelu_transcoder": JumpReLUTranscoderConfig,
+              "jumprelu_skip_transcoder": JumpReLUSkipTranscoderConfig}[architecture]
+    cfg = config(d_in=d_in, d_sae=d_sae, d_out=d_in, dtype="float32", device="cpu",
+                 apply_b_dec_to_input=False)
+    transcoder = SAE.get_sae_class_for_architecture(cfg.architecture())(cfg)
+    transcoder.cfg.metadata.hook_name = hook or f"blocks.{layer}.hook_mlp_in"
+    transcoder.cfg.metadata.hook_name_out = f"blocks.{layer}.hook_mlp_out"
+    g = torch.Generator().manual_seed(11 + len(architecture))
+    with torch.no_grad():
+        for param in transcoder.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * scale)
+        if architecture.startswith("jumprelu"):
+            transcoder.threshold.copy_(torch.rand(d_sae, generator=g) * scale / 2)
+    transcoder.save_model(path)
+    return SAE.load_from_disk(path)
+
+
 def check_features_and_clamp(llm, ref, path, sae, prompt: str, kept: list[int]) -> None:
     """On ``llm`` (any parallel layout): the features of ``sae`` (a jumprelu at
     ``blocks.2.hook_resid_post``, saved at ``path``) equal sae-lens' ``encode`` on

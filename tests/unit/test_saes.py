@@ -220,7 +220,7 @@ def test_files_that_are_not_an_sae_are_refused_by_name(tmp_path):
             ("architecture", "matryoshka_batchtopk", "save it for inference"),
             ("architecture", "matching_pursuit", "matching pursuit.*not served yet"),
             ("architecture", "temporal", "earlier rows of its sequence"),
-            ("architecture", "jumprelu_skip_transcoder", "is a transcoder"),
+            ("architecture", "jumprelu_skip_transcoder", "apply_b_dec_to_input=true"),
             ("architecture", "hybrid", "not one vllm-lens serves"),
             ("d_sae", 65, "d_sae=65 but the weights have 64")]:
         (path / "cfg.json").write_text(json.dumps({**cfg, field: value}))

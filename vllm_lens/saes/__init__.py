@@ -5,7 +5,7 @@ The worker that serves features loads them itself.
 
 >>> from vllm_lens.saes import LAYOUTS
 >>> sorted(LAYOUTS)
-['gemma-scope', 'sae-lens', 'sparsify']
+['gemma-scope', 'gemma-scope-2', 'sae-lens', 'sparsify']
 
 Serving features per request (``output_sae_features``), steering and clamping by feature, and
 the operator's registry of named SAEs build on this module (issue 29).
@@ -22,10 +22,10 @@ import torch
 
 from vllm_lens.common.points import resolve
 from vllm_lens.saes.formats import LAYOUTS, SAEFormatError, detect_layout, read_sae
-from vllm_lens.saes.model import ARCHITECTURES, SAE
+from vllm_lens.saes.model import ARCHITECTURES, SAE, TRANSCODERS
 
-__all__ = ["ARCHITECTURES", "LAYOUTS", "SAE", "SAEFormatError", "detect_layout", "load_sae",
-           "to_sparse"]
+__all__ = ["ARCHITECTURES", "LAYOUTS", "SAE", "SAEFormatError", "TRANSCODER_INPUTS",
+           "TRANSCODERS", "detect_layout", "load_sae", "to_sparse"]
 
 _SPARSIFY_LAYER = re.compile(r"layers[._](\d+)$")
 
@@ -42,11 +42,14 @@ def load_sae(path: str | Path, hook_point: str | None = None) -> SAE:
             output, ``blocks.N.hook_resid_post``.
 
     Returns:
-        The ``SAE`` on the CPU in its own dtype, with ``point`` and ``layer`` set.
+        The ``SAE`` on the CPU in its own dtype, with ``point`` and ``layer`` set (and a
+        transcoder's ``out_point``: ``mlp_out`` of its layer).
 
     Raises:
         SAEFormatError: the directory holds no layout read here, its files disagree or use a
-            flag that is not honoured, or its hook point is missing or not a tap point.
+            flag that is not honoured, its hook point is missing or not a tap point, or a
+            transcoder does not stand in for one layer's MLP (``TRANSCODER_INPUTS`` to that
+            layer's ``mlp_out``).
 
     Examples:
         >>> import json, torch
@@ -78,7 +81,32 @@ def load_sae(path: str | Path, hook_point: str | None = None) -> SAE:
         raise SAEFormatError(f"{path}: hook point {name!r} names no layer; use "
                              f"'blocks.<layer>.hook_{point}'")
     sae.hook_name, sae.point, sae.layer = name, point, layer
+    if sae.is_transcoder:
+        sae.out_point = _output_point(sae, path)
     return sae
+
+
+#: Points a transcoder may read: the layer's stream before the MLP, or what the MLP reads.
+TRANSCODER_INPUTS = ("resid_mid", "mlp_in")
+
+
+def _output_point(sae: SAE, path: Path) -> str:
+    """A transcoder's output point: ``mlp_out`` of the layer it reads (the MLP it stands in
+    for); any other pairing is refused naming both."""
+    if sae.hook_name_out is None:
+        raise SAEFormatError(f"{path}: a {sae.architecture} must say which point it predicts "
+                             "(hook_name_out, e.g. 'blocks.<layer>.hook_mlp_out')")
+    try:
+        point, layer = resolve(sae.hook_name_out)
+    except KeyError as exc:
+        raise SAEFormatError(f"{path}: hook_name_out {sae.hook_name_out!r}: "
+                             f"{exc.args[0]}") from None
+    if point != "mlp_out" or layer != sae.layer or sae.point not in TRANSCODER_INPUTS:
+        raise SAEFormatError(
+            f"{path}: a transcoder from {sae.hook_name!r} to {sae.hook_name_out!r} is not "
+            "served: vllm-lens serves transcoders that stand in for one layer's MLP, reading "
+            f"{' or '.join(TRANSCODER_INPUTS)} and predicting mlp_out of the same layer")
+    return point
 
 
 def to_sparse(entry: Mapping[str, Any], d_sae: int) -> torch.Tensor:

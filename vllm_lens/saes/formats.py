@@ -6,8 +6,12 @@ libraries that wrote them (runs in: any).
 - ``sae-lens``: ``cfg.json`` + ``sae_weights.safetensors`` (sae-lens' ``SAE.save_model``):
   architectures ``standard``, ``jumprelu``, ``topk``, ``abstopk`` and ``gated`` (a BatchTopK
   or Matryoshka BatchTopK SAE saved for inference is a ``jumprelu`` file; their training
-  checkpoints, matching-pursuit, temporal SAEs and transcoders are refused naming why:
-  ``REFUSED``); the hook point is the cfg's ``metadata.hook_name`` (or ``hook_name``).
+  checkpoints, matching-pursuit and temporal SAEs are refused naming why: ``REFUSED``), and
+  the four transcoders (``transcoder``, ``skip_transcoder``, ``jumprelu_transcoder``,
+  ``jumprelu_skip_transcoder``: ``W_dec`` ``[d_sae, d_out]``, ``W_skip`` ``[d_out, d_in]``);
+  the hook point is the cfg's ``metadata.hook_name`` (or ``hook_name``), a transcoder's
+  output ``hook_name_out`` (either may be given in the Hugging Face form, ``hf_hook_name`` /
+  ``hf_hook_name_out``: ``hf_hook_name``).
   Flags read and honoured: ``apply_b_dec_to_input``, ``rescale_acts_by_decoder_norm``,
   ``reshape_activations`` (``hook_z``: rows are flattened heads, as vllm-lens' ``attn_z``
   rows are once flattened); ``normalize_activations`` other than ``none`` is refused by name,
@@ -18,30 +22,59 @@ libraries that wrote them (runs in: any).
   connections are refused. Its hook point is not in its files: the caller names it.
 - ``gemma-scope``: ``params.npz`` (``W_enc``, ``W_dec``, ``b_enc``, ``b_dec``, ``threshold``),
   JumpReLU without ``b_dec`` subtracted from the input; the caller names the hook point.
+- ``gemma-scope-2``: ``config.json`` + ``params.safetensors`` (lower-case ``w_enc`` ...,
+  ``affine_skip_connection``), JumpReLU SAEs and transcoders; the points are the config's
+  ``hf_hook_point_in`` / ``hf_hook_point_out``. Cross-layer transcoders are refused.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from vllm_lens.saes.model import ARCHITECTURES, SAE
+from vllm_lens.saes.model import ARCHITECTURES, SAE, TRANSCODERS
 
-__all__ = ["LAYOUTS", "REFUSED", "SAEFormatError", "detect_layout", "read_sae"]
+__all__ = ["LAYOUTS", "REFUSED", "SAEFormatError", "detect_layout", "hf_hook_name", "read_sae"]
 
 LAYOUTS = {
     "sae-lens": ("cfg.json", "sae_weights.safetensors"),
     "sparsify": ("cfg.json", "sae.safetensors"),
     "gemma-scope": ("params.npz",),
+    "gemma-scope-2": ("config.json", "params.safetensors"),
 }
+#: Where Hugging Face module names read (Gemma Scope 2's ``hf_hook_point_in`` / ``_out``, a
+#: sae-lens cfg's ``hf_hook_name`` / ``_out``), as tap points: the layer's ``output`` is
+#: ``resid_post``; the MLP's input (Gemma's pre-MLP norm's output) ``mlp_in``; Gemma's post-MLP
+#: norm's output, what the layer adds, ``mlp_out``; ``o_proj``'s input ``attn_z``. Names whose
+#: point differs between families are not read (``post_attention_layernorm`` is the pre-MLP
+#: norm in Llama but follows attention in Gemma; ``mlp.output`` is ``mlp_out`` only without a
+#: post-MLP norm).
+_HF_POINTS = {"output": "resid_post", "pre_feedforward_layernorm.output": "mlp_in",
+              "mlp.input": "mlp_in", "post_feedforward_layernorm.output": "mlp_out",
+              "self_attn.o_proj.input": "attn_z"}
+_HF_NAME = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.(\d+)\.(.+)$")
 
-_TRANSCODER = ("is a transcoder (it reads the MLP's input and predicts its output); "
-               "transcoders are not served yet")
+
+def hf_hook_name(name: str) -> str | None:
+    """A Hugging Face module name a transcoder or SAE names (``hf_hook_point_in``) as a
+    TransformerLens-style hook name, or ``None`` if it is not a point here.
+
+    >>> hf_hook_name("model.layers.7.pre_feedforward_layernorm.output")
+    'blocks.7.hook_mlp_in'
+    >>> hf_hook_name("model.layers.7.post_feedforward_layernorm.output")
+    'blocks.7.hook_mlp_out'
+    """
+    m = _HF_NAME.match(name.strip()) if isinstance(name, str) else None
+    if m is None or m.group(2) not in _HF_POINTS:
+        return None
+    return f"blocks.{m.group(1)}.hook_{_HF_POINTS[m.group(2)]}"
+
 #: sae-lens architectures that are not served, and why (the error names them).
 REFUSED = {
     "batchtopk": "is a training checkpoint; save it for inference with sae-lens "
@@ -53,8 +86,6 @@ REFUSED = {
                         "steps per row, each choosing one feature): not served yet",
     "temporal": "encodes each row with attention over the earlier rows of its sequence (context "
                 "a per-step encoder does not have): not served",
-    **{name: _TRANSCODER for name in ("transcoder", "skip_transcoder", "jumprelu_transcoder",
-                                      "jumprelu_skip_transcoder")},
 }
 
 
@@ -216,6 +247,8 @@ def _read_sae_lens(path: Path) -> SAE:
     if (cfg.get("activation_fn_kwargs") or {}).get("signed"):
         raise SAEFormatError(f"{where}: signed activations are not supported")
     tensors = _safetensors(path / "sae_weights.safetensors")
+    if architecture in TRANSCODERS:
+        return _sae_lens_transcoder(cfg, metadata, tensors, architecture, path)
     gated = architecture == "gated"
     W_enc, b_enc, W_dec, b_dec = _need(tensors, ("W_enc", "b_mag" if gated else "b_enc",
                                                  "W_dec", "b_dec"),
@@ -241,6 +274,87 @@ def _read_sae_lens(path: Path) -> SAE:
             raise SAEFormatError(f"{where}: {field}={cfg[field]} but the weights have "
                                  f"{getattr(sae, field)}")
     return sae
+
+
+def _points_named(cfg: Mapping[str, Any], metadata: Mapping[str, Any], where: Path
+                  ) -> tuple[str | None, str | None]:
+    """A transcoder's input and output hook names: sae-lens' ``hook_name`` /
+    ``hook_name_out`` (in ``metadata`` or at the top), else the Hugging Face form
+    (``hf_hook_name`` / ``hf_hook_name_out``, Gemma Scope 2's ``hf_hook_point_in`` /
+    ``hf_hook_point_out``) read as tap points (``hf_hook_name``)."""
+    names = []
+    for tl, hf in (("hook_name", ("hf_hook_name", "hf_hook_point_in")),
+                   ("hook_name_out", ("hf_hook_name_out", "hf_hook_point_out"))):
+        name = metadata.get(tl) or cfg.get(tl)
+        if not name:
+            raw = next((src.get(k) for k in hf for src in (metadata, cfg) if src.get(k)), None)
+            if raw is not None and (name := hf_hook_name(raw)) is None:
+                raise SAEFormatError(
+                    f"{where}: {raw!r} is not a module output vllm-lens reads as a tap point "
+                    f"(model.layers.<L>. + {', '.join(_HF_POINTS)}); name the point as "
+                    f"{tl}='blocks.<L>.hook_<point>' instead")
+        names.append(name)
+    return names[0], names[1]
+
+
+def _sae_lens_transcoder(cfg: Mapping[str, Any], metadata: Mapping[str, Any],
+                         tensors: Mapping[str, torch.Tensor], architecture: str, path: Path
+                         ) -> SAE:
+    where, weights = path / "cfg.json", path / "sae_weights.safetensors"
+    if cfg.get("apply_b_dec_to_input"):
+        raise SAEFormatError(f"{where}: apply_b_dec_to_input=true: a transcoder's b_dec is its "
+                             "output's, and sae-lens refuses the flag for transcoders")
+    W_enc, b_enc, W_dec, b_dec = _need(tensors, ("W_enc", "b_enc", "W_dec", "b_dec"), weights)
+    threshold = W_skip = None
+    if architecture.startswith("jumprelu"):
+        (threshold,) = _need(tensors, ("threshold",), weights)
+    if "skip" in architecture:
+        (W_skip,) = _need(tensors, ("W_skip",), weights)
+    hook_in, hook_out = _points_named(cfg, metadata, where)
+    try:
+        sae = SAE(architecture=architecture, W_enc=W_enc, b_enc=b_enc, W_dec=W_dec, b_dec=b_dec,
+                  layout="sae-lens", threshold=threshold, W_skip=W_skip,
+                  apply_b_dec_to_input=False, hook_name=hook_in, hook_name_out=hook_out)
+    except ValueError as exc:
+        raise SAEFormatError(f"{weights}: {exc}") from None
+    for field in ("d_in", "d_sae", "d_out"):
+        if field in cfg and cfg[field] != getattr(sae, field):
+            raise SAEFormatError(f"{where}: {field}={cfg[field]} but the weights have "
+                                 f"{getattr(sae, field)}")
+    return sae
+
+
+def _read_gemma_scope_2(path: Path) -> SAE:
+    """Gemma Scope 2: ``config.json`` (``architecture`` ``jump_relu``, ``hf_hook_point_in``,
+    and for a transcoder ``hf_hook_point_out`` and ``affine_connection``) +
+    ``params.safetensors`` (``w_enc``, ``w_dec``, ``b_enc``, ``b_dec``, ``threshold``, a skip
+    transcoder's ``affine_skip_connection`` ``[d_in, d_out]``); nothing subtracted from the
+    input."""
+    where, weights = path / "config.json", path / "params.safetensors"
+    cfg = _json(where)
+    if cfg.get("architecture", "jump_relu") != "jump_relu":
+        raise SAEFormatError(f"{where}: architecture {cfg.get('architecture')!r} is not "
+                             "Gemma Scope 2's 'jump_relu'")
+    tensors = _safetensors(weights)
+    W_enc, W_dec, b_enc, b_dec, threshold = _need(
+        tensors, ("w_enc", "w_dec", "b_enc", "b_dec", "threshold"), weights)
+    if W_dec.dim() != 2:
+        raise SAEFormatError(f"{weights}: w_dec has shape {tuple(W_dec.shape)}; a "
+                             "cross-layer transcoder's decoders are not served")
+    hook_in, hook_out = _points_named(cfg, {}, where)
+    skip = tensors.get("affine_skip_connection")
+    transcoder = hook_out is not None
+    if skip is not None and not transcoder:
+        raise SAEFormatError(f"{where}: affine_skip_connection without hf_hook_point_out")
+    architecture = ("jumprelu_skip_transcoder" if skip is not None
+                    else "jumprelu_transcoder" if transcoder else "jumprelu")
+    try:
+        return SAE(architecture=architecture, W_enc=W_enc, b_enc=b_enc, W_dec=W_dec,
+                   b_dec=b_dec, layout="gemma-scope-2", threshold=threshold,
+                   W_skip=None if skip is None else skip.T.contiguous(),
+                   apply_b_dec_to_input=False, hook_name=hook_in, hook_name_out=hook_out)
+    except ValueError as exc:
+        raise SAEFormatError(f"{weights}: {exc}") from None
 
 
 def _read_sparsify(path: Path) -> SAE:
@@ -280,4 +394,4 @@ def _read_gemma_scope(path: Path) -> SAE:
 
 
 _READERS = {"sae-lens": _read_sae_lens, "sparsify": _read_sparsify,
-            "gemma-scope": _read_gemma_scope}
+            "gemma-scope": _read_gemma_scope, "gemma-scope-2": _read_gemma_scope_2}

@@ -15,6 +15,12 @@ architecture computes what sae-lens' class of that name computes:
   product for the gate and, rescaled per feature, for the magnitude (``b_enc`` holds
   ``b_mag``)
 
+A *transcoder* (``transcoder``, ``skip_transcoder``, ``jumprelu_transcoder``,
+``jumprelu_skip_transcoder``) reads one point and predicts another (the MLP's input and
+output): it encodes as ``standard`` / ``jumprelu`` without subtracting ``b_dec`` (which is
+``d_out`` wide), decodes into ``d_out``, and its prediction (`forward`) adds
+``x @ W_skip.T`` for the skip variants, as sae-lens' ``Transcoder`` classes.
+
 where ``x' = x - b_dec`` if ``apply_b_dec_to_input`` else ``x``; decoding is
 ``f @ W_dec + b_dec`` (for a TopK SAE that rescaled by the decoder norms, ``f / |W_dec[i]|``
 first; ``abstopk`` likewise). Rows are computed in the wider of the SAE's and the rows' dtypes: a float32 SAE reads
@@ -32,9 +38,14 @@ import torch
 
 from vllm_lens.saes.linear import Linear
 
-__all__ = ["ARCHITECTURES", "RESCALED", "SAE", "SIGNED", "WHOLE_CLAMP"]
+__all__ = ["ARCHITECTURES", "RESCALED", "SAE", "SIGNED", "TRANSCODERS", "WHOLE_CLAMP"]
 
-ARCHITECTURES = ("standard", "jumprelu", "topk", "abstopk", "gated")
+#: Transcoders (sae-lens' names), each computing as the SAE architecture it maps to.
+TRANSCODERS = {"transcoder": "standard", "skip_transcoder": "standard",
+               "jumprelu_transcoder": "jumprelu", "jumprelu_skip_transcoder": "jumprelu"}
+#: Transcoders with a skip connection ``W_skip`` ``[d_out, d_in]``.
+_SKIP = ("skip_transcoder", "jumprelu_skip_transcoder")
+ARCHITECTURES = ("standard", "jumprelu", "topk", "abstopk", "gated", *TRANSCODERS)
 #: Architectures whose features may be negative (ranked by magnitude, active where not 0).
 SIGNED = ("abstopk",)
 #: Architectures that keep ``k`` features per row; they honour
@@ -44,7 +55,7 @@ _TOPK = RESCALED = ("topk", "abstopk")
 #: (TopK, AbsTopK) or on weights an encoder column does not carry (gated's gate).
 WHOLE_CLAMP = ("topk", "abstopk", "gated")
 #: The tensors only some architectures have.
-_OPTIONAL = ("threshold", "b_gate", "r_mag")
+_OPTIONAL = ("threshold", "b_gate", "r_mag", "W_skip")
 
 
 @dataclass(eq=False)
@@ -56,13 +67,13 @@ class SAE:
     are its attributes as well.
 
     Args:
-        architecture: ``"standard"``, ``"jumprelu"``, ``"topk"``, ``"abstopk"`` or
-            ``"gated"`` (``ARCHITECTURES``).
+        architecture: ``"standard"``, ``"jumprelu"``, ``"topk"``, ``"abstopk"``,
+            ``"gated"`` or a transcoder's (``TRANSCODERS``): one of ``ARCHITECTURES``.
         W_enc: the encoder, ``[d_in, d_sae]``; its dtype is the SAE's.
         b_enc: the encoder bias, ``[d_sae]`` (gated: the magnitude path's, ``b_mag``).
-        W_dec: the decoder, ``[d_sae, d_in]``: row ``i`` is feature ``i``'s direction as
-            stored.
-        b_dec: the decoder bias, ``[d_in]``.
+        W_dec: the decoder, ``[d_sae, d_in]`` (a transcoder's ``[d_sae, d_out]``): row ``i``
+            is feature ``i``'s direction as stored.
+        b_dec: the decoder bias, ``[d_in]`` (a transcoder's ``[d_out]``).
         layout: the on-disk layout it was read from (``formats.LAYOUTS``); any label for
             one made by hand.
         threshold: JumpReLU only (required there): ``[d_sae]``; default ``None``.
@@ -72,7 +83,7 @@ class SAE:
         r_mag: gated only (required there): the magnitude path's log-scale per feature,
             ``[d_sae]``; default ``None``.
         apply_b_dec_to_input: subtract ``b_dec`` from rows before encoding (default
-            ``True``, as sae-lens).
+            ``True``, as sae-lens; a transcoder's must be ``False``).
         rescale_acts_by_decoder_norm: TopK and AbsTopK (sae-lens): pre-activations are scaled by
             each feature's decoder norm, and features divided by it again before decoding
             (default ``False``).
@@ -81,12 +92,18 @@ class SAE:
         point: the vllm-lens tap point it reads (``points.POINTS``), set by
             `load_sae`; default ``None``.
         layer: the layer it reads, set by `load_sae`; default ``None``.
+        W_skip: skip transcoders only (required there): ``[d_out, d_in]``; default ``None``.
+        hook_name_out: a transcoder's output point as its files name it
+            (``"blocks.12.hook_mlp_out"``); default ``None``.
+        out_point: the tap point a transcoder predicts (``"mlp_out"``), set by `load_sae`;
+            default ``None``.
 
     Raises:
         ValueError: an architecture not in ``ARCHITECTURES``, a tensor whose shape does not
             fit ``W_enc``'s ``[d_in, d_sae]``, a JumpReLU SAE without ``threshold``, a
-            gated one without ``b_gate`` and ``r_mag``, or a TopK / AbsTopK SAE without a
-            ``k`` from 1 to ``d_sae``.
+            gated one without ``b_gate`` and ``r_mag``, a TopK / AbsTopK SAE without a
+            ``k`` from 1 to ``d_sae``, a skip transcoder without ``W_skip``, or a transcoder
+            with ``apply_b_dec_to_input``.
 
     Examples:
         >>> import torch
@@ -127,15 +144,29 @@ class SAE:
     """Gated only: the gate's bias ``[d_sae]``."""
     r_mag: torch.Tensor | None = None
     """Gated only: ``[d_sae]``; the magnitude path's encoder is ``W_enc * exp(r_mag)``."""
+    W_skip: torch.Tensor | None = None
+    """Skip transcoders only: ``[d_out, d_in]``."""
+    hook_name_out: str | None = None
+    """A transcoder's output point as its files name it (``blocks.12.hook_mlp_out``)."""
+    out_point: str | None = None
+    """The tap point a transcoder predicts, once resolved (``load_sae``)."""
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r} is not one of "
                              f"{', '.join(ARCHITECTURES)}")
         d_in, d_sae = self.W_enc.shape
+        d_out = int(self.W_dec.shape[-1]) if self.is_transcoder else d_in
         shapes = {"W_enc": (self.W_enc, (d_in, d_sae)), "b_enc": (self.b_enc, (d_sae,)),
-                  "W_dec": (self.W_dec, (d_sae, d_in)), "b_dec": (self.b_dec, (d_in,))}
-        if self.architecture == "jumprelu":
+                  "W_dec": (self.W_dec, (d_sae, d_out)), "b_dec": (self.b_dec, (d_out,))}
+        if self.is_transcoder and self.apply_b_dec_to_input:
+            raise ValueError(f"a {self.architecture} does not subtract b_dec (d_out wide) from "
+                             "its input: apply_b_dec_to_input must be false")
+        if self.architecture in _SKIP:
+            if self.W_skip is None:
+                raise ValueError(f"a {self.architecture} needs W_skip")
+            shapes["W_skip"] = (self.W_skip, (d_out, d_in))
+        if self._kind == "jumprelu":
             if self.threshold is None:
                 raise ValueError("a jumprelu SAE needs a threshold")
             shapes["threshold"] = (self.threshold, (d_sae,))
@@ -153,6 +184,21 @@ class SAE:
             raise ValueError(f"a{'n' if self.architecture[0] == 'a' else ''} "
                              f"{self.architecture} SAE needs k between 1 and d_sae={d_sae}, "
                              f"got {self.k!r}")
+
+    @property
+    def is_transcoder(self) -> bool:
+        """It predicts another point than it reads (``TRANSCODERS``)."""
+        return self.architecture in TRANSCODERS
+
+    @property
+    def _kind(self) -> str:
+        """The SAE architecture it encodes as (a transcoder's base; else its own)."""
+        return TRANSCODERS.get(self.architecture, self.architecture)
+
+    @property
+    def d_out(self) -> int:
+        """Width of the rows it decodes into: a transcoder's output point's; else ``d_in``."""
+        return int(self.W_dec.shape[1])
 
     @property
     def d_in(self) -> int:
@@ -218,12 +264,17 @@ class SAE:
         return cache[dtype]
 
     def _product(self, part: str, dtype: torch.dtype) -> Linear:
-        """The encoder's (``part="enc"``) or decoder's (``"dec"``) ``x @ W + b`` in ``dtype``,
-        made once (a gated SAE's encoder has no bias here: its gate and magnitude add their
-        own to the one product, ``_gated``)."""
+        """The encoder's (``part="enc"``), decoder's (``"dec"``) or a skip transcoder's skip
+        connection's (``"skip"``: ``x @ W_skip.T``) ``x @ W + b`` in ``dtype``, made once (a
+        gated SAE's encoder has no bias here: its gate and magnitude add their own to the one
+        product, ``_gated``)."""
         cache = self.__dict__.setdefault("_linear", {})
         if (part, dtype) not in cache:
             w = self._weights(dtype)
+            if part == "skip":
+                weight = w["W_skip"].t()
+                cache[part, dtype] = Linear(weight, weight.new_zeros(weight.shape[1]))
+                return cache[part, dtype]
             bias = (torch.zeros_like(w["b_enc"]) if part == "enc" and self.architecture == "gated"
                     else w[f"b_{part}"])
             cache[part, dtype] = Linear(w[f"W_{part}"], bias)
@@ -309,9 +360,9 @@ class SAE:
             gate, magnitude = self._gated(self._product("enc", dtype)(x), w)
             return magnitude.relu() * (gate > 0).to(dtype)
         h = self.pre_activations(x)
-        if self.architecture == "standard":
+        if self._kind == "standard":
             return h.relu()
-        if self.architecture == "jumprelu":
+        if self._kind == "jumprelu":
             threshold = self.threshold.to(h.dtype)  # type: ignore[union-attr]
             # ``h > threshold`` written as 1.0 / 0.0 straight into h's dtype: the product of
             # the bool mask cast to it, without the cast (on CPU the cast alone outlasted the
@@ -346,15 +397,37 @@ class SAE:
             f = f / self._weights(dtype)["W_dec"].norm(dim=-1)
         return self._product("dec", dtype)(f)
 
-    def top_features(self, x: torch.Tensor, top_k: int, *, reconstruction: bool = False
-                     ) -> dict[str, torch.Tensor]:
+    def skip(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A skip transcoder's ``x @ W_skip.T`` ``[n, d_out]`` in `compute_dtype`; ``None``
+        for every other architecture."""
+        if self.architecture not in _SKIP:
+            return None
+        dtype = self.compute_dtype(x)
+        return self._product("skip", dtype)(x.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """What it predicts from rows ``x`` ``[n, d_in]``: ``decode(encode(x))``, plus a skip
+        transcoder's ``x @ W_skip.T`` (sae-lens' ``forward``), ``[n, d_out]`` in
+        `compute_dtype`."""
+        return self.predict(x, self.encode(x))
+
+    def predict(self, x: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """`forward` from features already encoded (perhaps edited): ``decode(features)``
+        plus a skip transcoder's ``x @ W_skip.T``."""
+        out = self.decode(features)
+        skip = self.skip(x)
+        return out if skip is None else out + skip
+
+    def top_features(self, x: torch.Tensor, top_k: int, *, reconstruction: bool = False,
+                     target: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Per row of ``x`` ``[n, d_in]``, its ``top_k`` largest feature activations (an
         AbsTopK SAE's: largest in magnitude, with their signs).
 
         Returns ``{"indices": int32 [n, top_k], "values": float32 [n, top_k]}``, descending
         (in magnitude for AbsTopK), padded with index -1 and value 0 where fewer than
         ``top_k`` features are active (non-zero); with ``reconstruction`` also ``"nmse"``
-        float32 ``[n]`` (``|x - x_hat|^2 / |x|^2``) and ``"l0"`` int32 ``[n]`` (active
+        float32 ``[n]`` (``|x - x_hat|^2 / |x|^2``; a transcoder's ``|y - y_hat|^2 / |y|^2``
+        of its prediction against ``target`` ``y``) and ``"l0"`` int32 ``[n]`` (active
         features, before ``top_k``).
 
         This is what a request's ``output_sae_features`` returns per position.
@@ -363,17 +436,23 @@ class SAE:
             x: rows ``[n, d_in]`` on the SAE's device, any floating dtype.
             top_k: features kept per row, 1 to ``d_sae``.
             reconstruction: also compute ``"nmse"`` and ``"l0"`` (default ``False``).
+            target: a transcoder's reconstruction target ``[n, d_out]``, the rows of the
+                point it predicts (required for a transcoder's ``reconstruction``).
 
         Returns:
             ``{"indices", "values"}`` (and ``"nmse"``, ``"l0"``), as above, on ``x``'s
             device.
 
         Raises:
-            ValueError: ``top_k`` is not between 1 and ``d_sae``.
+            ValueError: ``top_k`` is not between 1 and ``d_sae``, or a transcoder's
+                reconstruction without a ``target``.
             RuntimeError: ``x``'s last dimension is not ``d_in`` (torch's error).
         """
         if not 1 <= top_k <= self.d_sae:
             raise ValueError(f"top_k must be between 1 and d_sae={self.d_sae}, got {top_k}")
+        if reconstruction and self.is_transcoder and target is None:
+            raise ValueError(f"a {self.architecture}'s reconstruction is of the point it "
+                             "predicts: pass its rows as target")
         features = self.encode(x)
         if self.architecture in SIGNED:
             indices = torch.topk(features.abs(), k=top_k, dim=-1, sorted=True).indices
@@ -385,8 +464,12 @@ class SAE:
         out = {"indices": torch.where(active, indices, -1).to(torch.int32),
                "values": torch.where(active, values, 0).to(torch.float32)}
         if reconstruction:
-            rows = x.to(features.dtype)
-            error = (rows - self.decode(features)).pow(2).sum(-1)
+            if self.is_transcoder:
+                rows, predicted = target.to(features.dtype), self.predict(x, features)  # type: ignore[union-attr]
+            else:
+                rows = x.to(features.dtype)
+                predicted = self.decode(features)
+            error = (rows - predicted).pow(2).sum(-1)
             out["nmse"] = (error / rows.pow(2).sum(-1)).to(torch.float32)
             out["l0"] = (features != 0).sum(-1).to(torch.int32)
         return out

@@ -41,6 +41,7 @@ from vllm_lens.spec import (
     MONITORS_KEY,
     PRESET_PREFIX,
     QK_KEY,
+    REPLACE_KEY,
     SAE_KEY,
     SINK_KEY,
     STEER_KEY,
@@ -235,7 +236,7 @@ class _Protocol:
                                 f"got the string {capture_layers!r} (pass [12], not '12')")
             lens[CAPTURE_KEY] = capture_layers
         for key in (ACTIVATIONS_KEY, QK_KEY, SINK_KEY, STREAM_KEY, SAE_KEY, MONITORS_KEY,
-                    ATTENTION_STEER_KEY):
+                    ATTENTION_STEER_KEY, REPLACE_KEY):
             if openai_kwargs.get(key) is not None:
                 lens[key] = openai_kwargs.pop(key)
         if openai_kwargs.get("sae_features") is not None:
@@ -418,8 +419,10 @@ class LensClient:
                 ``capture_sink=`` (``{"sink", "dataset", "key"}``), ``stream_activations=``
                 (``True``), ``output_sae_features=`` or its short name ``sae_features=``
                 (``{"sae": name the server registered, "top_k", "reconstruction"}`` or a
-                list of them), ``monitors=``, ``steer_attention=`` (a list of edits). Anything
-                else goes into the request body as it is (``n``,
+                list of them), ``monitors=``, ``steer_attention=`` (a list of edits),
+                ``replace_mlp=`` (``[{"transcoder": name the server registered,
+                "keep_error", "clamp"}]``). Anything else goes into the request body as it
+                is (``n``,
                 ``seed``, ``stop``, ``ignore_eos`` ...; ``vllm_xargs`` is merged with the
                 lens keys).
 

@@ -69,10 +69,22 @@ def smol_sae(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smol_server(smollm2_path, tmp_path_factory, smol_sae):
+def smol_transcoder(tmp_path_factory):
+    """(directory, sae-lens ``JumpReLUSkipTranscoder``): a random 512-feature transcoder
+    standing in for SmolLM2's layer-5 MLP, saved by sae-lens; the test server serves it as
+    ``smol-t5``."""
+    from tests.integration.saes import saved_transcoder
+
+    path = tmp_path_factory.mktemp("transcoders") / "smol-t5"
+    return path, saved_transcoder(path, "jumprelu_skip_transcoder", 5, d_in=576, scale=0.05)
+
+
+@pytest.fixture(scope="session")
+def smol_server(smollm2_path, tmp_path_factory, smol_sae, smol_transcoder):
     """SmolLM2 behind vLLM's OpenAI server (compiled mode, like ``smol_llm``), with the
-    steering presets ``calm`` and ``focus`` (``SERVER_FEATURE_PRESET``) and the SAE
-    ``smol-l10`` (``smol_sae``) registered from files at start-up."""
+    steering presets ``calm`` and ``focus`` (``SERVER_FEATURE_PRESET``), the SAE
+    ``smol-l10`` (``smol_sae``) and the transcoder ``smol-t5`` (``smol_transcoder``)
+    registered from files at start-up."""
     from tests.integration.server import running_server
 
     presets = tmp_path_factory.mktemp("presets") / "presets.json"
@@ -80,7 +92,8 @@ def smol_server(smollm2_path, tmp_path_factory, smol_sae):
         "model": "SmolLM2-135M-Instruct", "vectors": [server_preset().model_dump(mode="json")]},
         "focus": SERVER_FEATURE_PRESET}))
     saes = presets.with_name("saes.json")
-    saes.write_text(json.dumps({"smol-l10": str(smol_sae[0])}))
+    saes.write_text(json.dumps({"smol-l10": str(smol_sae[0]),
+                                "smol-t5": str(smol_transcoder[0])}))
     env = {**SERVER_ENV, "VLLM_LENS_STEERING_PRESETS": str(presets),
            "VLLM_LENS_SAES": str(saes)}
     with running_server(smollm2_path, env=env) as server:

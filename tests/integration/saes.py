@@ -65,6 +65,64 @@ def saved_transcoder(path, architecture: str, layer: int, d_in: int = 128, d_sae
     return SAE.load_from_disk(path)
 
 
+def replacement_edits(layer: int, transcoder, keep_error: bool,
+                      clamp: dict[int, float] | None = None) -> dict:
+    """transformers' edits (``HFReference.point_hooks``) replacing ``layer``'s MLP output
+    by sae-lens' ``transcoder`` as ``replace_mlp`` does: its prediction from the MLP's
+    input with the ``clamp``'s features set, or with ``keep_error`` the output plus the
+    difference the clamp makes to the decoded features."""
+    kept = {}
+
+    def read(x):
+        kept["x"] = x
+        return x
+
+    def write(y):
+        x = kept.pop("x")
+        with torch.no_grad():
+            f = transcoder.encode(x)
+            edited = f.clone()
+            for feature, value in (clamp or {}).items():
+                edited[:, feature] = value
+            if keep_error:
+                return y + transcoder.decode(edited) - transcoder.decode(f)
+            predicted = transcoder.decode(edited)
+            if hasattr(transcoder, "W_skip"):
+                predicted = predicted + x @ transcoder.W_skip.T
+            return predicted
+    return {("mlp_in", layer): read, ("mlp_out", layer): write}
+
+
+def check_transcoder(llm, ref, path, transcoder, layer: int, prompt: str,
+                     loaded: list[int]) -> None:
+    """On ``llm`` (any parallel layout): ``replace_mlp`` by sae-lens' ``transcoder`` (saved
+    at ``path``, standing in for ``layer``'s MLP) gives transformers' tokens with the same
+    edit, and its features with reconstruction read in the same request equal sae-lens' on
+    transformers' rows (the prediction it wrote reconstructs itself). ``loaded``: how many
+    more SAEs each worker then keeps (every rank running the layer keeps the transcoder)."""
+    from vllm import SamplingParams
+
+    before = [w.saes for w in read_all(StatsAnswer, llm.collective_rpc("lens_stats"))]
+    ids = llm.get_tokenizer().encode(prompt)
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, extra_args={
+            "replace_mlp": [{"transcoder": str(path), "keep_error": False}],
+            "output_sae_features": {"sae": str(path), "top_k": 8, "reconstruction": True}}))[0]
+    assert out.lens_error is None
+    edits = replacement_edits(layer, transcoder, keep_error=False)
+    tokens = list(out.outputs[0].token_ids)
+    assert tokens == ref.point_greedy(ids, 6, edits)
+    rows = ref.points((ids + tokens)[:-1], edits)[("mlp_in", layer)]
+    (found,) = out.sae_features
+    with torch.no_grad():
+        top = transcoder.encode(rows).topk(8)
+    torch.testing.assert_close(found["values"], top.values * (top.values > 0), rtol=1e-4,
+                               atol=1e-4)
+    assert float(found["nmse"].abs().max()) < 1e-6
+    after = [w.saes for w in read_all(StatsAnswer, llm.collective_rpc("lens_stats"))]
+    assert [a - b for a, b in zip(after, before)] == loaded
+
+
 def check_features_and_clamp(llm, ref, path, sae, prompt: str, kept: list[int]) -> None:
     """On ``llm`` (any parallel layout): the features of ``sae`` (a jumprelu at
     ``blocks.2.hook_resid_post``, saved at ``path``) equal sae-lens' ``encode`` on

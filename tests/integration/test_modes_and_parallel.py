@@ -17,7 +17,9 @@ from tests.integration.saes import (
     architecture_saes,
     check_architectures,
     check_features_and_clamp,
+    check_transcoder,
     saved_sae,
+    saved_transcoder,
 )
 from vllm_lens import Hook, NamedHook, SteeringVector, datasets
 from vllm_lens.common.messages import DescribeAnswer, read_all
@@ -147,6 +149,14 @@ def resid_sae(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def transcoder(tmp_path_factory):
+    """A random JumpReLU skip transcoder standing in for layer 1's MLP (the PP test's first
+    stage)."""
+    path = tmp_path_factory.mktemp("transcoder") / "t1"
+    return path, saved_transcoder(path, "jumprelu_skip_transcoder", 1)
+
+
+@pytest.fixture(scope="module")
 def arch_saes(tmp_path_factory):
     """A standard and a TopK SAE (``saes.architecture_saes``)."""
     return architecture_saes(tmp_path_factory.mktemp("arch-saes"))
@@ -222,7 +232,7 @@ def _assert_stages_write_one_dataset(llm, root, sae_path):
 
 @pytest.mark.slow
 def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch, tiny_ref, resid_sae,
-                                       arch_saes):
+                                       arch_saes, transcoder):
     with env(**TWO_WORKERS), running_llm(tiny_path, tensor_parallel_size=2,
                                          enforce_eager=True) as llm:
         outs = _run(llm)
@@ -234,6 +244,8 @@ def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch, tiny_r
         check_features_and_clamp(llm, tiny_ref, *resid_sae, PROMPTS[0], kept=[1, 0])
         # Rank 1 keeps the TopK SAE a request clamps (it steers too), and no other.
         check_architectures(llm, tiny_ref, arch_saes, PROMPTS[1], kept=[3, 1])
+        # Both ranks replace layer 1's MLP, so both keep the transcoder.
+        check_transcoder(llm, tiny_ref, *transcoder, 1, PROMPTS[0], loaded=[1, 1])
     assert [d.tp_rank for d in read_all(DescribeAnswer, describe)] == [0, 1]
     _assert_hook_results(hooked, vocab)  # the parameter is gathered from both ranks
     for out, ref in zip(gated, reference[3]):
@@ -248,7 +260,7 @@ def test_tensor_parallel_2_matches_tp1(tiny_path, reference, monkeypatch, tiny_r
 
 @pytest.mark.slow
 def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch, tmp_path, tiny_ref,
-                                        resid_sae, arch_saes):
+                                        resid_sae, arch_saes, transcoder):
     # vLLM 0.32's CPU runner supports PP only in compiled mode.
     sinks = json.dumps({"acts": {"root": str(tmp_path), "flush_s": 0}})
     with env(**TWO_WORKERS, VLLM_LENS_SINKS=sinks), running_llm(
@@ -270,6 +282,8 @@ def test_pipeline_parallel_2_matches_pp1(tiny_path, reference, monkeypatch, tmp_
         check_features_and_clamp(llm, tiny_ref, *resid_sae, PROMPTS[0], kept=[0, 1])
         # The TopK SAE at layer 2: only the second stage keeps it, also to clamp it.
         check_architectures(llm, tiny_ref, arch_saes, PROMPTS[1], kept=[1, 2])
+        # Layer 1's MLP is on the first stage: only it keeps the transcoder.
+        check_transcoder(llm, tiny_ref, *transcoder, 1, PROMPTS[0], loaded=[1, 0])
         # Attention steered on both stages (each recomputes its own layers' heads).
         pasta = [{"layers": [1, 3], "heads": [1], "emphasize": [2, 9], "alpha": 0.02}]
         attention = llm.generate([PROMPTS[0]], SamplingParams(

@@ -302,9 +302,10 @@ def test_over_http_only_registered_names_are_served(smol_server, smol_ref, smol_
 
     path, sae = smol_sae
     listing = httpx.get(smol_server.base_url + "/v1/lens/saes", timeout=60).json()["data"]
-    assert listing == [{"name": "smol-l10", "layout": "sae-lens", "architecture": "jumprelu",
-                        "hook_name": "blocks.10.hook_resid_post", "point": "resid_post",
-                        "layer": 10, "d_in": 576, "d_sae": 512, "dtype": "float32"}]
+    assert listing[0] == {"name": "smol-l10", "layout": "sae-lens", "architecture": "jumprelu",
+                          "hook_name": "blocks.10.hook_resid_post", "point": "resid_post",
+                          "layer": 10, "d_in": 576, "d_sae": 512, "dtype": "float32"}
+    assert [entry["name"] for entry in listing] == ["smol-l10", "smol-t5"]  # (test_transcoders)
     assert str(path) not in json.dumps(listing)
     ask = {"sae": "smol-l10", "top_k": 16, "reconstruction": True}
     with LensClient(smol_server.base_url) as client:

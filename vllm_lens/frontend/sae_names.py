@@ -5,7 +5,8 @@ Adds to ``vllm.LLM`` and ``AsyncLLM`` (``frontend.engine_methods``)::
 
     register_sae(name, path, hook_point=None) -> description
     registered_saes() -> [{"name", "layout", "architecture", "hook_name", "point", "layer",
-                           "d_in", "d_sae", "dtype"}]
+                           "d_in", "d_sae", "dtype"} (a transcoder's also "hook_name_out",
+                           "out_point", "d_out")]
 
 Registering asks the workers to read the SAE (``lens_load_sae``), checks it against the
 served model as a request would, and keeps its description; the weights stay with the
@@ -42,8 +43,9 @@ from vllm_lens.common.messages import SaeAnswer, SaeSliceAnswer, read_all
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.session import LensSession
 from vllm_lens.frontend.engine_methods import Steps, drive_async, install_methods
-from vllm_lens.spec.keys import MONITORS_KEY, SAE_KEY, STEER_KEY
+from vllm_lens.spec.keys import MONITORS_KEY, REPLACE_KEY, SAE_KEY, STEER_KEY
 from vllm_lens.spec.monitors import monitor_sae_references
+from vllm_lens.spec.replacement import replacement_references
 from vllm_lens.spec.sae_steering import steering_sae_references
 from vllm_lens.spec.facts import facts_from_describe
 from vllm_lens.spec.saes import Describe, check_description, sae_references
@@ -56,6 +58,8 @@ __all__ = ["METHODS", "SaeNames", "async_describer", "check_sae_file", "describe
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 #: What ``registered_saes`` lists of a description (never a path on the server's disk).
 _LISTED = ("layout", "architecture", "hook_name", "point", "layer", "d_in", "d_sae", "dtype")
+#: And of a transcoder's: the point it predicts.
+_LISTED_TRANSCODER = ("hook_name_out", "out_point", "d_out")
 
 
 @dataclasses.dataclass
@@ -98,7 +102,10 @@ def _list(session: LensSession) -> Steps:
 
 
 def _listing(name: str, info: Mapping[str, Any]) -> dict[str, Any]:
-    return {"name": name, **{k: info.get(k) for k in _LISTED}}
+    listed = {"name": name, **{k: info.get(k) for k in _LISTED}}
+    if info.get("out_point") is not None:
+        listed.update({k: info.get(k) for k in _LISTED_TRANSCODER})
+    return listed
 
 
 def answer(answers: list[Any]) -> dict[str, Any]:
@@ -227,7 +234,8 @@ def describing(session: LensSession, reads: Sequence[tuple[str, str | None]],
             described.found[sae, hook_point] = _scrubbed(exc, sae, path, paths)
     for sae, hook_point, features, _ in steers:
         info = described.found[sae, hook_point]
-        if isinstance(info, Exception) or (sae, hook_point, features) in described.slices:
+        if (not features or isinstance(info, Exception)
+                or (sae, hook_point, features) in described.slices):  # (a replacement: none)
             continue
         point = _resolve(session, sae, hook_point, paths)[1]
         try:
@@ -269,7 +277,7 @@ def described_beforehand(described: _Described | None) -> Iterator[None]:
 async def async_describer(engine: Any, extra_args: Mapping[str, Any] | None,
                           paths: bool) -> Describe | None:
     """``spec.saes``' describe for an ``AsyncLLM``: the SAEs ``extra_args`` name (features to
-    read, features to steer by) are described and their slices fetched first, then the
+    read, features to steer by, transcoders replacing MLPs) are described and their slices fetched first, then the
     parse looks them up. ``paths``: directories are accepted (not over HTTP). ``None`` when
     the request names no SAE."""
     if not extra_args:
@@ -280,6 +288,7 @@ async def async_describer(engine: Any, extra_args: Mapping[str, Any] | None,
     reads = await _off_the_loop(sae_references, extra_args.get(SAE_KEY))
     steers = await _off_the_loop(steering_sae_references, extra_args.get(STEER_KEY))
     steers += await _off_the_loop(monitor_sae_references, extra_args.get(MONITORS_KEY))
+    steers += await _off_the_loop(replacement_references, extra_args.get(REPLACE_KEY))
     if not reads and not steers:
         return None
     return await drive_async(engine, describing(LensSession.of(engine), reads, steers, paths))

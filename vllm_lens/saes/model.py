@@ -398,22 +398,43 @@ class SAE:
         return self._product("dec", dtype)(f)
 
     def skip(self, x: torch.Tensor) -> torch.Tensor | None:
-        """A skip transcoder's ``x @ W_skip.T`` ``[n, d_out]`` in `compute_dtype`; ``None``
-        for every other architecture."""
+        """A skip transcoder's skip connection.
+
+        Args:
+            x: rows ``[n, d_in]`` on its device, any floating dtype.
+
+        Returns:
+            ``x @ W_skip.T`` ``[n, d_out]`` in `compute_dtype`; ``None`` for every other
+            architecture.
+        """
         if self.architecture not in _SKIP:
             return None
         dtype = self.compute_dtype(x)
         return self._product("skip", dtype)(x.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """What it predicts from rows ``x`` ``[n, d_in]``: ``decode(encode(x))``, plus a skip
-        transcoder's ``x @ W_skip.T`` (sae-lens' ``forward``), ``[n, d_out]`` in
-        `compute_dtype`."""
+        """What it predicts from rows ``x`` (sae-lens' ``forward``).
+
+        Args:
+            x: rows ``[n, d_in]`` on its device, any floating dtype.
+
+        Returns:
+            ``decode(encode(x))``, plus a skip transcoder's ``x @ W_skip.T``: ``[n, d_out]``
+            in `compute_dtype` (an SAE's reconstruction of ``x``).
+        """
         return self.predict(x, self.encode(x))
 
     def predict(self, x: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """`forward` from features already encoded (perhaps edited): ``decode(features)``
-        plus a skip transcoder's ``x @ W_skip.T``."""
+        """`forward` from features already encoded, perhaps edited.
+
+        Args:
+            x: the rows ``[n, d_in]`` the features were encoded from (a skip transcoder's
+                skip connection reads them).
+            features: feature activations ``[n, d_sae]``.
+
+        Returns:
+            ``decode(features)`` plus a skip transcoder's ``x @ W_skip.T``, ``[n, d_out]``.
+        """
         out = self.decode(features)
         skip = self.skip(x)
         return out if skip is None else out + skip

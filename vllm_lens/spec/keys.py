@@ -32,9 +32,12 @@ MONITORS_KEY = "monitors"
 #: Attention steering: in chosen heads, emphasise a span of keys (PASTA) or bias chosen keys'
 #: scores (``spec.attention_steering``).
 ATTENTION_STEER_KEY = "steer_attention"
+#: Layers whose MLP a transcoder stands in for: ``[{"transcoder", "keep_error", "clamp",
+#: "hook_point"}]`` (``spec.replacement``).
+REPLACE_KEY = "replace_mlp"
 #: Every key vllm-lens reads from ``extra_args``; near-misses of these are reported as typos.
 LENS_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, TRANSPORT_KEY,
-             SINK_KEY, STREAM_KEY, SAE_KEY, MONITORS_KEY, ATTENTION_STEER_KEY)
+             SINK_KEY, STREAM_KEY, SAE_KEY, MONITORS_KEY, ATTENTION_STEER_KEY, REPLACE_KEY)
 #: The reserved ``extra_args`` entry that carries the validated spec to the workers.
 PAYLOAD_KEY = "vllm_lens"
 PAYLOAD_VERSION = 1

@@ -38,6 +38,7 @@ from vllm_lens.spec.keys import (
     PAYLOAD_KEY,
     PAYLOAD_VERSION,
     QK_KEY,
+    REPLACE_KEY,
     SAE_KEY,
     SINK_KEY,
     STEER_KEY,
@@ -47,6 +48,7 @@ from vllm_lens.spec.keys import (
 )
 from vllm_lens.spec.monitors import MonitorSpec, parse_monitors
 from vllm_lens.spec.outputs import parse_sink, parse_stream
+from vllm_lens.spec.replacement import ReplaceSpec, parse_replacements, replacement_digest
 from vllm_lens.spec.saes import Describe, SAEFeatureSpec, parse_sae_features
 from vllm_lens.spec.steer_records import SteerSpec, steering_digest
 from vllm_lens.spec.steering import parse_steering_key
@@ -76,6 +78,8 @@ class LensRequest:
     """Probes that stop the generation or report (``monitors``, ``spec.monitors``)."""
     steer_attention: tuple[AttentionEdit, ...] = ()
     """Edits of chosen heads' attention (``steer_attention``, ``spec.attention_steering``)."""
+    replace_mlp: tuple[ReplaceSpec, ...] = ()
+    """MLPs replaced by transcoders (``replace_mlp``, ``spec.replacement``)."""
     attention_positions: int = 0
     """With ``steer_attention``: the model's context, which bounds the positions the request
     computes; set by the front end after admission, never read from the client."""
@@ -129,7 +133,10 @@ class LensRequest:
         if any(s.condition is not None and s.phase != "decode" for s in self.steer):
             # Gate values are reported for every steered position: compute them all.
             return f"vllm-lens:gated:{self.key}"
-        return steering_digest([s for s in self.steer if s.phase != "decode"])
+        salt = steering_digest([s for s in self.steer if s.phase != "decode"])
+        if self.replace_mlp:  # every position's MLP output, prompt included
+            salt = f"{salt or 'vllm-lens'}|replace:{replacement_digest(self.replace_mlp)}"
+        return salt
 
     @functools.cached_property
     def decode_salt(self) -> str | None:
@@ -166,6 +173,8 @@ class LensRequest:
             payload["monitors"] = [m.to_payload() for m in self.monitors]
         if self.steer_attention:
             payload["steer_attention"] = [e.to_payload() for e in self.steer_attention]
+        if self.replace_mlp:
+            payload["replace_mlp"] = [r.to_payload() for r in self.replace_mlp]
         if self.reserve_bytes:
             payload["reserve"] = self.reserve_bytes
         if self.attention_positions:
@@ -195,6 +204,8 @@ class LensRequest:
                                   for d in payload.get("monitors", ())),
                    steer_attention=tuple(AttentionEdit.from_payload(d)
                                          for d in payload.get("steer_attention", ())),
+                   replace_mlp=tuple(ReplaceSpec.from_payload(d)
+                                     for d in payload.get("replace_mlp", ())),
                    reserve_bytes=int(payload.get("reserve", 0)),
                    attention_positions=int(payload.get("attn_positions", 0)),
                    attention_max_tokens=int(payload.get("attn_max_tokens", 0)))
@@ -202,7 +213,7 @@ class LensRequest:
 
 #: The keys that ask for lens work (the others only say how to return it).
 _WORK_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, SINK_KEY, STREAM_KEY,
-              SAE_KEY, MONITORS_KEY, ATTENTION_STEER_KEY)
+              SAE_KEY, MONITORS_KEY, ATTENTION_STEER_KEY, REPLACE_KEY)
 
 
 def _asks_nothing(value: Any) -> bool:
@@ -278,6 +289,9 @@ def parse_extra_args(
         raw_saes = None
     raw_monitors = rest.pop(MONITORS_KEY, None)
     raw_attention = rest.pop(ATTENTION_STEER_KEY, None)
+    raw_replace = rest.pop(REPLACE_KEY, None)
+    if raw_replace is False:
+        raw_replace = None
     fault = parse_fault(rest.pop(faults.FAULT_KEY, None), request_id)
     if raw_capture is False:
         raw_capture = None
@@ -286,7 +300,8 @@ def parse_extra_args(
     asked = [(k, v) for k, v in ((CAPTURE_KEY, raw_capture), (ACTIVATIONS_KEY, raw_points),
                                  (QK_KEY, raw_qk), (STEER_KEY, raw_steer), (HOOKS_KEY, raw_hooks),
                                  (SAE_KEY, raw_saes), (MONITORS_KEY, raw_monitors),
-                                 (ATTENTION_STEER_KEY, raw_attention))
+                                 (ATTENTION_STEER_KEY, raw_attention),
+                                 (REPLACE_KEY, raw_replace))
              if v is not None]
     if not asked:
         for key, value in ((SINK_KEY, raw_sink), (STREAM_KEY, raw_stream)):
@@ -316,9 +331,12 @@ def parse_extra_args(
                                                               saes=saes)
     attention = () if raw_attention is None else parse_attention_steering(
         raw_attention, facts, request_id)
+    replace = () if raw_replace is None else parse_replacements(raw_replace, facts, saes,
+                                                                request_id)
     return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
                              fault=fault, points=points, sink=sink, stream=stream,
-                             saes=features, monitors=monitors, steer_attention=attention)
+                             saes=features, monitors=monitors, steer_attention=attention,
+                             replace_mlp=replace)
 
 
 def reuse_parsed(
@@ -328,7 +346,7 @@ def reuse_parsed(
     ``lens`` was parsed from (``parsed_from``): the same spec under a fresh key. ``None`` if
     they differ."""
     own = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, SINK_KEY, STREAM_KEY,
-           SAE_KEY, MONITORS_KEY, ATTENTION_STEER_KEY, faults.FAULT_KEY)
+           SAE_KEY, MONITORS_KEY, ATTENTION_STEER_KEY, REPLACE_KEY, faults.FAULT_KEY)
     extra_args = extra_args or {}
     if any(extra_args.get(k) != parsed_from.get(k) for k in own) or PAYLOAD_KEY in extra_args:
         return None

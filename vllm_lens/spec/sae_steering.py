@@ -2,8 +2,8 @@
 or ``{"sae", "feature", "clamp"}`` -> a ``SteerSpec`` at the SAE's point and layer (runs in:
 front end).
 
-``scale`` adds ``scale * W_dec[feature]`` (the row as stored): an ordinary steering vector
-made from the decoder rows, so positions, phases and the prefix-cache salt (the vector's
+``scale`` adds ``scale * W_dec[feature]`` (the row as stored; a transcoder's at the point it
+predicts, ``mlp_out``): an ordinary steering vector made from the decoder rows, so positions, phases and the prefix-cache salt (the vector's
 bytes) work as they do for vectors a client sends. Several features may be listed
 (``"feature": [i, j]``, ``"scale"`` a number or a list); the vector is then
 ``sum_j scale_j * W_dec[j]`` computed in float32.
@@ -18,6 +18,9 @@ top k), so a TopK clamp ships no encoder: every rank that steers the SAE's layer
 rank of the stage holding it) loads the whole SAE (``describe(..., clamp=True)``, counted in
 ``VLLM_LENS_SAE_MAX_BYTES``), keeps it while the request runs, and encodes each steered row
 in full; with ``rescale_acts_by_decoder_norm`` the difference divides each row by its norm.
+
+A transcoder's features are clamped by ``replace_mlp`` (``spec.replacement``), which reads
+them at its input and writes at its output; a steering ``clamp`` of one is refused, naming it.
 
 The rows and columns come from the workers that loaded the SAE (``describe.sae_slice``).
 """
@@ -126,6 +129,15 @@ def parse_feature_steering(item: Mapping[str, Any], facts: ModelFacts, describe:
     info, point, layer, d_sae = described(describe if slice_of is not None else None, name,
                                           hook_point, facts, f"{where}.sae",
                                           "steer by SAE feature", request_id)
+    if info.get("out_point") is not None:  # a transcoder: its decoder writes what it predicts
+        if clamping:
+            raise LensRequestError(
+                f"{where}.clamp", f"{name!r} is a transcoder: its features are read at "
+                f"{point} and written at {info['out_point']}; clamp them with "
+                '"replace_mlp": [{"transcoder": ..., "keep_error": true, "clamp": '
+                '{feature: value}}] (keep_error: the layer keeps what the transcoder misses)',
+                request_id=request_id)
+        point = str(info["out_point"])
     whole = clamping and info.get("architecture") in WHOLE_CLAMP
     bad = next((f for f in features if not 0 <= f < d_sae), None)
     if bad is not None:

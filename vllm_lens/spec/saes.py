@@ -173,6 +173,14 @@ def check_description(info: Mapping[str, Any], facts: ModelFacts, field: str,
     if int(info["d_in"]) != width:
         raise LensRequestError(field, f"reads {point} rows of {info['d_in']} values, but this "
                                f"model's {point} rows have {width}", request_id=request_id)
+    out_point = info.get("out_point")
+    if out_point is not None:  # a transcoder: what it predicts must be here too
+        check_site(str(out_point), facts, field, request_id)
+        out_width = facts.row_width(str(out_point))
+        if int(info.get("d_out", -1)) != out_width:
+            raise LensRequestError(field, f"predicts {out_point} rows of {info.get('d_out')} "
+                                   f"values, but this model's {out_point} rows have "
+                                   f"{out_width}", request_id=request_id)
     d_sae = int(info["d_sae"])
     if d_sae >= 1 << 24:
         raise LensRequestError(field, f"has {d_sae:,} features; feature indices travel as "

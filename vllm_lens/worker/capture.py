@@ -27,19 +27,41 @@ from vllm_lens.worker.capture_store import Entry
 __all__ = ["assemble", "capture_layer", "encode_top_features", "sae_chunk_rows"]
 
 
-def capture_layer(group: CaptureGroup, index: int, a: torch.Tensor,
-                  b: torch.Tensor | None, pool: StagingPool | None = None) -> None:
-    """Write ``group``'s signal (from a tap's two tensors, see ``points.operands``) at its
-    rows into ``group.staging[index]`` (on the CPU a tensor from ``pool`` if given)."""
-    hidden, residual = operands(group.signal, a, b)
-    rows = group.rows
+def _pick(rows: torch.Tensor | slice, hidden: torch.Tensor, residual: torch.Tensor | None
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if isinstance(rows, slice):
-        picked, extra = hidden[rows], None if residual is None else residual[rows]
+        return hidden[rows], None if residual is None else residual[rows]
+    return (hidden.index_select(0, rows),
+            None if residual is None else residual.index_select(0, rows))
+
+
+def capture_layer(group: CaptureGroup, index: int, a: torch.Tensor,
+                  b: torch.Tensor | None, pool: StagingPool | None = None, *,
+                  site: str | None = None) -> None:
+    """Write ``group``'s signal (from a tap's two tensors, see ``points.operands``) at its
+    rows into ``group.staging[index]`` (on the CPU a tensor from ``pool`` if given).
+
+    A transcoder's features with ``reconstruction`` are read at two sites (``site``: the
+    tap's): at its input the rows are kept (``group.pending``), at the point it predicts
+    (``group.target_site``) they are encoded and its prediction compared with that point's
+    rows."""
+    if group.target_site is not None and site != group.target_site:  # the transcoder's input
+        picked, extra = _pick(group.rows, *operands(group.signal, a, b))
+        rows = picked if extra is not None else picked.clone()  # (a slice is a view)
+        group.pending[index] = rows if extra is None else rows + extra
+        return
+    if group.target_site is not None:
+        target, _ = _pick(group.rows, *operands("mlp_out", a, b))
+        x = group.pending.pop(index, None)
+        if x is None:
+            raise RuntimeError("the transcoder's input site did not run in this step")
+        picked, extra = encode_top_features(group.sae, x, None, target=target), None
+        hidden = a
     else:
-        picked = hidden.index_select(0, rows)
-        extra = None if residual is None else residual.index_select(0, rows)
-    if group.sae is not None:  # only the SAE's top features leave the device
-        picked, extra = encode_top_features(group.sae, picked, extra), None
+        hidden, residual = operands(group.signal, a, b)
+        picked, extra = _pick(group.rows, hidden, residual)
+        if group.sae is not None:  # only the SAE's top features leave the device
+            picked, extra = encode_top_features(group.sae, picked, extra), None
     if group.staging is None:
         shape = (len(group.layers), group.n_rows, *picked.shape[1:])
         if hidden.device.type == "cpu" and pool is not None:
@@ -65,15 +87,18 @@ def capture_layer(group: CaptureGroup, index: int, a: torch.Tensor,
         group.complete = True
 
 
-def encode_top_features(sae: Any, rows: torch.Tensor, extra: torch.Tensor | None
-                        ) -> torch.Tensor:
+def encode_top_features(sae: Any, rows: torch.Tensor, extra: torch.Tensor | None, *,
+                        target: torch.Tensor | None = None) -> torch.Tensor:
     """``[n, width]`` float32 per row of ``rows`` (+ ``extra``): the top features'
-    indices, their values, and with reconstruction the NMSE and L0 (``spec.saes``)."""
+    indices, their values, and with reconstruction the NMSE and L0 (``spec.saes``; a
+    transcoder's against ``target``, the rows of the point it predicts)."""
     model, top_k, reconstruction = sae
     x = (rows if extra is None else rows + extra).flatten(1)  # attn_z: heads flattened
     out = []
-    for chunk in x.split(sae_chunk_rows(model.d_sae)):
-        found = model.top_features(chunk, top_k, reconstruction=reconstruction)
+    step = sae_chunk_rows(model.d_sae)
+    targets = (None,) * len(range(0, x.shape[0], step)) if target is None else target.split(step)
+    for chunk, goal in zip(x.split(step), targets):
+        found = model.top_features(chunk, top_k, reconstruction=reconstruction, target=goal)
         parts = [found["indices"].to(torch.float32), found["values"]]
         if reconstruction:
             parts += [found["nmse"][:, None], found["l0"][:, None].to(torch.float32)]

@@ -222,7 +222,8 @@ class LensWorkerExtension:
         (once: a loaded one is shared), and describe it (``spec.saes``; never the weights);
         ``error`` if it cannot be read or kept. ``clamp``: a request clamps its
         features, so a TopK SAE is kept by every TP rank of the stage holding its layer (each
-        encodes whole rows with it: ``worker.steer``)."""
+        encodes whole rows with it: ``worker.steer``), or replaces an MLP by it, so a
+        transcoder is (``worker.replacement``)."""
         if _runtime is None:
             return SaeAnswer(description=None,
                              error="this worker serves no lens requests (unsupported engine)")
@@ -231,7 +232,8 @@ class LensWorkerExtension:
         def wanted(info: dict[str, Any]) -> bool:
             if info["layer"] in runtime.capture_layers:
                 return True
-            return (clamp and info["architecture"] in WHOLE_CLAMP
+            return (clamp and (info["architecture"] in WHOLE_CLAMP
+                               or info.get("out_point") is not None)
                     and info["layer"] in runtime.shard_layers)
 
         held = {runtime.saes.key(*key) for key in runtime.requests.held_saes()}

@@ -95,6 +95,11 @@ class CaptureGroup:
     sae: Any = None
     """For an SAE feature capture (``points.SAE_PREFIX``): ``(SAE on the device, top_k,
     reconstruction)``; its rows are encoded and only the top features staged."""
+    target_site: str | None = None
+    """A transcoder's reconstruction: the site of the point it predicts, where its rows are
+    encoded (``capture.capture_layer``); they are kept at its input site until then."""
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Layer index -> the transcoder's input rows of this step, until ``target_site``."""
 
 
 def select_rows(spec: CaptureSpec, pos0: int, n_rows: int, n_prompt: int) -> np.ndarray:
@@ -163,6 +168,13 @@ class StepPlan:
     attention: dict[int, list[tuple[RequestSlice, Any]]] = field(default_factory=dict)
     """Layer -> (slice, ``attention_steering.RequestAttentionSteer``) per request whose
     attention is steered there."""
+    replace_in: dict[tuple[int, str], list[tuple[RequestSlice, Any]]] = field(
+        default_factory=dict)
+    """(layer, site) -> (slice, ``replacement.PreparedReplacement``) per request whose MLP a
+    transcoder replaces, at the transcoder's input site."""
+    replace_out: dict[tuple[int, str], list[tuple[RequestSlice, Any]]] = field(
+        default_factory=dict)
+    """The same at the MLP's output site."""
     stops: list[tuple[str, Any]] = field(default_factory=list)
     """(request id, ``monitors.MonitorState``) of the requests a ``stop`` monitor may end."""
     faults: bool = False

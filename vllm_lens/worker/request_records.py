@@ -59,6 +59,9 @@ class RequestRecord:
     attention: Any = None
     """Its attention steering (``worker.attention_steering.RequestAttentionSteer``) with the
     keys and values it keeps, built when it first runs; freed when it finishes."""
+    replacements: list[Any] | None = None
+    """``replacement.PreparedReplacement`` per layer of this stage whose MLP a transcoder
+    replaces for it, built when it first runs."""
     error: str | None = None
     """The first failure of the lens path for this request (its message)."""
     refused: str | None = None
@@ -118,13 +121,14 @@ class RequestTable:
 
     def held_saes(self) -> set[tuple[str, str | None]]:
         """(real path, hook point) of the SAEs the records read on the workers, never to be
-        unloaded while they are held: those whose features they capture and those whose
-        TopK features they clamp (``worker.saes``)."""
+        unloaded while they are held: those whose features they capture, those whose
+        TopK features they clamp and the transcoders replacing their MLPs (``worker.saes``)."""
         held = set()
         for record in self.records.values():
             held.update((s.path, s.hook_point) for s in record.lens.saes)
             held.update((s.clamp.path, s.clamp.hook_point) for s in record.lens.steer
                         if s.clamp is not None and s.clamp.path is not None)
+            held.update((r.path, r.hook_point) for r in record.lens.replace_mlp)
         return held
 
     @property

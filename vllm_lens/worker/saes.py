@@ -160,7 +160,11 @@ def _stamp(directory: str) -> tuple[int, ...]:
 
 def describe(sae: SAE, path: str) -> dict[str, Any]:
     """What the front end checks a request against (never the weights)."""
-    return {"path": os.path.realpath(path), "layout": sae.layout,
-            "architecture": sae.architecture, "d_in": sae.d_in, "d_sae": sae.d_sae,
-            "point": sae.point, "layer": sae.layer, "hook_name": sae.hook_name,
-            "dtype": str(sae.dtype).removeprefix("torch.")}
+    described = {"path": os.path.realpath(path), "layout": sae.layout,
+                 "architecture": sae.architecture, "d_in": sae.d_in, "d_sae": sae.d_sae,
+                 "point": sae.point, "layer": sae.layer, "hook_name": sae.hook_name,
+                 "dtype": str(sae.dtype).removeprefix("torch.")}
+    if sae.is_transcoder:
+        described.update(d_out=sae.d_out, out_point=sae.out_point,
+                         hook_name_out=sae.hook_name_out)
+    return described

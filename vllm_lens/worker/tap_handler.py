@@ -24,15 +24,17 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 
 from vllm_lens import envs
 from vllm_lens.common import faults
-from vllm_lens.common.points import SAE_PREFIX, hook_site
+from vllm_lens.common.points import SAE_PREFIX, hook_site, site_of
 from vllm_lens.saes import SAE
 from vllm_lens.spec import HookSpec, SteerSpec
+from vllm_lens.spec.replacement import ReplaceSpec
 from vllm_lens.worker.attention_steering import AttentionSteering
 from vllm_lens.worker.attention_taps import AttentionTaps
 from vllm_lens.worker.capture import capture_layer
 from vllm_lens.worker.hooks import HookCall, HookState, ParameterSource, run_hook_calls
 from vllm_lens.worker.monitors import MonitorState, StopControl
 from vllm_lens.worker.plan import RequestSlice, StepPlan
+from vllm_lens.worker.replacement import prepare_replacement
 from vllm_lens.worker.request_records import RequestRecord, RequestTable, describe
 from vllm_lens.worker.runner import RunnerView
 from vllm_lens.worker.steer import (
@@ -119,6 +121,10 @@ class LensRuntime:
             for s in plan.slices:
                 faults.check(s.lens.fault, "step")
         where = (layer, site)
+        for s, replacement in plan.replace_out.get(where, ()):  # before the site's steering
+            if self._running(s.req_id):
+                self._guarded("replace_mlp", (s.req_id,), replacement.write, hidden, residual,
+                              s.start, s.end)
         steering = plan.steer.get(where)
         if steering is not None:
             self._guarded("steer", steering.req_ids, self._steer, plan, steering, hidden,
@@ -126,9 +132,13 @@ class LensRuntime:
         if where in plan.hook_layers:
             self._guarded("hooks", (c.req_id for c in plan.hook_calls), self._run_hooks,
                           plan, layer, site, hidden, residual)
+        for s, replacement in plan.replace_in.get(where, ()):  # what the MLP reads, steered
+            if self._running(s.req_id):
+                self._guarded("replace_mlp", (s.req_id,), replacement.read, hidden, residual,
+                              s.start, s.end)
         for group, index in plan.capture.get(where, ()):
             if not group.failed:
-                self._guarded_capture(plan, group, index, hidden, residual)
+                self._guarded_capture(plan, group, index, hidden, residual, site)
         for s, state in plan.monitors.get(where, ()):
             self._guarded("monitors", (s.req_id,), state.score, where, hidden, residual,
                           s.start, s.end, s.pos0, s.n_prompt, self.tp_rank == 0)
@@ -166,6 +176,11 @@ class LensRuntime:
                 record.gates.setdefault(gate.index, []).append((gate.offsets + s.pos0,
                                                                 gate.values))
 
+    def _running(self, req_id: str) -> bool:
+        """Its lens work has not failed (in this step or before)."""
+        record = self.requests.records.get(req_id)
+        return record is not None and record.error is None
+
     def _guarded(self, stage: str, req_ids: Iterable[str], fn, *args) -> None:
         """``fn(*args)``; if it raises, ``req_ids`` (evaluated only then) fail at ``stage``."""
         try:
@@ -174,12 +189,12 @@ class LensRuntime:
             self._fail(req_ids, exc, stage)
 
     def _guarded_capture(self, plan: StepPlan, group, index: int, hidden: torch.Tensor,
-                         residual: torch.Tensor | None) -> None:
+                         residual: torch.Tensor | None, site: str) -> None:
         try:
             if plan.faults:
                 for owner in group.owners:
                     faults.check(self._fault_of(owner.req_id), "capture")
-            capture_layer(group, index, hidden, residual, self.staging)
+            capture_layer(group, index, hidden, residual, self.staging, site=site)
         except Exception as exc:
             group.failed = True  # its staging tensor is incomplete: nothing is filed
             self._fail([o.req_id for o in group.owners], exc, "capture")
@@ -385,7 +400,39 @@ class LensRuntime:
             if s.lens.steer_attention:
                 self._guarded("steer_attention", (s.req_id,), self._plan_attention, plan, s,
                               device, dtype)
+            if s.lens.replace_mlp:
+                self._guarded("replace_mlp", (s.req_id,), self._plan_replacement, plan, s)
         return plan
+
+    def _plan_replacement(self, plan: StepPlan, s: RequestSlice) -> None:
+        """Its MLPs replaced by transcoders on this stage (``worker.replacement``)."""
+        record = self.requests.records[s.req_id]
+        if record.replacements is None:
+            faults.check(record.lens.fault, "steer")
+            record.replacements = [
+                prepare_replacement(spec, self._held_transcoder(spec), split=self.split)
+                for spec in s.lens.replace_mlp if spec.layer in self.shard_layers]
+        for replacement in record.replacements:
+            if replacement.idle:
+                continue
+            layer = replacement.spec.layer
+            plan.replace_in.setdefault((layer, replacement.in_site), []).append(
+                (s, replacement))
+            plan.replace_out.setdefault((layer, replacement.out_site), []).append(
+                (s, replacement))
+
+    def _held_transcoder(self, spec: ReplaceSpec) -> SAE:
+        """The transcoder a replacement computes with: this worker's, loaded when the front
+        end admitted the request, of the files it was admitted with."""
+        transcoder = self.saes.get(spec.path, spec.hook_point, resolved=True)
+        if transcoder is None:
+            raise ValueError(f"the transcoder {spec.transcoder!r} replacing layer "
+                             f"{spec.layer}'s MLP is not loaded on this worker (unloaded for "
+                             "another since the request was admitted?)")
+        if self.saes.version(spec.path, spec.hook_point) != spec.version:
+            raise ValueError(f"the transcoder {spec.transcoder!r} was read again from changed "
+                             "files since the request was admitted; retry it")
+        return transcoder
 
     def _plan_attention(self, plan: StepPlan, s: RequestSlice, device: torch.device,
                         dtype: torch.dtype) -> None:
@@ -440,6 +487,10 @@ class LensRuntime:
                        "since the request was admitted?)", "sae")
             return
         group.sae = (sae, spec.top_k, spec.reconstruction)
+        if sae.is_transcoder and spec.reconstruction:  # compared with what it predicts
+            group.target_site = site_of(sae.out_point, split=self.split)
+            for index, layer in enumerate(group.layers):
+                plan.capture.setdefault((layer, group.target_site), []).append((group, index))
 
     def _steering_for(self, steered: list[tuple[RequestSlice, list[PreparedSteer]]],
                       device: torch.device) -> dict[tuple[int, str], SteerGroup]:

@@ -29,7 +29,9 @@ request; plain requests beside one monitored; one probe alone, batch 1; by ``lin
 score on every request and alone; by ``attention_to_span``'s score alone), attention steering (PASTA on every head of 8
 layers: every request, plain requests beside one, one request alone), SAE features (one 16x-wide
 JumpReLU SAE with random weights, d_sae = 9216, at layer 15: its top 32 features at every
-position; steering by one of its features; clamping one), each with ``--prompts`` greedy
+position; steering by one of its features; clamping one), transcoders (a 16x-wide JumpReLU
+skip transcoder for layer 15's MLP: its top 32 features, with and without the reconstruction
+error of the MLP's output; the MLP replaced by it), each with ``--prompts`` greedy
 requests of ``--tokens`` generated tokens; and plain requests one at a time (batch 1), where
 the plugin's fixed per-step cost weighs most.
 Results go to stdout as a Markdown table (paste into benchmarks/RESULTS.md), with the bytes of
@@ -158,10 +160,18 @@ CASES: dict[str, tuple[int | None, Callable[[int], Any]]] = {
     # The same clamp on a TopK SAE (``SAE_TOPK``, k = 32): every steered row is encoded in full.
     "clamp 1 TopK SAE feature": (None, lambda i: {
         "apply_steering_vectors": [{"sae": SAE_TOPK, "feature": 7, "clamp": 2.0}]}),
+    # A 16x-wide JumpReLU skip transcoder standing in for layer 15's MLP (``TRANSCODER``).
+    "transcoder features at 1 layer, top 32": (None, lambda i: {
+        "output_sae_features": {"sae": TRANSCODER, "top_k": 32}}),
+    "transcoder features, top 32, reconstruction": (None, lambda i: {
+        "output_sae_features": {"sae": TRANSCODER, "top_k": 32, "reconstruction": True}}),
+    "replace 1 MLP by a transcoder": (None, lambda i: {
+        "replace_mlp": [{"transcoder": TRANSCODER, "keep_error": False}]}),
 }
 #: The SAE cases' directories (set in the child from ``--child``'s config).
 SAE = ""
 SAE_TOPK = ""
+TRANSCODER = ""
 D_SAE = 16 * HIDDEN
 
 
@@ -184,6 +194,26 @@ def _save_sae(path: str, architecture: str = "jumprelu") -> None:
         if architecture == "jumprelu":
             sae.threshold.copy_(torch.rand(D_SAE, generator=g) * 0.05)
     sae.save_model(path)
+
+
+def _save_transcoder(path: str) -> None:
+    """A JumpReLU skip transcoder with random weights for layer 15's MLP (d_sae = 9216),
+    saved by sae-lens itself."""
+    import torch
+    from sae_lens.saes.sae import SAE as SaeLensSAE
+    from sae_lens.saes.transcoder import JumpReLUSkipTranscoderConfig
+
+    cfg = JumpReLUSkipTranscoderConfig(d_in=HIDDEN, d_sae=D_SAE, d_out=HIDDEN, dtype="float32",
+                                       device="cpu", apply_b_dec_to_input=False)
+    transcoder = SaeLensSAE.get_sae_class_for_architecture(cfg.architecture())(cfg)
+    transcoder.cfg.metadata.hook_name = "blocks.15.hook_mlp_in"
+    transcoder.cfg.metadata.hook_name_out = "blocks.15.hook_mlp_out"
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in transcoder.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.02)
+        transcoder.threshold.copy_(torch.rand(D_SAE, generator=g) * 0.05)
+    transcoder.save_model(path)
 
 
 def _returned_bytes(out: Any) -> int:
@@ -216,8 +246,8 @@ def serve_engine(cfg: dict) -> None:
 
     from vllm_lens.demo_models import smollm2_dir
 
-    global SAE, SAE_TOPK
-    SAE, SAE_TOPK = cfg["sae"], cfg["sae_topk"]
+    global SAE, SAE_TOPK, TRANSCODER
+    SAE, SAE_TOPK, TRANSCODER = cfg["sae"], cfg["sae_topk"], cfg["transcoder"]
     spent: dict[str, float] = {} if cfg["disabled"] else time_plugin_code()
     llm = LLM(str(smollm2_dir()), dtype="float32", max_model_len=1024, seed=0,
               kv_cache_memory_bytes=1 << 30, enforce_eager=cfg["eager"])
@@ -225,8 +255,8 @@ def serve_engine(cfg: dict) -> None:
     # included, runs with the tap handler attached (as on a server that has seen lens traffic).
     llm.generate(_prompts(8), SamplingParams(
         max_tokens=8, extra_args=None if cfg["disabled"] else {"output_residual_stream": [0]}))
-    for sae in (SAE, SAE_TOPK):  # loads each on the worker (once, as a server would)
-        if sae and not cfg["disabled"]:
+    for sae in (SAE, SAE_TOPK, TRANSCODER):  # loads each on the worker (once, as a server
+        if sae and not cfg["disabled"]:        # would)
             llm.generate(_prompts(1), SamplingParams(max_tokens=2, extra_args={
                 "output_sae_features": {"sae": sae}}))
     print("READY", flush=True)
@@ -303,7 +333,10 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="vllm_lens_bench_sae_") as sae_dir:
-        sae = sae_topk = ""
+        sae = sae_topk = transcoder = ""
+        if any("transcoder" in case for case in args.cases):
+            transcoder = os.path.join(sae_dir, "transcoder")
+            _save_transcoder(transcoder)
         if any("SAE" in case and "TopK" not in case for case in args.cases):
             sae = os.path.join(sae_dir, "jumprelu")
             _save_sae(sae)
@@ -312,7 +345,7 @@ def main() -> None:
             _save_sae(sae_topk, "topk")
         for mode in args.modes:
             cfg = dict(eager=mode == "eager", prompts=args.prompts, tokens=args.tokens, sae=sae,
-                       sae_topk=sae_topk)
+                       sae_topk=sae_topk, transcoder=transcoder)
             for case, r in measure_mode(cfg, args.cases, args.rounds).items():
                 rows.append((mode, case, r))
                 print(f"{mode:8} {case:34} {r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f}) "

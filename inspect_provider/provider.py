@@ -38,7 +38,7 @@ from openai import APIStatusError
 
 from vllm_lens.activations import (
     decode_activations,
-    decode_json_tensors,
+    decode_sae_features,
     is_binary_descriptor,
 )
 from vllm_lens.client import AsyncLensClient, LensHTTPError, encode_xargs
@@ -147,7 +147,7 @@ class VLLMLensAPI(VLLMAPI):
             extra["activations"] = found[0]
             if len(found) > 1:
                 extra["choice_activations"] = found
-        features = [decode_json_tensors(choice.get("sae_features")) for choice in choices]
+        features = [decode_sae_features(choice.get("sae_features")) for choice in choices]
         if any(f is not None for f in features):
             extra["sae_features"] = features[0]
             if len(features) > 1:

@@ -36,6 +36,7 @@ from vllm_lens.errors import WireError
 __all__ = [
     "activations_to_json",
     "decode_json_tensors",
+    "decode_sae_features",
     "hook_results_to_json",
     "binary_descriptor",
     "decode_activation_bytes",
@@ -106,6 +107,26 @@ def hook_results_to_json(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     return repr(value)
+
+
+def decode_sae_features(value: Any) -> Any:
+    """A choice's ``sae_features`` as JSON carries it, decoded as offline: tensors, and each
+    entry's ``labels`` keyed by feature index (JSON gives the keys as strings).
+
+    Args:
+        value: a choice's ``sae_features`` (a list of entries) or ``None``.
+
+    Returns:
+        The entries decoded (``decode_json_tensors``), or ``None``.
+
+    Raises:
+        WireError: a tensor record is malformed.
+    """
+    entries = decode_json_tensors(value)
+    for entry in entries or ():
+        if isinstance(entry, dict) and isinstance(entry.get("labels"), dict):
+            entry["labels"] = {int(k): v for k, v in entry["labels"].items()}
+    return entries
 
 
 def decode_json_tensors(value: Any) -> Any:

@@ -28,6 +28,7 @@ from vllm_lens.activations import (
     decode_activation_bytes,
     decode_activations,
     decode_json_tensors,
+    decode_sae_features,
     is_binary_descriptor,
     valid_handle,
 )
@@ -149,7 +150,9 @@ class LensResult:
             one entry per SAE asked for: ``{"sae", "layer", "point", "positions" int64 [n],
             "indices" int32 [n, top_k], "values" float32 [n, top_k]}`` (index -1, value 0
             where fewer features were active), with ``"reconstruction": true`` also
-            ``"nmse"`` float32 [n] and ``"l0"`` int32 [n]. On the last result of each
+            ``"nmse"`` float32 [n] and ``"l0"`` int32 [n], and where the SAE's directory
+            has labels ``"labels"`` (feature index -> label of the features the entry
+            holds). On the last result of each
             choice or, with ``stream_activations=True``, like ``activations``
             (``vllm_lens.saes.to_sparse`` makes a sparse tensor of an entry).
         delta (str): while streaming, the text this result added (``""`` otherwise).
@@ -194,7 +197,8 @@ class LensResult:
     ended it (``finish_reason`` ``"stop"``)."""
     sae_features: list[dict[str, Any]] | None = None
     """For requests with ``sae_features=``: per SAE asked for, ``{"sae", "layer", "point",
-    "positions", "indices", "values"}`` (and ``"nmse"``, ``"l0"`` with reconstruction), on
+    "positions", "indices", "values"}`` (and ``"nmse"``, ``"l0"`` with reconstruction;
+    ``"labels"`` where the SAE has them), on
     the last result of each choice or, with ``stream_activations=True``, like
     ``activations``: the positions computed since the previous result
     (``vllm_lens.saes.to_sparse`` makes a sparse tensor)."""
@@ -334,7 +338,7 @@ class _StreamState:
                 or previous.hook_results,
                 steering_gates=decode_json_tensors(choice.get("steering_gates"))
                 or previous.steering_gates,
-                sae_features=decode_json_tensors(choice.get("sae_features")),
+                sae_features=decode_sae_features(choice.get("sae_features")),
                 monitors=choice.get("monitors") or previous.monitors,
                 stop_reason=choice.get("stop_reason") or previous.stop_reason,
             )
@@ -1332,10 +1336,11 @@ def _choice_result(choice: dict[str, Any], data: dict[str, Any]) -> LensResult:
         hook_results=decode_json_tensors(choice.get("hook_results")),
         capture_receipt=choice.get("capture_receipt"),
         steering_gates=decode_json_tensors(choice.get("steering_gates")),
-        sae_features=decode_json_tensors(choice.get("sae_features")),
+        sae_features=decode_sae_features(choice.get("sae_features")),
         monitors=choice.get("monitors"),
         stop_reason=choice.get("stop_reason"),
     )
+
 
 
 def _json_or_raise(response: httpx.Response) -> dict[str, Any]:

@@ -65,7 +65,10 @@ def smol_sae(tmp_path_factory):
     from tests.integration.saes import saved_sae
 
     path = tmp_path_factory.mktemp("saes") / "smol-l10"
-    return path, saved_sae(path, "jumprelu", "blocks.10.hook_resid_post", d_in=576)
+    sae = saved_sae(path, "jumprelu", "blocks.10.hook_resid_post", d_in=576)
+    # Labels of its even features, as {index: label} (``saes.labels``).
+    (path / "labels.json").write_text(json.dumps({str(i): f"even {i}" for i in range(0, 512, 2)}))
+    return path, sae
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +79,13 @@ def smol_transcoder(tmp_path_factory):
     from tests.integration.saes import saved_transcoder
 
     path = tmp_path_factory.mktemp("transcoders") / "smol-t5"
-    return path, saved_transcoder(path, "jumprelu_skip_transcoder", 5, d_in=576, scale=0.05)
+    transcoder = saved_transcoder(path, "jumprelu_skip_transcoder", 5, d_in=576, scale=0.05)
+    # Every third feature explained, as Neuronpedia exports explanations.
+    (path / "explanations.json").write_text(json.dumps([
+        {"modelId": "smollm2-135m", "layer": "5-transcoder", "index": str(i),
+         "description": f"third {i}", "explanationModelName": "test"}
+        for i in range(0, 512, 3)]))
+    return path, transcoder
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from vllm import SamplingParams
 
 from tests.integration.engines import IDLE, held, running_llm
 from tests.integration.reference import max_relative_error
+from tests.integration.saes import saved_transcoder
 from vllm_lens import (
     LensExecutionError,
     NamedHook,
@@ -24,9 +25,20 @@ PROMPTS = [
 ]
 
 
+#: A transcoder for the tiny model's layer 1 (``_transcoder``), which ``_everything`` clamps.
+_TRANSCODER: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _transcoder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("transcoder") / "t1"
+    saved_transcoder(path, "jumprelu_transcoder", 1)
+    _TRANSCODER[:] = [str(path)]
+
+
 def _everything(fault=None):
-    """Capture, steering, a named hook and attention steering at once (every stage has work
-    to do)."""
+    """Capture, steering, a named hook, attention steering and an MLP replaced by a
+    transcoder at once (every stage has work to do)."""
     extra = {
         "output_residual_stream": [1, 3],
         "apply_steering_vectors": [SteeringVector(activations=torch.ones(1, 128),
@@ -34,6 +46,8 @@ def _everything(fault=None):
         "apply_hooks": [NamedHook("linear_probe", [2], {"weight": [0.01] * 128})],
         "steer_attention": [{"layers": [2], "heads": None, "emphasize": [0, 3],
                              "alpha": 0.5}],
+        "replace_mlp": [{"transcoder": _TRANSCODER[0], "keep_error": True,
+                         "clamp": {"3": 1.0}}],
     }
     if fault is not None:
         extra[FAULT_KEY] = fault
@@ -124,6 +138,8 @@ def test_a_failing_stage_is_a_500_for_that_request_and_the_server_serves_on(smol
                             '"args": {"weight": ' + str([0.0] * 576) + '}}]',
              "steer_attention": '[{"layers": [4], "heads": [0], "key_positions": [1], '
                                 '"bias": -1.0}]',
+             "replace_mlp": '[{"transcoder": "smol-t5", "keep_error": true, '
+                            '"clamp": {"3": 1.0}}]',
              FAULT_KEY: stage}
     failed = httpx.post(url, json={**body, "vllm_xargs": xargs}, timeout=120)
     assert failed.status_code == 500, failed.text

@@ -60,6 +60,7 @@ def test_sae_features_through_inspect_equal_offline(model, smol_llm, smol_sae):
     assert found["positions"].tolist() == expected["positions"].tolist()
     assert found["indices"].shape == (len(expected["positions"]), 8)
     torch.testing.assert_close(found["values"], expected["values"], rtol=1e-3, atol=1e-3)
+    assert found["labels"] and found["labels"] == expected["labels"]  # the SAE's labels
 
 
 def test_binary_transport_through_inspect_is_fetched_and_freed(model, smol_server):

@@ -304,7 +304,8 @@ def test_over_http_only_registered_names_are_served(smol_server, smol_ref, smol_
     listing = httpx.get(smol_server.base_url + "/v1/lens/saes", timeout=60).json()["data"]
     assert listing[0] == {"name": "smol-l10", "layout": "sae-lens", "architecture": "jumprelu",
                           "hook_name": "blocks.10.hook_resid_post", "point": "resid_post",
-                          "layer": 10, "d_in": 576, "d_sae": 512, "dtype": "float32"}
+                          "layer": 10, "d_in": 576, "d_sae": 512, "dtype": "float32",
+                          "labels": True}
     assert [entry["name"] for entry in listing] == ["smol-l10", "smol-t5"]  # (test_transcoders)
     assert str(path) not in json.dumps(listing)
     ask = {"sae": "smol-l10", "top_k": 16, "reconstruction": True}
@@ -326,6 +327,10 @@ def test_over_http_only_registered_names_are_served(smol_server, smol_ref, smol_
     dense, top = _expected_top(sae, rows, 16)
     torch.testing.assert_close(found["values"], top.values * (top.values > 0), rtol=1e-3,
                                atol=1e-3)
+    # Its directory's labels (even features) beside the indices, keyed by index as offline.
+    present = sorted({int(i) for i in found["indices"].flatten().tolist() if i >= 0})
+    assert found["labels"] == {i: f"even {i}" for i in present if i % 2 == 0}
+    assert any(i % 2 for i in present) and found["labels"]
     assert found["l0"].tolist() == (dense > 0).sum(-1).tolist()
     # Streamed rows: the prompt's positions with the first token, then the newer ones.
     assert len(chunks) > 1 and len(chunks[0][0]["positions"]) == len(r.prompt_token_ids)

@@ -86,13 +86,20 @@ def test_replacing_an_mlp_equals_transformers_with_the_same_edit(tiny_llm, tiny_
 
     plain_sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
                               extra_args={"output_residual_stream": [3]})
-    replaced, plain = tiny_llm.generate(
-        [{"prompt_token_ids": ids}] * 2,
-        [params(replace_mlp=[{"transcoder": str(skip_path), "keep_error": False}]), plain_sp])
+    # Two requests replacing alike (one group, their rows apart in the batch) around a plain
+    # one.
+    other_ids = tiny_llm.get_tokenizer().encode("A lighthouse keeper counted the ships.")
+    replace = params(replace_mlp=[{"transcoder": str(skip_path), "keep_error": False}])
+    replaced, plain, other = tiny_llm.generate(
+        [{"prompt_token_ids": ids}, {"prompt_token_ids": ids}, {"prompt_token_ids": other_ids}],
+        [replace, plain_sp, replace])
     assert replaced.lens_error is None and plain.lens_error is None
     edits = replacement_edits(LAYER, skip, keep_error=False)
     tokens = list(replaced.outputs[0].token_ids)
     assert tokens == tiny_ref.point_greedy(ids, 8, edits)
+    assert other.lens_error is None
+    assert list(other.outputs[0].token_ids) == tiny_ref.point_greedy(
+        other_ids, 8, replacement_edits(LAYER, skip, keep_error=False))
     assert tokens != list(plain.outputs[0].token_ids)
     every = ids + tokens
     torch.testing.assert_close(replaced.activations["residual_stream"][0],
@@ -189,7 +196,7 @@ def test_over_http_a_named_transcoder_replaces_and_reads_as_offline(smol_server,
     assert entry == {"name": "smol-t5", "layout": "sae-lens",
                      "architecture": "jumprelu_skip_transcoder",
                      "hook_name": "blocks.5.hook_mlp_in", "point": "mlp_in", "layer": 5,
-                     "d_in": 576, "d_sae": 512, "dtype": "float32",
+                     "d_in": 576, "d_sae": 512, "dtype": "float32", "labels": True,
                      "hook_name_out": "blocks.5.hook_mlp_out", "out_point": "mlp_out",
                      "d_out": 576}
     prompt = "The capital of France is"
@@ -214,6 +221,10 @@ def test_over_http_a_named_transcoder_replaces_and_reads_as_offline(smol_server,
         assert torch.equal(found[key], expected[key]), key
     for key in ("values", "nmse"):
         torch.testing.assert_close(found[key], expected[key], rtol=1e-3, atol=1e-3)
+    # Neuronpedia's explanations in its directory (every third feature) label the features.
+    present = sorted({int(i) for i in found["indices"].flatten().tolist() if i >= 0})
+    assert found["labels"] == {i: f"third {i}" for i in present if i % 3 == 0}
+    assert found["labels"] == expected["labels"]
     # With its own prediction in place the transcoder reconstructs mlp_out exactly.
     assert float(found["nmse"].abs().max()) < 1e-4
     ok = httpx.post(smol_server.base_url + "/v1/completions", timeout=60,

@@ -80,6 +80,11 @@ def test_gemma_scope_2_transcoders_read_as_sae_lens_loads_them(tmp_path):
               folder / "params.safetensors")
     cfg["hf_hook_point_in"] = "model.layers.5.output"
     (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SAEFormatError, match="affine_connection=True but params.safetensors "
+                                             "lacks affine_skip_connection"):
+        load_sae(folder)
+    cfg["affine_connection"] = False
+    (folder / "config.json").write_text(json.dumps(cfg))
     sae = load_sae(folder)
     assert (sae.architecture, sae.point, sae.layer, sae.is_transcoder) == (
         "jumprelu", "resid_post", 5, False)
@@ -116,3 +121,48 @@ def test_transcoders_that_do_not_stand_in_for_one_mlp_are_refused_by_name(tmp_pa
         SAE(architecture="skip_transcoder", W_enc=torch.zeros(4, 8), b_enc=torch.zeros(8),
             W_dec=torch.zeros(8, 6), b_dec=torch.zeros(6), layout="mine",
             apply_b_dec_to_input=False)
+
+
+def test_feature_labels_read_from_either_form_and_bad_files_are_named(tmp_path):
+    from vllm_lens.saes.labels import label_file, labels_for, read_labels
+
+    assert read_labels(tmp_path) is None and label_file(tmp_path) is None
+    (tmp_path / "explanations.json").write_text(json.dumps([
+        {"index": "4", "description": "first"}, {"index": 9, "description": "nine"},
+        {"index": "4", "description": "second"}]))
+    assert read_labels(tmp_path) == {4: "first", 9: "nine"}  # a feature's first description
+    (tmp_path / "labels.json").write_text(json.dumps({"2": "two", "9": "plain nine"}))
+    assert read_labels(tmp_path) == {2: "two", 9: "plain nine"}  # labels.json first
+    assert labels_for({2: "two", 9: "nine"}, torch.tensor([[9, -1], [3, 9]])) == {9: "nine"}
+    for text, problem in (("{", "not a JSON labels file"), ("[1, 2]", "Neuronpedia"),
+                          ('{"x": "a"}', "'x' is not a feature index"),
+                          ('{"1": 3}', "label of feature 1 is not a string")):
+        (tmp_path / "labels.json").write_text(text)
+        with pytest.raises(ValueError, match=problem) as info:
+            read_labels(tmp_path)
+        assert "labels.json" in str(info.value)
+
+
+def test_a_transcoder_asked_for_to_replace_is_not_unloaded_within_the_grace_period(tmp_path):
+    """A transcoder loaded for a replacement (``pin``) is kept for the grace period: a load
+    that needs its room is refused instead (its admitted request's salt promises the
+    replacement); an SAE pinned for a column clamp is not kept so."""
+    from tests.integration.saes import saved_sae
+    from vllm_lens.worker.saes import SAERegistry
+
+    saved_transcoder(tmp_path / "t", "transcoder", layer=1, d_in=16, d_sae=64)
+    saved_sae(tmp_path / "s", "standard", "blocks.1.hook_resid_post", d_in=16)
+    saved_sae(tmp_path / "u", "standard", "blocks.2.hook_resid_post", d_in=16)
+    size = max(load_sae(tmp_path / name).nbytes for name in "tsu")
+    now = [0.0]
+    registry = SAERegistry(max_bytes=size + 1, grace_s=60, clock=lambda: now[0])
+    cpu = torch.device("cpu")
+    registry.load(str(tmp_path / "t"), None, cpu, held=set(), pin=True)
+    with pytest.raises(ValueError, match="just admitted"):
+        registry.load(str(tmp_path / "s"), None, cpu, held=set())
+    assert registry.get(str(tmp_path / "t"), None) is not None
+    now[0] = 61.0  # its request has started (and holds it) or is long gone
+    registry.load(str(tmp_path / "s"), None, cpu, held=set(), pin=True)  # a column clamp
+    assert registry.get(str(tmp_path / "t"), None) is None
+    registry.load(str(tmp_path / "u"), None, cpu, held=set())
+    assert registry.get(str(tmp_path / "s"), None) is None

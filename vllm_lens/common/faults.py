@@ -21,8 +21,8 @@ FAULT_KEY = "lens_test_fault"
 #: Where a fault can be injected, in the order a request meets them. ``step`` raises in the
 #: tap outside every per-request stage: the whole step's lens requests fail. ``steer_groups``
 #: raises while the step's steering of every request is joined (``worker.steer``).
-STAGES = ("plan", "steer", "steer_groups", "steer_attention", "hooks", "capture", "step", "fetch",
-          "handoff")
+STAGES = ("plan", "steer", "steer_groups", "steer_attention", "replace_mlp", "hooks", "capture",
+          "step", "fetch", "handoff")
 
 
 class InjectedFault(RuntimeError):

@@ -13,6 +13,7 @@ since its previous output. The merge of ranks and stages is ``frontend.merge``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,8 +26,11 @@ from vllm_lens.common.points import RESIDUAL_SIGNAL, SHARDED
 from vllm_lens.errors import LensExecutionError, SinkConflictError, WorkerCapacityError
 from vllm_lens.frontend.merge import merge_hook_results, merge_rank_payloads
 from vllm_lens.frontend.receipts import join_receipts, unwritten
+from vllm_lens.saes.labels import labels_for, read_labels
 from vllm_lens.spec import CaptureSpec, LensRequest, ModelFacts
 from vllm_lens.common import hook_results
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["OUTPUT_FIELDS", "attach", "attach_partial", "chosen_experts", "discard_unread",
            "fail_output", "install_output_fields", "monitor_records", "sae_features"]
@@ -64,7 +68,9 @@ def sae_features(lens: LensRequest,
     """``sae_features`` of one completion, parallel to ``output_sae_features``: per entry the
     positions read and, per position, the top features' ``indices`` (int32, -1 where fewer
     were active) and ``values`` (float32), descending; with ``reconstruction`` also ``nmse``
-    and ``l0``. The workers sent ``[1, n, width]`` rows (``worker.capture``)."""
+    and ``l0``; where the SAE's directory has labels (``saes.labels``), ``labels``: index ->
+    label of the features the entry holds. The workers sent ``[1, n, width]`` rows
+    (``worker.capture``)."""
     out = []
     for spec in lens.saes:
         found = parts.get(spec.signal)
@@ -73,7 +79,15 @@ def sae_features(lens: LensRequest,
             rows = tensor[0].float()
         else:  # no position selected
             rows, positions = torch.empty(0, spec.width), torch.empty(0, dtype=torch.int64)
-        out.append(spec.entry(rows, positions))
+        entry = spec.entry(rows, positions)
+        try:
+            labels = read_labels(spec.path)
+        except (ValueError, OSError) as exc:  # changed since it was registered: rows still go
+            logger.warning("vllm-lens: the labels of SAE %s are not attached: %s", spec.sae, exc)
+            labels = None
+        if labels is not None:
+            entry["labels"] = labels_for(labels, entry["indices"])
+        out.append(entry)
     return out
 
 

@@ -5,8 +5,8 @@ Adds to ``vllm.LLM`` and ``AsyncLLM`` (``frontend.engine_methods``)::
 
     register_sae(name, path, hook_point=None) -> description
     registered_saes() -> [{"name", "layout", "architecture", "hook_name", "point", "layer",
-                           "d_in", "d_sae", "dtype"} (a transcoder's also "hook_name_out",
-                           "out_point", "d_out")]
+                           "d_in", "d_sae", "dtype", "labels"} (a transcoder's also
+                           "hook_name_out", "out_point", "d_out")]
 
 Registering asks the workers to read the SAE (``lens_load_sae``), checks it against the
 served model as a request would, and keeps its description; the weights stay with the
@@ -43,6 +43,7 @@ from vllm_lens.common.messages import SaeAnswer, SaeSliceAnswer, read_all
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.session import LensSession
 from vllm_lens.frontend.engine_methods import Steps, drive_async, install_methods
+from vllm_lens.saes.labels import label_file, read_labels
 from vllm_lens.spec.keys import MONITORS_KEY, REPLACE_KEY, SAE_KEY, STEER_KEY
 from vllm_lens.spec.monitors import monitor_sae_references
 from vllm_lens.spec.replacement import replacement_references
@@ -91,6 +92,10 @@ def _register(session: LensSession, name: Any, path: Any, hook_point: Any = None
     except ValueError as exc:
         raise LensRequestError("path", str(exc)) from None
     check_description(info, session.facts, "path")
+    try:  # its labels are read now, so a bad file is the operator's error, not a client's
+        read_labels(info["path"])
+    except (ValueError, OSError) as exc:
+        raise LensRequestError("path", str(exc)) from None
     SaeNames.of(session).by_name[name] = (info["path"], hook_point, info)  # again: replaced
     return _listing(name, info)
 
@@ -102,7 +107,8 @@ def _list(session: LensSession) -> Steps:
 
 
 def _listing(name: str, info: Mapping[str, Any]) -> dict[str, Any]:
-    listed = {"name": name, **{k: info.get(k) for k in _LISTED}}
+    listed = {"name": name, **{k: info.get(k) for k in _LISTED},
+              "labels": label_file(info["path"]) is not None}
     if info.get("out_point") is not None:
         listed.update({k: info.get(k) for k in _LISTED_TRANSCODER})
     return listed

@@ -101,6 +101,9 @@ def _output_point(sae: SAE, path: Path) -> str:
     except KeyError as exc:
         raise SAEFormatError(f"{path}: hook_name_out {sae.hook_name_out!r}: "
                              f"{exc.args[0]}") from None
+    if layer is None:
+        raise SAEFormatError(f"{path}: hook_name_out {sae.hook_name_out!r} names no layer; use "
+                             "'blocks.<layer>.hook_mlp_out'")
     if point != "mlp_out" or layer != sae.layer or sae.point not in TRANSCODER_INPUTS:
         raise SAEFormatError(
             f"{path}: a transcoder from {sae.hook_name!r} to {sae.hook_name_out!r} is not "

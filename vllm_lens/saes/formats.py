@@ -156,8 +156,8 @@ def read_sae(path: str | Path) -> SAE:
         SAEFormatError: no layout found, a file that is damaged (not JSON, an unreadable
             safetensors or npz file: the message names it and the error), lacks a tensor or
             disagrees with the others, or an architecture or flag that is not served
-            (``normalize_activations`` other than ``none``, a transcoder, ``batchtopk``
-            training checkpoints ...).
+            (``normalize_activations`` other than ``none``, a sparsify transcoder,
+            ``batchtopk`` training checkpoints ...).
     """
     path = Path(path)
     layout = detect_layout(path)
@@ -285,15 +285,17 @@ def _points_named(cfg: Mapping[str, Any], metadata: Mapping[str, Any], where: Pa
     names = []
     for tl, hf in (("hook_name", ("hf_hook_name", "hf_hook_point_in")),
                    ("hook_name_out", ("hf_hook_name_out", "hf_hook_point_out"))):
-        name = metadata.get(tl) or cfg.get(tl)
-        if not name:
-            raw = next((src.get(k) for k in hf for src in (metadata, cfg) if src.get(k)), None)
-            if raw is not None and (name := hf_hook_name(raw)) is None:
-                raise SAEFormatError(
-                    f"{where}: {raw!r} is not a module output vllm-lens reads as a tap point "
-                    f"(model.layers.<L>. + {', '.join(_HF_POINTS)}); name the point as "
-                    f"{tl}='blocks.<L>.hook_<point>' instead")
-        names.append(name)
+        # The Hugging Face module name, where given, says exactly which tensor it is
+        # (TransformerLens' own ``hook_mlp_in`` is the stream before the norm; sae-lens'
+        # transcoders use the name for the norm's output, as vllm-lens does).
+        raw = next((src.get(k) for k in hf for src in (metadata, cfg) if src.get(k)), None)
+        name = None if raw is None else hf_hook_name(raw)
+        if raw is not None and name is None:
+            raise SAEFormatError(
+                f"{where}: {raw!r} is not a module output vllm-lens reads as a tap point "
+                f"(model.layers.<L>. + {', '.join(_HF_POINTS)}); name the point as "
+                f"{tl}='blocks.<L>.hook_<point>' instead")
+        names.append(name or metadata.get(tl) or cfg.get(tl))
     return names[0], names[1]
 
 
@@ -346,6 +348,10 @@ def _read_gemma_scope_2(path: Path) -> SAE:
     transcoder = hook_out is not None
     if skip is not None and not transcoder:
         raise SAEFormatError(f"{where}: affine_skip_connection without hf_hook_point_out")
+    if "affine_connection" in cfg and bool(cfg["affine_connection"]) != (skip is not None):
+        raise SAEFormatError(f"{where}: affine_connection={cfg['affine_connection']!r} but "
+                             f"{weights.name} {'has' if skip is not None else 'lacks'} "
+                             "affine_skip_connection")
     architecture = ("jumprelu_skip_transcoder" if skip is not None
                     else "jumprelu_transcoder" if transcoder else "jumprelu")
     try:

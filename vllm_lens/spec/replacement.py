@@ -42,6 +42,7 @@ __all__ = ["MAX_CLAMPED", "ReplaceSpec", "parse_replacements", "replacement_dige
 _FIELDS = ("transcoder", "keep_error", "clamp", "hook_point")
 #: Features one replacement may clamp.
 MAX_CLAMPED = 64
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -206,9 +207,9 @@ def _clamp(raw: Any, d_sae: int, field: str, request_id: str | None
             raise LensRequestError(field, f"{key!r} is not a feature of this transcoder (0 to "
                                    f"{d_sae - 1})", request_id=request_id)
         if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or not math.isfinite(value)):
-            raise LensRequestError(f"{field}.{key}", f"a finite number, got {value!r}",
-                                   request_id=request_id)
+                or not math.isfinite(value) or abs(value) > _FLOAT32_MAX):
+            raise LensRequestError(f"{field}.{key}", f"a finite number within float32's range, "
+                                   f"got {value!r}", request_id=request_id)
         if index in pairs:
             raise LensRequestError(field, f"names feature {index} twice", request_id=request_id)
         pairs[index] = float(value)

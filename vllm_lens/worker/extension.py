@@ -241,7 +241,7 @@ class LensWorkerExtension:
         try:
             return SaeAnswer(description=runtime.saes.describe(
                 path, hook_point, device, held, wanted=wanted,
-                dtype=runtime.runner.model_config.dtype), error=None)
+                dtype=runtime.runner.model_config.dtype, pin=clamp), error=None)
         except (ValueError, OSError) as exc:
             return SaeAnswer(description=None, error=str(exc))
         except Exception as exc:  # noqa: BLE001 - e.g. out of device memory: refuse, serve on

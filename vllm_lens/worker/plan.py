@@ -168,12 +168,10 @@ class StepPlan:
     attention: dict[int, list[tuple[RequestSlice, Any]]] = field(default_factory=dict)
     """Layer -> (slice, ``attention_steering.RequestAttentionSteer``) per request whose
     attention is steered there."""
-    replace_in: dict[tuple[int, str], list[tuple[RequestSlice, Any]]] = field(
-        default_factory=dict)
-    """(layer, site) -> (slice, ``replacement.PreparedReplacement``) per request whose MLP a
-    transcoder replaces, at the transcoder's input site."""
-    replace_out: dict[tuple[int, str], list[tuple[RequestSlice, Any]]] = field(
-        default_factory=dict)
+    replace_in: dict[tuple[int, str], list[Any]] = field(default_factory=dict)
+    """(layer, site) -> ``replacement.ReplacementGroup`` per group of requests whose MLP a
+    transcoder replaces alike, at the transcoder's input site."""
+    replace_out: dict[tuple[int, str], list[Any]] = field(default_factory=dict)
     """The same at the MLP's output site."""
     stops: list[tuple[str, Any]] = field(default_factory=list)
     """(request id, ``monitors.MonitorState``) of the requests a ``stop`` monitor may end."""
@@ -182,7 +180,7 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not self.slices and not self.hook_calls
+        return not self.slices and not self.hook_calls and not self.replace_in
 
     @functools.cached_property
     def slice_by_req(self) -> dict[str, RequestSlice]:

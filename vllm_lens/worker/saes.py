@@ -8,9 +8,13 @@ the least recently used SAE that no request holds is unloaded; if that is not en
 load is refused. SAEs asked for in the last ``ADMISSION_GRACE_S`` seconds are unloaded last:
 the request one was loaded for was admitted but may not have started yet (only a running
 request holds its SAEs), and unloading it then would fail that request; when room is needed
-and only they are left, they go too (least recently used first) rather than refusing. A rank keeps an SAE where it captures the SAE's layer, and also, for a
-request clamping a TopK SAE's features, on every TP rank of the stage holding that layer
-(``worker.steer``: the clamp encodes whole rows with it).
+and only they are left, they go too (least recently used first) rather than refusing —
+except those asked for to *change* the model's computation (a TopK clamp, a transcoder
+replacing an MLP: ``pin``): their requests' prefix-cache salt promises that edit, so they
+are never unloaded within the grace period, and a load that needs their room is refused
+instead. A rank keeps an SAE where it captures the SAE's layer, and also, for a
+request clamping a TopK SAE's features or replacing an MLP by a transcoder, on every TP rank
+of the stage holding that layer (``worker.steer``, ``worker.replacement``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import torch
 
 from vllm_lens.saes import SAE, load_sae
+from vllm_lens.saes.model import WHOLE_CLAMP
 
 __all__ = ["ADMISSION_GRACE_S", "SAERegistry"]
 
@@ -43,6 +48,8 @@ class SAERegistry:
         self._clock = clock
         self._asked: dict[Key, float] = {}
         """When each SAE was last asked for (``describe``, ``load``)."""
+        self._pinned: dict[Key, float] = {}
+        """When each SAE was last asked for to change the computation (``pin``)."""
         self._loaded: OrderedDict[Key, SAE] = OrderedDict()
         """(real path, hook point override) -> the SAE on the device, least recently used
         first."""
@@ -52,13 +59,23 @@ class SAERegistry:
         """Descriptions of SAEs read here but kept by other ranks (their layer is not
         captured here), so that they are read once, not at every request."""
 
-    def _touch(self, key: Key) -> set[Key]:
-        """Note that ``key`` was asked for now; returns the keys asked for within the grace
-        period (those older are forgotten, so the record stays small)."""
+    def _touch(self, key: Key, pin: bool = False) -> tuple[set[Key], set[Key]]:
+        """Note that ``key`` was asked for now (``pin``: to change the computation); returns
+        the keys asked for, and those pinned, within the grace period (those older are
+        forgotten, so the records stay small)."""
         now = self._clock()
         self._asked = {k: t for k, t in self._asked.items() if now - t < self.grace_s}
+        self._pinned = {k: t for k, t in self._pinned.items() if now - t < self.grace_s}
         self._asked[key] = now
-        return set(self._asked)
+        if pin:
+            self._pinned[key] = now
+        return set(self._asked), set(self._pinned)
+
+    def _keep_pinned(self, key: Key, sae: SAE) -> None:
+        """Only an SAE a request computes with whole is pinned (a standard or JumpReLU clamp
+        carries its features' columns and needs no copy here)."""
+        if not (sae.architecture in WHOLE_CLAMP or sae.is_transcoder):
+            self._pinned.pop(key, None)
 
     @staticmethod
     def key(path: str, hook_point: str | None) -> Key:
@@ -88,12 +105,13 @@ class SAERegistry:
 
     def describe(self, path: str, hook_point: str | None, device: torch.device,
                  held: Container[Key], wanted: Wanted,
-                 dtype: torch.dtype | None = None) -> dict[str, Any]:
+                 dtype: torch.dtype | None = None, pin: bool = False) -> dict[str, Any]:
         """``load`` it (or only read it, if not ``wanted`` here) and describe it, with the
         ``hook_point`` it is kept under and the ``version`` of its files (their modification
-        times when read: what a TopK clamp's prefix-cache salt names)."""
+        times when read: what a TopK clamp's prefix-cache salt names). ``pin``: a request
+        will change the computation with it (see the module's docstring)."""
         key = self.key(path, hook_point)
-        self._touch(key)
+        self._touch(key, pin)
         if key in self._stamps and self._stamps[key] != _stamp(key[0]):  # changed on disk
             if key in self._loaded and key in held:
                 raise ValueError("its files changed while running requests read the copy "
@@ -103,7 +121,7 @@ class SAERegistry:
         known = self._elsewhere.get(key)
         if known is not None and not wanted(known):
             return known
-        sae = self.load(path, hook_point, device, held, wanted, dtype)
+        sae = self.load(path, hook_point, device, held, wanted, dtype, pin)
         description = {**describe(sae, path), "hook_point": hook_point,
                        "version": list(self._stamps[key])}
         if key in self._loaded:
@@ -114,21 +132,24 @@ class SAERegistry:
 
     def load(self, path: str, hook_point: str | None, device: torch.device,
              held: Container[Key], wanted: Wanted = lambda info: True,
-             dtype: torch.dtype | None = None) -> SAE:
+             dtype: torch.dtype | None = None, pin: bool = False) -> SAE:
         """The SAE at ``path`` on ``device``, loaded once. ``held``: keys running requests
         read (never unloaded). An SAE ``wanted`` says no to (given its description) is read
         and described but not kept (a rank that neither captures nor clamps its layer).
         ``dtype``: the rows' dtype; an SAE narrower than it is kept widened once (and counted
         so), wider ones as they are. An SAE that computes on the host makes its encoder's
-        reordered copy here (``SAE.prepare``, counted), never in a forward pass."""
+        reordered copy here (``SAE.prepare``, counted), never in a forward pass. ``pin``:
+        as for ``describe``."""
         key = self.key(path, hook_point)
-        recent = self._touch(key)
+        recent, pinned = self._touch(key, pin)
         found = self.get(path, hook_point)
         if found is not None:
+            self._keep_pinned(key, found)
             return found
         stamp = _stamp(key[0])
         sae = load_sae(key[0], hook_point)
         self._stamps[key] = stamp
+        self._keep_pinned(key, sae)
         if not wanted(describe(sae, key[0])):
             return sae
         if dtype is not None and torch.promote_types(sae.dtype, dtype) != sae.dtype:
@@ -138,13 +159,16 @@ class SAERegistry:
         if sae.nbytes > self.max_bytes:
             raise ValueError(f"its weights take {sae.nbytes:,} bytes, more than "
                              f"VLLM_LENS_SAE_MAX_BYTES ({self.max_bytes:,})")
-        free = [k for k in self._loaded if k not in held]  # least recently used first
+        # Least recently used first; never one a running request reads, nor one a request
+        # admitted within the grace period will change the computation with.
+        free = [k for k in self._loaded if k not in held and k not in pinned]
         for other in [k for k in free if k not in recent] + [k for k in free if k in recent]:
             if self.nbytes + sae.nbytes <= self.max_bytes:
                 break
             del self._loaded[other]
         if self.nbytes + sae.nbytes > self.max_bytes:
-            raise ValueError(f"the SAEs running requests read take {self.nbytes:,} bytes of "
+            raise ValueError(f"the SAEs running (or just admitted) requests read take "
+                             f"{self.nbytes:,} bytes of "
                              f"VLLM_LENS_SAE_MAX_BYTES ({self.max_bytes:,}); {sae.nbytes:,} "
                              "more do not fit: retry when they finish, or raise the setting")
         self._loaded[key] = sae = sae.to(device)

@@ -34,7 +34,11 @@ from vllm_lens.worker.capture import capture_layer
 from vllm_lens.worker.hooks import HookCall, HookState, ParameterSource, run_hook_calls
 from vllm_lens.worker.monitors import MonitorState, StopControl
 from vllm_lens.worker.plan import RequestSlice, StepPlan
-from vllm_lens.worker.replacement import prepare_replacement
+from vllm_lens.worker.replacement import (
+    PreparedReplacement,
+    ReplacementGroup,
+    prepare_replacement,
+)
 from vllm_lens.worker.request_records import RequestRecord, RequestTable, describe
 from vllm_lens.worker.runner import RunnerView
 from vllm_lens.worker.steer import (
@@ -121,10 +125,10 @@ class LensRuntime:
             for s in plan.slices:
                 faults.check(s.lens.fault, "step")
         where = (layer, site)
-        for s, replacement in plan.replace_out.get(where, ()):  # before the site's steering
-            if self._running(s.req_id):
-                self._guarded("replace_mlp", (s.req_id,), replacement.write, hidden, residual,
-                              s.start, s.end)
+        for group in plan.replace_out.get(where, ()):  # before the site's steering
+            # (Whatever else of its requests failed: every rank keeps replacing alike.)
+            if group.pending is not None or not group.failed:
+                self._replace(group, group.write, hidden, residual)
         steering = plan.steer.get(where)
         if steering is not None:
             self._guarded("steer", steering.req_ids, self._steer, plan, steering, hidden,
@@ -132,10 +136,9 @@ class LensRuntime:
         if where in plan.hook_layers:
             self._guarded("hooks", (c.req_id for c in plan.hook_calls), self._run_hooks,
                           plan, layer, site, hidden, residual)
-        for s, replacement in plan.replace_in.get(where, ()):  # what the MLP reads, steered
-            if self._running(s.req_id):
-                self._guarded("replace_mlp", (s.req_id,), replacement.read, hidden, residual,
-                              s.start, s.end)
+        for group in plan.replace_in.get(where, ()):  # what the MLP reads, steered
+            if not group.failed:
+                self._replace(group, group.read, hidden, residual)
         for group, index in plan.capture.get(where, ()):
             if not group.failed:
                 self._guarded_capture(plan, group, index, hidden, residual, site)
@@ -176,10 +179,17 @@ class LensRuntime:
                 record.gates.setdefault(gate.index, []).append((gate.offsets + s.pos0,
                                                                 gate.values))
 
-    def _running(self, req_id: str) -> bool:
-        """Its lens work has not failed (in this step or before)."""
-        record = self.requests.records.get(req_id)
-        return record is not None and record.error is None
+    def _replace(self, group: ReplacementGroup, stage, hidden: torch.Tensor,
+                 residual: torch.Tensor | None) -> None:
+        """One site of a replaced MLP (``worker.replacement``); if it raises, the group's
+        replacements stop and their requests fail (and end: ``_close_guarded``)."""
+        try:
+            stage(hidden, residual)
+        except Exception as exc:
+            group.pending = None
+            for _, replacement in group.members:
+                replacement.failed = True
+            self._fail([s.req_id for s, _ in group.members], exc, "replace_mlp")
 
     def _guarded(self, stage: str, req_ids: Iterable[str], fn, *args) -> None:
         """``fn(*args)``; if it raises, ``req_ids`` (evaluated only then) fail at ``stage``."""
@@ -219,8 +229,13 @@ class LensRuntime:
 
     def _close_guarded(self, record: RequestRecord) -> None:
         """A failed request a ``stop`` monitor guards ends from this step on (a guardrail
-        fails closed), whether or not its monitors were built."""
-        if not any(m.stops for m in record.lens.monitors):
+        fails closed), whether or not its monitors were built; so does one whose MLP
+        replacement failed (its prefix-cache salt promises the replacement: it must not go on
+        computing without it; with ``ignore_eos`` it cannot be ended and runs on, and its
+        error says so)."""
+        replacement_failed = any(r.failed for r in record.replacements or ()) or (
+            record.lens.replace_mlp and record.replacements is None)
+        if not any(m.stops for m in record.lens.monitors) and not replacement_failed:
             return
         state = record.monitors
         if state is None:
@@ -334,11 +349,16 @@ class LensRuntime:
                                        f"hooks' results to the host: {describe(exc)}",
                                        "traceback": ""}
         persistent = bool(self.persistent_specs)
-        slices, hook_calls = [], []
+        slices, hook_calls, replaced = [], [], []
         for sched in self.view.scheduled(plain=persistent):
             record = self.requests.lookup(sched.req_id, sched.payload)
             if record is not None and record.error is not None:
                 self._close_guarded(record)  # its monitors no longer run: it ends
+                if record.replacements and not any(r.failed for r in record.replacements):
+                    # Its salt promises the replacement: that keeps running (every rank).
+                    replaced.append(RequestSlice(
+                        req_id=sched.req_id, lens=record.running_lens, start=sched.start,
+                        end=sched.end, pos0=sched.pos0, n_prompt=sched.n_prompt))
                 record = None  # a failed request runs to its end without its lens work
             if record is None and not persistent:
                 continue
@@ -364,7 +384,7 @@ class LensRuntime:
                 "its captured rows waited longer than VLLM_LENS_FINISHED_TTL_S for the front "
                 "end to fetch them and were dropped",
                 "capture")
-        if not slices and not hook_calls:
+        if not slices and not hook_calls and not replaced:
             self._steer_layout, self._steer_groups = (), {}
             return _EMPTY_PLAN
         plan = StepPlan.build(slices, device, self.capture_layers, self.shard_layers,
@@ -400,26 +420,34 @@ class LensRuntime:
             if s.lens.steer_attention:
                 self._guarded("steer_attention", (s.req_id,), self._plan_attention, plan, s,
                               device, dtype)
-            if s.lens.replace_mlp:
-                self._guarded("replace_mlp", (s.req_id,), self._plan_replacement, plan, s)
+        replacing: dict[tuple, list[tuple[RequestSlice, PreparedReplacement]]] = {}
+        for s in (*(s for s in slices if s.lens.replace_mlp), *replaced):
+            self._guarded("replace_mlp", (s.req_id,), self._plan_replacement, replacing, s)
+        for members in replacing.values():
+            self._guarded("replace_mlp", [s.req_id for s, _ in members],
+                          self._group_replacements, plan, members, device)
         return plan
 
-    def _plan_replacement(self, plan: StepPlan, s: RequestSlice) -> None:
-        """Its MLPs replaced by transcoders on this stage (``worker.replacement``)."""
+    def _plan_replacement(self, replacing: dict[tuple, list], s: RequestSlice) -> None:
+        """Its MLPs replaced by transcoders on this stage (``worker.replacement``), added to
+        ``replacing`` by what they compute alike."""
         record = self.requests.records[s.req_id]
         if record.replacements is None:
-            faults.check(record.lens.fault, "steer")
+            faults.check(record.lens.fault, "replace_mlp")
             record.replacements = [
                 prepare_replacement(spec, self._held_transcoder(spec), split=self.split)
                 for spec in s.lens.replace_mlp if spec.layer in self.shard_layers]
         for replacement in record.replacements:
-            if replacement.idle:
-                continue
-            layer = replacement.spec.layer
-            plan.replace_in.setdefault((layer, replacement.in_site), []).append(
-                (s, replacement))
-            plan.replace_out.setdefault((layer, replacement.out_site), []).append(
-                (s, replacement))
+            if not replacement.idle:
+                replacing.setdefault(replacement.key, []).append((s, replacement))
+
+    @staticmethod
+    def _group_replacements(plan: StepPlan, members: list, device: torch.device) -> None:
+        group = ReplacementGroup.build(members, device)
+        replacement = group.replacement
+        layer = replacement.spec.layer
+        plan.replace_in.setdefault((layer, replacement.in_site), []).append(group)
+        plan.replace_out.setdefault((layer, replacement.out_site), []).append(group)
 
     def _held_transcoder(self, spec: ReplaceSpec) -> SAE:
         """The transcoder a replacement computes with: this worker's, loaded when the front

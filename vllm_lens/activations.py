@@ -121,6 +121,11 @@ def decode_sae_features(value: Any) -> Any:
 
     Raises:
         WireError: a tensor record is malformed.
+
+    Examples:
+        >>> from vllm_lens.activations import decode_sae_features
+        >>> decode_sae_features([{"sae": "l10", "labels": {"7": "the sea"}}])[0]["labels"]
+        {7: 'the sea'}
     """
     entries = decode_json_tensors(value)
     for entry in entries or ():

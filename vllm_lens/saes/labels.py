@@ -1,5 +1,5 @@
 """Feature labels shipped beside an SAE or transcoder, read from its directory (runs in: front
-end, or a user's own process).
+end, caller).
 
 A directory may hold ``labels.json`` or ``explanations.json`` (the first found, in that order), either
 

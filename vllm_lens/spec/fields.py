@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 from vllm_lens.common import points as tap_points
@@ -20,6 +21,20 @@ def json_value(raw: Any, field: str, request_id: str | None) -> Any:
         return json.loads(raw)
     except json.JSONDecodeError as exc:
         raise LensRequestError(field, f"not valid JSON ({exc.msg})", request_id=request_id) from None
+
+
+def checked_item(item: Any, allowed: tuple[str, ...], field: str, expected: str,
+                 request_id: str | None) -> Mapping[str, Any]:
+    """One item of a list-valued lens key: a mapping with only ``allowed`` keys; otherwise a
+    ``LensRequestError`` naming ``field`` (saying what was ``expected``) or the unknown key."""
+    if not isinstance(item, Mapping):
+        raise LensRequestError(field, f"expected {expected}, got {type(item).__name__}",
+                               request_id=request_id)
+    unknown = [k for k in item if k not in allowed]
+    if unknown:
+        raise LensRequestError(f"{field}.{unknown[0]}", "unknown field; allowed fields are "
+                               f"{', '.join(allowed)}", request_id=request_id)
+    return item
 
 
 def parse_layers(raw: Any, facts: ModelFacts, field: str, request_id: str | None) -> tuple[int, ...]:

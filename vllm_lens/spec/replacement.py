@@ -32,9 +32,9 @@ from typing import Any
 from vllm_lens.common import points as tap_points
 from vllm_lens.errors import LensRequestError
 from vllm_lens.spec.facts import ModelFacts
-from vllm_lens.spec.fields import check_site, json_value
+from vllm_lens.spec.fields import check_site, checked_item, json_value
 from vllm_lens.spec.keys import REPLACE_KEY
-from vllm_lens.spec.saes import MAX_SAE_ENTRIES, Describe, described
+from vllm_lens.spec.saes import MAX_SAE_ENTRIES, Describe, described, named_sae
 
 __all__ = ["MAX_CLAMPED", "ReplaceSpec", "parse_replacements", "replacement_digest",
            "replacement_references"]
@@ -139,22 +139,9 @@ def parse_replacements(raw: Any, facts: ModelFacts, describe: Describe | None,
 
 def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: str,
                request_id: str | None) -> ReplaceSpec:
-    if not isinstance(item, Mapping):
-        raise LensRequestError(field, 'expected {"transcoder": <name>, "keep_error": true or '
-                               f'false, "clamp": {{feature: value}}}}, got {type(item).__name__}',
-                               request_id=request_id)
-    unknown = [k for k in item if k not in _FIELDS]
-    if unknown:
-        raise LensRequestError(f"{field}.{unknown[0]}", "unknown field; allowed fields are "
-                               f"{', '.join(_FIELDS)}", request_id=request_id)
-    name, hook_point = item.get("transcoder"), item.get("hook_point")
-    if not isinstance(name, str) or not name:
-        raise LensRequestError(f"{field}.transcoder", "missing: a registered transcoder's name "
-                               "(offline, also the directory holding one)",
-                               request_id=request_id)
-    if hook_point is not None and not isinstance(hook_point, str):
-        raise LensRequestError(f"{field}.hook_point", "a name such as "
-                               "'blocks.3.hook_mlp_in'", request_id=request_id)
+    item = checked_item(item, _FIELDS, field, '{"transcoder": <name>, "keep_error": true or '
+                        'false, "clamp": {feature: value}}', request_id)
+    name, hook_point = named_sae(item, field, request_id, key="transcoder")
     keep_error = item.get("keep_error")
     if keep_error in ("true", "false"):
         keep_error = keep_error == "true"

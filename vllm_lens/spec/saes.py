@@ -25,7 +25,7 @@ from vllm_lens.common import points as tap_points
 from vllm_lens.errors import LensRequestError, UnsupportedConfigError
 from vllm_lens.spec.capture import CaptureSpec, parse_positions
 from vllm_lens.spec.facts import ModelFacts
-from vllm_lens.spec.fields import check_site, json_value
+from vllm_lens.spec.fields import check_site, checked_item, json_value
 from vllm_lens.spec.keys import SAE_KEY
 
 __all__ = ["MAX_SAE_ENTRIES", "SAEFeatureSpec", "check_description", "described", "named_sae",
@@ -188,14 +188,16 @@ def check_description(info: Mapping[str, Any], facts: ModelFacts, field: str,
     return point, layer, d_sae
 
 
-def named_sae(item: Mapping[str, Any], where: str,
-              request_id: str | None) -> tuple[str, str | None]:
-    """An item's ``sae`` and ``hook_point`` (steering or a monitor by feature), checked for
-    their types; a problem is a ``LensRequestError`` naming ``where.sae`` / ``.hook_point``."""
-    name, hook_point = item.get("sae"), item.get("hook_point")
+def named_sae(item: Mapping[str, Any], where: str, request_id: str | None,
+              key: str = "sae") -> tuple[str, str | None]:
+    """An item's ``sae`` (or ``key``: a replacement's ``transcoder``) and ``hook_point``,
+    checked for their types; a problem is a ``LensRequestError`` naming ``where.sae`` /
+    ``.hook_point``."""
+    name, hook_point = item.get(key), item.get("hook_point")
     if not isinstance(name, str) or not name:
-        raise LensRequestError(f"{where}.sae", "a registered SAE's name (offline, also the "
-                               "directory holding one)", request_id=request_id)
+        what = "transcoder" if key == "transcoder" else "SAE"
+        raise LensRequestError(f"{where}.{key}", f"a registered {what}'s name (offline, also "
+                               "the directory holding one)", request_id=request_id)
     if hook_point is not None and not isinstance(hook_point, str):
         raise LensRequestError(f"{where}.hook_point", "a name such as "
                                "'blocks.3.hook_resid_post'", request_id=request_id)
@@ -220,22 +222,9 @@ def described(describe: Describe | None, name: str, hook_point: str | None, fact
 
 def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: str,
                request_id: str | None) -> SAEFeatureSpec:
-    if not isinstance(item, Mapping):
-        raise LensRequestError(field, 'expected {"sae": <name or directory>, "positions", "top_k", '
-                               f'"reconstruction", "hook_point"}}, got {type(item).__name__}',
-                               request_id=request_id)
-    unknown = [k for k in item if k not in _FIELDS]
-    if unknown:
-        raise LensRequestError(f"{field}.{unknown[0]}", "unknown field; allowed fields are "
-                               f"{', '.join(_FIELDS)}", request_id=request_id)
-    name = item.get("sae")
-    if not isinstance(name, str) or not name:
-        raise LensRequestError(f"{field}.sae", "missing: a registered SAE's name (offline, "
-                               "also the directory holding one)", request_id=request_id)
-    hook_point = item.get("hook_point")
-    if hook_point is not None and not isinstance(hook_point, str):
-        raise LensRequestError(f"{field}.hook_point", "a name such as "
-                               "'blocks.3.hook_resid_post'", request_id=request_id)
+    item = checked_item(item, _FIELDS, field, '{"sae": <name or directory>, "positions", '
+                        '"top_k", "reconstruction", "hook_point"}', request_id)
+    name, hook_point = named_sae(item, field, request_id)
     info, point, layer, d_sae = described(describe, name, hook_point, facts, f"{field}.sae",
                                           "serve SAE features", request_id)
     top_k = item.get("top_k", min(32, d_sae))

@@ -37,7 +37,7 @@ from vllm_lens.spec.replacement import ReplaceSpec
 from vllm_lens.worker.capture import sae_chunk_rows
 from vllm_lens.worker.plan import device_index
 
-__all__ = ["PreparedReplacement", "ReplacementGroup", "prepare_replacement"]
+__all__ = ["PreparedReplacement", "ReplacementGroup", "held_transcoder", "prepare_replacement"]
 
 
 @dataclass
@@ -109,6 +109,16 @@ class ReplacementGroup:
             rows = device_index(np.concatenate([np.arange(a, b) for a, b in ranges]), device)
         return cls(members[0][1], members, rows)
 
+    @classmethod
+    def add_to(cls, plan: Any, members: list[tuple[Any, PreparedReplacement]],
+               device: torch.device) -> None:
+        """Group ``members`` for this step and put the group where ``plan`` (``StepPlan``)
+        runs it: at its input site and at the MLP's output site."""
+        group = cls.build(members, device)
+        spec = group.replacement.spec
+        plan.replace_in.setdefault((spec.layer, group.replacement.in_site), []).append(group)
+        plan.replace_out.setdefault((spec.layer, group.replacement.out_site), []).append(group)
+
     @property
     def failed(self) -> bool:
         return any(r.failed for _, r in self.members)
@@ -162,6 +172,21 @@ class ReplacementGroup:
 
 def _pick(tensor: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
     return tensor[rows] if isinstance(rows, slice) else tensor.index_select(0, rows)
+
+
+def held_transcoder(saes: Any, spec: ReplaceSpec) -> SAE:
+    """The transcoder a replacement computes with: the one this worker's registry
+    (``worker.saes.SAERegistry``) loaded when the front end admitted the request, of the
+    files it was admitted with."""
+    transcoder = saes.get(spec.path, spec.hook_point, resolved=True)
+    if transcoder is None:
+        raise ValueError(f"the transcoder {spec.transcoder!r} replacing layer {spec.layer}'s "
+                         "MLP is not loaded on this worker (unloaded for another since the "
+                         "request was admitted?)")
+    if saes.version(spec.path, spec.hook_point) != spec.version:
+        raise ValueError(f"the transcoder {spec.transcoder!r} was read again from changed "
+                         "files since the request was admitted; retry it")
+    return transcoder
 
 
 def prepare_replacement(spec: ReplaceSpec, transcoder: SAE, *, split: bool

@@ -27,7 +27,6 @@ from vllm_lens.common import faults
 from vllm_lens.common.points import SAE_PREFIX, hook_site, site_of
 from vllm_lens.saes import SAE
 from vllm_lens.spec import HookSpec, SteerSpec
-from vllm_lens.spec.replacement import ReplaceSpec
 from vllm_lens.worker.attention_steering import AttentionSteering
 from vllm_lens.worker.attention_taps import AttentionTaps
 from vllm_lens.worker.capture import capture_layer
@@ -37,6 +36,7 @@ from vllm_lens.worker.plan import RequestSlice, StepPlan
 from vllm_lens.worker.replacement import (
     PreparedReplacement,
     ReplacementGroup,
+    held_transcoder,
     prepare_replacement,
 )
 from vllm_lens.worker.request_records import RequestRecord, RequestTable, describe
@@ -425,7 +425,7 @@ class LensRuntime:
             self._guarded("replace_mlp", (s.req_id,), self._plan_replacement, replacing, s)
         for members in replacing.values():
             self._guarded("replace_mlp", [s.req_id for s, _ in members],
-                          self._group_replacements, plan, members, device)
+                          ReplacementGroup.add_to, plan, members, device)
         return plan
 
     def _plan_replacement(self, replacing: dict[tuple, list], s: RequestSlice) -> None:
@@ -435,32 +435,12 @@ class LensRuntime:
         if record.replacements is None:
             faults.check(record.lens.fault, "replace_mlp")
             record.replacements = [
-                prepare_replacement(spec, self._held_transcoder(spec), split=self.split)
+                prepare_replacement(spec, held_transcoder(self.saes, spec), split=self.split)
                 for spec in s.lens.replace_mlp if spec.layer in self.shard_layers]
         for replacement in record.replacements:
             if not replacement.idle:
                 replacing.setdefault(replacement.key, []).append((s, replacement))
 
-    @staticmethod
-    def _group_replacements(plan: StepPlan, members: list, device: torch.device) -> None:
-        group = ReplacementGroup.build(members, device)
-        replacement = group.replacement
-        layer = replacement.spec.layer
-        plan.replace_in.setdefault((layer, replacement.in_site), []).append(group)
-        plan.replace_out.setdefault((layer, replacement.out_site), []).append(group)
-
-    def _held_transcoder(self, spec: ReplaceSpec) -> SAE:
-        """The transcoder a replacement computes with: this worker's, loaded when the front
-        end admitted the request, of the files it was admitted with."""
-        transcoder = self.saes.get(spec.path, spec.hook_point, resolved=True)
-        if transcoder is None:
-            raise ValueError(f"the transcoder {spec.transcoder!r} replacing layer "
-                             f"{spec.layer}'s MLP is not loaded on this worker (unloaded for "
-                             "another since the request was admitted?)")
-        if self.saes.version(spec.path, spec.hook_point) != spec.version:
-            raise ValueError(f"the transcoder {spec.transcoder!r} was read again from changed "
-                             "files since the request was admitted; retry it")
-        return transcoder
 
     def _plan_attention(self, plan: StepPlan, s: RequestSlice, device: torch.device,
                         dtype: torch.dtype) -> None:

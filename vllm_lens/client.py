@@ -461,7 +461,7 @@ class LensClient:
             >>> parts[-1].activations["residual_stream"].shape[0]
             1
             >>> sorted(r.sae_features[0]), r.sae_features[0]["indices"].shape[1]
-            (['indices', 'layer', 'point', 'positions', 'sae', 'values'], 4)
+            (['indices', 'labels', 'layer', 'point', 'positions', 'sae', 'values'], 4)
         """
         return self._run("/v1/completions", "prompt", prompt, stream, dict(
             max_tokens=max_tokens, temperature=temperature, capture_layers=capture_layers,

@@ -209,7 +209,8 @@ def test_registered_name_offline_and_its_listing(tiny_llm, tiny_ref, saes, tmp_p
     listed = tiny_llm.register_sae("resid-2", str(resid_path))
     assert listed == {"name": "resid-2", "layout": "sae-lens", "architecture": "jumprelu",
                       "hook_name": "blocks.2.hook_resid_post", "point": "resid_post",
-                      "layer": 2, "d_in": 128, "d_sae": 512, "dtype": "float32"}
+                      "layer": 2, "d_in": 128, "d_sae": 512, "dtype": "float32",
+                      "labels": False}
     assert tiny_llm.registered_saes() == [listed]
     sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, extra_args={
         "output_sae_features": {"sae": "resid-2", "top_k": 8, "positions": "last_prompt"}})

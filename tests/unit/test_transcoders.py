@@ -144,7 +144,7 @@ def test_feature_labels_read_from_either_form_and_bad_files_are_named(tmp_path):
 
 
 def test_a_transcoder_asked_for_to_replace_is_not_unloaded_within_the_grace_period(tmp_path):
-    """A transcoder loaded for a replacement (``pin``) is kept for the grace period: a load
+    """A transcoder loaded for a replacement (``pin``) is kept for ten minutes: a load
     that needs its room is refused instead (its admitted request's salt promises the
     replacement); an SAE pinned for a column clamp is not kept so."""
     from tests.integration.saes import saved_sae
@@ -161,8 +161,53 @@ def test_a_transcoder_asked_for_to_replace_is_not_unloaded_within_the_grace_peri
     with pytest.raises(ValueError, match="just admitted"):
         registry.load(str(tmp_path / "s"), None, cpu, held=set())
     assert registry.get(str(tmp_path / "t"), None) is not None
-    now[0] = 61.0  # its request has started (and holds it) or is long gone
+    now[0] = 61.0  # past the admission grace, still pinned
+    with pytest.raises(ValueError, match="just admitted"):
+        registry.load(str(tmp_path / "s"), None, cpu, held=set())
+    now[0] = 601.0  # its request has started (and holds it) or is long gone
     registry.load(str(tmp_path / "s"), None, cpu, held=set(), pin=True)  # a column clamp
     assert registry.get(str(tmp_path / "t"), None) is None
+    now[0] = 700.0  # (past s's admission grace)
     registry.load(str(tmp_path / "u"), None, cpu, held=set())
     assert registry.get(str(tmp_path / "s"), None) is None
+
+
+def test_replace_mlp_parses_travels_and_salts_by_what_it_changes():
+    """``replace_mlp`` against a described transcoder: its spec travels to the workers
+    unchanged; the prefix-cache salt tells replaced requests from plain ones, and apart by
+    transcoder version, ``keep_error`` and clamp; ``keep_error`` without a clamp changes
+    nothing, so it is not salted; bad clamps are refused by field."""
+    from vllm_lens.errors import LensRequestError
+    from vllm_lens.spec import LensRequest, ModelFacts, parse_extra_args
+
+    facts = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=128,
+                       max_model_len=1024, mapped=True, sites=("pre", "mid", "mlp_in", "post"))
+    info = {"path": "/t/a", "point": "mlp_in", "layer": 1, "d_in": 128, "d_sae": 512,
+            "architecture": "transcoder", "out_point": "mlp_out", "d_out": 128,
+            "version": [5]}
+
+    def describe(sae, hook_point, clamp=False):
+        return info
+
+    describe.sae_slice = None  # (an offline describer has it; the parse asks clamp=True)
+
+    def lens(value, **changed):
+        info.update(changed)
+        return parse_extra_args({"replace_mlp": value}, lambda: facts, saes=describe)[1]
+
+    replaced = lens([{"transcoder": "a", "keep_error": False}])
+    (spec,) = replaced.replace_mlp
+    assert (spec.point, spec.layer, spec.keep_error, spec.version) == ("mlp_in", 1, False, (5,))
+    assert LensRequest.from_payload(replaced.to_payload()).replace_mlp == replaced.replace_mlp
+    salts = {replaced.cache_salt,
+             lens({"transcoder": "a", "keep_error": True, "clamp": {"3": 1.0}}).cache_salt,
+             lens({"transcoder": "a", "keep_error": True, "clamp": {"3": 2.0}}).cache_salt,
+             lens({"transcoder": "a", "keep_error": False}, version=[6]).cache_salt}
+    assert len(salts) == 4 and None not in salts
+    assert lens({"transcoder": "a", "keep_error": True}).cache_salt is None
+    clamped = lens({"transcoder": "a", "keep_error": True, "clamp": {"40": 0.5, "3": 1}})
+    assert clamped.replace_mlp[0].clamp == ((3, 1.0), (40, 0.5))
+    for clamp, problem in (({"²": 1.0}, "not a feature"), ({"512": 1.0}, "not a feature"),
+                           ({"3": 1e39}, "float32's range"), ({}, "a map of feature")):
+        with pytest.raises(LensRequestError, match=problem):
+            lens({"transcoder": "a", "keep_error": True, "clamp": clamp})

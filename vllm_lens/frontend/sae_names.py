@@ -283,7 +283,8 @@ def described_beforehand(described: _Described | None) -> Iterator[None]:
 async def async_describer(engine: Any, extra_args: Mapping[str, Any] | None,
                           paths: bool) -> Describe | None:
     """``spec.saes``' describe for an ``AsyncLLM``: the SAEs ``extra_args`` name (features to
-    read, features to steer by, transcoders replacing MLPs) are described and their slices fetched first, then the
+    read, features to steer by, transcoders replacing MLPs) are described and their slices
+    fetched first, then the
     parse looks them up. ``paths``: directories are accepted (not over HTTP). ``None`` when
     the request names no SAE."""
     if not extra_args:

@@ -290,12 +290,13 @@ def _points_named(cfg: Mapping[str, Any], metadata: Mapping[str, Any], where: Pa
         # transcoders use the name for the norm's output, as vllm-lens does).
         raw = next((src.get(k) for k in hf for src in (metadata, cfg) if src.get(k)), None)
         name = None if raw is None else hf_hook_name(raw)
-        if raw is not None and name is None:
+        given = metadata.get(tl) or cfg.get(tl)
+        if raw is not None and name is None and not given:
             raise SAEFormatError(
                 f"{where}: {raw!r} is not a module output vllm-lens reads as a tap point "
                 f"(model.layers.<L>. + {', '.join(_HF_POINTS)}); name the point as "
                 f"{tl}='blocks.<L>.hook_<point>' instead")
-        names.append(name or metadata.get(tl) or cfg.get(tl))
+        names.append(name or given)
     return names[0], names[1]
 
 

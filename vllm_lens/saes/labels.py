@@ -1,7 +1,8 @@
 """Feature labels shipped beside an SAE or transcoder, read from its directory (runs in: front
 end, caller).
 
-A directory may hold ``labels.json`` or ``explanations.json`` (the first found, in that order), either
+A directory may hold ``labels.json`` or ``explanations.json`` (the first found, in that
+order), either
 
 - a JSON object ``{"<feature index>": "label", ...}``, or
 - a JSON list of Neuronpedia's exported explanations, ``[{"index": "12", "description":
@@ -23,7 +24,6 @@ refused with a ``ValueError`` naming the file.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -59,11 +59,29 @@ def read_labels(directory: str | os.PathLike) -> dict[int, str] | None:
     if path is None:
         return None
     stat = path.stat()
-    return _read(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    where, version = str(path.resolve()), (stat.st_mtime_ns, stat.st_size)
+    cached = _CACHE.get(where)
+    if cached is None or cached[0] != version:
+        try:
+            cached = (version, _read(where, stat.st_size))
+        except ValueError as exc:  # kept too: a bad file is not parsed again per result
+            cached = (version, exc)
+        _CACHE.pop(where, None)
+        while len(_CACHE) >= _CACHED_FILES:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[where] = cached
+    if isinstance(cached[1], ValueError):
+        raise cached[1]
+    return cached[1]
 
 
-@functools.lru_cache(maxsize=16)
-def _read(path: str, _mtime_ns: int, size: int) -> dict[int, str]:
+#: The labels read: real path -> ((modification time, size), labels or the problem), one
+#: version per file, the oldest of ``_CACHED_FILES`` dropped first.
+_CACHE: dict[str, tuple[tuple[int, int], dict[int, str] | ValueError]] = {}
+_CACHED_FILES = 16
+
+
+def _read(path: str, size: int) -> dict[int, str]:
     if size > MAX_LABEL_BYTES:
         raise ValueError(f"{path}: {size:,} bytes; labels files up to {MAX_LABEL_BYTES:,} are "
                          "read")
@@ -80,10 +98,11 @@ def _read(path: str, _mtime_ns: int, size: int) -> dict[int, str]:
                          "explanations ({\"index\", \"description\"})")
     labels: dict[int, str] = {}
     for index, label in pairs:
-        try:
-            feature = int(index)
-        except (TypeError, ValueError):
-            raise ValueError(f"{path}: {index!r} is not a feature index") from None
+        feature = (index if isinstance(index, int) and not isinstance(index, bool) else
+                   int(index) if isinstance(index, str) and index.isascii()
+                   and index.isdecimal() else None)
+        if feature is None:
+            raise ValueError(f"{path}: {index!r} is not a feature index")
         if not isinstance(label, str):
             raise ValueError(f"{path}: the label of feature {feature} is not a string")
         labels.setdefault(feature, label)

@@ -378,7 +378,8 @@ class SAE:
         return torch.zeros_like(h).scatter_(-1, indices, values.relu())
 
     def decode(self, features: torch.Tensor) -> torch.Tensor:
-        """Rows ``[n, d_in]`` reconstructed from feature activations ``[n, d_sae]``.
+        """Rows ``[n, d_out]`` (an SAE's ``d_out`` is ``d_in``) decoded from feature
+        activations ``[n, d_sae]``.
 
         Args:
             features: feature activations ``[n, d_sae]`` (e.g. `encode`'s, edited).
@@ -486,7 +487,8 @@ class SAE:
                "values": torch.where(active, values, 0).to(torch.float32)}
         if reconstruction:
             if self.is_transcoder:
-                rows, predicted = target.to(features.dtype), self.predict(x, features)  # type: ignore[union-attr]
+                assert target is not None  # (checked above)
+                rows, predicted = target.to(features.dtype), self.predict(x, features)
             else:
                 rows = x.to(features.dtype)
                 predicted = self.decode(features)

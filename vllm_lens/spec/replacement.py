@@ -29,10 +29,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_lens.common import points as tap_points
 from vllm_lens.errors import LensRequestError
 from vllm_lens.spec.facts import ModelFacts
-from vllm_lens.spec.fields import check_site, checked_item, json_value
+from vllm_lens.spec.fields import checked_item, json_value
 from vllm_lens.spec.keys import REPLACE_KEY
 from vllm_lens.spec.saes import MAX_SAE_ENTRIES, Describe, described, named_sae
 
@@ -65,16 +64,26 @@ class ReplaceSpec:
     """(feature, value) pairs, features ascending."""
 
     def digest_into(self, digest: Any) -> None:
+        """Add what the prefix-cache salt must tell apart to ``digest`` (a ``hashlib``
+        hash)."""
         digest.update(repr(("replace_mlp", self.path, self.hook_point, self.layer,
                             self.keep_error, self.version, self.clamp)).encode())
 
+    @property
+    def idle(self) -> bool:
+        """``keep_error`` without a clamp: the layer computes what it did (nothing is
+        computed, nothing salted)."""
+        return self.keep_error and not self.clamp
+
     def to_payload(self) -> dict[str, Any]:
+        """Plain msgpack types, as the payload carries it to the workers."""
         return {"transcoder": self.transcoder, "path": self.path, "hook_point": self.hook_point,
                 "point": self.point, "layer": self.layer, "keep_error": self.keep_error,
                 "version": list(self.version), "clamp": [list(c) for c in self.clamp]}
 
     @classmethod
     def from_payload(cls, d: Mapping[str, Any]) -> ReplaceSpec:
+        """The spec `to_payload` wrote."""
         return cls(transcoder=str(d["transcoder"]), path=str(d["path"]),
                    hook_point=d.get("hook_point"), point=str(d["point"]), layer=int(d["layer"]),
                    keep_error=bool(d["keep_error"]),
@@ -82,7 +91,12 @@ class ReplaceSpec:
                    clamp=tuple((int(f), float(v)) for f, v in d.get("clamp", ())))
 
 
-def replacement_digest(specs: tuple[ReplaceSpec, ...]) -> str:
+def replacement_digest(specs: tuple[ReplaceSpec, ...]) -> str | None:
+    """What the prefix-cache salt adds for ``specs`` (``None`` when each leaves its layer as
+    it is: ``keep_error`` without a clamp)."""
+    specs = tuple(s for s in specs if not s.idle)
+    if not specs:
+        return None
     digest = hashlib.sha256()
     for spec in specs:
         spec.digest_into(digest)
@@ -159,15 +173,7 @@ def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: s
         raise LensRequestError(f"{field}.transcoder", f"is a {info.get('architecture')} SAE, "
                                "not a transcoder (it predicts no other point)",
                                request_id=request_id)
-    check_site(str(out_point), facts, f"{field}.transcoder", request_id)
-    if facts.tp_size > 1 and str(out_point) in tap_points.SHARDED:  # (mlp_out never is)
-        raise LensRequestError(f"{field}.transcoder", f"writes {out_point}, which tensor "
-                               "parallelism splits", request_id=request_id)
-    width = facts.row_width(str(out_point))
-    if int(info.get("d_out", -1)) != width:
-        raise LensRequestError(f"{field}.transcoder", f"predicts rows of {info.get('d_out')} "
-                               f"values, but this model's {out_point} rows have {width}",
-                               request_id=request_id)
+    # (check_description proved its output point is here, d_out wide)
     clamp = _clamp(item.get("clamp"), d_sae, f"{field}.clamp", request_id)
     return ReplaceSpec(transcoder=name, path=str(info["path"]),
                        hook_point=info.get("hook_point", hook_point), point=point, layer=layer,
@@ -189,7 +195,8 @@ def _clamp(raw: Any, d_sae: int, field: str, request_id: str | None
     pairs: dict[int, float] = {}
     for key, value in raw.items():
         index = key if isinstance(key, int) and not isinstance(key, bool) else (
-            int(key) if isinstance(key, str) and key.strip().isdigit() else None)
+            int(key) if isinstance(key, str) and key.strip().isascii()
+            and key.strip().isdecimal() else None)
         if index is None or not 0 <= index < d_sae:
             raise LensRequestError(field, f"{key!r} is not a feature of this transcoder (0 to "
                                    f"{d_sae - 1})", request_id=request_id)

@@ -134,8 +134,9 @@ class LensRequest:
             # Gate values are reported for every steered position: compute them all.
             return f"vllm-lens:gated:{self.key}"
         salt = steering_digest([s for s in self.steer if s.phase != "decode"])
-        if self.replace_mlp:  # every position's MLP output, prompt included
-            salt = f"{salt or 'vllm-lens'}|replace:{replacement_digest(self.replace_mlp)}"
+        replaced = replacement_digest(self.replace_mlp)  # every position, prompt included
+        if replaced is not None:
+            salt = f"{salt or 'vllm-lens'}|replace:{replaced}"
         return salt
 
     @functools.cached_property

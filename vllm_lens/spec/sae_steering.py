@@ -3,7 +3,8 @@ or ``{"sae", "feature", "clamp"}`` -> a ``SteerSpec`` at the SAE's point and lay
 front end).
 
 ``scale`` adds ``scale * W_dec[feature]`` (the row as stored; a transcoder's at the point it
-predicts, ``mlp_out``): an ordinary steering vector made from the decoder rows, so positions, phases and the prefix-cache salt (the vector's
+predicts, ``mlp_out``): an ordinary steering vector made from the decoder rows, so
+positions, phases and the prefix-cache salt (the vector's
 bytes) work as they do for vectors a client sends. Several features may be listed
 (``"feature": [i, j]``, ``"scale"`` a number or a list); the vector is then
 ``sum_j scale_j * W_dec[j]`` computed in float32.

@@ -24,15 +24,17 @@ from vllm_lens.worker.plan import CaptureGroup
 from vllm_lens.worker.staging_pool import StagingPool
 from vllm_lens.worker.capture_store import Entry
 
-__all__ = ["assemble", "capture_layer", "encode_top_features", "sae_chunk_rows"]
+__all__ = ["assemble", "capture_layer", "encode_top_features", "pick_rows", "sae_chunk_rows"]
+
+
+def pick_rows(tensor: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+    """``tensor``'s ``rows``: a view for a slice, a copy for indices."""
+    return tensor[rows] if isinstance(rows, slice) else tensor.index_select(0, rows)
 
 
 def _pick(rows: torch.Tensor | slice, hidden: torch.Tensor, residual: torch.Tensor | None
           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if isinstance(rows, slice):
-        return hidden[rows], None if residual is None else residual[rows]
-    return (hidden.index_select(0, rows),
-            None if residual is None else residual.index_select(0, rows))
+    return pick_rows(hidden, rows), None if residual is None else pick_rows(residual, rows)
 
 
 def capture_layer(group: CaptureGroup, index: int, a: torch.Tensor,
@@ -47,8 +49,11 @@ def capture_layer(group: CaptureGroup, index: int, a: torch.Tensor,
     rows."""
     if group.target_site is not None and site != group.target_site:  # the transcoder's input
         picked, extra = _pick(group.rows, *operands(group.signal, a, b))
-        rows = picked if extra is not None else picked.clone()  # (a slice is a view)
-        group.pending[index] = rows if extra is None else rows + extra
+        if extra is not None:
+            picked = picked + extra
+        elif isinstance(group.rows, slice):  # a view of the stream: kept as it is now
+            picked = picked.clone()
+        group.pending[index] = picked
         return
     if group.target_site is not None:
         target, _ = _pick(group.rows, *operands("mlp_out", a, b))

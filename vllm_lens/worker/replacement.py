@@ -34,7 +34,7 @@ import torch
 from vllm_lens.common.points import operands, site_of
 from vllm_lens.saes import SAE
 from vllm_lens.spec.replacement import ReplaceSpec
-from vllm_lens.worker.capture import sae_chunk_rows
+from vllm_lens.worker.capture import pick_rows, sae_chunk_rows
 from vllm_lens.worker.plan import device_index
 
 __all__ = ["PreparedReplacement", "ReplacementGroup", "held_transcoder", "prepare_replacement"]
@@ -46,20 +46,18 @@ class PreparedReplacement:
     first runs)."""
 
     spec: ReplaceSpec
+    """Never ``idle`` (those are not prepared: the layer computes what it did)."""
     transcoder: SAE
     in_site: str
+    """Where it reads (``mlp_in``, or ``mid`` for ``resid_mid``)."""
     out_site: str
+    """Where the MLP's output is written (``post``; a split layout's ``mlp_block``)."""
     features: torch.Tensor | None
     """The clamped features' indices (long, on the device), or ``None``."""
     targets: torch.Tensor | None
     """Their values (float32, on the device)."""
     failed: bool = False
     """A site raised: the replacement stops (its request failed)."""
-
-    @property
-    def idle(self) -> bool:
-        """``keep_error`` without a clamp: the layer computes what it did; nothing to do."""
-        return self.spec.keep_error and self.features is None
 
     @property
     def key(self) -> tuple:
@@ -101,6 +99,9 @@ class ReplacementGroup:
     @classmethod
     def build(cls, members: list[tuple[Any, PreparedReplacement]], device: torch.device
               ) -> ReplacementGroup:
+        """The group of ``members`` (``(RequestSlice, replacement)``, computing alike) for
+        this step: their rows as a slice where they lie together, else as indices copied to
+        ``device`` without waiting."""
         ranges = [(s.start, s.end) for s, _ in members]
         rows: torch.Tensor | slice
         if all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])):
@@ -127,9 +128,9 @@ class ReplacementGroup:
         """At the input site: encode the members' rows of the tap's tensors."""
         replacement = self.replacement
         hidden, residual = operands(replacement.spec.point, a, b)
-        x = _pick(hidden, self.rows)
+        x = pick_rows(hidden, self.rows)
         if residual is not None:
-            x = x + _pick(residual, self.rows)
+            x = x + pick_rows(residual, self.rows)
         out_dtype = a.dtype
         tc = replacement.transcoder
         if replacement.spec.keep_error:  # decode(f') - decode(f): only the clamped ones move
@@ -168,10 +169,6 @@ class ReplacementGroup:
             y.index_add_(0, self.rows, pending)
         else:
             y.index_copy_(0, self.rows, pending)
-
-
-def _pick(tensor: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
-    return tensor[rows] if isinstance(rows, slice) else tensor.index_select(0, rows)
 
 
 def held_transcoder(saes: Any, spec: ReplaceSpec) -> SAE:

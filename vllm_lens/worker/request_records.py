@@ -62,6 +62,9 @@ class RequestRecord:
     replacements: list[Any] | None = None
     """``replacement.PreparedReplacement`` per layer of this stage whose MLP a transcoder
     replaces for it, built when it first runs."""
+    replacement_lost: bool = False
+    """Some step ran without its replacement (it could not be prepared, planned or
+    computed): its prefix-cache salt no longer holds, so it is ended."""
     error: str | None = None
     """The first failure of the lens path for this request (its message)."""
     refused: str | None = None

@@ -11,8 +11,8 @@ request holds its SAEs), and unloading it then would fail that request; when roo
 and only they are left, they go too (least recently used first) rather than refusing —
 except those asked for to *change* the model's computation (a TopK clamp, a transcoder
 replacing an MLP: ``pin``): their requests' prefix-cache salt promises that edit, so they
-are never unloaded within the grace period, and a load that needs their room is refused
-instead. A rank keeps an SAE where it captures the SAE's layer, and also, for a
+are not unloaded for ``PINNED_S`` (ten minutes) after the last request asked for them, and
+a load that needs their room is refused instead. A rank keeps an SAE where it captures the SAE's layer, and also, for a
 request clamping a TopK SAE's features or replacing an MLP by a transcoder, on every TP rank
 of the stage holding that layer (``worker.steer``, ``worker.replacement``).
 """
@@ -27,13 +27,16 @@ from typing import Any
 
 import torch
 
-from vllm_lens.saes import SAE, load_sae
+from vllm_lens.saes import LAYOUTS, SAE, SAEFormatError, detect_layout, load_sae
 from vllm_lens.saes.model import WHOLE_CLAMP
 
-__all__ = ["ADMISSION_GRACE_S", "SAERegistry"]
+__all__ = ["ADMISSION_GRACE_S", "PINNED_S", "SAERegistry"]
 
 #: How long an SAE asked for at a request's admission is unloaded only after all others.
 ADMISSION_GRACE_S = 60.0
+#: How long an SAE asked for to change the computation (``pin``) is not unloaded at all: a
+#: request waiting longer than this in the queue may find it gone (and fails).
+PINNED_S = 600.0
 
 Key = tuple[str, "str | None"]
 #: Whether this rank keeps an SAE, from its description (``describe``).
@@ -42,9 +45,11 @@ Wanted = Callable[[Mapping[str, Any]], bool]
 
 class SAERegistry:
     def __init__(self, max_bytes: int, *, grace_s: float = ADMISSION_GRACE_S,
+                 pinned_s: float = PINNED_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.max_bytes = max_bytes
         self.grace_s = grace_s
+        self.pinned_s = pinned_s
         self._clock = clock
         self._asked: dict[Key, float] = {}
         """When each SAE was last asked for (``describe``, ``load``)."""
@@ -61,11 +66,11 @@ class SAERegistry:
 
     def _touch(self, key: Key, pin: bool = False) -> tuple[set[Key], set[Key]]:
         """Note that ``key`` was asked for now (``pin``: to change the computation); returns
-        the keys asked for, and those pinned, within the grace period (those older are
-        forgotten, so the records stay small)."""
+        the keys asked for within the grace period, and those pinned within ``pinned_s``
+        (those older are forgotten, so the records stay small)."""
         now = self._clock()
         self._asked = {k: t for k, t in self._asked.items() if now - t < self.grace_s}
-        self._pinned = {k: t for k, t in self._pinned.items() if now - t < self.grace_s}
+        self._pinned = {k: t for k, t in self._pinned.items() if now - t < self.pinned_s}
         self._asked[key] = now
         if pin:
             self._pinned[key] = now
@@ -176,10 +181,16 @@ class SAERegistry:
 
 
 def _stamp(directory: str) -> tuple[int, ...]:
+    """Modification times of the files the SAE is read from (its layout's: a labels file
+    beside it is not the SAE, ``saes.labels``); every file's if no layout is recognised."""
     try:
-        return tuple(sorted(entry.stat().st_mtime_ns for entry in os.scandir(directory)))
-    except OSError:
-        return ()
+        files = LAYOUTS[detect_layout(directory)]
+        return tuple(os.stat(os.path.join(directory, name)).st_mtime_ns for name in files)
+    except (SAEFormatError, OSError):
+        try:
+            return tuple(sorted(entry.stat().st_mtime_ns for entry in os.scandir(directory)))
+        except OSError:
+            return ()
 
 
 def describe(sae: SAE, path: str) -> dict[str, Any]:

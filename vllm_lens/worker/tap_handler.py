@@ -187,9 +187,18 @@ class LensRuntime:
             stage(hidden, residual)
         except Exception as exc:
             group.pending = None
-            for _, replacement in group.members:
-                replacement.failed = True
-            self._fail([s.req_id for s, _ in group.members], exc, "replace_mlp")
+            self._lose_replacements([s.req_id for s, _ in group.members], exc)
+
+    def _lose_replacements(self, req_ids: list[str], exc: BaseException) -> None:
+        """These requests' replacements did not run in this step: they stop, and the
+        requests fail and end (``_close_guarded``)."""
+        for req_id in req_ids:
+            record = self.requests.records.get(req_id)
+            if record is not None:
+                record.replacement_lost = True
+                for replacement in record.replacements or ():
+                    replacement.failed = True
+        self._fail(req_ids, exc, "replace_mlp")
 
     def _guarded(self, stage: str, req_ids: Iterable[str], fn, *args) -> None:
         """``fn(*args)``; if it raises, ``req_ids`` (evaluated only then) fail at ``stage``."""
@@ -230,12 +239,11 @@ class LensRuntime:
     def _close_guarded(self, record: RequestRecord) -> None:
         """A failed request a ``stop`` monitor guards ends from this step on (a guardrail
         fails closed), whether or not its monitors were built; so does one whose MLP
-        replacement failed (its prefix-cache salt promises the replacement: it must not go on
-        computing without it; with ``ignore_eos`` it cannot be ended and runs on, and its
-        error says so)."""
-        replacement_failed = any(r.failed for r in record.replacements or ()) or (
-            record.lens.replace_mlp and record.replacements is None)
-        if not any(m.stops for m in record.lens.monitors) and not replacement_failed:
+        replacement did not run in some step (its prefix-cache salt promises the
+        replacement: it must not go on computing without it). Ending forces the
+        end-of-sequence token where the step samples (TP rank 0 of the last stage); with
+        ``ignore_eos`` it cannot be ended and runs on, and its error says so."""
+        if not any(m.stops for m in record.lens.monitors) and not record.replacement_lost:
             return
         state = record.monitors
         if state is None:
@@ -330,6 +338,13 @@ class LensRuntime:
                    if self.requests.lookup(s.req_id, s.payload) is not None]
         except Exception:  # the runner's state itself is unreadable: fail every running one
             ids = [r for r, rec in self.requests.records.items() if rec.finished_at is None]
+        for req_id in ids:  # the rest of the step runs without their replacements
+            record = self.requests.records.get(req_id)
+            if record is not None and any(not r.idle and r.layer in self.shard_layers
+                                          for r in record.lens.replace_mlp):
+                record.replacement_lost = True
+                for replacement in record.replacements or ():
+                    replacement.failed = True
         self._fail(ids, exc, "plan")
 
     def _build_plan(self, device: torch.device, dtype: torch.dtype) -> StepPlan:
@@ -354,7 +369,7 @@ class LensRuntime:
             record = self.requests.lookup(sched.req_id, sched.payload)
             if record is not None and record.error is not None:
                 self._close_guarded(record)  # its monitors no longer run: it ends
-                if record.replacements and not any(r.failed for r in record.replacements):
+                if record.replacements and not record.replacement_lost:
                     # Its salt promises the replacement: that keeps running (every rank).
                     replaced.append(RequestSlice(
                         req_id=sched.req_id, lens=record.running_lens, start=sched.start,
@@ -422,10 +437,15 @@ class LensRuntime:
                               device, dtype)
         replacing: dict[tuple, list[tuple[RequestSlice, PreparedReplacement]]] = {}
         for s in (*(s for s in slices if s.lens.replace_mlp), *replaced):
-            self._guarded("replace_mlp", (s.req_id,), self._plan_replacement, replacing, s)
+            try:
+                self._plan_replacement(replacing, s)
+            except Exception as exc:
+                self._lose_replacements([s.req_id], exc)
         for members in replacing.values():
-            self._guarded("replace_mlp", [s.req_id for s, _ in members],
-                          ReplacementGroup.add_to, plan, members, device)
+            try:
+                ReplacementGroup.add_to(plan, members, device)
+            except Exception as exc:
+                self._lose_replacements([s.req_id for s, _ in members], exc)
         return plan
 
     def _plan_replacement(self, replacing: dict[tuple, list], s: RequestSlice) -> None:
@@ -436,10 +456,10 @@ class LensRuntime:
             faults.check(record.lens.fault, "replace_mlp")
             record.replacements = [
                 prepare_replacement(spec, held_transcoder(self.saes, spec), split=self.split)
-                for spec in s.lens.replace_mlp if spec.layer in self.shard_layers]
+                for spec in s.lens.replace_mlp
+                if spec.layer in self.shard_layers and not spec.idle]
         for replacement in record.replacements:
-            if not replacement.idle:
-                replacing.setdefault(replacement.key, []).append((s, replacement))
+            replacing.setdefault(replacement.key, []).append((s, replacement))
 
 
     def _plan_attention(self, plan: StepPlan, s: RequestSlice, device: torch.device,

@@ -122,7 +122,9 @@ class ReplacementGroup:
 
     @property
     def failed(self) -> bool:
-        return any(r.failed for _, r in self.members)
+        """Every member's replacement stopped (a member whose replacement failed at another
+        layer is still computed here with the others: its request is ending anyway)."""
+        return all(r.failed for _, r in self.members)
 
     def read(self, a: torch.Tensor, b: torch.Tensor | None) -> None:
         """At the input site: encode the members' rows of the tap's tensors."""

@@ -461,7 +461,6 @@ class LensRuntime:
         for replacement in record.replacements:
             replacing.setdefault(replacement.key, []).append((s, replacement))
 
-
     def _plan_attention(self, plan: StepPlan, s: RequestSlice, device: torch.device,
                         dtype: torch.dtype) -> None:
         record = self.requests.records[s.req_id]

@@ -90,6 +90,12 @@ class RequestRecord:
                    else p.vectors.untyped_storage().nbytes() for p in self.steer or ()) + (
             0 if self.attention is None else self.attention.nbytes)
 
+    def lose_replacements(self) -> None:
+        """A step ran without its replacements: they stop (``replacement_lost``)."""
+        self.replacement_lost = True
+        for replacement in self.replacements or ():
+            replacement.failed = True
+
     def fail(self, exc: BaseException | str, stage: str) -> None:
         if self.error is None:
             self.error = f"vllm-lens failed at {stage}: {describe(exc)}"

@@ -195,9 +195,7 @@ class LensRuntime:
         for req_id in req_ids:
             record = self.requests.records.get(req_id)
             if record is not None:
-                record.replacement_lost = True
-                for replacement in record.replacements or ():
-                    replacement.failed = True
+                record.lose_replacements()
         self._fail(req_ids, exc, "replace_mlp")
 
     def _guarded(self, stage: str, req_ids: Iterable[str], fn, *args) -> None:
@@ -342,9 +340,7 @@ class LensRuntime:
             record = self.requests.records.get(req_id)
             if record is not None and any(not r.idle and r.layer in self.shard_layers
                                           for r in record.lens.replace_mlp):
-                record.replacement_lost = True
-                for replacement in record.replacements or ():
-                    replacement.failed = True
+                record.lose_replacements()
         self._fail(ids, exc, "plan")
 
     def _build_plan(self, device: torch.device, dtype: torch.dtype) -> StepPlan:

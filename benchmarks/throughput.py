@@ -31,8 +31,9 @@ layers: every request, plain requests beside one, one request alone), SAE featur
 JumpReLU SAE with random weights, d_sae = 9216, at layer 15: its top 32 features at every
 position; steering by one of its features; clamping one), transcoders (a 16x-wide JumpReLU
 skip transcoder for layer 15's MLP: its top 32 features, with and without the reconstruction
-error of the MLP's output; the MLP replaced by it), each with ``--prompts`` greedy
-requests of ``--tokens`` generated tokens; and plain requests one at a time (batch 1), where
+error of the MLP's output; the MLP replaced by it), direct logit attribution (the SAE's top 32
+features with their attribution; every layer's attn_out and mlp_out), each with ``--prompts``
+greedy requests of ``--tokens`` generated tokens; and plain requests one at a time (batch 1), where
 the plugin's fixed per-step cost weighs most.
 Results go to stdout as a Markdown table (paste into benchmarks/RESULTS.md), with the bytes of
 rows and features each request brought back per position (captures and SAE features).
@@ -167,6 +168,11 @@ CASES: dict[str, tuple[int | None, Callable[[int], Any]]] = {
         "output_sae_features": {"sae": TRANSCODER, "top_k": 32, "reconstruction": True}}),
     "replace 1 MLP by a transcoder": (None, lambda i: {
         "replace_mlp": [{"transcoder": TRANSCODER, "keep_error": False}]}),
+    # Direct logit attribution: the SAE's top 32 features with their effect on the next
+    # token's logit; every layer's attn_out and mlp_out onto it (``output_logit_attribution``).
+    "SAE features, top 32, attribution": (None, lambda i: {
+        "output_sae_features": {"sae": SAE, "top_k": 32, "attribution": True}}),
+    "logit attribution of every layer": (None, lambda i: {"output_logit_attribution": True}),
 }
 #: The SAE cases' directories (set in the child from ``--child``'s config).
 SAE = ""
@@ -229,7 +235,8 @@ def _returned_bytes(out: Any) -> int:
             return sum(size(v) for v in value)
         return 0
 
-    return size(getattr(out, "activations", None)) + size(getattr(out, "sae_features", None))
+    return (size(getattr(out, "activations", None)) + size(getattr(out, "sae_features", None))
+            + size(getattr(out, "logit_attribution", None)))
 
 
 def _prompts(n: int) -> list[str]:

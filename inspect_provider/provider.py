@@ -38,6 +38,7 @@ from openai import APIStatusError
 
 from vllm_lens.activations import (
     decode_activations,
+    decode_json_tensors,
     decode_sae_features,
     is_binary_descriptor,
 )
@@ -117,7 +118,9 @@ class VLLMLensAPI(VLLMAPI):
             decoded tensors (``residual_stream``, ``positions`` ...) plus
             ``prompt_token_ids`` and ``completion_token_ids``, and
             ``"choice_activations"`` (every choice's, when there are several); likewise
-            ``"sae_features"`` / ``"choice_sae_features"`` for ``output_sae_features``, and
+            ``"sae_features"`` / ``"choice_sae_features"`` for ``output_sae_features``,
+            ``"logit_attribution"`` / ``"choice_logit_attribution"`` for
+            ``output_logit_attribution``, and
             ``"monitors"`` / ``"choice_monitors"`` for ``monitors``: a choice a ``stop``
             monitor ended has ``stop_reason`` ``"content_filter"``, and (the first choice)
             ``metadata["stop_reason"]`` the monitor's name.
@@ -152,6 +155,12 @@ class VLLMLensAPI(VLLMAPI):
             extra["sae_features"] = features[0]
             if len(features) > 1:
                 extra["choice_sae_features"] = features
+        attributions = [decode_json_tensors(choice.get("logit_attribution"))
+                        for choice in choices]
+        if any(a is not None for a in attributions):
+            extra["logit_attribution"] = attributions[0]
+            if len(attributions) > 1:
+                extra["choice_logit_attribution"] = attributions
         monitors = [choice.get("monitors") for choice in choices]
         if any(m is not None for m in monitors):
             extra["monitors"] = monitors[0]
@@ -257,6 +266,9 @@ def _slim_logged_call(call: ModelCall) -> None:
             choice["sae_features"] = [{k: _summary(v) for k, v in entry.items()}
                                       if isinstance(entry, dict) else entry
                                       for entry in choice["sae_features"]]
+        if isinstance(choice.get("logit_attribution"), dict):
+            choice["logit_attribution"] = {k: _summary(v)
+                                           for k, v in choice["logit_attribution"].items()}
     xargs = ((call.request or {}).get("extra_body") or {}).get("vllm_xargs") or {}
     for key, value in xargs.items():
         if isinstance(value, str) and len(value) > _LOGGED_VALUE_MAX_CHARS:

@@ -39,6 +39,7 @@ from vllm_lens.spec import (
     ATTENTION_STEER_KEY,
     CAPTURE_KEY,
     HOOKS_KEY,
+    LOGIT_KEY,
     MONITORS_KEY,
     PRESET_PREFIX,
     QK_KEY,
@@ -202,6 +203,11 @@ class LensResult:
     the last result of each choice or, with ``stream_activations=True``, like
     ``activations``: the positions computed since the previous result
     (``vllm_lens.saes.to_sparse`` makes a sparse tensor)."""
+    logit_attribution: dict[str, Any] | None = None
+    """For requests with ``logit_attribution=`` (``output_logit_attribution``): ``{"layers",
+    "positions", "tokens", "embed", "attn_out", "mlp_out"}``, the direct effect of the
+    embedding and of each layer's attention and MLP outputs on the logit of the token that
+    follows each position (or the named one); on the last result of each choice."""
     delta: str = ""
     choices: list[LensResult] = field(default_factory=list, repr=False)
 
@@ -240,11 +246,13 @@ class _Protocol:
                                 f"got the string {capture_layers!r} (pass [12], not '12')")
             lens[CAPTURE_KEY] = capture_layers
         for key in (ACTIVATIONS_KEY, QK_KEY, SINK_KEY, STREAM_KEY, SAE_KEY, MONITORS_KEY,
-                    ATTENTION_STEER_KEY, REPLACE_KEY):
+                    ATTENTION_STEER_KEY, REPLACE_KEY, LOGIT_KEY):
             if openai_kwargs.get(key) is not None:
                 lens[key] = openai_kwargs.pop(key)
         if openai_kwargs.get("sae_features") is not None:
             lens[SAE_KEY] = openai_kwargs.pop("sae_features")
+        if openai_kwargs.get("logit_attribution") is not None:
+            lens[LOGIT_KEY] = openai_kwargs.pop("logit_attribution")
         if steering_vectors is not None:
             lens[STEER_KEY] = steering_vectors
         if hooks is not None:
@@ -341,6 +349,8 @@ class _StreamState:
                 sae_features=decode_sae_features(choice.get("sae_features")),
                 monitors=choice.get("monitors") or previous.monitors,
                 stop_reason=choice.get("stop_reason") or previous.stop_reason,
+                logit_attribution=decode_json_tensors(choice.get("logit_attribution"))
+                or previous.logit_attribution,
             )
             self.by_index[index] = result
             out.append((result, choice.get("activations")))
@@ -1339,6 +1349,7 @@ def _choice_result(choice: dict[str, Any], data: dict[str, Any]) -> LensResult:
         sae_features=decode_sae_features(choice.get("sae_features")),
         monitors=choice.get("monitors"),
         stop_reason=choice.get("stop_reason"),
+        logit_attribution=decode_json_tensors(choice.get("logit_attribution")),
     )
 
 

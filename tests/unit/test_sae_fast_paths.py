@@ -212,3 +212,28 @@ def test_the_jumprelu_mask_gives_the_bits_and_gradients_of_the_cast_bool_mask():
     (grad,) = torch.autograd.grad(features[:-1].sum(), x)
     (expected_grad,) = torch.autograd.grad(expected[:-1].sum(), x)
     assert torch.equal(grad, expected_grad) and grad.abs().sum() > 0
+
+
+def test_a_sparse_decode_reads_only_the_active_rows_and_equals_the_dense_one():
+    """Rows with few active features (a trained dictionary's) decode from the active decoder
+    rows alone, to what the dense product gives; rescaling TopK included; many active
+    features take the dense product."""
+    w = _weights(5)
+    sae = SAE(architecture="jumprelu", layout="sae-lens", **w)
+    g = torch.Generator().manual_seed(6)
+    few = torch.zeros(9, D_SAE)
+    few[torch.arange(9)[:, None], torch.randint(0, D_SAE, (9, 12), generator=g)] = torch.rand(
+        9, 12, generator=g) + 0.1
+    dense = few @ w["W_dec"] + w["b_dec"]
+    torch.testing.assert_close(sae.decode(few), dense, rtol=1e-5, atol=1e-5)
+    assert ("dec", torch.float32) not in sae.__dict__.get("_linear", {})  # no dense product
+    many = torch.rand(3, D_SAE, generator=g)
+    torch.testing.assert_close(sae.decode(many), many @ w["W_dec"] + w["b_dec"],
+                               rtol=1e-4, atol=1e-4)
+    assert ("dec", torch.float32) in sae.__dict__["_linear"]
+    topk = SAE(architecture="topk", layout="sae-lens", k=12, rescale_acts_by_decoder_norm=True,
+               **{k: v for k, v in w.items() if k != "threshold"})
+    norms = w["W_dec"].norm(dim=-1)
+    torch.testing.assert_close(topk.decode(few), (few / norms) @ w["W_dec"] + w["b_dec"],
+                               rtol=1e-5, atol=1e-5)
+    assert sae.decode(torch.zeros(0, D_SAE)).shape == (0, D_IN)

@@ -141,6 +141,10 @@ class DescribeAnswer(Message, frozen=True, tag=_tag("lens_describe")):
     (``worker.layout_check``)."""
     layout_check: LayoutCheckSummary | None
     """What that check found, once it ran (``None`` before, or on an unmapped model)."""
+    readout_refused: str | None = "this worker does not describe its readout"
+    """Why this rank cannot carry a direct logit attribution to the logits (``None``: it can,
+    ``worker.readout``). The default refuses: an older worker's answer serves none."""
+    vocab_size: int = 0
 
     @classmethod
     def refused(cls, reason: str) -> DescribeAnswer:

@@ -46,8 +46,8 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
-    "ATTENTION_SIGNALS", "POINTS", "QK_HOOK_POINT", "RESIDUAL_SIGNAL", "SHARDED", "SITES",
-    "STEERABLE", "Point", "hook_name", "hook_site", "operands", "resolve", "shard_dim",
+    "ATTENTION_SIGNALS", "DLA_PREFIX", "POINTS", "QK_HOOK_POINT", "RESIDUAL_SIGNAL", "SHARDED",
+    "SITES", "STEERABLE", "Point", "hook_name", "hook_site", "operands", "resolve", "shard_dim",
     "site_of", "tap_key",
 ]
 
@@ -93,15 +93,22 @@ SHARDED = ("attn_q", "attn_k", "attn_z", "mlp_post")
 
 #: The signal of an SAE's feature capture: ``sae:<ident>:<point>`` (``spec.saes``).
 SAE_PREFIX = "sae:"
+#: The signal of a point's rows kept for a direct logit attribution: ``dla:<point>``
+#: (``spec.logit_attribution``); they never leave the worker.
+DLA_PREFIX = "dla:"
 
 
 def base_signal(signal: str) -> str:
-    """The tap point an SAE feature capture reads, or ``signal`` itself.
+    """The tap point an SAE feature capture (or a logit attribution) reads, or ``signal``
+    itself.
 
     >>> base_signal("sae:0123abcd:resid_post"), base_signal("attn_out")
     ('resid_post', 'attn_out')
+    >>> base_signal("dla:mlp_out")
+    'mlp_out'
     """
-    return signal.rsplit(":", 1)[1] if signal.startswith(SAE_PREFIX) else signal
+    return (signal.rsplit(":", 1)[1] if signal.startswith((SAE_PREFIX, DLA_PREFIX))
+            else signal)
 
 
 def shard_dim(signal: str) -> int:

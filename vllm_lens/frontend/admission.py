@@ -38,6 +38,7 @@ from vllm_lens.spec import (
     ATTENTION_STEER_KEY,
     CAPTURE_KEY,
     HOOKS_KEY,
+    LOGIT_KEY,
     MONITORS_KEY,
     QK_KEY,
     SAE_KEY,
@@ -94,7 +95,9 @@ def capture_reservation(lens: LensRequest, facts: ModelFacts, prompt_len: int | 
     """Bytes a worker reserves for one sample of ``lens`` when it first runs: what its
     captures together can hold at once (``capture_bound``), so that a worker admits only
     requests whose rows all fit beside the others' (``VLLM_LENS_WORKER_MAX_BYTES``)."""
-    return (sum(capture_bound(spec, facts, prompt_len, max_tokens)[1] for spec in lens.captures)
+    dla = () if lens.logit_attribution is None else lens.logit_attribution.captures()
+    return (sum(capture_bound(spec, facts, prompt_len, max_tokens)[1]
+                for spec in (*lens.captures, *dla))
             + sum(size for _, size in sae_bounds(lens, facts, prompt_len, max_tokens)))
 
 
@@ -157,8 +160,16 @@ def check_admission(lens: LensRequest, facts: ModelFacts, prompt_len: int | None
                 request_id=request_id)
     if lens.captures:
         check_capture_size(lens.captures, facts, prompt_len, max_tokens, n, request_id)
-    if lens.saes:  # counted together with the captures, against the same cap
+    if lens.saes or lens.logit_attribution is not None:  # with the captures, the same cap
         total = capture_reservation(lens, facts, prompt_len, max_tokens) * max(1, n)
+        if total > envs.max_capture_bytes() and not lens.saes:
+            raise LensRequestError(
+                LOGIT_KEY, f"the rows it keeps until the request ends (the embedding's, each "
+                f"layer's attn_out and mlp_out, the last layer's stream: hidden "
+                f"{facts.hidden_size} per position) and the request's captures could hold up "
+                f"to {total:,} bytes, above this server's VLLM_LENS_MAX_CAPTURE_BYTES "
+                f"({envs.max_capture_bytes():,}); select fewer layers or positions, or lower "
+                "max_tokens", request_id=request_id)
         if total > envs.max_capture_bytes():
             raise LensRequestError(
                 SAE_KEY, f"its top features and captures could hold up to {total:,} bytes, "

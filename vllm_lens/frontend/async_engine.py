@@ -92,14 +92,14 @@ def _wrap_generate(original):
         # DELTA outputs carry only new tokens; the trim length needs the running total.
         delta = engine_params.output_kind == RequestOutputKind.DELTA
         generated: dict[int, int] = {}
-        generated_ids: list[int] = []  # kept for a request writing to a sink (n == 1)
+        generated_ids: list[int] = []  # for a sink or an attribution (n == 1)
         completed = False
         try:
             async for out in stream:
                 for c in out.outputs:
                     earlier = generated.get(c.index, 0) if delta else 0
                     generated[c.index] = earlier + len(c.token_ids)
-                    if lens.sink is not None:
+                    if lens.sink is not None or lens.wants_tokens:
                         generated_ids[len(generated_ids) if delta else 0:] = c.token_ids
                 if lens.stream and not out.finished:
                     upto = len(out.prompt_token_ids or ()) + generated.get(0, 0) - 1

@@ -22,22 +22,24 @@ from vllm.outputs import RequestOutput
 
 from vllm_lens.common import handoff, wire
 from vllm_lens.common.messages import FetchAnswer
-from vllm_lens.common.points import RESIDUAL_SIGNAL, SHARDED
+from vllm_lens.common.points import DLA_PREFIX, RESIDUAL_SIGNAL, SHARDED
 from vllm_lens.errors import LensExecutionError, SinkConflictError, WorkerCapacityError
 from vllm_lens.frontend.merge import merge_hook_results, merge_rank_payloads
 from vllm_lens.frontend.receipts import join_receipts, unwritten
 from vllm_lens.saes.labels import labels_for, read_labels
 from vllm_lens.spec import CaptureSpec, LensRequest, ModelFacts
+from vllm_lens.spec.logit_attribution import LOGIT_SIGNAL
 from vllm_lens.common import hook_results
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["OUTPUT_FIELDS", "attach", "attach_partial", "chosen_experts", "discard_unread",
-           "fail_output", "install_output_fields", "monitor_records", "sae_features"]
+           "fail_output", "install_output_fields", "logit_attribution", "monitor_records",
+           "sae_features"]
 
 #: What vllm-lens attaches to ``RequestOutput`` and ``CompletionOutput``.
 OUTPUT_FIELDS = ("activations", "hook_results", "hook_error", "lens_error", "capture_receipt",
-                 "steering_gates", "sae_features", "monitors")
+                 "steering_gates", "sae_features", "monitors", "logit_attribution")
 
 
 def install_output_fields() -> None:
@@ -89,6 +91,20 @@ def sae_features(lens: LensRequest,
             entry["labels"] = labels_for(labels, entry["indices"])
         out.append(entry)
     return out
+
+
+def logit_attribution(lens: LensRequest,
+                      parts: Mapping[str, Sequence[tuple[Mapping[str, Any], torch.Tensor]]]
+                      ) -> dict[str, Any]:
+    """``logit_attribution`` of one completion (``LogitAttributionSpec.result``): the
+    workers sent ``[1, n, 2 + 2 * layers]`` rows (``worker.attribution.component_rows``)."""
+    spec = lens.logit_attribution
+    assert spec is not None
+    found = parts.get(LOGIT_SIGNAL)
+    if not found:  # no position selected
+        return spec.result(None, torch.empty(0, dtype=torch.int64))
+    tensor, positions = merge_rank_payloads(found)
+    return spec.result(tensor[0], positions)
 
 
 def discard_unread(rank_results: Sequence[FetchAnswer] | None) -> None:
@@ -205,10 +221,15 @@ def _incomplete(output: RequestOutput, lens: LensRequest, got: _Gathered, index:
     mine = _mine(got.captures, prefix, {})
     signals_seen = set().union(*(v for k, v in got.seen.items() if k.startswith(prefix)))
     tp = facts.tp_size if facts is not None else 1
+    if lens.logit_attribution is not None:  # its rows came back as one signal
+        kept = any(s.startswith(DLA_PREFIX) for s in signals_seen)
+        if (why := _missing_rows((0,), mine.get(LOGIT_SIGNAL), kept)) is not None:
+            return why
     return next(filter(None, (
         _missing_rows(c.layers, mine.get(c.signal), c.signal in signals_seen,
                       tp if c.signal in SHARDED else 1)
-        for c in (*lens.captures, *lens.sae_captures))), None)
+        for c in (*lens.captures, *lens.sae_captures)
+        if not c.signal.startswith(DLA_PREFIX))), None)
 
 
 def _failed_fields(lens: LensRequest, error: LensExecutionError) -> dict[str, Any]:
@@ -221,6 +242,8 @@ def _failed_fields(lens: LensRequest, error: LensExecutionError) -> dict[str, An
         found["activations"] = None
     if lens.saes:
         found["sae_features"] = None
+    if lens.logit_attribution is not None:
+        found["logit_attribution"] = None
     if lens.hooks:
         found["hook_results"], found["hook_error"] = None, None
     if any(s.condition is not None for s in lens.steer):
@@ -267,6 +290,8 @@ def attach(output: RequestOutput, lens: LensRequest, rank_results: Sequence[Fetc
             found["activations"] = _activations(lens, mine, facts)
         if lens.saes:  # (a sink's receipt stands for them too)
             found["sae_features"] = None if lens.sink is not None else sae_features(lens, mine)
+        if lens.logit_attribution is not None:
+            found["logit_attribution"] = logit_attribution(lens, mine)
         if lens.hooks:
             found["hook_results"], found["hook_error"] = merge_hook_results(
                 _mine(got.hooks, prefix, []))
@@ -325,6 +350,8 @@ def fail_output(output: RequestOutput, lens: LensRequest, exc: BaseException) ->
         fields["activations"] = None
     if lens.saes:
         fields["sae_features"] = None
+    if lens.logit_attribution is not None:
+        fields["logit_attribution"] = None
     if lens.hooks:
         fields["hook_results"] = fields["hook_error"] = None
     if any(s.condition is not None for s in lens.steer):

@@ -22,7 +22,9 @@ from vllm_lens.frontend.admission import capture_reservation, check_admission
 from vllm_lens.sinks.config import SinkSpec
 from vllm_lens.spec.monitors import check_sampling
 from vllm_lens.spec import (
+    LOGIT_KEY,
     PAYLOAD_KEY,
+    SAE_KEY,
     SINK_KEY,
     STEER_KEY,
     STREAM_KEY,
@@ -132,7 +134,7 @@ class LensSession:
         facts = self._facts()
         check_admission(lens, facts, prompt_length(prompt), params.max_tokens, params.n,
                         request_id)
-        if lens.captures or lens.saes:
+        if lens.captures or lens.saes or lens.logit_attribution is not None:
             lens = dataclasses.replace(lens, reserve_bytes=capture_reservation(
                 lens, facts, prompt_length(prompt), params.max_tokens))
         if lens.steer_attention:
@@ -177,6 +179,16 @@ class LensSession:
                                    f"steered prompt position, which n={n} samples compute once "
                                    "between them; send n requests, or use phase='decode'",
                                    request_id=request_id)
+        if n != 1 and lens.logit_attribution is not None and lens.logit_attribution.token is None:
+            raise LensRequestError(LOGIT_KEY, f"attributes each position to the token that "
+                                   f"follows it, which n={n} samples do not share; name one "
+                                   "with attribution_token, or send n requests",
+                                   request_id=request_id)
+        if n != 1 and any(s.attribution and s.attribution_token is None for s in lens.saes):
+            raise LensRequestError(f"{SAE_KEY}.attribution", f"attributes each position to the "
+                                   f"token that follows it, which n={n} samples do not share; "
+                                   "name one with attribution_token, or send n requests",
+                                   request_id=request_id)
         if lens.sink is not None and n != 1:
             raise LensRequestError(SINK_KEY, f"writes one example per request; n={n} samples "
                                    "would need one key each (send n requests)",
@@ -199,11 +211,12 @@ class LensSession:
 
         ``generated`` maps completion index -> tokens generated; a request sampled once runs
         under one engine id, ``n > 1`` children under ids prefixed ``"{index}_"``. ``tokens``
-        (prompt and generated token ids) travel along for a request writing to a sink.
+        (prompt and generated token ids) travel along for a request writing to a sink or
+        attributing features to the tokens that follow their positions.
         """
         if n == 1:
             valid = {"": n_prompt + generated.get(0, 0) - 1}
-            if lens.sink is not None:
+            if lens.sink is not None or lens.wants_tokens:
                 prompt_ids, generated_ids = tokens or ((), ())
                 return lens.key, valid, {"prompt_token_ids": [int(t) for t in prompt_ids],
                                          "token_ids": [int(t) for t in generated_ids]}

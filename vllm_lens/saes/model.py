@@ -45,6 +45,10 @@ TRANSCODERS = {"transcoder": "standard", "skip_transcoder": "standard",
                "jumprelu_transcoder": "jumprelu", "jumprelu_skip_transcoder": "jumprelu"}
 #: Transcoders with a skip connection ``W_skip`` ``[d_out, d_in]``.
 _SKIP = ("skip_transcoder", "jumprelu_skip_transcoder")
+#: A host decode reads only the active features' decoder rows when fewer than this share
+#: (1 / 4) of the features is active in the rows decoded together.
+_SPARSE_DECODE_SHARE = 4
+
 ARCHITECTURES = ("standard", "jumprelu", "topk", "abstopk", "gated", *TRANSCODERS)
 #: Architectures whose features may be negative (ranked by magnitude, active where not 0).
 SIGNED = ("abstopk",)
@@ -396,7 +400,33 @@ class SAE:
         f = features.to(dtype)
         if self.architecture in _TOPK and self.rescale_acts_by_decoder_norm:
             f = f / self._weights(dtype)["W_dec"].norm(dim=-1)
+        if f.device.type == "cpu" and f.dim() == 2 and f.shape[0]:
+            # Only the decoder rows of features active in some row (a trained dictionary's
+            # few dozen per row): on the host, where finding them does not stall a queue.
+            active = (f != 0).any(0).nonzero().squeeze(1)
+            if active.numel() * _SPARSE_DECODE_SHARE < self.d_sae:
+                w = self._weights(dtype)
+                return torch.addmm(w["b_dec"], f.index_select(1, active),
+                                   w["W_dec"].index_select(0, active))
         return self._product("dec", dtype)(f)
+
+    def directions(self, indices: torch.Tensor) -> torch.Tensor:
+        """What one unit of each feature in ``indices`` adds to the point it writes (its
+        decoder row; divided by its norm for a TopK or AbsTopK SAE with
+        ``rescale_acts_by_decoder_norm``, as `decode` divides the feature): float32
+        ``[*indices.shape, d_out]`` on the SAE's device. Indices below 0 (padding) give zero
+        rows.
+
+        Args:
+            indices: feature indices, any integer dtype and shape.
+        """
+        w = self._weights(self.dtype)["W_dec"]
+        flat = indices.reshape(-1).long()
+        rows = w.index_select(0, flat.clamp(min=0)).float()
+        if self.architecture in _TOPK and self.rescale_acts_by_decoder_norm:
+            rows = rows / rows.norm(dim=-1, keepdim=True)
+        rows = rows.masked_fill((flat < 0)[:, None], 0.0)
+        return rows.reshape(*indices.shape, w.shape[1])
 
     def skip(self, x: torch.Tensor) -> torch.Tensor | None:
         """A skip transcoder's skip connection.

@@ -72,6 +72,23 @@ class ModelFacts:
     """Point -> why the start-up check of the layout refuses it (``worker.layout_check``)."""
     derived_layout: bool = False
     """The layout was derived from the model's module tree, not written by hand."""
+    readout_refused: str | None = "the workers did not describe their readout"
+    """Why direct logit attribution is refused on this engine (``None``: served; the last
+    stage's TP rank 0 proved its readout, ``worker.readout``)."""
+    vocab_size: int = 0
+
+    @property
+    def attribution_refused(self) -> str | None:
+        """Why this engine cannot carry a vector on the last layer's stream to a logit (direct
+        logit attribution), or ``None``."""
+        if self.pp_size > 1:
+            return (f"pipeline parallelism ({self.pp_size} stages): the layers read and the LM "
+                    "head are on different stages")
+        if self.readout_refused:
+            return self.readout_refused
+        if (why := self.refused_points.get("resid_post")) is not None:
+            return f"the last layer's stream (resid_post) is refused: {why}"
+        return None
 
     def row_shape(self, signal: str) -> tuple[int, ...]:
         """The shape of one captured row (one position, one layer) of ``signal``."""
@@ -131,6 +148,11 @@ def facts_from_describe(answers: Sequence[Any]) -> ModelFacts:
         # A point refused by any rank's (any stage's) check is refused.
         refused_points={point: why for r in results for point, why in r.refused_points.items()},
         derived_layout=any(r.derived_layout for r in results),
+        vocab_size=first.vocab_size,
+        # The stage that ends the model answers for the readout (the others hold no head).
+        readout_refused=next((r.readout_refused for r in results
+                              if not r.tp_rank and r.pp_rank == max(x.pp_rank for x in results)),
+                             "no worker of the last pipeline stage answered"),
     )
 
 

@@ -35,9 +35,13 @@ ATTENTION_STEER_KEY = "steer_attention"
 #: Layers whose MLP a transcoder stands in for: ``[{"transcoder", "keep_error", "clamp",
 #: "hook_point"}]`` (``spec.replacement``).
 REPLACE_KEY = "replace_mlp"
+#: Direct logit attribution of the embedding and each layer's attn_out and mlp_out:
+#: ``true`` or ``{"layers", "positions", "attribution_token"}`` (``spec.logit_attribution``).
+LOGIT_KEY = "output_logit_attribution"
 #: Every key vllm-lens reads from ``extra_args``; near-misses of these are reported as typos.
 LENS_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, TRANSPORT_KEY,
-             SINK_KEY, STREAM_KEY, SAE_KEY, MONITORS_KEY, ATTENTION_STEER_KEY, REPLACE_KEY)
+             SINK_KEY, STREAM_KEY, SAE_KEY, MONITORS_KEY, ATTENTION_STEER_KEY, REPLACE_KEY,
+             LOGIT_KEY)
 #: The reserved ``extra_args`` entry that carries the validated spec to the workers.
 PAYLOAD_KEY = "vllm_lens"
 PAYLOAD_VERSION = 1

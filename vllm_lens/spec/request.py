@@ -40,12 +40,14 @@ from vllm_lens.spec.keys import (
     QK_KEY,
     REPLACE_KEY,
     SAE_KEY,
+    LOGIT_KEY,
     SINK_KEY,
     STEER_KEY,
     STREAM_KEY,
     TRANSPORT_KEY,
     TRANSPORTS,
 )
+from vllm_lens.spec.logit_attribution import LogitAttributionSpec, parse_logit_attribution
 from vllm_lens.spec.monitors import MonitorSpec, parse_monitors
 from vllm_lens.spec.outputs import parse_sink, parse_stream
 from vllm_lens.spec.replacement import ReplaceSpec, parse_replacements, replacement_digest
@@ -80,6 +82,8 @@ class LensRequest:
     """Edits of chosen heads' attention (``steer_attention``, ``spec.attention_steering``)."""
     replace_mlp: tuple[ReplaceSpec, ...] = ()
     """MLPs replaced by transcoders (``replace_mlp``, ``spec.replacement``)."""
+    logit_attribution: LogitAttributionSpec | None = None
+    """Direct logit attribution of the components (``output_logit_attribution``)."""
     attention_positions: int = 0
     """With ``steer_attention``: the model's context, which bounds the positions the request
     computes; set by the front end after admission, never read from the client."""
@@ -94,14 +98,24 @@ class LensRequest:
     request first runs, or fails the request at once if it does not fit."""
 
     @property
+    def wants_tokens(self) -> bool:
+        """Its fetch needs the request's token ids: an SAE attribution to the tokens that
+        follow the positions."""
+        return (any(s.attribution and s.attribution_token is None for s in self.saes)
+                or self.logit_attribution is not None and self.logit_attribution.token is None)
+
+    @property
     def captures(self) -> tuple[CaptureSpec, ...]:
         """Every capture of the request: the residual stream's (if any) and the points'."""
         return self.points if self.capture is None else (self.capture, *self.points)
 
     @functools.cached_property
     def sae_captures(self) -> tuple[CaptureSpec, ...]:
-        """The captures the workers run for the SAE features (``SAEFeatureSpec.capture``)."""
-        return tuple(s.capture() for s in self.saes)
+        """The captures the workers run for the SAE features (``SAEFeatureSpec.capture``) and
+        for a logit attribution (``LogitAttributionSpec.captures``): rows the request does not
+        get as they are."""
+        dla = () if self.logit_attribution is None else self.logit_attribution.captures()
+        return (*(s.capture() for s in self.saes), *dla)
 
     @property
     def qk_layers(self) -> tuple[int, ...]:
@@ -176,6 +190,8 @@ class LensRequest:
             payload["steer_attention"] = [e.to_payload() for e in self.steer_attention]
         if self.replace_mlp:
             payload["replace_mlp"] = [r.to_payload() for r in self.replace_mlp]
+        if self.logit_attribution is not None:
+            payload["logit_attribution"] = self.logit_attribution.to_payload()
         if self.reserve_bytes:
             payload["reserve"] = self.reserve_bytes
         if self.attention_positions:
@@ -207,6 +223,8 @@ class LensRequest:
                                          for d in payload.get("steer_attention", ())),
                    replace_mlp=tuple(ReplaceSpec.from_payload(d)
                                      for d in payload.get("replace_mlp", ())),
+                   logit_attribution=None if payload.get("logit_attribution") is None
+                   else LogitAttributionSpec.from_payload(payload["logit_attribution"]),
                    reserve_bytes=int(payload.get("reserve", 0)),
                    attention_positions=int(payload.get("attn_positions", 0)),
                    attention_max_tokens=int(payload.get("attn_max_tokens", 0)))
@@ -214,7 +232,7 @@ class LensRequest:
 
 #: The keys that ask for lens work (the others only say how to return it).
 _WORK_KEYS = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, SINK_KEY, STREAM_KEY,
-              SAE_KEY, MONITORS_KEY, ATTENTION_STEER_KEY, REPLACE_KEY)
+              SAE_KEY, MONITORS_KEY, ATTENTION_STEER_KEY, REPLACE_KEY, LOGIT_KEY)
 
 
 def _asks_nothing(value: Any) -> bool:
@@ -293,6 +311,9 @@ def parse_extra_args(
     raw_replace = rest.pop(REPLACE_KEY, None)
     if raw_replace is False:
         raw_replace = None
+    raw_logits = rest.pop(LOGIT_KEY, None)
+    if raw_logits in (False, "false"):
+        raw_logits = None
     fault = parse_fault(rest.pop(faults.FAULT_KEY, None), request_id)
     if raw_capture is False:
         raw_capture = None
@@ -302,7 +323,7 @@ def parse_extra_args(
                                  (QK_KEY, raw_qk), (STEER_KEY, raw_steer), (HOOKS_KEY, raw_hooks),
                                  (SAE_KEY, raw_saes), (MONITORS_KEY, raw_monitors),
                                  (ATTENTION_STEER_KEY, raw_attention),
-                                 (REPLACE_KEY, raw_replace))
+                                 (REPLACE_KEY, raw_replace), (LOGIT_KEY, raw_logits))
              if v is not None]
     if not asked:
         for key, value in ((SINK_KEY, raw_sink), (STREAM_KEY, raw_stream)):
@@ -328,6 +349,19 @@ def parse_extra_args(
     sink = None if raw_sink is None else parse_sink(raw_sink, captures, facts, request_id,
                                                     saes=features)
     stream = parse_stream(raw_stream, captures, sink, request_id, saes=features)
+    logits = None if raw_logits is None else parse_logit_attribution(raw_logits, facts,
+                                                                     request_id)
+    if logits is not None and (sink is not None or stream):
+        raise LensRequestError(LOGIT_KEY, f"is computed when the request ends, not with "
+                               f"{SINK_KEY if sink else STREAM_KEY}; send it in a request of "
+                               "its own", request_id=request_id)
+    for i, spec in enumerate(features):
+        if spec.attribution and (sink is not None or stream):
+            # Attributions are computed when the request's tokens are known, at its fetch.
+            raise LensRequestError(
+                f"{SAE_KEY}[{i}].attribution" if len(features) > 1 else f"{SAE_KEY}.attribution",
+                f"is computed when the request ends, not with {SINK_KEY if sink else STREAM_KEY};"
+                " send the attribution in a request of its own", request_id=request_id)
     monitors = () if raw_monitors is None else parse_monitors(raw_monitors, facts, request_id,
                                                               saes=saes)
     attention = () if raw_attention is None else parse_attention_steering(
@@ -337,7 +371,7 @@ def parse_extra_args(
     return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
                              fault=fault, points=points, sink=sink, stream=stream,
                              saes=features, monitors=monitors, steer_attention=attention,
-                             replace_mlp=replace)
+                             replace_mlp=replace, logit_attribution=logits)
 
 
 def reuse_parsed(
@@ -347,7 +381,7 @@ def reuse_parsed(
     ``lens`` was parsed from (``parsed_from``): the same spec under a fresh key. ``None`` if
     they differ."""
     own = (CAPTURE_KEY, ACTIVATIONS_KEY, QK_KEY, STEER_KEY, HOOKS_KEY, SINK_KEY, STREAM_KEY,
-           SAE_KEY, MONITORS_KEY, ATTENTION_STEER_KEY, REPLACE_KEY, faults.FAULT_KEY)
+           SAE_KEY, MONITORS_KEY, ATTENTION_STEER_KEY, REPLACE_KEY, LOGIT_KEY, faults.FAULT_KEY)
     extra_args = extra_args or {}
     if any(extra_args.get(k) != parsed_from.get(k) for k in own) or PAYLOAD_KEY in extra_args:
         return None

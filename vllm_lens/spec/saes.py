@@ -27,11 +27,16 @@ from vllm_lens.spec.capture import CaptureSpec, parse_positions
 from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import check_site, checked_item, json_value
 from vllm_lens.spec.keys import SAE_KEY
+from vllm_lens.spec.logit_attribution import checked_token
 
 __all__ = ["MAX_SAE_ENTRIES", "SAEFeatureSpec", "check_description", "described", "named_sae",
            "parse_sae_features", "sae_references"]
 
-_FIELDS = ("sae", "hook_point", "positions", "top_k", "reconstruction")
+_FIELDS = ("sae", "hook_point", "positions", "top_k", "reconstruction", "attribution",
+           "attribution_token")
+#: Points whose rows are a part of the residual stream, so that a feature's decoder row read
+#: there is carried to the logits as it is (``attribution``); a transcoder writes ``mlp_out``.
+ATTRIBUTABLE = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
 #: Entries of one request's ``output_sae_features`` (each encodes every selected row with its
 #: SAE in the shared forward pass).
 MAX_SAE_ENTRIES = 8
@@ -58,17 +63,26 @@ class SAEFeatureSpec:
     top_k: int = 32
     positions: str | tuple[int, ...] = "all"
     reconstruction: bool = False
+    attribution: bool = False
+    """Each returned feature's direct effect on one logit per position (``worker.readout``)."""
+    attribution_token: int | None = None
+    """The token whose logit (``None``: the token that follows each position)."""
 
     @property
     def width(self) -> int:
-        """Values per position on the worker: ``top_k`` indices, ``top_k`` values, and with
-        ``reconstruction`` the NMSE and L0."""
-        return 2 * self.top_k + (2 if self.reconstruction else 0)
+        """Values per position on the worker: ``top_k`` indices, ``top_k`` values, with
+        ``reconstruction`` the NMSE and L0, and with ``attribution`` one more while the
+        request runs (the final norm's scale) that fetching turns into ``top_k``
+        attributions and the token id (``worker.attribution``): the wider is counted."""
+        return 2 * self.top_k + (2 if self.reconstruction else 0) + (
+            self.top_k + 1 if self.attribution else 0)
 
     @property
     def signal(self) -> str:
-        digest = hashlib.sha1(repr((self.path, self.hook_point, self.top_k,
-                                    self.reconstruction)).encode()).hexdigest()[:12]
+        key = (self.path, self.hook_point, self.top_k, self.reconstruction)
+        if self.attribution:
+            key += (self.attribution_token,)
+        digest = hashlib.sha1(repr(key).encode()).hexdigest()[:12]
         return f"{tap_points.SAE_PREFIX}{digest}:{self.point}"
 
     def capture(self) -> CaptureSpec:
@@ -79,20 +93,29 @@ class SAEFeatureSpec:
         """One ``sae_features`` entry from the packed rows the workers computed (``[n, width]``
         in float32, ``worker.plan``) and their positions: per position the top features'
         ``indices`` (int32, -1 where fewer were active) and ``values`` (float32), descending;
-        with ``reconstruction`` also ``nmse`` (float32) and ``l0`` (int32)."""
+        with ``reconstruction`` also ``nmse`` (float32) and ``l0`` (int32); with
+        ``attribution`` also ``logit_attribution`` (float32 ``[n, top_k]``, 0 for padding,
+        NaN where the token is not known) and ``attribution_tokens`` (int32 ``[n]``, -1 where
+        not known)."""
         k = self.top_k
         found: dict[str, Any] = {
             "sae": self.sae, "layer": self.layer, "point": self.point, "positions": positions,
             "indices": rows[:, :k].to(torch.int32), "values": rows[:, k:2 * k].contiguous()}
+        end = 2 * k
         if self.reconstruction:
-            found["nmse"] = rows[:, 2 * k].contiguous()
-            found["l0"] = rows[:, 2 * k + 1].to(torch.int32)
+            found["nmse"] = rows[:, end].contiguous()
+            found["l0"] = rows[:, end + 1].to(torch.int32)
+            end += 2
+        if self.attribution:
+            found["logit_attribution"] = rows[:, end:end + k].contiguous()
+            found["attribution_tokens"] = rows[:, end + k].to(torch.int32)
         return found
 
     def to_payload(self) -> dict[str, Any]:
         return {"sae": self.sae, "path": self.path, "hook_point": self.hook_point,
                 "point": self.point, "layer": self.layer, "d_sae": self.d_sae,
                 "top_k": self.top_k, "reconstruction": self.reconstruction,
+                "attribution": self.attribution, "attribution_token": self.attribution_token,
                 "positions": self.positions if isinstance(self.positions, str)
                 else list(self.positions)}
 
@@ -102,6 +125,9 @@ class SAEFeatureSpec:
         return cls(sae=str(d["sae"]), path=str(d["path"]), hook_point=d.get("hook_point"),
                    point=str(d["point"]), layer=int(d["layer"]), d_sae=int(d["d_sae"]),
                    top_k=int(d["top_k"]), reconstruction=bool(d["reconstruction"]),
+                   attribution=bool(d.get("attribution", False)),
+                   attribution_token=None if d.get("attribution_token") is None
+                   else int(d["attribution_token"]),
                    positions=positions if isinstance(positions, str) else tuple(positions))
 
 
@@ -240,9 +266,42 @@ def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: s
                                request_id=request_id)
     positions = parse_positions(item.get("positions", "all"), facts, f"{field}.positions",
                                 request_id)
+    attribution, token = _attribution(item, info, point, facts, field, request_id)
     # The workers keep it under the hook point they were asked to read it at (a registered
     # name's, which the request need not repeat: Gemma Scope's files name none).
     return SAEFeatureSpec(sae=name, path=str(info["path"]),
                           hook_point=info.get("hook_point", hook_point), point=point,
                           layer=layer, d_sae=d_sae, top_k=top_k, positions=positions,
-                          reconstruction=reconstruction)
+                          reconstruction=reconstruction, attribution=attribution,
+                          attribution_token=token)
+
+
+def _attribution(item: Mapping[str, Any], info: Mapping[str, Any], point: str,
+                 facts: ModelFacts, field: str, request_id: str | None
+                 ) -> tuple[bool, int | None]:
+    """An entry's ``attribution`` and ``attribution_token``, checked against the SAE and the
+    engine."""
+    attribution = item.get("attribution", False)
+    if attribution in ("true", "false"):
+        attribution = attribution == "true"
+    if not isinstance(attribution, bool):
+        raise LensRequestError(f"{field}.attribution", "true or false", request_id=request_id)
+    token = item.get("attribution_token")
+    if token is not None and not attribution:
+        raise LensRequestError(f"{field}.attribution_token", "names the token of an "
+                               "attribution; set \"attribution\": true with it",
+                               request_id=request_id)
+    if not attribution:
+        return False, None
+    token = checked_token(token, facts, f"{field}.attribution_token", request_id)
+    writes = str(info.get("out_point") or point)
+    if writes not in ATTRIBUTABLE:
+        raise UnsupportedConfigError(
+            f"{field}.attribution", f"its decoder writes {writes}, which is not a part of the "
+            f"residual stream; attribution is served for SAEs at {', '.join(ATTRIBUTABLE)} "
+            "and for transcoders", request_id=request_id)
+    if refused := facts.attribution_refused:
+        raise UnsupportedConfigError(f"{field}.attribution", f"this engine cannot carry "
+                                     f"features to the logits: {refused}",
+                                     request_id=request_id)
+    return True, token

@@ -24,7 +24,12 @@ from vllm_lens.worker.plan import CaptureGroup
 from vllm_lens.worker.staging_pool import StagingPool
 from vllm_lens.worker.capture_store import Entry
 
-__all__ = ["assemble", "capture_layer", "encode_top_features", "pick_rows", "sae_chunk_rows"]
+__all__ = ["READOUT", "assemble", "capture_layer", "encode_top_features", "pick_rows",
+           "sae_chunk_rows"]
+
+#: The index a group with a readout (attribution) is planned under at the last layer's
+#: ``post`` site: its encoded rows get their final-norm scale there and are staged.
+READOUT = -1
 
 
 def pick_rows(tensor: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
@@ -46,8 +51,18 @@ def capture_layer(group: CaptureGroup, index: int, a: torch.Tensor,
     A transcoder's features with ``reconstruction`` are read at two sites (``site``: the
     tap's): at its input the rows are kept (``group.pending``), at the point it predicts
     (``group.target_site``) they are encoded and its prediction compared with that point's
-    rows."""
-    if group.target_site is not None and site != group.target_site:  # the transcoder's input
+    rows. With a readout (attribution) the encoded rows wait for the last layer's ``post``
+    site (``index`` ``READOUT``), where each gets its final-norm scale as one more column."""
+    if index == READOUT:
+        encoded, group.encoded = group.encoded, None
+        if encoded is None:
+            raise RuntimeError("the SAE's layer did not run before the model's last layer")
+        stream, residual = _pick(group.rows, *operands("resid_post", a, b))
+        if residual is not None:
+            stream = stream + residual
+        picked, extra = torch.cat([encoded, group.readout.norm_scale(stream)[:, None]], 1), None
+        index, hidden = 0, a
+    elif group.target_site is not None and site != group.target_site:  # the transcoder's input
         picked, extra = _pick(group.rows, *operands(group.signal, a, b))
         if extra is not None:
             picked = picked + extra
@@ -55,18 +70,24 @@ def capture_layer(group: CaptureGroup, index: int, a: torch.Tensor,
             picked = picked.clone()
         group.pending[index] = picked
         return
-    if group.target_site is not None:
+    elif group.target_site is not None:
         target, _ = _pick(group.rows, *operands("mlp_out", a, b))
         x = group.pending.pop(index, None)
         if x is None:
             raise RuntimeError("the transcoder's input site did not run in this step")
         picked, extra = encode_top_features(group.sae, x, None, target=target), None
         hidden = a
+        if group.readout is not None:
+            group.encoded = picked
+            return
     else:
         hidden, residual = operands(group.signal, a, b)
         picked, extra = _pick(group.rows, hidden, residual)
         if group.sae is not None:  # only the SAE's top features leave the device
             picked, extra = encode_top_features(group.sae, picked, extra), None
+            if group.readout is not None:
+                group.encoded = picked
+                return
     if group.staging is None:
         shape = (len(group.layers), group.n_rows, *picked.shape[1:])
         if hidden.device.type == "cpu" and pool is not None:

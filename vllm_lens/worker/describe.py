@@ -34,10 +34,12 @@ def check_blocker(vllm_config: Any) -> str | None:
 
 def describe_rank(vllm_config: Any, model_config: Any, model: Any, info: Any,
                   reason: str | None, ranks: tuple[int, int, int],
-                  check: LayoutCheck | None) -> DescribeAnswer:
+                  check: LayoutCheck | None, readout: str | None = "not built"
+                  ) -> DescribeAnswer:
     """The record of one rank: ``info`` is the model's ``TapInfo`` (``None``: layers not
     found), ``reason`` why lens requests are refused here, ``ranks`` (TP rank, TP size, PP
-    rank), ``check`` the layout check of the model the tap handler serves."""
+    rank), ``check`` the layout check of the model the tap handler serves, ``readout`` why
+    this rank has no readout for attribution (``None``: it has, ``worker.readout``)."""
     tp_rank, tp_size, pp_rank = ranks
     return DescribeAnswer(
         unsupported=reason,
@@ -69,6 +71,8 @@ def describe_rank(vllm_config: Any, model_config: Any, model: Any, info: Any,
         derived_layout=bool(info and info.derived),
         refused_points=dict(check.refused) if check is not None else {},
         layout_check=_check_summary(check),
+        readout_refused=readout,
+        vocab_size=int(model_config.get_vocab_size()),
         # Per layer this stage owns (the front end joins the stages' lists).
         qk_meta=_qk_meta(info),
     )

@@ -23,12 +23,17 @@ from vllm_lens.common.messages import (
     StatsAnswer,
 )
 from vllm_lens.errors import CapacityError, DatasetConflictError
-from vllm_lens.common.points import SHARDED, base_signal
+from vllm_lens.common.points import DLA_PREFIX, SAE_PREFIX, SHARDED, base_signal
 from vllm_lens.spec import HookSpec
+from vllm_lens.spec.logit_attribution import LOGIT_SIGNAL
+from vllm_lens.worker.attribution import attribute_rows, component_rows
+from vllm_lens.worker.capture_store import Entry
+from vllm_lens.worker.readout import Readout
 from vllm_lens.worker.capture import assemble
 from vllm_lens.worker.describe import check_blocker, describe_rank
 from vllm_lens.worker.hooks import encode_results
 from vllm_lens.worker.layout_check import LayoutCheck, check_layout
+from vllm_lens.worker.readout import build_readout
 from vllm_lens.worker.request_records import describe
 from vllm_lens.worker.runner import unsupported_reason
 from vllm_lens.saes.model import WHOLE_CLAMP
@@ -56,6 +61,12 @@ def _ranks() -> tuple[int, int, int]:
 
     return (get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(),
             get_pp_group().rank_in_group)
+
+
+def _last_stage() -> bool:
+    from vllm.distributed import get_pp_group
+
+    return get_pp_group().is_last_rank
 
 
 class LensWorkerExtension:
@@ -383,19 +394,71 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
         if record is not None and record.lens.sink is not None:
             _write_to_sink(runtime, record, by_signal, valid, tokens or {}, out)
             continue
+        if record is not None and record.lens.logit_attribution is not None:
+            by_signal = _with_logit_attribution(runtime, record, by_signal, valid, tokens)
         for signal, entry in by_signal.items():
+            if not isinstance(entry, Entry):  # computed here already
+                capture, tensor = entry
+                _send(runtime, record, req_id, signal, capture, tensor, front_end_host, out)
+                continue
             if not entry.chunks:
                 continue  # every row was streamed already (``lens_fetch_partial``)
             capture = assemble(entry, valid)
             capture["tp_rank"] = runtime.tp_rank
             tensor = capture.pop("tensor")
-            try:
-                if record is not None:
-                    faults.check(record.lens.fault, "handoff")
-                sent = handoff.send(capture, tensor, front_end_host)
-            except Exception as exc:
-                raise _HandoffFailed() from exc
-            out.setdefault(req_id, _fields())["captures"][signal] = sent
+            spec = _attributed(record, signal)
+            if spec is not None:
+                tensor = _attribute(runtime, spec, tensor, capture["positions"], tokens)
+            _send(runtime, record, req_id, signal, capture, tensor, front_end_host, out)
+
+
+def _send(runtime: LensRuntime, record: Any, req_id: str, signal: str, capture: dict,
+          tensor: Any, front_end_host: str | None, out: dict[str, dict[str, Any]]) -> None:
+    """Hand one signal's rows to the front end (``handoff.send``)."""
+    try:
+        if record is not None:
+            faults.check(record.lens.fault, "handoff")
+        sent = handoff.send(capture, tensor, front_end_host)
+    except Exception as exc:
+        raise _HandoffFailed() from exc
+    out.setdefault(req_id, _fields())["captures"][signal] = sent
+
+
+def _with_logit_attribution(runtime: LensRuntime, record: Any, by_signal: dict[str, Any],
+                            valid: int, tokens: dict[str, list[int]] | None) -> dict[str, Any]:
+    """``by_signal`` with the rows kept for a logit attribution (``dla:<point>``) replaced by
+    the attributions computed from them (``LOGIT_SIGNAL``: ``(capture, tensor)``)."""
+    kept = {signal[len(DLA_PREFIX):]: assemble(entry, valid)
+            for signal, entry in by_signal.items() if signal.startswith(DLA_PREFIX)}
+    rest = {s: e for s, e in by_signal.items() if not s.startswith(DLA_PREFIX)}
+    if not kept:
+        return rest
+    if not isinstance(runtime.readout, Readout):
+        raise ValueError(f"no readout for attribution on this worker: {runtime.readout}")
+    rows, positions = component_rows(kept, record.lens.logit_attribution, runtime.readout,
+                                     tokens)
+    rest[LOGIT_SIGNAL] = ({"layers": [0], "positions": positions, "signal": LOGIT_SIGNAL,
+                           "tp_rank": runtime.tp_rank}, rows[None])
+    return rest
+
+
+def _attributed(record: Any, signal: str) -> Any:
+    """The ``output_sae_features`` entry with ``attribution`` whose rows ``signal`` holds, or
+    ``None``."""
+    if record is None or not signal.startswith(SAE_PREFIX):
+        return None
+    return next((s for s in record.lens.saes if s.signal == signal and s.attribution), None)
+
+
+def _attribute(runtime: LensRuntime, spec: Any, tensor: Any, positions: Any,
+               tokens: dict[str, list[int]] | None) -> Any:
+    """An attribution entry's rows ``[1, n, width + 1]`` with their attributions
+    (``worker.attribution``)."""
+    sae = runtime.saes.get(spec.path, spec.hook_point, resolved=True)
+    if sae is None:
+        raise ValueError(f"SAE {spec.sae!r} was unloaded before its attributions were "
+                         "computed; retry the request")
+    return attribute_rows(tensor[0], positions, spec, sae, runtime.readout, tokens)[None]
 
 
 def _write_to_sink(runtime: LensRuntime, record: Any, by_signal: dict[str, Any], valid: int,
@@ -439,8 +502,12 @@ def _describe(worker: Any) -> DescribeAnswer:
         _runtime = LensRuntime(runner, capture_layers=capture_layers, tp_rank=tp_rank,
                                tp_size=tp_size, attention=info.attention,
                                shard_layers=frozenset(info.local_layers), split=info.split)
+        _runtime.readout = build_readout(model, info, tp_size=tp_size,
+                                         last_stage=_last_stage())
         set_tap_handler(_runtime.on_tap)
         _runtime.view.wrap_sample(_runtime.before_sample)
         handoff.sweep()  # files orphaned by front ends that died before reading them
+    readout = "this rank serves no lens requests" if _runtime is None else _runtime.readout
     return describe_rank(vllm_config, runner.model_config, model, info, reason,
-                         (tp_rank, tp_size, pp_rank), _check)
+                         (tp_rank, tp_size, pp_rank), _check,
+                         readout if isinstance(readout, str) else None)

@@ -39,7 +39,7 @@ import torch
 from vllm_lens.common.points import POINTS, operands, tap_key
 from vllm_lens.worker import taps
 
-__all__ = ["INVARIANTS", "LayoutCheck", "check_layout", "evaluate", "tolerance"]
+__all__ = ["INVARIANTS", "LayoutCheck", "check_layout", "evaluate", "final_norm", "tolerance"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
                 hidden = _forward(runner)
         finally:
             taps.set_tap_handler(previous)
-        final = _final_norm(model, info)
+        final = final_norm(model, info)
         result = evaluate(recorder.rows, info, hidden=hidden, final_norm=final,
                           last_stage=_last_stage(), dtype=recorder.dtype)
     except Exception as exc:  # noqa: BLE001 -- the check must answer, never crash the worker
@@ -183,7 +183,7 @@ def _last_stage() -> bool:
     return get_pp_group().is_last_rank
 
 
-def _final_norm(model: torch.nn.Module, info: Any) -> torch.nn.Module | None:
+def final_norm(model: torch.nn.Module, info: Any) -> torch.nn.Module | None:
     """The norm vLLM applies after the last decoder layer: the module beside the layer list
     named like one."""
     parent_path = info.layers_path.rpartition(".")[0]

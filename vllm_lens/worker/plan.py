@@ -100,6 +100,11 @@ class CaptureGroup:
     encoded (``capture.capture_layer``); they are kept at its input site until then."""
     pending: dict[int, torch.Tensor] = field(default_factory=dict)
     """Layer index -> the transcoder's input rows of this step, until ``target_site``."""
+    readout: Any = None
+    """An SAE feature capture with ``attribution``: the model's ``worker.readout.Readout``.
+    Its encoded rows wait in ``encoded`` for the last layer's ``post`` site, where each row's
+    final-norm scale is appended before they are staged (``capture.READOUT``)."""
+    encoded: torch.Tensor | None = None
 
 
 def select_rows(spec: CaptureSpec, pos0: int, n_rows: int, n_prompt: int) -> np.ndarray:

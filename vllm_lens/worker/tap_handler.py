@@ -29,10 +29,11 @@ from vllm_lens.saes import SAE
 from vllm_lens.spec import HookSpec, SteerSpec
 from vllm_lens.worker.attention_steering import AttentionSteering
 from vllm_lens.worker.attention_taps import AttentionTaps
-from vllm_lens.worker.capture import capture_layer
+from vllm_lens.worker.capture import READOUT, capture_layer
 from vllm_lens.worker.hooks import HookCall, HookState, ParameterSource, run_hook_calls
 from vllm_lens.worker.monitors import MonitorState, StopControl
 from vllm_lens.worker.plan import RequestSlice, StepPlan
+from vllm_lens.worker.readout import Readout
 from vllm_lens.worker.replacement import (
     PreparedReplacement,
     ReplacementGroup,
@@ -101,6 +102,9 @@ class LensRuntime:
         self.attention_steering = AttentionSteering(
             self.attention.meta, tp_rank, self.shard_layers, envs.attention_steer_max_bytes())
         """Attention-steered requests' states and the edit after each kernel."""
+        self.readout: Readout | str = "not built"
+        """The model's proven linearised readout for attribution (``worker.readout``), or why
+        there is none; set when the workers are described."""
 
     # -- tap handler ---------------------------------------------------------------------------
     def on_tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: int,
@@ -514,6 +518,15 @@ class LensRuntime:
             group.target_site = site_of(sae.out_point, split=self.split)
             for index, layer in enumerate(group.layers):
                 plan.capture.setdefault((layer, group.target_site), []).append((group, index))
+        if spec.attribution:  # the norm's scale of the rows, where the model's stream ends
+            if not isinstance(self.readout, Readout):
+                group.failed = True
+                self._fail([o.req_id for o in group.owners],
+                           f"no readout for attribution on this worker: {self.readout}", "sae")
+                return
+            group.readout = self.readout
+            plan.capture.setdefault((self.readout.last_layer, "post"), []).append(
+                (group, READOUT))
 
     def _steering_for(self, steered: list[tuple[RequestSlice, list[PreparedSteer]]],
                       device: torch.device) -> dict[tuple[int, str], SteerGroup]:

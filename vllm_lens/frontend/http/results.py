@@ -39,6 +39,8 @@ def encode_results(results: Mapping[str, Any], encode: Encoder) -> dict[str, Any
         fields["sae_features"] = hook_results_to_json(results["sae_features"])
     if results.get("monitors") is not None:
         fields["monitors"] = monitors_to_json(results["monitors"])
+    if results.get("logit_attribution") is not None:  # [layers, positions]: JSON in both
+        fields["logit_attribution"] = hook_results_to_json(results["logit_attribution"])
     return fields
 
 

@@ -141,13 +141,14 @@ def test_component_attribution_sums_to_transformers_logits(tiny_llm, tiny_ref):
     attn_out and mlp_out parts sum to the logit transformers computes for the token that
     follows each position (RMSNorm: no bias term), and each part equals the formula on
     transformers' own rows; a subset of layers, a named token and chosen positions give the
-    same numbers for what they select; a plain request beside is unchanged."""
+    same numbers for what they select, with each head's part (its attn_z through its columns
+    of o_proj; the heads sum to attn_out's); a plain request beside is unchanged."""
     n_layers = tiny_ref.model.config.num_hidden_layers
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
                         extra_args={"output_logit_attribution": True})
     part = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, extra_args={
         "output_logit_attribution": {"layers": [1, 3], "positions": "generated",
-                                     "attribution_token": 42}})
+                                     "attribution_token": 42, "heads": True}})
     plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     out, sub, other = tiny_llm.generate([PROMPT] * 3, [sp, part, plain])
     assert out.lens_error is None and sub.lens_error is None
@@ -188,9 +189,20 @@ def test_component_attribution_sums_to_transformers_logits(tiny_llm, tiny_ref):
     assert picked["tokens"].tolist() == [42] * (n_rows - n_prompt)
     gen = slice(n_prompt, n_rows)
     u = unembed[42] * norm.weight.detach()
+    n_heads, head_dim = rows[("attn_z", 1)].shape[1:]
+    assert picked["heads"].shape == (2, n_rows - n_prompt, n_heads)
     for j, layer in enumerate((1, 3)):
         want = (rows[("mlp_out", layer)][gen] * u).sum(-1) / scale[gen]
         torch.testing.assert_close(picked["mlp_out"][j], want, rtol=1e-3, atol=1e-4)
+        # Each head: its attn_z through its columns of o_proj (no bias: they sum to attn_out's).
+        w_o = tiny_ref.layers[layer].self_attn.o_proj.weight.detach()
+        z = rows[("attn_z", layer)][gen]
+        for h in range(n_heads):
+            cols = slice(h * head_dim, (h + 1) * head_dim)
+            want = ((z[:, h] @ w_o[:, cols].T) * u).sum(-1) / scale[gen]
+            torch.testing.assert_close(picked["heads"][j, :, h], want, rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(picked["heads"][j].sum(-1), picked["attn_out"][j],
+                                   rtol=1e-3, atol=1e-4)
     assert held(tiny_llm.collective_rpc("lens_stats")) == [IDLE]
 
 

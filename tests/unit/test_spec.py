@@ -97,3 +97,46 @@ def test_payload_decoding_rejects_foreign_data():
         LensRequest.from_payload({"v": 99, "key": "k"})
     with pytest.raises(ValueError):
         LensRequest.from_payload("nope")
+
+
+def test_logit_attribution_parses_round_trips_and_refuses_by_field():
+    """``output_logit_attribution``: true or the dict form, its captures (signals ``dla:``),
+    the payload's round trip; refusals name the field, the engine's reason included."""
+    import dataclasses
+
+    from vllm_lens import UnsupportedConfigError
+
+    served = dataclasses.replace(FACTS, readout_refused=None, heads_refused=None, n_heads=2,
+                                 head_dim=4, vocab_size=100,
+                                 sites=("pre", "attn", "mid", "post"))
+    _, lens = parse_extra_args({"output_logit_attribution": True}, lambda: served)
+    spec = lens.logit_attribution
+    assert (spec.layers, spec.positions, spec.token, spec.heads) == ((0, 1, 2, 3), "all", None, 0)
+    assert [c.signal for c in lens.sae_captures] == [
+        "dla:resid_pre", "dla:attn_out", "dla:mlp_out", "dla:resid_post"]
+    assert lens.wants_tokens
+    _, lens = parse_extra_args({"output_logit_attribution": json.dumps(
+        {"layers": [2], "positions": "prompt", "attribution_token": 7, "heads": True})},
+        lambda: served)
+    assert lens.logit_attribution.heads == 2 and not lens.wants_tokens
+    assert lens.sae_captures[-1].signal == "dla:attn_z"
+    assert LensRequest.from_payload(lens.to_payload()) == lens
+    for extra, field, words, facts in (
+        ({"layers": [9]}, "output_logit_attribution.layers[0]", "out of range", served),
+        ({"attribution_token": 100}, "output_logit_attribution.attribution_token",
+         "vocabulary", served),
+        ({"heads": "yes"}, "output_logit_attribution.heads", "true or false", served),
+        ({"head": True}, "output_logit_attribution.head", "unknown field", served),
+        (True, "output_logit_attribution", "tensor parallelism",
+         dataclasses.replace(served, readout_refused="tensor parallelism (2 ranks)")),
+        ({"heads": True}, "output_logit_attribution.heads", "post-attention norm",
+         dataclasses.replace(served, heads_refused="a post-attention norm")),
+        (True, "output_logit_attribution", "pipeline parallelism",
+         dataclasses.replace(served, pp_size=2)),
+    ):
+        with pytest.raises(LensRequestError, match=words) as info:
+            parse_extra_args({"output_logit_attribution": extra}, lambda f=facts: f)
+        assert info.value.field == field
+    with pytest.raises(UnsupportedConfigError, match="did not describe"):  # an older worker
+        parse_extra_args({"output_logit_attribution": True},
+                         lambda: dataclasses.replace(FACTS, sites=served.sites))

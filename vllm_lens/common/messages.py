@@ -145,6 +145,9 @@ class DescribeAnswer(Message, frozen=True, tag=_tag("lens_describe")):
     """Why this rank cannot carry a direct logit attribution to the logits (``None``: it can,
     ``worker.readout``). The default refuses: an older worker's answer serves none."""
     vocab_size: int = 0
+    heads_refused: str | None = "this worker does not describe its output projections"
+    """Why this rank cannot attribute per head (``worker.head_projection``; ``None``: it can).
+    The default refuses."""
 
     @classmethod
     def refused(cls, reason: str) -> DescribeAnswer:

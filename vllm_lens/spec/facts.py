@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_lens.common.messages import DescribeAnswer, read_all
+from vllm_lens.common import points as tap_points
 from vllm_lens.common.points import SITES
 
 __all__ = ["ModelFacts", "facts_from_describe"]
@@ -76,6 +77,8 @@ class ModelFacts:
     """Why direct logit attribution is refused on this engine (``None``: served; the last
     stage's TP rank 0 proved its readout, ``worker.readout``)."""
     vocab_size: int = 0
+    heads_refused: str | None = "the workers did not describe their output projections"
+    """Why per-head logit attribution is refused (``worker.head_projection``), or ``None``."""
 
     @property
     def attribution_refused(self) -> str | None:
@@ -91,7 +94,10 @@ class ModelFacts:
         return None
 
     def row_shape(self, signal: str) -> tuple[int, ...]:
-        """The shape of one captured row (one position, one layer) of ``signal``."""
+        """The shape of one captured row (one position, one layer) of ``signal`` (a logit
+        attribution's ``dla:<point>``: the point's)."""
+        signal = tap_points.base_signal(signal) if signal.startswith(
+            tap_points.DLA_PREFIX) else signal
         if signal == "attn_k":
             return (self.n_kv_heads, self.head_dim)
         if signal in ("attn_q", "attn_z"):
@@ -149,6 +155,7 @@ def facts_from_describe(answers: Sequence[Any]) -> ModelFacts:
         refused_points={point: why for r in results for point, why in r.refused_points.items()},
         derived_layout=any(r.derived_layout for r in results),
         vocab_size=first.vocab_size,
+        heads_refused=next((r.heads_refused for r in results if r.heads_refused), None),
         # The stage that ends the model answers for the readout (the others hold no head).
         readout_refused=next((r.readout_refused for r in results
                               if not r.tp_rank and r.pp_rank == max(x.pp_rank for x in results)),

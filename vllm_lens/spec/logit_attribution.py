@@ -3,10 +3,11 @@
 
 Workers decode it again from the payload.
 
-``extra_args["output_logit_attribution"] = {"layers", "positions", "attribution_token"}``
-(``true``: every layer, every position): per selected position, how much the embedding
-(``resid_pre`` of layer 0) and each chosen layer's ``attn_out`` and ``mlp_out`` add directly
-to one logit — the token that follows the position (the next prompt token, or the token
+``extra_args["output_logit_attribution"] = {"layers", "positions", "attribution_token",
+"heads"}`` (``true``: every layer, every position): per selected position, how much the
+embedding (``resid_pre`` of layer 0) and each chosen layer's ``attn_out`` and ``mlp_out`` (with
+``heads``, each attention head: its ``attn_z`` through its columns of the output projection,
+``worker.head_projection``) add directly to one logit — the token that follows the position (the next prompt token, or the token
 sampled from it), or ``attribution_token`` — through the final norm frozen at the position's
 own scale (``worker.readout``). With every layer, the parts sum to the logit itself (before a
 soft cap; for a LayerNorm less the norm's bias term), which the tests check against
@@ -34,9 +35,10 @@ from vllm_lens.spec.keys import LOGIT_KEY
 
 __all__ = ["LOGIT_SIGNAL", "LogitAttributionSpec", "checked_token", "parse_logit_attribution"]
 
-_FIELDS = ("layers", "positions", "attribution_token")
-#: The signal the workers send the attributions under (one ``[1, n, 2 + 2 * layers]`` tensor:
-#: the token, the embedding's, then each layer's attn_out and mlp_out).
+_FIELDS = ("layers", "positions", "attribution_token", "heads")
+#: The signal the workers send the attributions under (one ``[1, n, 2 + 2 * layers (+ layers
+#: * heads)]`` tensor: the token, the embedding's, each layer's attn_out, its mlp_out, then
+#: with ``heads`` each layer's heads).
 LOGIT_SIGNAL = "logit_attribution"
 
 
@@ -48,32 +50,41 @@ class LogitAttributionSpec:
     """The token whose logit (``None``: the token that follows each position)."""
     n_layers: int = 0
     """The model's layers: the last one's stream gives each position's norm scale."""
+    heads: int = 0
+    """With ``heads``: the model's attention heads (``0``: not asked)."""
 
     def captures(self) -> tuple[CaptureSpec, ...]:
         """What the workers capture for it (signals ``dla:<point>``)."""
         def at(point: str, layers: tuple[int, ...]) -> CaptureSpec:
             return CaptureSpec(layers=layers, positions=self.positions,
                                signal=f"{tap_points.DLA_PREFIX}{point}")
-        return (at("resid_pre", (0,)), at("attn_out", self.layers), at("mlp_out", self.layers),
-                at("resid_post", (self.n_layers - 1,)))
+        found = (at("resid_pre", (0,)), at("attn_out", self.layers), at("mlp_out", self.layers),
+                 at("resid_post", (self.n_layers - 1,)))
+        return (*found, at("attn_z", self.layers)) if self.heads else found
 
     def result(self, rows: torch.Tensor | None, positions: torch.Tensor) -> dict[str, Any]:
-        """``logit_attribution`` of one completion from the workers' ``[n, 2 + 2L]`` rows:
-        ``{"layers", "positions", "tokens", "embed", "attn_out", "mlp_out"}`` — ``tokens``
-        int32 ``[n]`` (-1 where the following token is not known, its row NaN), ``embed``
-        float32 ``[n]``, ``attn_out`` and ``mlp_out`` float32 ``[layers, n]``."""
+        """``logit_attribution`` of one completion from the workers' ``[n, 2 + 2L (+ L * H)]``
+        rows: ``{"layers", "positions", "tokens", "embed", "attn_out", "mlp_out"}`` —
+        ``tokens`` int32 ``[n]`` (-1 where the following token is not known, its row NaN),
+        ``embed`` float32 ``[n]``, ``attn_out`` and ``mlp_out`` float32 ``[layers, n]``, and with
+        ``heads`` ``"heads"`` float32 ``[layers, n, heads]``."""
         n_layers = len(self.layers)
         if rows is None:
-            rows = torch.empty(0, 2 + 2 * n_layers)
+            rows = torch.empty(0, 2 + 2 * n_layers + n_layers * self.heads)
         rows = rows.float()
-        return {"layers": list(self.layers), "positions": positions,
-                "tokens": rows[:, 0].to(torch.int32), "embed": rows[:, 1].contiguous(),
-                "attn_out": rows[:, 2:2 + n_layers].t().contiguous(),
-                "mlp_out": rows[:, 2 + n_layers:].t().contiguous()}
+        end = 2 + 2 * n_layers
+        found = {"layers": list(self.layers), "positions": positions,
+                 "tokens": rows[:, 0].to(torch.int32), "embed": rows[:, 1].contiguous(),
+                 "attn_out": rows[:, 2:2 + n_layers].t().contiguous(),
+                 "mlp_out": rows[:, 2 + n_layers:end].t().contiguous()}
+        if self.heads:
+            found["heads"] = rows[:, end:].reshape(-1, n_layers, self.heads).transpose(
+                0, 1).contiguous()
+        return found
 
     def to_payload(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "token": self.token, "n_layers": self.n_layers,
-                "positions": self.positions if isinstance(self.positions, str)
+                "heads": self.heads, "positions": self.positions if isinstance(self.positions, str)
                 else list(self.positions)}
 
     @classmethod
@@ -82,7 +93,7 @@ class LogitAttributionSpec:
         return cls(layers=tuple(int(x) for x in d["layers"]),
                    positions=positions if isinstance(positions, str) else tuple(positions),
                    token=None if d.get("token") is None else int(d["token"]),
-                   n_layers=int(d["n_layers"]))
+                   n_layers=int(d["n_layers"]), heads=int(d.get("heads", 0)))
 
 
 def checked_token(token: Any, facts: ModelFacts, field: str,
@@ -100,13 +111,13 @@ def checked_token(token: Any, facts: ModelFacts, field: str,
 def parse_logit_attribution(raw: Any, facts: ModelFacts,
                             request_id: str | None) -> LogitAttributionSpec:
     """``output_logit_attribution``: ``true`` or ``{"layers", "positions",
-    "attribution_token"}``."""
+    "attribution_token", "heads"}``."""
     raw = json_value(raw, LOGIT_KEY, request_id)
     if raw is True or raw == "true":
         raw = {}
     if not isinstance(raw, Mapping):
         raise LensRequestError(LOGIT_KEY, 'true or {"layers", "positions", '
-                               f'"attribution_token"}}, got {type(raw).__name__}',
+                               f'"attribution_token", "heads"}}, got {type(raw).__name__}',
                                request_id=request_id)
     unknown = sorted(set(raw) - set(_FIELDS))
     if unknown:
@@ -123,5 +134,16 @@ def parse_logit_attribution(raw: Any, facts: ModelFacts,
     if refused := facts.attribution_refused:
         raise UnsupportedConfigError(LOGIT_KEY, f"this engine cannot carry the components to "
                                      f"the logits: {refused}", request_id=request_id)
+    heads = raw.get("heads", False)
+    if heads in ("true", "false"):
+        heads = heads == "true"
+    if not isinstance(heads, bool):
+        raise LensRequestError(f"{LOGIT_KEY}.heads", "true or false", request_id=request_id)
+    if heads:
+        check_site("attn_z", facts, f"{LOGIT_KEY}.heads", request_id)
+        if facts.heads_refused:
+            raise UnsupportedConfigError(f"{LOGIT_KEY}.heads", f"per-head attribution is "
+                                         f"refused on this engine: {facts.heads_refused}",
+                                         request_id=request_id)
     return LogitAttributionSpec(layers=layers, positions=positions, token=token,
-                                n_layers=facts.n_layers)
+                                n_layers=facts.n_layers, heads=facts.n_heads if heads else 0)

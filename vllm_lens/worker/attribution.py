@@ -74,15 +74,20 @@ def attribute_rows(rows: torch.Tensor, positions: torch.Tensor, spec: Any, sae: 
 
 
 def component_rows(captures: Mapping[str, Mapping[str, Any]], spec: Any, readout: Any,
-                   tokens: Mapping[str, Sequence[int]] | None) -> tuple[torch.Tensor,
-                                                                      torch.Tensor]:
+                   tokens: Mapping[str, Sequence[int]] | None,
+                   projections: Mapping[int, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """A logit attribution's rows from its assembled captures (``point -> assemble(...)``:
     ``resid_pre`` of layer 0, ``attn_out`` and ``mlp_out`` of its layers, the last layer's
-    ``resid_post``): ``([n, 2 + 2 * layers] float32, positions)`` — per position the token,
-    the embedding's attribution, then each layer's ``attn_out``'s and ``mlp_out``'s.
+    ``resid_post``, with heads ``attn_z`` of its layers): ``([n, 2 + 2L (+ L * H)] float32,
+    positions)`` — per position the token, the embedding's attribution, each layer's
+    ``attn_out``'s, each layer's ``mlp_out``'s, then with heads each layer's heads' (``attn_z``
+    of a head through its columns of the layer's output projection: ``projections``, layer ->
+    ``W_O`` ``[d, heads * head_dim]``, ``head_projection.matrix``).
 
     Raises:
-        ValueError: the points' rows are not of the same positions (a step lost some).
+        ValueError: the points' rows are not of the same positions (a step lost some), or a
+            layer's projection is missing.
     """
     positions = captures["resid_post"]["positions"]
     for point, found in captures.items():
@@ -93,17 +98,31 @@ def component_rows(captures: Mapping[str, Mapping[str, Any]], spec: Any, readout
     if targets.numel() and int(targets.max()) >= readout.vocab_size:
         raise ValueError(f"token id {int(targets.max())} is outside the model's vocabulary "
                          f"({readout.vocab_size})")
+    weights = []
+    if spec.heads:
+        missing = [layer for layer in spec.layers if layer not in (projections or {})]
+        if missing:
+            raise ValueError(f"no proven output projection of layers {missing}")
+        weights = [projections[layer] for layer in spec.layers]
     device = readout.unembed.device
     final = captures["resid_post"]["tensor"][0]
     parts = torch.cat([captures["resid_pre"]["tensor"], captures["attn_out"]["tensor"],
                        captures["mlp_out"]["tensor"]])  # [1 + 2L, n, d]
+    z = captures["attn_z"]["tensor"] if spec.heads else None  # [L, n, H, head_dim]
     step = max(1, _CHUNK_BYTES // (4 * parts.shape[0] * parts.shape[2]))
     found = []
-    for lo in range(0, parts.shape[1], step):
-        chunk = parts[:, lo:lo + step].to(device).transpose(0, 1)  # [rows, 1 + 2L, d]
-        found.append(readout.attribute(
-            chunk, torch.ones(chunk.shape[:2], device=device),
-            readout.norm_scale(final[lo:lo + step].to(device)),
-            targets[lo:lo + step].to(device)).cpu())
-    out = torch.cat(found) if found else torch.zeros(0, parts.shape[0])
+    with torch.inference_mode():
+        for lo in range(0, parts.shape[1], step):
+            hi = lo + step
+            u = readout.directions(readout.norm_scale(final[lo:hi].to(device)),
+                                   targets[lo:hi].to(device))  # [rows, d]
+            chunk = parts[:, lo:hi].to(device).float()  # [1 + 2L, rows, d]
+            row = [(chunk * u).sum(-1).t()]
+            for j, weight in enumerate(weights):
+                per_head = z[j, lo:hi].to(device).float().reshape(u.shape[0], spec.heads, -1)
+                v = (u @ weight.float()).view(per_head.shape)
+                row.append((per_head * v).sum(-1))
+            found.append(torch.cat(row, dim=1).cpu())
+    width = parts.shape[0] + len(spec.layers) * spec.heads
+    out = torch.cat(found) if found else torch.zeros(0, width)
     return torch.cat([targets.float()[:, None], out], dim=1), positions

@@ -72,6 +72,7 @@ def describe_rank(vllm_config: Any, model_config: Any, model: Any, info: Any,
         refused_points=dict(check.refused) if check is not None else {},
         layout_check=_check_summary(check),
         readout_refused=readout,
+        heads_refused=check.heads_refused if check is not None else "the check did not run",
         vocab_size=int(model_config.get_vocab_size()),
         # Per layer this stage owns (the front end joins the stages' lists).
         qk_meta=_qk_meta(info),

@@ -435,8 +435,10 @@ def _with_logit_attribution(runtime: LensRuntime, record: Any, by_signal: dict[s
         return rest
     if not isinstance(runtime.readout, Readout):
         raise ValueError(f"no readout for attribution on this worker: {runtime.readout}")
-    rows, positions = component_rows(kept, record.lens.logit_attribution, runtime.readout,
-                                     tokens)
+    spec = record.lens.logit_attribution
+    rows, positions = component_rows(kept, spec, runtime.readout, tokens,
+                                     runtime.projection_matrices(spec.layers) if spec.heads
+                                     else None)
     rest[LOGIT_SIGNAL] = ({"layers": [0], "positions": positions, "signal": LOGIT_SIGNAL,
                            "tp_rank": runtime.tp_rank}, rows[None])
     return rest
@@ -504,6 +506,7 @@ def _describe(worker: Any) -> DescribeAnswer:
                                shard_layers=frozenset(info.local_layers), split=info.split)
         _runtime.readout = build_readout(model, info, tp_size=tp_size,
                                          last_stage=_last_stage())
+        _runtime.projections = _check.projections
         set_tap_handler(_runtime.on_tap)
         _runtime.view.wrap_sample(_runtime.before_sample)
         handoff.sweep()  # files orphaned by front ends that died before reading them

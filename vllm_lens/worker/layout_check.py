@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from vllm_lens.common.points import POINTS, operands, tap_key
-from vllm_lens.worker import taps
+from vllm_lens.worker import head_projection, taps
 
 __all__ = ["INVARIANTS", "LayoutCheck", "check_layout", "evaluate", "final_norm", "tolerance"]
 
@@ -78,6 +78,10 @@ class LayoutCheck:
     seconds: float = 0.0
     error: str | None = None
     """Why the forward pass could not run, if it did not."""
+    projections: dict[int, torch.nn.Module] = field(default_factory=dict)
+    """Layer -> its attention output projection, proven (``worker.head_projection``)."""
+    heads_refused: str | None = "the check did not run"
+    """Why per-head attribution through ``projections`` is refused, or ``None``."""
 
 
 class _Recorder:
@@ -102,16 +106,18 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
         return _unproven(info, derived, can_run, start)
     recorder = _Recorder()
     previous = taps.current_tap_handler()
+    kernel_out: dict[int, torch.Tensor] = {}
     try:
         taps.set_tap_handler(recorder)
         try:
-            with _attention_output(info.attention):
+            with _attention_output(info.attention, kernel_out):
                 hidden = _forward(runner)
         finally:
             taps.set_tap_handler(previous)
         final = final_norm(model, info)
         result = evaluate(recorder.rows, info, hidden=hidden, final_norm=final,
                           last_stage=_last_stage(), dtype=recorder.dtype)
+        _check_projections(result, model, info, recorder, kernel_out)
     except Exception as exc:  # noqa: BLE001 -- the check must answer, never crash the worker
         logger.warning("vllm-lens: the layout check could not run: %r", exc)
         return _unproven(info, derived, f"the start-up check could not run ({exc!r})", start)
@@ -120,6 +126,43 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
                           if not why.startswith("unproven:")}
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _check_projections(result: LayoutCheck, model: torch.nn.Module, info: Any,
+                       recorder: _Recorder, kernel_out: dict[int, torch.Tensor]) -> None:
+    """Find and prove each layer's attention output projection (``head_projection``): per-head
+    attribution reads it. Under tensor parallelism it is not run (its all-reduce is not the
+    check's to start)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    if get_tensor_model_parallel_world_size() > 1:
+        result.heads_refused = "tensor parallelism splits the heads across ranks"
+        return
+    if "attn_out" in result.refused:
+        result.heads_refused = f"attn_out is refused: {result.refused['attn_out']}"
+        return
+    if not info.attention or not kernel_out:
+        result.heads_refused = "no attention kernel output was recorded"
+        return
+    attn_out = {layer: _value(recorder.rows, "attn_out", layer, info.split)
+                for layer, _ in info.attention}
+    first = next(iter(attn_out.values()))
+    width = next(iter(kernel_out.values())).shape[-1]
+    if first is None:
+        result.heads_refused = "attn_out is not tapped"
+        return
+    found = head_projection.find_projections(model, info.attention, width, first.shape[-1])
+    if isinstance(found, str):
+        result.heads_refused = found
+        return
+    tol, eps = tolerance(recorder.dtype), torch.finfo(recorder.dtype).eps
+    why = head_projection.prove(found, kernel_out, attn_out,
+                                lambda actual, delta: _close(actual, None, delta, tol, eps))
+    if why is None:
+        result.passed.append(head_projection.INVARIANT)
+        result.projections, result.heads_refused = found, None
+    else:
+        result.heads_refused = why
 
 
 def _unproven(info: Any, derived: bool, why: str, start: float) -> LayoutCheck:
@@ -140,16 +183,18 @@ def _forward(runner: Any) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _attention_output(modules: tuple[tuple[int, torch.nn.Module], ...]):
+def _attention_output(modules: tuple[tuple[int, torch.nn.Module], ...],
+                      seen: dict[int, torch.Tensor]):
     """While the check's pass runs, an attention kernel that wrote nothing (vLLM's dummy run
     may come without attention metadata; the kernel then leaves its output zero) writes
     seeded noise instead: the invariants relate where attention's output goes, not what the
     kernel computed, and a zero output would make ``attention adds attn_out`` prove nothing.
     Without ``Attention`` modules to reach, a zero ``attn_out`` leaves the invariant unrun
-    (``evaluate``)."""
+    (``evaluate``). Each layer's kernel output is kept in ``seen`` (float32, one row per
+    token)."""
     generators: dict[torch.device, torch.Generator] = {}
 
-    def wrap(original):
+    def wrap(original, layer):
         def forward(attn_layer, query, key, value, kv_cache, attn_metadata, output=None,
                     **kwargs):
             result = original(attn_layer, query, key, value, kv_cache, attn_metadata,
@@ -160,16 +205,18 @@ def _attention_output(modules: tuple[tuple[int, torch.nn.Module], ...]):
                 if g is None:
                     g = generators[z.device] = torch.Generator(z.device).manual_seed(0)
                 z.copy_(torch.randn(z.shape, generator=g, device=z.device, dtype=z.dtype))
+            if isinstance(z, torch.Tensor) and layer not in seen:
+                seen[layer] = z.detach().float().reshape(z.shape[0], -1).clone()
             return result
 
         return forward
 
     wrapped = []
     try:
-        for _, module in modules:
+        for layer, module in modules:
             impl = module.impl
             if "forward" not in impl.__dict__:
-                impl.forward = wrap(type(impl).forward.__get__(impl))
+                impl.forward = wrap(type(impl).forward.__get__(impl), layer)
                 wrapped.append(impl)
         yield
     finally:

@@ -69,19 +69,26 @@ class Readout:
         return (x.pow(2).mean(dim=-1) + self.eps).sqrt()
 
     @torch.inference_mode()
+    def directions(self, scales: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Per row, the vector whose dot product with a stream component is its direct effect
+        on the logit of ``tokens[n]`` at a position of norm scale ``scales[n]``: float32
+        ``[n, d]``, ``scale * w * W_U[t] / s`` (centred for a LayerNorm), NaN where the token
+        is below 0 (unknown). On this readout's device."""
+        u = self.unembed.index_select(0, tokens.clamp(min=0).long()).float() * self.weight
+        if self.form == "layer":
+            u = u - u.mean(dim=-1, keepdim=True)
+        u = u * (self.scale / scales.float())[:, None]
+        return u.masked_fill((tokens < 0)[:, None], float("nan"))
+
+    @torch.inference_mode()
     def attribute(self, directions: torch.Tensor, values: torch.Tensor, scales: torch.Tensor,
                   tokens: torch.Tensor) -> torch.Tensor:
         """Direct effect on the logit of ``tokens[n]`` of ``values[n, k]`` units of
         ``directions[n, k, d]`` added to the stream at rows whose norm scale is
         ``scales[n]``: float32 ``[n, k]``, NaN where the token is below 0 (unknown).
         Every argument on this readout's device."""
-        known = tokens >= 0
-        u = self.unembed.index_select(0, tokens.clamp(min=0).long()).float() * self.weight
-        if self.form == "layer":
-            u = u - u.mean(dim=-1, keepdim=True)
-        dots = torch.einsum("nkd,nd->nk", directions.float(), u)
-        out = values.float() * dots * (self.scale / scales.float())[:, None]
-        return out.masked_fill(~known[:, None], float("nan"))
+        u = self.directions(scales, tokens)
+        return values.float() * torch.einsum("nkd,nd->nk", directions.float(), u)
 
 
 def build_readout(model: torch.nn.Module, info: Any, *, tp_size: int,

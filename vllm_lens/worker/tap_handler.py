@@ -33,6 +33,7 @@ from vllm_lens.worker.capture import READOUT, capture_layer
 from vllm_lens.worker.hooks import HookCall, HookState, ParameterSource, run_hook_calls
 from vllm_lens.worker.monitors import MonitorState, StopControl
 from vllm_lens.worker.plan import RequestSlice, StepPlan
+from vllm_lens.worker import head_projection
 from vllm_lens.worker.readout import Readout
 from vllm_lens.worker.replacement import (
     PreparedReplacement,
@@ -105,6 +106,24 @@ class LensRuntime:
         self.readout: Readout | str = "not built"
         """The model's proven linearised readout for attribution (``worker.readout``), or why
         there is none; set when the workers are described."""
+        self.projections: dict[int, torch.nn.Module] = {}
+        """Layer -> its proven attention output projection (``worker.head_projection``), for
+        per-head attribution; set when the workers are described."""
+        self._projection_matrices: dict[int, torch.Tensor] = {}
+
+    def projection_matrices(self, layers: Iterable[int]) -> dict[int, torch.Tensor]:
+        """``W_O`` of each of ``layers`` that has a proven projection (``head_projection.
+        matrix``; where vLLM's CPU build packed its weight away, made once and kept)."""
+        found = {}
+        for layer in layers:
+            module = self.projections.get(layer)
+            if module is None:
+                continue
+            if layer not in self._projection_matrices:
+                width = head_projection.sizes(module)[0]
+                self._projection_matrices[layer] = head_projection.matrix(module, width)
+            found[layer] = self._projection_matrices[layer]
+        return found
 
     # -- tap handler ---------------------------------------------------------------------------
     def on_tap(self, hidden: torch.Tensor, residual: torch.Tensor | None, layer: int,

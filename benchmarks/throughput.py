@@ -168,6 +168,10 @@ CASES: dict[str, tuple[int | None, Callable[[int], Any]]] = {
         "output_sae_features": {"sae": TRANSCODER, "top_k": 32, "reconstruction": True}}),
     "replace 1 MLP by a transcoder": (None, lambda i: {
         "replace_mlp": [{"transcoder": TRANSCODER, "keep_error": False}]}),
+    # The same with thresholds that leave ~1 % of the features active per row (~90 of 9,216),
+    # as trained ones do.
+    "replace 1 MLP by a sparse transcoder (1% active)": (None, lambda i: {
+        "replace_mlp": [{"transcoder": SPARSE_TRANSCODER, "keep_error": False}]}),
     # Direct logit attribution: the SAE's top 32 features with their effect on the next
     # token's logit; every layer's attn_out and mlp_out onto it (``output_logit_attribution``).
     "SAE features, top 32, attribution": (None, lambda i: {
@@ -178,6 +182,7 @@ CASES: dict[str, tuple[int | None, Callable[[int], Any]]] = {
 SAE = ""
 SAE_TOPK = ""
 TRANSCODER = ""
+SPARSE_TRANSCODER = ""
 D_SAE = 16 * HIDDEN
 
 
@@ -202,9 +207,12 @@ def _save_sae(path: str, architecture: str = "jumprelu") -> None:
     sae.save_model(path)
 
 
-def _save_transcoder(path: str) -> None:
+def _save_transcoder(path: str, l0: int | None = None) -> None:
     """A JumpReLU skip transcoder with random weights for layer 15's MLP (d_sae = 9216),
-    saved by sae-lens itself."""
+    saved by sae-lens itself. Its random thresholds keep about half of the features active;
+    with ``l0`` each feature's threshold is instead the quantile of its pre-activation over
+    SmolLM2's layer-15 ``mlp_in`` rows of the benchmark's prompts (transformers) that leaves
+    about ``l0`` features active per row, as a trained transcoder's (a few dozen)."""
     import torch
     from sae_lens.saes.sae import SAE as SaeLensSAE
     from sae_lens.saes.transcoder import JumpReLUSkipTranscoderConfig
@@ -219,7 +227,34 @@ def _save_transcoder(path: str) -> None:
         for param in transcoder.parameters():
             param.copy_(torch.randn(param.shape, generator=g) * 0.02)
         transcoder.threshold.copy_(torch.rand(D_SAE, generator=g) * 0.05)
+        if l0 is not None:
+            rows = _mlp_in_rows(15)
+            h = rows @ transcoder.W_enc + transcoder.b_enc
+            transcoder.threshold.copy_(h.quantile(1 - l0 / D_SAE, dim=0).clamp(min=1e-6))
     transcoder.save_model(path)
+
+
+def _mlp_in_rows(layer: int):
+    """SmolLM2's ``mlp_in`` rows (the post-attention norm's output) at ``layer`` for the
+    benchmark's prompts, from transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_lens.demo_models import smollm2_dir
+
+    path = str(smollm2_dir())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    seen = []
+    norm = model.model.layers[layer].post_attention_layernorm
+    handle = norm.register_forward_hook(lambda _m, _i, out: seen.append(out[0]))
+    try:
+        with torch.no_grad():
+            for prompt in _prompts(64):
+                model(**tokenizer(prompt, return_tensors="pt"))
+    finally:
+        handle.remove()
+    return torch.cat(seen)
 
 
 def _returned_bytes(out: Any) -> int:
@@ -253,8 +288,9 @@ def serve_engine(cfg: dict) -> None:
 
     from vllm_lens.demo_models import smollm2_dir
 
-    global SAE, SAE_TOPK, TRANSCODER
+    global SAE, SAE_TOPK, TRANSCODER, SPARSE_TRANSCODER
     SAE, SAE_TOPK, TRANSCODER = cfg["sae"], cfg["sae_topk"], cfg["transcoder"]
+    SPARSE_TRANSCODER = cfg.get("sparse_transcoder", "")
     spent: dict[str, float] = {} if cfg["disabled"] else time_plugin_code()
     llm = LLM(str(smollm2_dir()), dtype="float32", max_model_len=1024, seed=0,
               kv_cache_memory_bytes=1 << 30, enforce_eager=cfg["eager"])
@@ -262,8 +298,9 @@ def serve_engine(cfg: dict) -> None:
     # included, runs with the tap handler attached (as on a server that has seen lens traffic).
     llm.generate(_prompts(8), SamplingParams(
         max_tokens=8, extra_args=None if cfg["disabled"] else {"output_residual_stream": [0]}))
-    for sae in (SAE, SAE_TOPK, TRANSCODER):  # loads each on the worker (once, as a server
-        if sae and not cfg["disabled"]:        # would)
+    # Loads each on the worker (once, as a server would).
+    for sae in (SAE, SAE_TOPK, TRANSCODER, SPARSE_TRANSCODER):
+        if sae and not cfg["disabled"]:
             llm.generate(_prompts(1), SamplingParams(max_tokens=2, extra_args={
                 "output_sae_features": {"sae": sae}}))
     print("READY", flush=True)
@@ -340,10 +377,13 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="vllm_lens_bench_sae_") as sae_dir:
-        sae = sae_topk = transcoder = ""
-        if any("transcoder" in case for case in args.cases):
+        sae = sae_topk = transcoder = sparse_transcoder = ""
+        if any("transcoder" in case and "sparse" not in case for case in args.cases):
             transcoder = os.path.join(sae_dir, "transcoder")
             _save_transcoder(transcoder)
+        if any("sparse transcoder" in case for case in args.cases):
+            sparse_transcoder = os.path.join(sae_dir, "sparse_transcoder")
+            _save_transcoder(sparse_transcoder, l0=64)
         if any("SAE" in case and "TopK" not in case for case in args.cases):
             sae = os.path.join(sae_dir, "jumprelu")
             _save_sae(sae)
@@ -352,7 +392,8 @@ def main() -> None:
             _save_sae(sae_topk, "topk")
         for mode in args.modes:
             cfg = dict(eager=mode == "eager", prompts=args.prompts, tokens=args.tokens, sae=sae,
-                       sae_topk=sae_topk, transcoder=transcoder)
+                       sae_topk=sae_topk, transcoder=transcoder,
+                       sparse_transcoder=sparse_transcoder)
             for case, r in measure_mode(cfg, args.cases, args.rounds).items():
                 rows.append((mode, case, r))
                 print(f"{mode:8} {case:34} {r['median']:.3f} ({r['low']:.3f}-{r['high']:.3f}) "

@@ -214,10 +214,10 @@ def test_the_jumprelu_mask_gives_the_bits_and_gradients_of_the_cast_bool_mask():
     assert torch.equal(grad, expected_grad) and grad.abs().sum() > 0
 
 
-def test_a_sparse_decode_reads_only_the_active_rows_and_equals_the_dense_one():
-    """Rows with few active features (a trained dictionary's) decode from the active decoder
-    rows alone, to what the dense product gives; rescaling TopK included; many active
-    features take the dense product."""
+def test_a_sparse_decode_equals_the_dense_one():
+    """Rows with few active features (a trained dictionary's) decode by a sparse product, to
+    what the dense product gives; rescaling TopK included; many active features take the
+    dense product."""
     w = _weights(5)
     sae = SAE(architecture="jumprelu", layout="sae-lens", **w)
     g = torch.Generator().manual_seed(6)

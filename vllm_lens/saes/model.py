@@ -401,7 +401,7 @@ class SAE:
         f = features.to(dtype)
         if self.architecture in _TOPK and self.rescale_acts_by_decoder_norm:
             f = f / self._weights(dtype)["W_dec"].norm(dim=-1)
-        if (f.device.type == "cpu" and f.dim() == 2 and f.shape[0]
+        if (f.device.type == "cpu" and f.dim() == 2 and f.shape[0] and not f.requires_grad
                 and dtype in (torch.float32, torch.float64)
                 and int(torch.count_nonzero(f)) * _SPARSE_DECODE_SHARE <= f.numel()):
             # A trained dictionary's few dozen active features per row: a sparse product

@@ -83,7 +83,7 @@ def component_rows(captures: Mapping[str, Mapping[str, Any]], spec: Any, readout
     positions)`` — per position the token, the embedding's attribution, each layer's
     ``attn_out``'s, each layer's ``mlp_out``'s, then with heads each layer's heads' (``attn_z``
     of a head through its columns of the layer's output projection: ``projections``, layer ->
-    ``W_O`` ``[d, heads * head_dim]``, ``head_projection.matrix``).
+    ``W_O`` float32 ``[d, heads * head_dim]``, ``head_projection.matrix``).
 
     Raises:
         ValueError: the points' rows are not of the same positions (a step lost some), or a
@@ -106,23 +106,21 @@ def component_rows(captures: Mapping[str, Mapping[str, Any]], spec: Any, readout
         weights = [projections[layer] for layer in spec.layers]
     device = readout.unembed.device
     final = captures["resid_post"]["tensor"][0]
-    parts = torch.cat([captures["resid_pre"]["tensor"], captures["attn_out"]["tensor"],
-                       captures["mlp_out"]["tensor"]])  # [1 + 2L, n, d]
+    parts = [captures[p]["tensor"] for p in ("resid_pre", "attn_out", "mlp_out")]
     z = captures["attn_z"]["tensor"] if spec.heads else None  # [L, n, H, head_dim]
-    step = max(1, _CHUNK_BYTES // (4 * parts.shape[0] * parts.shape[2]))
+    n_rows, width = final.shape[0], sum(part.shape[0] for part in parts)
+    step = max(1, _CHUNK_BYTES // (4 * width * final.shape[-1]))
     found = []
     with torch.inference_mode():
-        for lo in range(0, parts.shape[1], step):
+        for lo in range(0, n_rows, step):
             hi = lo + step
             u = readout.directions(readout.norm_scale(final[lo:hi].to(device)),
                                    targets[lo:hi].to(device))  # [rows, d]
-            chunk = parts[:, lo:hi].to(device).float()  # [1 + 2L, rows, d]
-            row = [(chunk * u).sum(-1).t()]
-            for j, weight in enumerate(weights):
+            row = [(part[:, lo:hi].to(device).float() * u).sum(-1).t() for part in parts]
+            for j, w_o in enumerate(weights):  # float32 [d, heads * head_dim]
                 per_head = z[j, lo:hi].to(device).float().reshape(u.shape[0], spec.heads, -1)
-                v = (u @ weight.float()).view(per_head.shape)
-                row.append((per_head * v).sum(-1))
+                row.append((per_head * (u @ w_o).view(per_head.shape)).sum(-1))
             found.append(torch.cat(row, dim=1).cpu())
-    width = parts.shape[0] + len(spec.layers) * spec.heads
-    out = torch.cat(found) if found else torch.zeros(0, width)
+    out = (torch.cat(found) if found
+           else torch.zeros(0, width + len(spec.layers) * spec.heads))
     return torch.cat([targets.float()[:, None], out], dim=1), positions

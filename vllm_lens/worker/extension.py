@@ -396,6 +396,8 @@ def _fetch_one(runtime: LensRuntime, key: str, valid_lens: dict[str, int],
             continue
         if record is not None and record.lens.logit_attribution is not None:
             by_signal = _with_logit_attribution(runtime, record, by_signal, valid, tokens)
+        elif record is None:  # (its lens state is gone: the front end fails it) kept rows
+            by_signal = {s: e for s, e in by_signal.items() if not s.startswith(DLA_PREFIX)}
         for signal, entry in by_signal.items():
             if not isinstance(entry, Entry):  # computed here already
                 capture, tensor = entry
@@ -504,8 +506,11 @@ def _describe(worker: Any) -> DescribeAnswer:
         _runtime = LensRuntime(runner, capture_layers=capture_layers, tp_rank=tp_rank,
                                tp_size=tp_size, attention=info.attention,
                                shard_layers=frozenset(info.local_layers), split=info.split)
-        _runtime.readout = build_readout(model, info, tp_size=tp_size,
-                                         last_stage=_last_stage())
+        _runtime.readout = (
+            build_readout(model, info, tp_size=tp_size, last_stage=_last_stage())
+            if "final norm" in _check.passed else
+            "the layout check did not prove that the last layer's stream is what the final "
+            f"norm reads ('final norm' invariant: {_check.error or 'not passed'})")
         _runtime.projections = _check.projections
         set_tap_handler(_runtime.on_tap)
         _runtime.view.wrap_sample(_runtime.before_sample)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["INVARIANT", "find_projections", "matrix", "prove", "sizes"]
+__all__ = ["INVARIANT", "bias", "find_projections", "matrix", "prove", "sizes"]
 
 #: The layout check's name for this invariant.
 INVARIANT = "the output projection gives attn_out"
@@ -37,10 +37,17 @@ def find_projections(model: torch.nn.Module, attention: tuple[tuple[int, torch.n
         if len(candidates) != 1:
             return (f"layer {layer}'s attention block has {len(candidates)} modules mapping "
                     f"{width} values to {hidden}, not one")
-        if not candidates[0].weight.is_floating_point():
-            return f"layer {layer}'s output projection is quantised"
-        found[layer] = candidates[0]
+        module = candidates[0]
+        method = type(getattr(module, "quant_method", None)).__name__
+        if module.weight.dtype not in _FLOATS or not (
+                method == "NoneType" or method.startswith("Unquantized")):
+            return (f"layer {layer}'s output projection is quantised ({method}, "
+                    f"{module.weight.dtype})")
+        found[layer] = module
     return found
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def sizes(module: torch.nn.Module) -> tuple[int, int] | None:
@@ -57,32 +64,48 @@ def sizes(module: torch.nn.Module) -> tuple[int, int] | None:
 
 
 def matrix(module: torch.nn.Module, width: int) -> torch.Tensor:
-    """The projection's matrix ``W_O`` ``[hidden, width]``: its weight, or where the weight
-    was packed away (vLLM's CPU linear layers), what the module computes for each unit input
-    less what it computes for zero (its bias), in its dtype, on its device."""
+    """The projection's matrix ``W_O`` ``[hidden, width]`` in float32 on its device: its
+    weight, or where the weight was packed away (vLLM's CPU linear layers), what the module
+    computes for each unit input less what it computes for zero (its bias)."""
     weight = module.weight
     if weight.dim() == 2 and weight.numel():
-        return weight
+        return weight.float()
     with torch.inference_mode():
         eye = torch.eye(width, dtype=weight.dtype, device=weight.device)
         out = module(eye)
         out = out[0] if isinstance(out, tuple) else out
         zero = module(torch.zeros(1, width, dtype=weight.dtype, device=weight.device))
         zero = zero[0] if isinstance(zero, tuple) else zero
-        return (out - zero).t().contiguous()
+        return (out - zero).t().float().contiguous()
+
+
+def bias(module: torch.nn.Module) -> torch.Tensor | None:
+    """What the projection adds to every row (its bias, unless vLLM returns it apart:
+    ``skip_bias_add``), float32, or ``None``."""
+    b = getattr(module, "bias", None)
+    if not isinstance(b, torch.Tensor) or not b.numel() or getattr(module, "skip_bias_add",
+                                                                    False):
+        return None
+    return b.float()
 
 
 def prove(projections: dict[int, torch.nn.Module], z: dict[int, torch.Tensor],
           attn_out: dict[int, torch.Tensor | None], close: Any) -> str | None:
-    """``None`` if every layer's projection of its recorded kernel output ``z`` is its
-    recorded ``attn_out`` (``close(actual, expected)``), else what failed."""
+    """``None`` if at every layer the recorded kernel output ``z`` through the matrix the
+    attribution uses (``matrix``, plus the bias) is the recorded ``attn_out``
+    (``close(actual, expected)``), else what failed."""
     with torch.inference_mode():
         for layer, module in projections.items():
             rows, expected = z.get(layer), attn_out.get(layer)
             if rows is None or expected is None:
                 return f"layer {layer}'s kernel output or attn_out was not recorded"
-            out = module(rows.to(module.weight.dtype))
-            out = out[0] if isinstance(out, tuple) else out
-            if not close(expected, out.float()):
+            w = matrix(module, rows.shape[-1])
+            out = rows.float().to(w.device) @ w.t()
+            b = bias(module)
+            if b is not None:
+                out = out + b
+            if not close(expected.float().to(w.device), out):
                 return f"the invariant {INVARIANT!r} failed at layer {layer}"
     return None
+
+

@@ -117,7 +117,11 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
         final = final_norm(model, info)
         result = evaluate(recorder.rows, info, hidden=hidden, final_norm=final,
                           last_stage=_last_stage(), dtype=recorder.dtype)
-        _check_projections(result, model, info, recorder, kernel_out)
+        try:
+            _check_projections(result, model, info, recorder, kernel_out)
+        except Exception as exc:  # noqa: BLE001 -- only per-head attribution is refused
+            logger.warning("vllm-lens: the output projections could not be proven: %r", exc)
+            result.heads_refused = f"the output projections could not be proven ({exc!r})"
     except Exception as exc:  # noqa: BLE001 -- the check must answer, never crash the worker
         logger.warning("vllm-lens: the layout check could not run: %r", exc)
         return _unproven(info, derived, f"the start-up check could not run ({exc!r})", start)

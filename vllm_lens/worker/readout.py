@@ -12,8 +12,8 @@ cached scale:
   centred first, ``(c - mean(c)) . (w * W_U[t]) / s``;
 
 times the processor's ``scale``; a soft cap is not applied (it is not linear): with one, the
-attribution is onto the logit before the cap. The norm's bias and the LM head's adds nothing
-per component.
+attribution is onto the logit before the cap. The norm's bias belongs to no component; an LM
+head with a bias fails the proof below (it is not read).
 
 Nothing is taken on trust (``build_readout``): the norm's form, weight and epsilon are read
 from the loaded module and proven on it (its outputs for rows with a large mean must equal the
@@ -150,13 +150,16 @@ def _build(model: torch.nn.Module, info: Any) -> Readout | str:
         soft_cap = getattr(processor, "soft_cap", None)
         logits = model.compute_logits(actual.to(dtype))
         vocab = int(getattr(processor, "vocab_size", 0) or logits.shape[-1])
-        ours = actual @ unembed.float().t()
+        width = min(vocab, logits.shape[-1], unembed.shape[0])
+        # A spread of at most 8,192 tokens (not a float32 copy of the whole head).
+        sample = torch.linspace(0, width - 1, min(width, 8192), device=device).long()
+        ours = actual @ unembed.index_select(0, sample).float().t()
         if soft_cap is not None:
             ours = torch.tanh(ours / soft_cap) * soft_cap
         ours = ours * scale
-        width = min(vocab, logits.shape[-1], ours.shape[-1])
-        if not _close(ours[:, :width], logits.float()[:, :width], unembed.dtype):
-            return "the LM head's weight, scale and soft cap do not reproduce compute_logits"
+        if not _close(ours, logits.float().index_select(1, sample), unembed.dtype):
+            return ("the LM head's weight, scale and soft cap do not reproduce compute_logits "
+                    "(an LM head with a bias, or logits computed another way)")
     return Readout(form=form, weight=weight.contiguous(), eps=eps, unembed=unembed,
                    scale=scale, soft_cap=None if soft_cap is None else float(soft_cap),
                    vocab_size=width, last_layer=int(info.n_layers) - 1)

@@ -24,7 +24,7 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 
 from vllm_lens import envs
 from vllm_lens.common import faults
-from vllm_lens.common.points import SAE_PREFIX, hook_site, site_of
+from vllm_lens.common.points import SAE_PREFIX, hook_site, site_of, tap_key
 from vllm_lens.saes import SAE
 from vllm_lens.spec import HookSpec, SteerSpec
 from vllm_lens.worker.attention_steering import AttentionSteering
@@ -112,17 +112,21 @@ class LensRuntime:
         self._projection_matrices: dict[int, torch.Tensor] = {}
 
     def projection_matrices(self, layers: Iterable[int]) -> dict[int, torch.Tensor]:
-        """``W_O`` of each of ``layers`` that has a proven projection (``head_projection.
-        matrix``; where vLLM's CPU build packed its weight away, made once and kept)."""
+        """``W_O`` (float32) of each of ``layers`` that has a proven projection
+        (``head_projection.matrix``): the weight's copy, made for this fetch, or where vLLM's
+        CPU build packed the weight away, read back from the module once and kept."""
         found = {}
         for layer in layers:
             module = self.projections.get(layer)
             if module is None:
                 continue
-            if layer not in self._projection_matrices:
-                width = head_projection.sizes(module)[0]
-                self._projection_matrices[layer] = head_projection.matrix(module, width)
-            found[layer] = self._projection_matrices[layer]
+            packed = not module.weight.numel()
+            if packed and layer in self._projection_matrices:
+                found[layer] = self._projection_matrices[layer]
+                continue
+            found[layer] = head_projection.matrix(module, head_projection.sizes(module)[0])
+            if packed:
+                self._projection_matrices[layer] = found[layer]
         return found
 
     # -- tap handler ---------------------------------------------------------------------------
@@ -544,7 +548,8 @@ class LensRuntime:
                            f"no readout for attribution on this worker: {self.readout}", "sae")
                 return
             group.readout = self.readout
-            plan.capture.setdefault((self.readout.last_layer, "post"), []).append(
+            plan.capture.setdefault((self.readout.last_layer,
+                                     tap_key("resid_post", split=self.split)), []).append(
                 (group, READOUT))
 
     def _steering_for(self, steered: list[tuple[RequestSlice, list[PreparedSteer]]],

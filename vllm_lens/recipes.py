@@ -62,8 +62,9 @@ def contrastive_vector(llm: Any, positive: Sequence[Any], negative: Sequence[Any
 
     Args:
         llm: an offline ``vllm.LLM`` with the plugin loaded.
-        positive, negative: prompts (strings, or what ``LLM.generate`` takes), one set each
+        positive: prompts (strings, or what ``LLM.generate`` takes) showing the behaviour
             (pairs need not be matched: each set's mean is taken).
+        negative: prompts without it.
         layers: the decoder layers to read and steer.
         positions: the positions averaged within each prompt, a selector as for captures
             (default ``"last_prompt"``: the last prompt token, CAA's answer position;

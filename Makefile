@@ -5,7 +5,8 @@ VLLM_EXTRA ?= cpu
 VENV := .venv
 STAMP := $(VENV)/.installed-$(VLLM_EXTRA)
 # `make demo` installs only what the demo needs (vLLM, this package, the demo model's
-# converter); where `make test` built the whole environment already, that one serves.
+# converter and matplotlib: the `demo` extra); where `make test` built the whole environment
+# already, that one serves.
 DEMO_STAMP := $(VENV)/.installed-$(VLLM_EXTRA)-demo
 
 .PHONY: demo test test-families bench docs docs-serve

@@ -168,8 +168,8 @@ CASES: dict[str, tuple[int | None, Callable[[int], Any]]] = {
         "output_sae_features": {"sae": TRANSCODER, "top_k": 32, "reconstruction": True}}),
     "replace 1 MLP by a transcoder": (None, lambda i: {
         "replace_mlp": [{"transcoder": TRANSCODER, "keep_error": False}]}),
-    # The same with thresholds that leave ~1 % of the features active per row (~90 of 9,216),
-    # as trained ones do.
+    # The same with thresholds calibrated for 64 active features per row: on the calibration
+    # rows 93 of 9,216 (1.0 %) were active on average, as in trained ones.
     "replace 1 MLP by a sparse transcoder (1% active)": (None, lambda i: {
         "replace_mlp": [{"transcoder": SPARSE_TRANSCODER, "keep_error": False}]}),
     # Direct logit attribution: the SAE's top 32 features with their effect on the next

@@ -1,8 +1,10 @@
 """Pictures of what vllm-lens returns, as matplotlib figures (runs in: caller).
 
 Each function takes an object vllm-lens already gives back and returns a
-``matplotlib.figure.Figure`` (made without pyplot, so nothing global changes; a notebook shows
-it, ``fig.savefig(path)`` writes it):
+``matplotlib.figure.Figure`` (made without pyplot, so nothing global changes;
+``fig.savefig(path)`` writes it; a notebook shows it once matplotlib's inline support is on:
+``%matplotlib inline`` or ``import matplotlib.pyplot``, as in most notebooks already). Text
+is drawn as it is (a ``$`` in a token is not read as mathematics):
 
 - ``attention_pattern``: one head's pattern, or a grid of heads, tokens on both axes
   (``vllm_lens.attention.attention_patterns`` of an ``output_qk`` result);
@@ -52,7 +54,8 @@ def attention_pattern(pattern: Any, tokens: Sequence[str], *,
         pattern: ``[n_heads, seq, seq]`` (``attention_patterns(out.activations, layer)``) or
             one head's ``[seq, seq]``.
         tokens: the ``seq`` token strings.
-        heads: one head (one panel), several (a grid), or ``None``: every head.
+        heads: one head (one panel), several (a grid), or ``None``: every head (ignored
+            for a one-head ``pattern``).
         layer: shown in the titles.
         columns: panels per row of a grid.
 
@@ -81,8 +84,8 @@ def attention_pattern(pattern: Any, tokens: Sequence[str], *,
     for i, head in enumerate(chosen):
         ax = fig.add_subplot(grid, cols, i + 1)
         image = ax.imshow(rows[head], cmap="Blues", vmin=0.0, vmax=1.0)
-        ax.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=8)
-        ax.set_yticks(range(len(tokens)), tokens, fontsize=8)
+        ax.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=8, parse_math=False)
+        ax.set_yticks(range(len(tokens)), tokens, fontsize=8, parse_math=False)
         ax.set_title(f"{'' if layer is None else f'layer {layer}, '}head {head}")
         ax.set_xlabel("key")
         ax.set_ylabel("query")
@@ -117,17 +120,21 @@ def logit_lens(saved: Mapping[str, Any], tokens: Sequence[str] | None = None, *,
     probs = [[math.exp(row[0]) for row in _values(saved["logprobs"][layer])]
              for layer in layers]
     n = len(ids[0]) if ids else 0
+    positions = (_values(saved["positions"][layers[0]]) if layers and "positions" in saved
+                 else list(range(n)))
     fig = _figure(max(4.0, 0.9 * n + 1.5), max(2.5, 0.35 * len(layers) + 1.2))
     ax = fig.add_subplot()
     image = ax.imshow(probs, cmap="Greens", vmin=0.0, vmax=1.0, aspect="auto")
     for r, row in enumerate(ids):
         for c, token in enumerate(row):
             text = decode(int(token)) if decode is not None else str(token)
-            ax.text(c, r, text.strip() or repr(text), ha="center", va="center", fontsize=7)
+            ax.text(c, r, text.strip() or repr(text), ha="center", va="center", fontsize=7,
+                    parse_math=False)
     ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
     ax.set_ylabel("layer")
-    if tokens is not None:
-        ax.set_xticks(range(n), list(tokens)[:n], rotation=90, fontsize=8)
+    if tokens is not None:  # a generated position past the tokens given: its number
+        shown = [tokens[p] if p < len(tokens) else str(p) for p in positions]
+        ax.set_xticks(range(n), shown, rotation=90, fontsize=8, parse_math=False)
     ax.set_xlabel("position (input token)")
     fig.colorbar(image, ax=ax, label="probability of the top token")
     return fig
@@ -171,7 +178,8 @@ def token_scores(tokens: Sequence[str], scores: Any, *, title: str | None = None
         x, y = i % per_line, i // per_line
         face = colors(norm(value)) if math.isfinite(value) else (0.9, 0.9, 0.9, 1.0)
         ax.add_patch(_rectangle((x + 0.02, y + 0.1), 0.96, 0.8, face))
-        ax.text(x + 0.5, y + 0.5, token, ha="center", va="center", fontsize=9)
+        ax.text(x + 0.5, y + 0.5, token, ha="center", va="center", fontsize=9,
+                parse_math=False)
     if title:
         ax.set_title(title)
     return fig
@@ -205,6 +213,8 @@ def top_features(entry: Mapping[str, Any], position: int = -1, *, k: int = 10) -
         >>> [t.get_text() for t in top_features(entry).axes[0].get_yticklabels()]
         ['7: the sea', '3']
     """
+    if not len(entry["positions"]):
+        raise ValueError("the entry holds no position (its selector selected none)")
     indices = _values(entry["indices"][position])
     values = _values(entry["values"][position])
     labels = entry.get("labels") or {}
@@ -213,10 +223,10 @@ def top_features(entry: Mapping[str, Any], position: int = -1, *, k: int = 10) -
     ax = fig.add_subplot()
     names = [f"{i}: {labels[i]}" if i in labels else str(i) for i, _ in kept]
     ax.barh(range(len(kept)), [v for _, v in kept], color="tab:orange")
-    ax.set_yticks(range(len(kept)), names)
+    ax.set_yticks(range(len(kept)), names, parse_math=False)
     ax.invert_yaxis()
     ax.set_xlabel("activation")
-    where = _values(entry["positions"])[position] if len(entry["positions"]) else "?"
+    where = _values(entry["positions"])[position]
     ax.set_title(f"{entry.get('sae', 'SAE')}: top features at position {where}")
     return fig
 
@@ -294,5 +304,5 @@ def side_by_side(plain: str, steered: str, *, titles: Sequence[str] = ("plain", 
         ax.axis("off")
         ax.set_title(title)
         ax.text(0.0, 1.0, text, va="top", ha="left", family="monospace", fontsize=9,
-                transform=ax.transAxes)
+                transform=ax.transAxes, parse_math=False)
     return fig

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vllm_lens.common import points as tap_points
 from vllm_lens.steering import SteeringVector
 
 __all__ = ["contrastive_vector", "run_with_cache"]
@@ -37,6 +38,19 @@ def _generate(llm: Any, prompts: Sequence[Any], extra_args: dict[str, Any],
         if out.activations is None:
             raise RuntimeError(f"prompt {i} came back without activations")
     return outs
+
+
+def _point(name: str) -> str:
+    """The tap point ``name`` names, in any spelling the engine accepts (``"hook_z"``,
+    ``"post_block"`` ...), without a layer (the layers are given apart)."""
+    try:
+        point, layer = tap_points.resolve(name)
+    except KeyError as exc:
+        raise ValueError(str(exc).strip("'\"")) from None
+    if layer is not None:
+        raise ValueError(f"{name!r} names layer {layer}: name the point alone and give the "
+                         "layers apart")
+    return point
 
 
 def _mean_rows(llm: Any, prompts: Sequence[Any], layers: list[int], point: str,
@@ -95,6 +109,7 @@ def contrastive_vector(llm: Any, positive: Sequence[Any], negative: Sequence[Any
         ((1, 128), [2], 'resid_post')
     """
     layers = sorted(set(int(layer) for layer in layers))
+    point = _point(point)
     difference = (_mean_rows(llm, positive, layers, point, positions)
                   - _mean_rows(llm, negative, layers, point, positions))
     if normalize:
@@ -124,11 +139,13 @@ def run_with_cache(llm: Any, prompts: Sequence[Any], points: Mapping[str, Any], 
 
     Returns:
         Per prompt, ``{"blocks.L.hook_<point>": tensor [n_pos, *row], ...,
-        "positions": int64 [n_pos], "prompt_token_ids": [...], "token_ids": [...]}`` (for
-        ``attn_z``, TransformerLens' ``hook_z``, rows ``[n_heads, head_dim]``), rows in the
-        model's dtype on the CPU.
+        "positions": int64 [n_pos], "prompt_token_ids": [...], "token_ids": [...]}`` under
+        TransformerLens' names (``attn_z``: ``blocks.L.attn.hook_z``, rows ``[n_heads,
+        head_dim]``; ``mlp_post``: ``blocks.L.mlp.hook_post``), rows in the model's dtype
+        on the CPU.
 
     Raises:
+        ValueError: a name that is not a tap point, or names a layer.
         LensRequestError: a point, layer or selector the engine refuses (naming the field).
 
     Examples:
@@ -137,7 +154,7 @@ def run_with_cache(llm: Any, prompts: Sequence[Any], points: Mapping[str, Any], 
         >>> cache["blocks.2.hook_resid_post"].shape == (len(cache["prompt_token_ids"]), 128)
         True
     """
-    wanted = {point: {"layers": layers, "positions": positions}
+    wanted = {_point(point): {"layers": layers, "positions": positions}
               for point, layers in points.items()}
     outs = _generate(llm, prompts, {"output_activations": wanted}, max_tokens=max_tokens)
     caches = []
@@ -150,9 +167,8 @@ def run_with_cache(llm: Any, prompts: Sequence[Any], points: Mapping[str, Any], 
             rows = acts[point]
             if layers is True:
                 layers = list(range(rows.shape[0]))
-            name = "z" if point == "attn_z" else point
             for i, layer in enumerate(sorted(set(layers))):
-                cache[f"blocks.{layer}.hook_{name}"] = rows[i]
+                cache[tap_points.hook_name(point, layer)] = rows[i]
             cache["positions"] = acts[f"{point}_positions"]
         caches.append(cache)
     return caches

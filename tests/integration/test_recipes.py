@@ -62,7 +62,7 @@ def test_contrastive_vector_is_the_difference_of_means(tiny_llm, tiny_ref):
 
 def test_run_with_cache_names_transformers_rows_as_transformer_lens_does(tiny_llm, tiny_ref):
     prompts = ["The capital of France is", "Once upon a time"]
-    caches = run_with_cache(tiny_llm, prompts, {"resid_post": True, "attn_z": [1],
+    caches = run_with_cache(tiny_llm, prompts, {"resid_post": True, "hook_z": [1],
                                                 "mlp_out": [0, 3]})
     assert len(caches) == 2
     for prompt, cache in zip(prompts, caches):
@@ -76,6 +76,8 @@ def test_run_with_cache_names_transformers_rows_as_transformer_lens_does(tiny_ll
         for layer in (0, 3):
             torch.testing.assert_close(cache[f"blocks.{layer}.hook_mlp_out"],
                                        points[("mlp_out", layer)], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(cache["blocks.1.hook_z"], points[("attn_z", 1)],
+        torch.testing.assert_close(cache["blocks.1.attn.hook_z"], points[("attn_z", 1)],
                                    rtol=1e-4, atol=1e-4)
         assert "blocks.1.hook_mlp_out" not in cache
+    with pytest.raises(ValueError, match="names layer 2"):
+        run_with_cache(tiny_llm, prompts, {"blocks.2.hook_resid_post": True})

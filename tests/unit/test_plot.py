@@ -43,6 +43,10 @@ def test_logit_lens_grid_has_a_cell_per_layer_and_position():
                                               [math.exp(-0.1), math.exp(-1.0)]],
                                              dtype=torch.float64))
     assert [t.get_text() for t in ax.get_yticklabels()] == ["1", "3"]
+    # Rows of generated positions (past the tokens given) are labelled by their number.
+    saved["positions"] = {"1": torch.tensor([1, 2]), "3": torch.tensor([1, 2])}
+    ax = plot.logit_lens(saved, ["x", "$y$"]).axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["$y$", "2"]
 
 
 def test_token_scores_colour_by_score_and_refuse_a_mismatch():
@@ -66,6 +70,9 @@ def test_top_features_and_attribution_bars():
     assert [t.get_text() for t in ax.get_yticklabels()] == ["9", "8: the sea"]
     assert [p.get_width() for p in ax.patches] == [5.0, 4.0]
     assert ax.get_title() == "l10: top features at position 5"
+    with pytest.raises(ValueError, match="no position"):
+        plot.top_features({**entry, "positions": torch.tensor([], dtype=torch.long),
+                           "indices": torch.zeros(0, 3), "values": torch.zeros(0, 3)})
     result = {"layers": [0, 1, 2], "positions": torch.tensor([0, 1]),
               "tokens": torch.tensor([11, 12]), "embed": torch.tensor([0.0, 1.0]),
               "attn_out": torch.tensor([[0.0, 1.0], [0.0, 2.0], [0.0, 3.0]]),

@@ -37,6 +37,18 @@ def checked_item(item: Any, allowed: tuple[str, ...], field: str, expected: str,
     return item
 
 
+def checked_flag(value: Any, field: str, request_id: str | None,
+                 expected: str = "true or false") -> bool:
+    """A boolean field: ``true`` / ``false``, or the strings ``"true"`` / ``"false"`` (what
+    ``vllm_xargs`` carries); anything else a ``LensRequestError`` naming ``field`` and saying
+    what was ``expected``."""
+    if value in ("true", "false"):
+        value = value == "true"
+    if not isinstance(value, bool):
+        raise LensRequestError(field, expected, request_id=request_id)
+    return value
+
+
 def parse_layers(raw: Any, facts: ModelFacts, field: str, request_id: str | None) -> tuple[int, ...]:
     if raw is True:
         return tuple(range(facts.n_layers))

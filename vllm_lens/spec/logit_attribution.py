@@ -30,7 +30,13 @@ from vllm_lens.common import points as tap_points
 from vllm_lens.errors import LensRequestError, UnsupportedConfigError
 from vllm_lens.spec.capture import CaptureSpec, parse_positions
 from vllm_lens.spec.facts import ModelFacts
-from vllm_lens.spec.fields import check_site, json_value, parse_layers
+from vllm_lens.spec.fields import (
+    check_site,
+    checked_flag,
+    checked_item,
+    json_value,
+    parse_layers,
+)
 from vllm_lens.spec.keys import LOGIT_KEY
 
 __all__ = ["LOGIT_SIGNAL", "LogitAttributionSpec", "checked_token", "parse_logit_attribution"]
@@ -115,16 +121,11 @@ def parse_logit_attribution(raw: Any, facts: ModelFacts,
     raw = json_value(raw, LOGIT_KEY, request_id)
     if raw is True or raw == "true":
         raw = {}
-    if not isinstance(raw, Mapping):
-        raise LensRequestError(LOGIT_KEY, 'true or {"layers", "positions", '
-                               f'"attribution_token", "heads"}}, got {type(raw).__name__}',
-                               request_id=request_id)
-    unknown = sorted(set(raw) - set(_FIELDS))
-    if unknown:
-        raise LensRequestError(f"{LOGIT_KEY}.{unknown[0]}", f"unknown field; expected "
-                               f"{', '.join(_FIELDS)}", request_id=request_id)
+    raw = checked_item(raw, _FIELDS, LOGIT_KEY, 'true or {"layers", "positions", '
+                       '"attribution_token", "heads"}', request_id)
     layers = raw.get("layers", True)
-    layers = parse_layers(True if layers == "true" else layers, facts, f"{LOGIT_KEY}.layers", request_id)
+    layers = parse_layers(True if layers == "true" else layers, facts, f"{LOGIT_KEY}.layers",
+                          request_id)
     positions = parse_positions(raw.get("positions", "all"), facts, f"{LOGIT_KEY}.positions",
                                 request_id)
     token = checked_token(raw.get("attribution_token"), facts,
@@ -134,11 +135,7 @@ def parse_logit_attribution(raw: Any, facts: ModelFacts,
     if refused := facts.attribution_refused:
         raise UnsupportedConfigError(LOGIT_KEY, f"this engine cannot carry the components to "
                                      f"the logits: {refused}", request_id=request_id)
-    heads = raw.get("heads", False)
-    if heads in ("true", "false"):
-        heads = heads == "true"
-    if not isinstance(heads, bool):
-        raise LensRequestError(f"{LOGIT_KEY}.heads", "true or false", request_id=request_id)
+    heads = checked_flag(raw.get("heads", False), f"{LOGIT_KEY}.heads", request_id)
     if heads:
         check_site("attn_z", facts, f"{LOGIT_KEY}.heads", request_id)
         if facts.heads_refused:

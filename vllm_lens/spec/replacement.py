@@ -31,7 +31,7 @@ from typing import Any
 
 from vllm_lens.errors import LensRequestError
 from vllm_lens.spec.facts import ModelFacts
-from vllm_lens.spec.fields import checked_item, json_value
+from vllm_lens.spec.fields import checked_flag, checked_item, json_value
 from vllm_lens.spec.keys import REPLACE_KEY
 from vllm_lens.spec.saes import MAX_SAE_ENTRIES, Describe, described, named_sae
 
@@ -156,14 +156,10 @@ def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: s
     item = checked_item(item, _FIELDS, field, '{"transcoder": <name>, "keep_error": true or '
                         'false, "clamp": {feature: value}}', request_id)
     name, hook_point = named_sae(item, field, request_id, key="transcoder")
-    keep_error = item.get("keep_error")
-    if keep_error in ("true", "false"):
-        keep_error = keep_error == "true"
-    if not isinstance(keep_error, bool):
-        raise LensRequestError(f"{field}.keep_error", "true (the layer keeps the transcoder's "
-                               "error: without a clamp it computes what it did) or false (the "
-                               "MLP's output becomes the transcoder's prediction); required",
-                               request_id=request_id)
+    keep_error = checked_flag(item.get("keep_error"), f"{field}.keep_error", request_id,
+                              "true (the layer keeps the transcoder's error: without a clamp "
+                              "it computes what it did) or false (the MLP's output becomes the "
+                              "transcoder's prediction); required")
     if describe is not None and getattr(describe, "sae_slice", None) is not None:
         describe = functools.partial(describe, clamp=True)  # every rank running it keeps it
     info, point, layer, d_sae = described(describe, name, hook_point, facts,

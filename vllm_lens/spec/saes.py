@@ -25,7 +25,7 @@ from vllm_lens.common import points as tap_points
 from vllm_lens.errors import LensRequestError, UnsupportedConfigError
 from vllm_lens.spec.capture import CaptureSpec, parse_positions
 from vllm_lens.spec.facts import ModelFacts
-from vllm_lens.spec.fields import check_site, checked_item, json_value
+from vllm_lens.spec.fields import check_site, checked_flag, checked_item, json_value
 from vllm_lens.spec.keys import SAE_KEY
 from vllm_lens.spec.logit_attribution import checked_token
 
@@ -258,12 +258,8 @@ def _parse_one(item: Any, facts: ModelFacts, describe: Describe | None, field: s
         raise LensRequestError(f"{field}.top_k", f"must be an integer from 1 to the SAE's "
                                f"d_sae ({d_sae}), got {top_k!r} (default: 32, or d_sae if "
                                "smaller)", request_id=request_id)
-    reconstruction = item.get("reconstruction", False)
-    if reconstruction in ("true", "false"):
-        reconstruction = reconstruction == "true"
-    if not isinstance(reconstruction, bool):
-        raise LensRequestError(f"{field}.reconstruction", "true or false",
-                               request_id=request_id)
+    reconstruction = checked_flag(item.get("reconstruction", False),
+                                  f"{field}.reconstruction", request_id)
     positions = parse_positions(item.get("positions", "all"), facts, f"{field}.positions",
                                 request_id)
     attribution, token = _attribution(item, info, point, facts, field, request_id)
@@ -281,11 +277,8 @@ def _attribution(item: Mapping[str, Any], info: Mapping[str, Any], point: str,
                  ) -> tuple[bool, int | None]:
     """An entry's ``attribution`` and ``attribution_token``, checked against the SAE and the
     engine."""
-    attribution = item.get("attribution", False)
-    if attribution in ("true", "false"):
-        attribution = attribution == "true"
-    if not isinstance(attribution, bool):
-        raise LensRequestError(f"{field}.attribution", "true or false", request_id=request_id)
+    attribution = checked_flag(item.get("attribution", False), f"{field}.attribution",
+                               request_id)
     token = item.get("attribution_token")
     if token is not None and not attribution:
         raise LensRequestError(f"{field}.attribution_token", "names the token of an "

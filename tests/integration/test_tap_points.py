@@ -105,6 +105,16 @@ def test_attention_patterns_match_transformers_eager(engine, tiny_llm, tiny_ref,
         pattern = attention_patterns(acts, layer)
         assert pattern.shape == (meta["num_heads"], n_rows, n_rows)
         assert (pattern - expected[("attn", layer)]).abs().max() < 1e-5, layer
+    # Chosen heads only (heads of different key groups on SmolLM2: 9 query, 3 key heads).
+    heads = [1] if engine == "tiny" else [7, 2]
+    sp.extra_args = {"output_qk": {"layers": layers, "heads": heads}}
+    chosen = llm.generate([prompt], sp)[0].activations
+    assert chosen["qk_heads"] == sorted(heads)
+    assert chosen["attn_q"].shape[2] == chosen["attn_k"].shape[2] == len(heads)
+    assert torch.equal(chosen["attn_q"], acts["attn_q"][:, :, sorted(heads)])
+    for layer in layers:
+        pattern = attention_patterns(chosen, layer)
+        assert (pattern - expected[("attn", layer)][sorted(heads)]).abs().max() < 1e-5, layer
 
 
 def _vector(seed: int, norm: float, hidden: int = 128) -> torch.Tensor:

@@ -140,3 +140,36 @@ def test_logit_attribution_parses_round_trips_and_refuses_by_field():
     with pytest.raises(UnsupportedConfigError, match="did not describe"):  # an older worker
         parse_extra_args({"output_logit_attribution": True},
                          lambda: dataclasses.replace(FACTS, sites=served.sites))
+
+
+QK_FACTS = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=8,
+                      max_model_len=64, mapped=True, n_heads=4, n_kv_heads=2, head_dim=2,
+                      sites=("pre", "post", "attn"),
+                      qk_meta=({"scale": 0.5},) * 4)
+
+
+def test_output_qk_chooses_heads_and_keeps_the_list_form():
+    _, lens = parse_extra_args({"output_qk": {"layers": [2, 0], "heads": [3, 1, 3]}},
+                               lambda: QK_FACTS)
+    assert lens.qk_layers == (0, 2) and lens.qk_heads == (1, 3)
+    assert LensRequest.from_payload(lens.to_payload()).qk_heads == (1, 3)
+    _, plain = parse_extra_args({"output_qk": [1]}, lambda: QK_FACTS)
+    assert plain.qk_heads is None and "qk_heads" not in plain.to_payload()
+    # over HTTP the dict arrives as a JSON string, heads may be one index
+    _, one = parse_extra_args({"output_qk": json.dumps({"layers": "true", "heads": 2})},
+                              lambda: QK_FACTS)
+    assert one.qk_layers == (0, 1, 2, 3) and one.qk_heads == (2,)
+
+
+@pytest.mark.parametrize("raw, field, problem", [
+    ({"layers": [0], "heads": [4]}, "output_qk.heads[0]", "head index 4 is out of range"),
+    ({"layers": [0], "heads": []}, "output_qk.heads", "non-empty list"),
+    ({"layers": [0], "heads": ["a"]}, "output_qk.heads[0]", "expected an integer"),
+    ({"heads": [0]}, "output_qk.layers", "is required"),
+    ({"layers": [0], "head": [0]}, "output_qk.head", "unknown field"),
+    ({"layers": [9]}, "output_qk.layers[0]", "out of range"),
+])
+def test_output_qk_heads_refused_by_field(raw, field, problem):
+    with pytest.raises(LensRequestError, match=problem) as info:
+        parse_extra_args({"output_qk": raw}, lambda: QK_FACTS)
+    assert info.value.field == field

@@ -399,8 +399,8 @@ def _activations(lens: LensRequest,
                  facts: ModelFacts | None) -> dict[str, Any]:
     """One completion's ``activations``: ``residual_stream`` and ``positions`` for
     ``output_residual_stream``; ``<point>`` and ``<point>_positions`` per tap point;
-    ``attn_q``, ``attn_k``, ``qk_layers`` and ``qk_meta`` for ``output_qk``;
-    ``router_experts`` beside unreduced ``router_logits``.
+    ``attn_q``, ``attn_k``, ``qk_layers`` and ``qk_meta`` for ``output_qk`` (and
+    ``qk_heads`` when it chose heads); ``router_experts`` beside unreduced ``router_logits``.
     ``positions`` is always there: without a residual-stream capture, the first
     signal's."""
     acts: dict[str, Any] = {}
@@ -419,7 +419,27 @@ def _activations(lens: LensRequest,
         meta = _facts(facts).qk_meta
         acts["qk_layers"] = list(layers)
         acts["qk_meta"] = [dict(meta[layer]) if layer < len(meta) else {} for layer in layers]
+        if lens.qk_heads is not None:
+            _keep_heads(acts, lens.qk_heads)
     return acts
+
+
+def _keep_heads(acts: dict[str, Any], heads: tuple[int, ...]) -> None:
+    """``output_qk`` with ``heads``: Q of those query heads only, and beside each the key
+    head it reads (a key head two chosen heads share is sent twice), so that query head ``i``
+    of ``attn_q`` reads key head ``i`` of ``attn_k``; each layer's per-head values (ALiBi
+    slopes, sinks) narrowed alike and the heads listed in ``qk_heads``."""
+    q, k = acts["attn_q"], acts["attn_k"]
+    group = q.shape[2] // k.shape[2]
+    chosen = torch.tensor(heads, dtype=torch.long)
+    acts["attn_q"] = q.index_select(2, chosen)
+    acts["attn_k"] = k.index_select(2, chosen // group)
+    acts["qk_heads"] = list(heads)
+    for meta in acts["qk_meta"]:
+        for name in ("alibi_slopes", "sinks"):
+            if meta.get(name) is not None:
+                meta[name] = [meta[name][h] for h in heads]
+        meta["heads"] = list(heads)
 
 
 def _empty(spec: CaptureSpec, facts: ModelFacts) -> tuple[torch.Tensor, torch.Tensor]:

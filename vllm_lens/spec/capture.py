@@ -17,6 +17,7 @@ from vllm_lens.common.positions import parse_selector
 from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import (
     check_site,
+    checked_item,
     json_value,
     parse_layers,
     position_rule,
@@ -185,12 +186,26 @@ def parse_points(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[C
     return tuple(merged.values())
 
 
-def parse_qk(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[CaptureSpec, ...]:
-    """``output_qk``: ``true`` or a list of layers -> the ``attn_q`` and ``attn_k`` captures
-    (every position: an attention pattern needs all keys)."""
+def parse_qk(raw: Any, facts: ModelFacts, request_id: str | None
+             ) -> tuple[tuple[CaptureSpec, ...], tuple[int, ...] | None]:
+    """``output_qk``: ``true``, a list of layers, or ``{"layers", "heads"}`` -> the ``attn_q``
+    and ``attn_k`` captures (every position: an attention pattern needs all keys) and the
+    query heads the response keeps (``None``: all of them)."""
     raw = json_value(raw, QK_KEY, request_id)
     check_site("attn_q", facts, QK_KEY, request_id)
-    layers = parse_layers(raw, facts, QK_KEY, request_id)
+    heads = None
+    if isinstance(raw, Mapping):
+        item = checked_item(raw, ("layers", "heads"), QK_KEY,
+                            "true, a list of layers or {\"layers\", \"heads\"}", request_id)
+        if "layers" not in item:
+            raise LensRequestError(f"{QK_KEY}.layers", "is required (a list of layers, or "
+                                   "true)", request_id=request_id)
+        raw = json_value(item["layers"], f"{QK_KEY}.layers", request_id)
+        if item.get("heads") is not None:
+            heads = parse_heads(item["heads"], facts, f"{QK_KEY}.heads", request_id)
+        layers = parse_layers(raw, facts, f"{QK_KEY}.layers", request_id)
+    else:
+        layers = parse_layers(raw, facts, QK_KEY, request_id)
     blind = [layer for layer in layers
              if layer >= len(facts.qk_meta) or not facts.qk_meta[layer]]
     if blind:
@@ -198,7 +213,26 @@ def parse_qk(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[Captu
                                     "described (scale, window ...), so their Q/K are not "
                                     "captured", request_id=request_id)
     return (CaptureSpec(layers=layers, signal="attn_q"),
-            CaptureSpec(layers=layers, signal="attn_k"))
+            CaptureSpec(layers=layers, signal="attn_k")), heads
+
+
+def parse_heads(raw: Any, facts: ModelFacts, field: str,
+                request_id: str | None) -> tuple[int, ...]:
+    """A list of query-head indices of the whole layer (every TP rank's heads)."""
+    raw = json_value(raw, field, request_id)
+    if hasattr(raw, "tolist") and not isinstance(raw, (str, bytes)):
+        raw = raw.tolist()
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raw = [raw]
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise LensRequestError(field, f"expected a non-empty list of head indices, got "
+                               f"{raw!r}", request_id=request_id)
+    if facts.n_heads <= 0:
+        raise UnsupportedModelError(field, "this model's head count is not known, so heads "
+                                    "cannot be chosen", request_id=request_id)
+    return sorted_indices(raw, field, ("head index", facts.n_heads,
+                                       f"is out of range; the model has heads "
+                                       f"0..{facts.n_heads - 1}"), request_id)
 
 
 def parse_positions(

@@ -7,7 +7,8 @@ Plain constants, no imports."""
 CAPTURE_KEY = "output_residual_stream"
 #: Capture at any tap point: ``{point: layers | true | {"layers", "positions", "reduce"}}``.
 ACTIVATIONS_KEY = "output_activations"
-#: Post-RoPE Q and K of chosen layers (vllm-lens 1.3.0's key): ``true`` or a list of layers.
+#: Post-RoPE Q and K of chosen layers (vllm-lens 1.3.0's key): ``true``, a list of layers, or
+#: ``{"layers", "heads"}`` (only those query heads returned).
 QK_KEY = "output_qk"
 #: Steering vectors: a list of ``SteeringVector`` objects, their dicts or wire strings.
 STEER_KEY = "apply_steering_vectors"

@@ -84,6 +84,9 @@ class LensRequest:
     """MLPs replaced by transcoders (``replace_mlp``, ``spec.replacement``)."""
     logit_attribution: LogitAttributionSpec | None = None
     """Direct logit attribution of the components (``output_logit_attribution``)."""
+    qk_heads: tuple[int, ...] | None = None
+    """The query heads ``output_qk`` returns (``None``: every head). The workers capture
+    every head of the layer; the front end keeps these when it collates."""
     attention_positions: int = 0
     """With ``steer_attention``: the model's context, which bounds the positions the request
     computes; set by the front end after admission, never read from the client."""
@@ -192,6 +195,8 @@ class LensRequest:
             payload["replace_mlp"] = [r.to_payload() for r in self.replace_mlp]
         if self.logit_attribution is not None:
             payload["logit_attribution"] = self.logit_attribution.to_payload()
+        if self.qk_heads is not None:
+            payload["qk_heads"] = list(self.qk_heads)
         if self.reserve_bytes:
             payload["reserve"] = self.reserve_bytes
         if self.attention_positions:
@@ -225,6 +230,8 @@ class LensRequest:
                                      for d in payload.get("replace_mlp", ())),
                    logit_attribution=None if payload.get("logit_attribution") is None
                    else LogitAttributionSpec.from_payload(payload["logit_attribution"]),
+                   qk_heads=None if payload.get("qk_heads") is None
+                   else tuple(int(h) for h in payload["qk_heads"]),
                    reserve_bytes=int(payload.get("reserve", 0)),
                    attention_positions=int(payload.get("attn_positions", 0)),
                    attention_max_tokens=int(payload.get("attn_max_tokens", 0)))
@@ -339,8 +346,10 @@ def parse_extra_args(
         check_site("resid_post", facts, CAPTURE_KEY, request_id)
         capture = parse_capture(raw_capture, facts, request_id)
     points = () if raw_points is None else parse_points(raw_points, facts, request_id)
+    qk_heads = None
     if raw_qk is not None:
-        points = (*points, *parse_qk(raw_qk, facts, request_id))
+        qk, qk_heads = parse_qk(raw_qk, facts, request_id)
+        points = (*points, *qk)
     steer = () if raw_steer is None else parse_steering_key(raw_steer, facts, request_id,
                                                           presets or {}, saes=saes)
     hooks = () if raw_hooks is None else parse_hooks(raw_hooks, facts, request_id)
@@ -371,7 +380,8 @@ def parse_extra_args(
     return rest, LensRequest(key=uuid.uuid4().hex, capture=capture, steer=steer, hooks=hooks,
                              fault=fault, points=points, sink=sink, stream=stream,
                              saes=features, monitors=monitors, steer_attention=attention,
-                             replace_mlp=replace, logit_attribution=logits)
+                             replace_mlp=replace, logit_attribution=logits,
+                             qk_heads=qk_heads)
 
 
 def reuse_parsed(

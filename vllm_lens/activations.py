@@ -25,7 +25,7 @@ A choice of an OpenAI-style response carries ``"activations"`` in one of two for
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from vllm_lens.errors import WireError
 
 __all__ = [
     "activations_to_json",
+    "activations_to_lists",
     "decode_json_tensors",
     "decode_sae_features",
     "hook_results_to_json",
@@ -73,12 +74,30 @@ def activations_to_json(acts: Mapping[str, Any]) -> dict[str, Any]:
             for k, v in acts.items()}
 
 
-def hook_results_to_json(value: Any) -> Any:
+def activations_to_lists(acts: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``lists`` transport's form of one choice's activations: each tensor as
+    ``{"dtype", "shape", "values"}`` (``wire.tensor_to_lists``: flat values, readable without
+    zstandard, e.g. by a browser), other values kept; ``decode_activations`` reverses it.
+
+    Examples:
+        >>> import torch
+        >>> from vllm_lens.activations import activations_to_lists
+        >>> activations_to_lists({"positions": torch.arange(3)})["positions"]
+        {'dtype': 'int64', 'shape': [3], 'values': [0, 1, 2]}
+    """
+    return {k: wire.tensor_to_lists(v) if isinstance(v, torch.Tensor) else v
+            for k, v in acts.items()}
+
+
+def hook_results_to_json(value: Any, tensor: Callable[[torch.Tensor], dict[str, Any]]
+                         = wire.tensor_to_json) -> Any:
     """Hook results as JSON: tensors as records, containers recursively; anything else that
     JSON cannot carry becomes its ``repr`` (the server never sends pickles).
 
     Args:
         value: an output's ``hook_results`` (``{"0": saved, ...}``), or any part of it.
+        tensor: how a tensor becomes JSON (default ``tensor_to_json``; the ``lists``
+            transport's ``wire.tensor_to_lists``).
 
     Returns:
         The JSON form: a tensor becomes a tensor record (as in
@@ -97,13 +116,13 @@ def hook_results_to_json(value: Any) -> Any:
     from vllm_lens.hooks import HookError
 
     if isinstance(value, torch.Tensor):
-        return wire.tensor_to_json(value)
+        return tensor(value)
     if isinstance(value, HookError):
         return {"error": value.message, "traceback": value.traceback}
     if isinstance(value, dict):
-        return {str(k): hook_results_to_json(v) for k, v in value.items()}
+        return {str(k): hook_results_to_json(v, tensor) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [hook_results_to_json(v) for v in value]
+        return [hook_results_to_json(v, tensor) for v in value]
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     return repr(value)
@@ -328,4 +347,5 @@ def decode_activations(
 
 
 def _is_tensor_record(value: Any) -> bool:
-    return isinstance(value, Mapping) and "dtype" in value and "data" in value
+    return isinstance(value, Mapping) and (("dtype" in value and "data" in value)
+                                           or wire.is_lists_record(value))

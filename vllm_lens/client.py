@@ -49,6 +49,7 @@ from vllm_lens.spec import (
     STEER_KEY,
     STREAM_KEY,
     TRANSPORT_KEY,
+    TRANSPORTS,
 )
 
 __all__ = ["AsyncLensClient", "LensClient", "LensHTTPError", "LensResult", "encode_xargs"]
@@ -233,8 +234,9 @@ class _Protocol:
              capture_layers: Sequence[int] | bool | None, capture: Mapping[str, Any] | None,
              steering_vectors: Any, hooks: Any, stream: bool, transport: str,
              openai_kwargs: dict[str, Any]) -> dict[str, Any]:
-        if transport not in ("json", "binary"):
-            raise ValueError(f"transport must be 'json' or 'binary', got {transport!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be 'json', 'binary' or 'lists', got "
+                             f"{transport!r}")
         if capture_layers is not None and capture is not None:
             raise ValueError("pass capture_layers or capture, not both")
         lens: dict[str, Any] = {}
@@ -257,8 +259,8 @@ class _Protocol:
             lens[STEER_KEY] = steering_vectors
         if hooks is not None:
             lens[HOOKS_KEY] = hooks
-        if transport == "binary":
-            lens[TRANSPORT_KEY] = "binary"
+        if transport != "json":
+            lens[TRANSPORT_KEY] = transport
         xargs = {**(openai_kwargs.pop("vllm_xargs", None) or {}), **encode_xargs(lens)}
         body = {"model": self.model, kind: content, "max_tokens": max_tokens,
                 "temperature": temperature, "stream": stream, "return_token_ids": True,
@@ -427,7 +429,9 @@ class LensClient:
                 events, returned as an iterator of partial results.
             transport: ``"json"`` (default): the tensors travel inside the response;
                 ``"binary"``: the response holds a handle, and the client fetches the bytes
-                (msgpack) in a second request, which frees them on the server.
+                (msgpack) in a second request, which frees them on the server; ``"lists"``:
+                every tensor as its plain values in the JSON (no zstandard needed to read
+                it; larger than ``"json"``), decoded alike.
             **openai_kwargs: lens keys by name, sent as such in ``vllm_xargs``:
                 ``output_activations=`` (tap points), ``output_qk=`` (layers),
                 ``capture_sink=`` (``{"sink", "dataset", "key"}``), ``stream_activations=``
@@ -449,7 +453,7 @@ class LensClient:
             rows carries those rows).
 
         Raises:
-            ValueError: ``transport`` is neither ``"json"`` nor ``"binary"``, or both
+            ValueError: ``transport`` is not ``"json"``, ``"binary"`` or ``"lists"``, or both
                 ``capture_layers`` and ``capture`` are given.
             TypeError: ``capture_layers`` is a string.
             LensHTTPError: the server refused or failed the request (400 naming the field

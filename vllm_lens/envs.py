@@ -58,6 +58,9 @@
   ``dp<rank>-pp<rank>``). Unset with one engine and one stage: the worker writes alone.
 - ``VLLM_LENS_STEERING_PRESETS``: path of a JSON file of named steering presets the OpenAI
   server registers before it serves (``frontend.presets``).
+- ``VLLM_LENS_PAGE``: ``1`` serves the lens page at ``/lens`` on the OpenAI server (static
+  files shipped in the package, calling the same HTTP API as every client; off by default:
+  the page has no authentication of its own, ``frontend.http.routes_page``).
 - ``VLLM_LENS_ALLOW_STEERING_ROUTES``: ``1`` enables ``/v1/steering/register`` and
   ``/v1/steering/unregister`` (a preset steers every client that selects it: off by default).
 - ``VLLM_LENS_MAX_STEERING_VECTORS``: most steering vectors one request may carry, presets
@@ -118,6 +121,10 @@ def allow_persistent_hooks() -> bool:
 
 def allow_steering_routes() -> bool:
     return _flag("VLLM_LENS_ALLOW_STEERING_ROUTES")
+
+
+def lens_page() -> bool:
+    return _flag("VLLM_LENS_PAGE")
 
 
 def max_sweep_cells() -> int:

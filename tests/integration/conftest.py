@@ -39,10 +39,11 @@ def tiny_ref(tiny_path):
 
 
 #: The test server keeps binary handles briefly (the load test waits for their expiry), caps
-#: lens values at 1 MiB (the oversize test sends more) and enables persistent hooks and the
-#: steering-preset routes.
+#: lens values at 1 MiB (the oversize test sends more) and enables persistent hooks, the
+#: steering-preset routes and the lens page.
 SERVER_ENV = {"VLLM_LENS_HTTP_STORE_TTL_S": "20", "VLLM_LENS_MAX_REQUEST_BYTES": str(1 << 20),
-              "VLLM_LENS_ALLOW_PERSISTENT_HOOKS": "1", "VLLM_LENS_ALLOW_STEERING_ROUTES": "1"}
+              "VLLM_LENS_ALLOW_PERSISTENT_HOOKS": "1", "VLLM_LENS_ALLOW_STEERING_ROUTES": "1",
+              "VLLM_LENS_PAGE": "1"}
 
 
 def server_preset() -> SteeringVector:

@@ -1,6 +1,7 @@
 """The tensor codec: every dtype, empty and large tensors, and corrupt input."""
 
 import base64
+import json
 
 import msgpack
 import numpy as np
@@ -190,3 +191,36 @@ def test_decode_limit_is_shared_by_the_tensors_of_one_request():
 def test_malformed_records(record):
     with pytest.raises(WireError, match="malformed"):
         wire.unpack_tensor(record)
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.tensor([[1.5, float("inf")], [float("nan"), -float("inf")]]),
+    torch.arange(6, dtype=torch.int32).reshape(2, 3),
+    torch.randn(3, 2, generator=torch.Generator().manual_seed(0)).bfloat16(),
+    torch.zeros(0, 4),
+    torch.tensor([True, False]),
+])
+def test_lists_records_round_trip_every_value(tensor):
+    record = wire.tensor_to_lists(tensor)
+    assert json.loads(json.dumps(record, allow_nan=False)) == record  # strict JSON
+    back = wire.tensor_from_json(record)
+    assert back.dtype == tensor.dtype and back.shape == tensor.shape
+    assert torch.equal(back.isnan(), tensor.isnan()) if tensor.is_floating_point() else True
+    assert torch.equal(back.nan_to_num(0.0), tensor.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("record, problem", [
+    ({"dtype": "float32", "shape": [3], "values": [1.0, 2.0]}, "2 values for shape"),
+    ({"dtype": "float32", "shape": [1], "values": ["infinity"]}, "bad values"),
+    ({"dtype": "float32", "shape": [1], "values": [[1.0]]}, "bad values"),
+    ({"dtype": "complex", "shape": [1], "values": [1.0]}, "malformed tensor record"),
+])
+def test_malformed_lists_records_are_refused(record, problem):
+    with pytest.raises(WireError, match=problem):
+        wire.tensor_from_json(record)
+
+
+def test_lists_records_count_against_the_decode_limit():
+    record = wire.tensor_to_lists(torch.zeros(1000))
+    with pytest.raises(WireError), wire.decode_limit(1000):
+        wire.tensor_from_json(record)

@@ -11,7 +11,9 @@ vllm-lens processes of one deployment may leave the bytes uncompressed (``"compr
 ``dumps(..., compress=False)``): compressing near-random floats costs more CPU than it saves. Compressing each tensor's
 bytes, rather than the whole message, keeps the large buffers out of msgpack's copies; the raw
 bytes of every dtype, bfloat16 included, are taken through a ``uint8`` view, so no dtype is
-special-cased. In JSON (``tensor_to_json``) the same record carries ``data`` in base64.
+special-cased. In JSON (``tensor_to_json``) the same record carries ``data`` in base64; the
+``lists`` transport (``tensor_to_lists``) carries the values themselves, for readers without
+zstandard (a browser).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from vllm_lens.errors import WireError
 
 __all__ = [
     "DTYPES", "decode_limit", "dtype_name", "dumps", "loads", "pack_tensor", "tensor_from_json",
+    "tensor_to_lists",
     "tensor_to_json", "unpack_tensor",
 ]
 
@@ -300,12 +303,73 @@ def tensor_to_json(tensor: torch.Tensor) -> dict[str, Any]:
     return record
 
 
+#: Non-finite floats in a ``lists`` record, which JSON cannot carry as numbers.
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+#: Most values one ``lists`` record is decoded from (each a Python object on the way).
+_LISTS_MAX_VALUES = 1 << 24
+
+
+def tensor_to_lists(tensor: torch.Tensor) -> dict[str, Any]:
+    """A tensor as a JSON object of its values: ``{"dtype", "shape", "values"}``, ``values``
+    flat in row-major order, a non-finite float as the string ``"nan"``, ``"inf"`` or
+    ``"-inf"`` (the ``lists`` transport: readable without zstandard, e.g. by a browser).
+
+    Examples:
+        >>> import torch
+        >>> from vllm_lens.common.wire import tensor_to_lists
+        >>> tensor_to_lists(torch.tensor([[1.5, float("inf")]]))
+        {'dtype': 'float32', 'shape': [1, 2], 'values': [1.5, 'inf']}
+    """
+    name = dtype_name(tensor.dtype)
+    flat = tensor.detach().cpu().reshape(-1)
+    if flat.is_floating_point():
+        values: list[Any] = [x if math.isfinite(x) else _finite_name(x)
+                             for x in flat.double().tolist()]
+    else:
+        values = flat.tolist()
+    return {"dtype": name, "shape": list(tensor.shape), "values": values}
+
+
+def _finite_name(x: float) -> str:
+    return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+
+
+def is_lists_record(obj: Any) -> bool:
+    """Whether ``obj`` is a ``tensor_to_lists`` record."""
+    return isinstance(obj, dict) and set(obj) == {"dtype", "shape", "values"}
+
+
+def _tensor_from_lists(obj: dict[str, Any]) -> torch.Tensor:
+    dtype, shape, nbytes = _declared(obj)
+    budget = _budget.get()
+    if budget is not None:
+        budget.take(nbytes, shape, obj["dtype"])
+    values = obj["values"]
+    if not isinstance(values, list) or len(values) != math.prod(shape):
+        count = len(values) if isinstance(values, list) else "no"
+        raise WireError(f"malformed tensor record: {count} values for shape {shape}")
+    if len(values) > _LISTS_MAX_VALUES:
+        raise WireError(f"a lists record of {len(values):,} values is above "
+                        f"{_LISTS_MAX_VALUES:,}; use the json or binary transport")
+    try:
+        numbers = [_NON_FINITE[v] if isinstance(v, str) else v for v in values]
+        flat = torch.tensor(numbers, dtype=dtype)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise WireError(f"malformed tensor record: bad values ({exc!r})") from None
+    if flat.dim() != 1:
+        raise WireError("malformed tensor record: bad values (not a flat list of numbers)")
+    return flat.reshape(shape)
+
+
 def tensor_from_json(obj: dict[str, Any]) -> torch.Tensor:
     """Inverse of `tensor_to_json`.
 
     Also reads the older vllm-lens form, where ``dtype`` is numpy's storage dtype and
-    ``original_dtype`` (e.g. ``"torch.bfloat16"``) the tensor's own.
+    ``original_dtype`` (e.g. ``"torch.bfloat16"``) the tensor's own, and ``tensor_to_lists``
+    records.
     """
+    if is_lists_record(obj):
+        return _tensor_from_lists(obj)
     try:
         name = str(obj.get("original_dtype") or obj["dtype"]).removeprefix("torch.")
         raw = base64.b64decode(obj["data"], validate=True)

@@ -14,10 +14,10 @@ QK_KEY = "output_qk"
 STEER_KEY = "apply_steering_vectors"
 #: An ``apply_steering_vectors`` item selecting a named preset the operator registered.
 PRESET_PREFIX = "preset:"
-#: How the OpenAI server returns activations (``"json"`` inline, ``"binary"`` by handle).
-#: Offline engines return tensors and only validate it.
+#: How the OpenAI server returns activations (``"json"`` inline, ``"binary"`` by handle,
+#: ``"lists"`` inline as plain numbers). Offline engines return tensors and only validate it.
 TRANSPORT_KEY = "activations_transport"
-TRANSPORTS = ("json", "binary")
+TRANSPORTS = ("json", "binary", "lists")
 #: Hooks run inside the forward pass: ``Hook`` / ``NamedHook`` objects or their JSON forms.
 HOOKS_KEY = "apply_hooks"
 #: Write the captured rows to an operator's sink (``vllm_lens.sinks``) instead of returning

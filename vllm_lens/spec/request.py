@@ -299,8 +299,8 @@ def parse_extra_args(
             )
     transport = rest.get(TRANSPORT_KEY)
     if transport is not None and transport not in TRANSPORTS:
-        raise LensRequestError(TRANSPORT_KEY, f"unknown transport {transport!r}; use 'json' or "
-                               "'binary'", request_id=request_id)
+        raise LensRequestError(TRANSPORT_KEY, f"unknown transport {transport!r}; use 'json', "
+                               "'binary' or 'lists'", request_id=request_id)
     raw_capture = rest.pop(CAPTURE_KEY, None)
     raw_points = rest.pop(ACTIVATIONS_KEY, None)
     raw_qk = rest.pop(QK_KEY, None)

@@ -19,7 +19,6 @@ from fastapi import Request
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
 from vllm_lens import envs
-from vllm_lens.activations import activations_to_json
 from vllm_lens.errors import (
     CapacityError,
     LensExecutionError,
@@ -31,8 +30,8 @@ from vllm_lens.frontend.http import preset_log
 from vllm_lens.frontend.http.blob_store import store
 from vllm_lens.frontend.http.errors import error_response
 from vllm_lens.frontend.http.results import (
-    Encoder,
-    encode_binary,
+    Transport,
+    transport,
     encode_results,
     with_partials,
 )
@@ -138,9 +137,9 @@ def _parse_slots() -> asyncio.Semaphore:
 
 async def _validate(
     engine: Any, xargs: Mapping[str, Any]
-) -> tuple[Encoder, LensRequest] | None:
+) -> tuple[Transport, LensRequest] | None:
     """Check ``vllm_xargs`` as the engine would (raises LensRequestError, also for misspelt lens
-    keys); returns the activations encoder and the parsed request (which the engine wrapper
+    keys); returns the transport and the parsed request (which the engine wrapper
     reuses), or ``None`` when no lens key is set."""
     limit = envs.max_request_bytes()
     total = 0
@@ -168,5 +167,4 @@ async def _validate(
         _, lens = parse_extra_args(xargs, lambda: facts, presets=presets, saes=saes)
     if lens is None:
         return None
-    encode = encode_binary if xargs.get(TRANSPORT_KEY) == "binary" else activations_to_json
-    return encode, lens
+    return transport(xargs.get(TRANSPORT_KEY)), lens

@@ -3,7 +3,8 @@ are wrapped once (runs in: front end).
 
 ``install`` is called by ``vllm_lens.plugin`` in a process that builds the API server. It
 wraps the completions and chat endpoints (``endpoints``), refuses lens keys on routes that
-would drop their results, adds vllm-lens's own routers when vLLM registers its routes, and
+would drop their results, adds vllm-lens's own routers when vLLM registers its routes (the
+lens page's only with ``VLLM_LENS_PAGE=1``), and
 checks ``VLLM_LENS_SAES`` before the engine starts.
 """
 
@@ -14,12 +15,14 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from vllm_lens import envs
 from vllm_lens.common.wrapping import wrap_attribute
 from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.async_engine import OFF_ROUTE
 from vllm_lens.frontend.http import (
     routes_blobs,
     routes_hooks,
+    routes_page,
     routes_patching,
     routes_stats,
     routes_steering,
@@ -71,6 +74,10 @@ def _wrap_register_api_routers(original):
         app.include_router(routes_hooks.router)
         app.include_router(routes_steering.router)
         app.include_router(routes_patching.router)
+        if envs.lens_page():
+            app.include_router(routes_page.router)
+            logger.info("vllm-lens: the lens page is served at /lens (VLLM_LENS_PAGE=1; it has "
+                        "no authentication of its own)")
 
     return register_api_routers
 

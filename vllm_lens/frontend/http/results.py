@@ -2,45 +2,84 @@
 end).
 
 Used for whole responses (``endpoints``) and for the extra chunk of a stream
-(``streaming``); with the binary transport the activations are stored in the blob store and
-the choice names their handle.
+(``streaming``). The request's ``activations_transport`` picks the ``Transport``: ``json``
+(tensors as base64 zstd records), ``binary`` (the activations stored in the blob store, the
+choice naming their handle) or ``lists`` (every tensor as its values, for a reader without
+zstandard such as the lens page).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from vllm_lens.activations import binary_descriptor, hook_results_to_json
+import torch
+
+from vllm_lens.activations import (
+    activations_to_json,
+    activations_to_lists,
+    binary_descriptor,
+    hook_results_to_json,
+)
 from vllm_lens.common import wire
 from vllm_lens.frontend.merge import join_streamed
 from vllm_lens.frontend.http.blob_store import store
 from vllm_lens.frontend.response_scope import ResponseScope
 
-__all__ = ["Encoder", "encode_binary", "encode_results", "monitors_to_json", "with_partials"]
-
-#: Activations -> the JSON value of a choice's ``activations`` field.
-Encoder = Callable[[Any], dict[str, Any]]
+__all__ = ["Transport", "encode_binary", "encode_results", "monitors_to_json", "transport",
+           "with_partials"]
 
 
-def encode_results(results: Mapping[str, Any], encode: Encoder) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Transport:
+    """How one request's results become JSON."""
+
+    activations: Callable[[Any], dict[str, Any]]
+    """Activations -> the JSON value of a choice's ``activations`` field."""
+    tensor: Callable[[torch.Tensor], dict[str, Any]]
+    """A tensor among the other results (hook results, SAE features, attributions)."""
+
+    def results(self, value: Any) -> Any:
+        """Hook results, SAE features or attributions with their tensors as JSON."""
+        return hook_results_to_json(value, self.tensor)
+
+
+def encode_binary(acts: Mapping[str, Any]) -> dict[str, Any]:
+    """Activations stored in the blob store; the descriptor naming their handle."""
+    blob = wire.dumps(dict(acts))
+    return binary_descriptor(acts, store().put(blob), len(blob))
+
+
+#: By ``activations_transport``; the other results are JSON in ``json`` and ``binary`` alike.
+TRANSPORTS = {"json": Transport(activations_to_json, wire.tensor_to_json),
+              "binary": Transport(encode_binary, wire.tensor_to_json),
+              "lists": Transport(activations_to_lists, wire.tensor_to_lists)}
+
+
+def transport(name: str | None) -> Transport:
+    """The transport a request's ``activations_transport`` names (unset: ``json``)."""
+    return TRANSPORTS[name or "json"]
+
+
+def encode_results(results: Mapping[str, Any], encode: Transport) -> dict[str, Any]:
     """One choice's lens results as the JSON fields it gets."""
     fields = {}
     if results.get("activations") is not None:
-        fields["activations"] = encode(results["activations"])
+        fields["activations"] = encode.activations(results["activations"])
     if results.get("hook_results") is not None:
-        fields["hook_results"] = hook_results_to_json(results["hook_results"])
+        fields["hook_results"] = encode.results(results["hook_results"])
     if results.get("capture_receipt") is not None:
         fields["capture_receipt"] = results["capture_receipt"]
     if results.get("steering_gates") is not None:
-        fields["steering_gates"] = hook_results_to_json(results["steering_gates"])
-    if results.get("sae_features") is not None:  # sparse: JSON in both transports
-        fields["sae_features"] = hook_results_to_json(results["sae_features"])
+        fields["steering_gates"] = encode.results(results["steering_gates"])
+    if results.get("sae_features") is not None:  # sparse: JSON in every transport
+        fields["sae_features"] = encode.results(results["sae_features"])
     if results.get("monitors") is not None:
         fields["monitors"] = monitors_to_json(results["monitors"])
-    if results.get("logit_attribution") is not None:  # [layers, positions]: JSON in both
-        fields["logit_attribution"] = hook_results_to_json(results["logit_attribution"])
+    if results.get("logit_attribution") is not None:  # [layers, positions]: JSON in each
+        fields["logit_attribution"] = encode.results(results["logit_attribution"])
     return fields
 
 
@@ -54,12 +93,6 @@ def monitors_to_json(records: Any) -> list[dict[str, Any]]:
              "score": None if r["score"] is None else finite(r["score"]),
              "positions": [int(p) for p in r["positions"].tolist()],
              "scores": [finite(float(x)) for x in r["scores"].tolist()]} for r in records]
-
-
-def encode_binary(acts: Mapping[str, Any]) -> dict[str, Any]:
-    """Activations stored in the blob store; the descriptor naming their handle."""
-    blob = wire.dumps(dict(acts))
-    return binary_descriptor(acts, store().put(blob), len(blob))
 
 
 def with_partials(scope: ResponseScope, response_id: str, n: int) -> dict[int, Any]:

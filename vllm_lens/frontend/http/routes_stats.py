@@ -1,5 +1,5 @@
-"""What the server serves and holds: ``GET /v1/lens/saes`` and ``GET /v1/lens/stats`` (runs
-in: front end).
+"""What the server serves and holds: ``GET /v1/lens/model``, ``GET /v1/lens/saes`` and ``GET
+/v1/lens/stats`` (runs in: front end).
 
 The stats are the bytes waiting in the binary store, each worker's figures and the patching
 sweeps running in this API process; the workers' figures are at most a second old, one worker
@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from vllm_lens.common.messages import StatsAnswer, read_all
+from vllm_lens.frontend.async_engine import model_facts
 from vllm_lens.frontend.http import routes_patching
 from vllm_lens.frontend.http.blob_store import store
 from vllm_lens.frontend.rpc import all_workers
@@ -22,6 +23,21 @@ from vllm_lens.frontend.rpc import all_workers
 __all__ = ["router"]
 
 router = APIRouter()
+
+
+@router.get("/v1/lens/model")
+async def lens_model(raw_request: Request) -> JSONResponse:
+    """What a lens request can ask of the served model: its class, layers, widths, heads,
+    dtype, the tap points its layout proved and those refused (with the reason), and
+    whether every lens request is refused on this engine (``unsupported``)."""
+    facts = await model_facts(raw_request.app.state.engine_client)
+    return JSONResponse({
+        "model_class": facts.model_class, "n_layers": facts.n_layers,
+        "hidden_size": facts.hidden_size, "d_mlp": facts.d_mlp, "n_heads": facts.n_heads,
+        "n_kv_heads": facts.n_kv_heads, "head_dim": facts.head_dim, "dtype": facts.dtype,
+        "max_model_len": facts.max_model_len, "mapped": facts.mapped,
+        "derived_layout": facts.derived_layout, "unsupported": facts.unsupported,
+        "refused_points": dict(facts.refused_points)})
 
 
 @router.get("/v1/lens/saes")

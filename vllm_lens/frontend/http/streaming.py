@@ -12,11 +12,10 @@ from typing import Any
 
 import torch
 
-from vllm_lens.activations import hook_results_to_json
 from vllm_lens.errors import CapacityError
 from vllm_lens.frontend.merge import join_streamed
 from vllm_lens.frontend.http.errors import error_event
-from vllm_lens.frontend.http.results import Encoder, encode_results, with_partials
+from vllm_lens.frontend.http.results import Transport, encode_results, with_partials
 from vllm_lens.frontend.response_scope import ResponseScope
 
 __all__ = ["CHAT", "COMPLETIONS", "DONE", "Endpoint", "Started", "with_activation_chunks"]
@@ -67,7 +66,7 @@ class Started:
 
 async def with_activation_chunks(
     stream: Started, scope: ResponseScope, n: int, endpoint: Endpoint,
-    encode: Encoder, stream_rows: bool = False,
+    encode: Transport, stream_rows: bool = False,
 ) -> AsyncGenerator[str, None]:
     """Pass the stream through, adding one activations chunk per choice before ``[DONE]``;
     with ``stream_rows`` (``stream_activations``), each chunk of a choice also carries the
@@ -105,7 +104,7 @@ _ENCODE_INLINE_BYTES = 256 << 10
 
 
 async def _with_rows(item: str, scope: ResponseScope, response_id: str,
-                     encode: Encoder) -> str:
+                     encode: Transport) -> str:
     """``item`` (one ``data:`` chunk) with the streamed rows of its choices not sent yet."""
     chunk = json.loads(item.removeprefix("data: "))
     added = False
@@ -113,8 +112,8 @@ async def _with_rows(item: str, scope: ResponseScope, response_id: str,
         early = scope.take_partial(response_id, choice.get("index", 0))
         if early:
             joined = join_streamed(early)
-            for name, encoder in (("activations", encode),
-                                  ("sae_features", hook_results_to_json)):
+            for name, encoder in (("activations", encode.activations),
+                                  ("sae_features", encode.results)):
                 if (value := joined.get(name)) is not None:
                     # A token's rows: no thread hop; a long prompt's: off the event loop.
                     choice[name] = (encoder(value) if _nbytes(value) <= _ENCODE_INLINE_BYTES

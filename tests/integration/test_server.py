@@ -1,7 +1,9 @@
 """The OpenAI-compatible server: activations and steering over HTTP equal the offline engine's."""
 
 import base64
+import contextlib
 import json
+import os
 import time
 
 import httpx
@@ -369,6 +371,49 @@ def test_operator_settings_pickled_hooks_and_a_full_binary_store(tiny_path):
         assert info.value.status == 500 and "broken on purpose" in info.value.message
         assert info.value.param == "apply_hooks"
         assert c.generate(PROMPT, max_tokens=2).text is not None  # still serving, same connection
+        _stopped_mid_stream_quietly(server)
+
+
+def _stopped_mid_stream_quietly(server) -> None:
+    """Ctrl-C while a request streams its rows: the server stops without an EngineDeadError
+    or any other traceback from vllm-lens (vLLM's own requests end cancelled then; the
+    resource tracker's shared-memory warning, vLLM's own, may still follow)."""
+    import signal
+    import threading
+
+    first = threading.Event()
+
+    def stream() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=60, json={
+                    "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True,
+                    "vllm_xargs": {"output_residual_stream": [1], "stream_activations": "true"},
+            }) as response:
+                for _ in response.iter_lines():
+                    first.set()
+
+    client = threading.Thread(target=stream)
+    client.start()
+    assert first.wait(60), "the stream did not start"
+    start = len(server.log_tail(10**9))
+    os.kill(server.pid, signal.SIGINT)
+    client.join(60)
+    deadline = time.monotonic() + 60
+    while not _exited(server.pid):
+        assert time.monotonic() < deadline, "the server did not stop"
+        time.sleep(0.5)
+    after = server.log_tail(10**9)[start:]
+    assert "Application shutdown complete" in after
+    for noise in ("Traceback", "EngineDeadError", "Task exception was never retrieved"):
+        assert noise not in after, after[-3000:]
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie: it has exited
+    except FileNotFoundError:
+        return True
 
 
 def _full_worker_budget_refuses_the_newcomer(base: str) -> None:

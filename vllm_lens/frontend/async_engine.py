@@ -17,10 +17,12 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_lens.common.messages import FetchAnswer, read_all
 from vllm_lens.common.wrapping import wrap_attribute
@@ -29,7 +31,7 @@ from vllm_lens.frontend import response_scope
 from vllm_lens.frontend import collator
 from vllm_lens.frontend.collator import discard_unread
 from vllm_lens.frontend.partial_fetch import PartialFetcher
-from vllm_lens.frontend.rpc import all_workers, pipelined
+from vllm_lens.frontend.rpc import all_workers, pipelined, shut_down
 from vllm_lens.frontend.session import LensSession
 from vllm_lens.frontend.presets import Presets
 from vllm_lens.frontend.sae_names import async_describer
@@ -40,6 +42,8 @@ from vllm_lens.spec.facts import facts_from_describe
 __all__ = ["install", "model_facts"]
 
 _background: set[asyncio.Task] = set()
+
+logger = init_logger(__name__)
 
 
 def install() -> None:
@@ -130,16 +134,33 @@ def _wrap_generate(original):
                         raise failed
                 completed = out.finished
                 yield out
+        except EngineDeadError:
+            if shut_down(self):
+                # Stopped on purpose while this request ran (a server's Ctrl-C): it ends as
+                # vLLM's own waiting requests end then, cancelled, not as an engine failure.
+                raise asyncio.CancelledError("the engine was shut down") from None
+            raise
         finally:
             if not completed:
                 keys = session.forget([request_id])
-                if keys:
+                if keys and not (self.errored or shut_down(self)):  # else no worker holds them
                     # Not awaited: this may run while the caller is being cancelled.
                     task = asyncio.ensure_future(all_workers(self, "lens_release", (keys,)))
                     _background.add(task)
-                    task.add_done_callback(_background.discard)
+                    task.add_done_callback(_released)
 
     return generate
+
+
+def _released(task: asyncio.Task) -> None:
+    """A background ``lens_release`` ended: its failure is logged (an engine that stopped
+    meanwhile holds nothing to release), never left for asyncio to print at exit."""
+    _background.discard(task)
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, EngineDeadError):
+        logger.warning("vllm-lens: releasing a request's rows failed: %r", exc)
 
 
 def _refuse_off_route(params: Any) -> None:

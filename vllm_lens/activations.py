@@ -79,6 +79,13 @@ def activations_to_lists(acts: Mapping[str, Any]) -> dict[str, Any]:
     ``{"dtype", "shape", "values"}`` (``wire.tensor_to_lists``: flat values, readable without
     zstandard, e.g. by a browser), other values kept; ``decode_activations`` reverses it.
 
+    Args:
+        acts: one output's activations (``out.activations``): names to tensors, and other
+            values that JSON carries as they are.
+
+    Returns:
+        A new dict with the same keys, each tensor as its ``lists`` record.
+
     Examples:
         >>> import torch
         >>> from vllm_lens.activations import activations_to_lists

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from vllm_lens import errors
+from vllm_lens.common import wire
 from vllm_lens.errors import (
     CapacityError,
     DatasetConflictError,
@@ -28,6 +29,7 @@ from vllm_lens.errors import (
 )
 from vllm_lens.frontend.http import routes_patching
 from vllm_lens.frontend.http import endpoints, routes_hooks, routes_steering, streaming
+from vllm_lens.frontend.http.results import Transport
 from vllm_lens.frontend.http.errors import STATUSES, error_response, status_of
 from vllm_lens.frontend.response_scope import report
 from vllm_lens.hooks import HookError
@@ -107,8 +109,12 @@ def test_the_completions_wrapper_answers_what_the_engine_raised_from_the_table(c
     assert (answer.error.code, answer.error.type, answer.error.param) == EXPECTED[cls]
 
 
-def _full(acts):
+def _full_store(acts):
     raise _sample(CapacityError)
+
+
+#: A transport whose activations never fit the store.
+_full = Transport(_full_store, wire.tensor_to_json)
 
 
 def test_a_full_store_refuses_the_whole_response_from_the_table(monkeypatch):

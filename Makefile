@@ -21,10 +21,11 @@ test: $(STAMP) browser
 
 # The lens page's test drives the system's Chromium and ChromeDriver (Debian's packages
 # chromium and chromium-driver, never a browser downloaded at test time): installed here when
-# missing and this is root on a Debian-like system; otherwise that one test is skipped.
+# missing and this is root on Debian (Ubuntu's chromium package is a snap that does not run in
+# containers); otherwise that one test is skipped.
 browser:
 	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
-	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	elif [ "$$(id -u)" = 0 ] && [ -f /etc/debian_version ] && command -v apt-get >/dev/null; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
 	else echo "no chromium + chromedriver (Debian: apt-get install chromium chromium-driver): the lens page's browser test will be skipped"; fi
 

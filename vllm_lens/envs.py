@@ -61,6 +61,9 @@
 - ``VLLM_LENS_PAGE``: ``1`` serves the lens page at ``/lens`` on the OpenAI server (static
   files shipped in the package, calling the same HTTP API as every client; off by default:
   the page has no authentication of its own, ``frontend.http.routes_page``).
+- ``VLLM_LENS_MAX_LIST_VALUES``: most numbers one choice's results may carry in the OpenAI
+  server's ``lists`` transport (default 4,194,304); a larger answer is refused (HTTP 400
+  naming ``activations_transport``): the ``json`` and ``binary`` forms carry it.
 - ``VLLM_LENS_ALLOW_STEERING_ROUTES``: ``1`` enables ``/v1/steering/register`` and
   ``/v1/steering/unregister`` (a preset steers every client that selects it: off by default).
 - ``VLLM_LENS_MAX_STEERING_VECTORS``: most steering vectors one request may carry, presets
@@ -125,6 +128,10 @@ def allow_steering_routes() -> bool:
 
 def lens_page() -> bool:
     return _flag("VLLM_LENS_PAGE")
+
+
+def max_list_values() -> int:
+    return int(os.environ.get("VLLM_LENS_MAX_LIST_VALUES", str(4 << 20)))
 
 
 def max_sweep_cells() -> int:

@@ -105,10 +105,13 @@ def test_lens_page_shows_what_the_api_answers(smol_server, browser):
                               hooks=[NamedHook("logit_lens_topk", layers, {"k": 3})],
                               sae_features=[{"sae": "smol-l10", "top_k": 32,
                                              "positions": "all"}])
-        qk = client.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-                             output_qk=[LAYER]).activations
     ids = api.prompt_token_ids + api.token_ids
     assert _state(driver, "lensState.run.ids") == ids
+    # The attention view asks for the run's own tokens (all but the last) as the prompt.
+    assert _state(driver, "lensState.attention.ids") == ids[:-1]
+    with LensClient(base) as client:
+        qk = client.generate(ids[:-1], max_tokens=1, temperature=0,
+                             output_qk=[LAYER]).activations
 
     # The logit-lens grid: every cell's token and probability, as drawn.
     saved = api.hook_results["0"]
@@ -132,7 +135,7 @@ def test_lens_page_shows_what_the_api_answers(smol_server, browser):
     _shot(driver, "logit-lens-view", "logit_lens")
 
     # One head's attention pattern: the page's weights equal vllm_lens.attention's on the
-    # API's Q/K of every head, at that head.
+    # API's Q/K of every head (the same token-id prompt), at that head.
     weights = driver.execute_script(
         "return [...document.querySelectorAll('#attention td[data-weight]')].map(td => "
         "[+td.dataset.query, +td.dataset.key, +td.dataset.weight]);")

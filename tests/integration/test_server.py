@@ -374,11 +374,9 @@ def test_operator_settings_pickled_hooks_and_a_full_binary_store(tiny_path):
         _stopped_mid_stream_quietly(server)
 
 
-def _stopped_mid_stream_quietly(server) -> None:
-    """Ctrl-C while a request streams its rows: the server stops without an EngineDeadError
-    or any other traceback from vllm-lens (vLLM's own requests end cancelled then; the
-    resource tracker's shared-memory warning, vLLM's own, may still follow)."""
-    import signal
+def _stream_until_first_chunk(server, lines: list[str]):
+    """Start a long stream that captures rows with every chunk; return its thread once the
+    first chunk arrived (every line it reads goes to ``lines``)."""
     import threading
 
     first = threading.Event()
@@ -389,15 +387,65 @@ def _stopped_mid_stream_quietly(server) -> None:
                     "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True,
                     "vllm_xargs": {"output_residual_stream": [1], "stream_activations": "true"},
             }) as response:
-                for _ in response.iter_lines():
+                for line in response.iter_lines():
+                    lines.append(line)
                     first.set()
 
     client = threading.Thread(target=stream)
     client.start()
     assert first.wait(60), "the stream did not start"
+    return client
+
+
+@pytest.mark.slow
+def test_an_engine_that_dies_mid_stream_is_an_error_not_a_stop(tiny_path):
+    """The engine process killed while a lens request streams: the client gets an error event
+    (an engine failure is never passed off as a deliberate stop)."""
+    import signal
+
+    from tests.integration.server import running_server
+
+    with running_server(tiny_path, "--enforce-eager") as server:
+        lines: list[str] = []
+        client = _stream_until_first_chunk(server, lines)
+        cores = [pid for pid in _children(server.pid) if b"EngineCore" in _cmdline(pid)]
+        assert cores, "no engine core process found"
+        for pid in cores:
+            os.kill(pid, signal.SIGKILL)
+        client.join(60)
+        assert not client.is_alive()
+        errors = [json.loads(line.removeprefix("data: ")) for line in lines
+                  if line.startswith("data: {") and '"error"' in line]
+        assert errors and "EngineCore" in errors[-1]["error"]["message"], lines[-3:]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
+def _stopped_mid_stream_quietly(server) -> None:
+    """Ctrl-C while a request streams its rows: the server stops without an EngineDeadError
+    or any other traceback from vllm-lens (vLLM's own requests end cancelled then; the
+    resource tracker's shared-memory warning, vLLM's own, may still follow)."""
+    import signal
+
+    client = _stream_until_first_chunk(server, [])
     start = len(server.log_tail(10**9))
     os.kill(server.pid, signal.SIGINT)
     client.join(60)
+    assert not client.is_alive(), "the stream did not end"
     deadline = time.monotonic() + 60
     while not _exited(server.pid):
         assert time.monotonic() < deadline, "the server did not stop"

@@ -1,5 +1,6 @@
 """Engine-free parts of the HTTP path: the binary store, choice mapping, activation forms."""
 
+import json
 import time
 
 import pytest
@@ -167,3 +168,36 @@ def test_a_sweep_cell_the_server_sent_as_null_is_nan_in_the_grid():
     grid = done.value.value["grid"]
     assert grid.dtype == torch.float64 and grid.shape == (2, 2)
     assert torch.isnan(grid[0, 1]) and grid[1, 1] == 2.0
+
+
+def test_every_transport_a_request_may_name_has_an_encoder():
+    from vllm_lens.frontend.http.results import TRANSPORTS as ENCODERS
+    from vllm_lens.spec.keys import TRANSPORTS as NAMES
+
+    assert set(ENCODERS) == set(NAMES)
+
+
+def test_the_lists_transport_sends_plain_numbers_up_to_the_servers_cap(monkeypatch):
+    import torch
+
+    from vllm_lens.activations import decode_activations, decode_json_tensors
+    from vllm_lens.errors import LensRequestError
+    from vllm_lens.frontend.http.results import encode_results, transport
+
+    results = {"activations": {"residual_stream": torch.arange(12.0).reshape(1, 3, 4),
+                               "positions": torch.arange(3)},
+               "hook_results": {"0": {"scores": {1: torch.tensor([0.5, float("nan")])}}}}
+    fields = encode_results(results, transport("lists"))
+    stream = fields["activations"]["residual_stream"]
+    assert stream["values"] == list(range(12)) and stream["shape"] == [1, 3, 4]
+    assert fields["hook_results"]["0"]["scores"]["1"]["values"] == [0.5, "nan"]
+    json.dumps(fields, allow_nan=False)  # strict JSON
+    assert torch.equal(decode_activations(fields["activations"])["residual_stream"],
+                       results["activations"]["residual_stream"])
+    assert decode_json_tensors(fields["hook_results"])["0"]["scores"]["1"].isnan().tolist() \
+        == [False, True]
+    monkeypatch.setenv("VLLM_LENS_MAX_LIST_VALUES", "16")  # 12 + 3 + 2 = 17 values
+    with pytest.raises(LensRequestError, match="17 values, above this server's 16") as info:
+        encode_results(results, transport("lists"))
+    assert info.value.field == "activations_transport"
+    assert encode_results(results, transport("json"))["activations"]["positions"]["data"]

@@ -173,3 +173,12 @@ def test_output_qk_heads_refused_by_field(raw, field, problem):
     with pytest.raises(LensRequestError, match=problem) as info:
         parse_extra_args({"output_qk": raw}, lambda: QK_FACTS)
     assert info.value.field == field
+
+
+def test_output_qk_heads_refused_with_a_capture_sink(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_LENS_SINKS", json.dumps({"local": {"root": str(tmp_path)}}))
+    with pytest.raises(LensRequestError, match="writes every head") as info:
+        parse_extra_args({"output_qk": {"layers": [0], "heads": [1]},
+                          "capture_sink": {"sink": "local", "dataset": "d", "key": "k"}},
+                         lambda: QK_FACTS)
+    assert info.value.field == "output_qk.heads"

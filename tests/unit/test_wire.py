@@ -214,13 +214,30 @@ def test_lists_records_round_trip_every_value(tensor):
     ({"dtype": "float32", "shape": [1], "values": ["infinity"]}, "bad values"),
     ({"dtype": "float32", "shape": [1], "values": [[1.0]]}, "bad values"),
     ({"dtype": "complex", "shape": [1], "values": [1.0]}, "malformed tensor record"),
+    ({"dtype": "int64", "shape": [2], "values": [1, 1.7]}, "int64 cannot hold"),
+    ({"dtype": "uint8", "shape": [1], "values": [-1]}, "uint8 cannot hold"),
+    ({"dtype": "float16", "shape": [1], "values": [1e10]}, "float16 cannot hold"),
+    ({"dtype": "bool", "shape": [1], "values": [5]}, "bool cannot hold"),
+    ({"dtype": "int64", "shape": [1], "values": [2**70]}, "bad values"),
 ])
 def test_malformed_lists_records_are_refused(record, problem):
     with pytest.raises(WireError, match=problem):
-        wire.tensor_from_json(record)
+        wire.tensor_from_json({**record, "encoding": "lists"})
+
+
+def test_a_dict_that_only_looks_like_a_record_is_not_a_tensor():
+    from vllm_lens.activations import decode_json_tensors
+
+    mine = {"dtype": "mine", "shape": "round", "values": [1, 2]}  # a hook's own result
+    assert decode_json_tensors({"0": mine}) == {"0": mine}
 
 
 def test_lists_records_count_against_the_decode_limit():
     record = wire.tensor_to_lists(torch.zeros(1000))
     with pytest.raises(WireError), wire.decode_limit(1000):
         wire.tensor_from_json(record)
+    # A client reads a large answer (no limit); untrusted input is held to the value cap.
+    big = wire.tensor_to_lists(torch.zeros(wire._LISTS_MAX_VALUES + 1, dtype=torch.bool))
+    assert wire.tensor_from_json(big).shape == (wire._LISTS_MAX_VALUES + 1,)
+    with pytest.raises(WireError, match="values is above"), wire.decode_limit(1 << 30):
+        wire.tensor_from_json(big)

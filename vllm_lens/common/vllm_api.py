@@ -199,7 +199,8 @@ REGISTRY: tuple[Need, ...] = (
        "starts a data-parallel extraction engine"),
     _n(f"{_ASYNC}.get_tokenizer", "method", "call", "frontend.patching_sweep",
        "tokenizes a sweep's prompt"),
-    _n(f"{_ASYNC}.shutdown", "method", "call", "cli.extract.engine_stop", "stops an engine",
+    _n(f"{_ASYNC}.shutdown", "method", "wrap", "cli.extract.engine_stop frontend.async_engine",
+       "stops an engine; a stop on purpose is marked, so the lens calls it cuts end cancelled",
        "timeout"),
     *(_n(f"{_ASYNC}.{name}", "instance attribute", "read", "frontend.rpc frontend.patching_sweep "
          "cli.extract.engine_stop", "the engine-core client, model and output task")
@@ -212,9 +213,7 @@ REGISTRY: tuple[Need, ...] = (
        "every data-parallel engine's workers"),
     _n(f"{_CLIENT}:MPClient.core_engines", "instance attribute", "read", "frontend.rpc",
        "how many data-parallel engines answer"),
-    _n(f"{_CLIENT}:MPClient._finalizer", "instance attribute", "read", "frontend.rpc",
-       "an engine shut down on purpose ends its lens calls as cancelled, not failed"),
-    _n("vllm.v1.engine.exceptions:EngineDeadError", "class", "catch", "frontend.async_engine",
+    _n("vllm.v1.engine.exceptions:EngineDeadError", "class", "import", "frontend.async_engine",
        "a lens call that finds the engine stopped"),
     _n(f"{_CLIENT}:MPClient.shutdown", "method", "call", "cli.extract.engine_stop",
        "stops an engine",

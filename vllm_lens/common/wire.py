@@ -35,7 +35,7 @@ from vllm_lens.errors import WireError
 
 __all__ = [
     "DTYPES", "decode_limit", "dtype_name", "dumps", "loads", "pack_tensor", "tensor_from_json",
-    "tensor_to_lists",
+    "is_lists_record", "tensor_to_lists",
     "tensor_to_json", "unpack_tensor",
 ]
 
@@ -305,29 +305,30 @@ def tensor_to_json(tensor: torch.Tensor) -> dict[str, Any]:
 
 #: Non-finite floats in a ``lists`` record, which JSON cannot carry as numbers.
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-#: Most values one ``lists`` record is decoded from (each a Python object on the way).
+#: Most values of one ``lists`` record decoded from untrusted input (under ``decode_limit``):
+#: each is a Python object on the way. A request's JSON is bounded before that anyway
+#: (``VLLM_LENS_MAX_REQUEST_BYTES``).
 _LISTS_MAX_VALUES = 1 << 24
 
 
 def tensor_to_lists(tensor: torch.Tensor) -> dict[str, Any]:
-    """A tensor as a JSON object of its values: ``{"dtype", "shape", "values"}``, ``values``
-    flat in row-major order, a non-finite float as the string ``"nan"``, ``"inf"`` or
-    ``"-inf"`` (the ``lists`` transport: readable without zstandard, e.g. by a browser).
+    """A tensor as a JSON object of its values: ``{"dtype", "shape", "encoding": "lists",
+    "values"}``, ``values`` flat in row-major order, a non-finite float as the string
+    ``"nan"``, ``"inf"`` or ``"-inf"`` (the ``lists`` transport: readable without zstandard,
+    e.g. by a browser).
 
     Examples:
         >>> import torch
         >>> from vllm_lens.common.wire import tensor_to_lists
-        >>> tensor_to_lists(torch.tensor([[1.5, float("inf")]]))
-        {'dtype': 'float32', 'shape': [1, 2], 'values': [1.5, 'inf']}
+        >>> tensor_to_lists(torch.tensor([[1.5, float("inf")]]))["values"]
+        [1.5, 'inf']
     """
-    name = dtype_name(tensor.dtype)
     flat = tensor.detach().cpu().reshape(-1)
-    if flat.is_floating_point():
-        values: list[Any] = [x if math.isfinite(x) else _finite_name(x)
-                             for x in flat.double().tolist()]
-    else:
-        values = flat.tolist()
-    return {"dtype": name, "shape": list(tensor.shape), "values": values}
+    values: list[Any] = flat.tolist()  # Python floats (double) hold every float32 exactly
+    if flat.is_floating_point() and not bool(torch.isfinite(flat).all()):
+        values = [x if math.isfinite(x) else _finite_name(x) for x in values]
+    return {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape), "encoding": "lists",
+            "values": values}
 
 
 def _finite_name(x: float) -> str:
@@ -336,7 +337,7 @@ def _finite_name(x: float) -> str:
 
 def is_lists_record(obj: Any) -> bool:
     """Whether ``obj`` is a ``tensor_to_lists`` record."""
-    return isinstance(obj, dict) and set(obj) == {"dtype", "shape", "values"}
+    return isinstance(obj, dict) and obj.get("encoding") == "lists" and "values" in obj
 
 
 def _tensor_from_lists(obj: dict[str, Any]) -> torch.Tensor:
@@ -348,17 +349,33 @@ def _tensor_from_lists(obj: dict[str, Any]) -> torch.Tensor:
     if not isinstance(values, list) or len(values) != math.prod(shape):
         count = len(values) if isinstance(values, list) else "no"
         raise WireError(f"malformed tensor record: {count} values for shape {shape}")
-    if len(values) > _LISTS_MAX_VALUES:
+    if budget is not None and len(values) > _LISTS_MAX_VALUES:
         raise WireError(f"a lists record of {len(values):,} values is above "
-                        f"{_LISTS_MAX_VALUES:,}; use the json or binary transport")
+                        f"{_LISTS_MAX_VALUES:,}; send it in the json form")
     try:
         numbers = [_NON_FINITE[v] if isinstance(v, str) else v for v in values]
-        flat = torch.tensor(numbers, dtype=dtype)
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raw = torch.tensor(numbers) if numbers else torch.empty(0, dtype=dtype)
+    except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as exc:
         raise WireError(f"malformed tensor record: bad values ({exc!r})") from None
-    if flat.dim() != 1:
+    if raw.dim() != 1:
         raise WireError("malformed tensor record: bad values (not a flat list of numbers)")
-    return flat.reshape(shape)
+    return _exactly(raw, dtype).reshape(shape)
+
+
+def _exactly(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``raw`` (what JSON's numbers became: bool, int64 or float64) as ``dtype``, refusing a
+    value the dtype cannot hold: a fraction or a float for an integer dtype, an integer out of
+    range, anything but true/false for bool, a finite float that overflows to infinity."""
+    out = raw.to(dtype)
+    if dtype == torch.bool:
+        ok = raw.dtype == torch.bool
+    elif not dtype.is_floating_point:
+        ok = raw.dtype in (torch.int64, torch.bool) and torch.equal(out.to(raw.dtype), raw)
+    else:
+        ok = not bool((torch.isinf(out) & torch.isfinite(raw.double())).any())
+    if not ok:
+        raise WireError(f"malformed tensor record: values that {dtype_name(dtype)} cannot hold")
+    return out
 
 
 def tensor_from_json(obj: dict[str, Any]) -> torch.Tensor:

@@ -31,7 +31,7 @@ from vllm_lens.frontend import response_scope
 from vllm_lens.frontend import collator
 from vllm_lens.frontend.collator import discard_unread
 from vllm_lens.frontend.partial_fetch import PartialFetcher
-from vllm_lens.frontend.rpc import all_workers, pipelined, shut_down
+from vllm_lens.frontend.rpc import all_workers, pipelined
 from vllm_lens.frontend.session import LensSession
 from vllm_lens.frontend.presets import Presets
 from vllm_lens.frontend.sae_names import async_describer
@@ -48,6 +48,7 @@ logger = init_logger(__name__)
 
 def install() -> None:
     wrap_attribute(AsyncLLM, "generate", _wrap_generate)
+    wrap_attribute(AsyncLLM, "shutdown", _wrap_shutdown)
 
 
 async def model_facts(engine: AsyncLLM) -> ModelFacts:
@@ -150,6 +151,25 @@ def _wrap_generate(original):
                     task.add_done_callback(_released)
 
     return generate
+
+
+def _wrap_shutdown(original):
+    def shutdown(self: AsyncLLM, *args: Any, **kwargs: Any) -> None:
+        self.__dict__[_STOPPED] = True  # before the core goes: lens calls then see it
+        return original(self, *args, **kwargs)
+
+    return shutdown
+
+
+#: Set on an ``AsyncLLM`` whose ``shutdown`` was called (a server's Ctrl-C, a caller's own
+#: stop). vLLM also shuts the core client down itself when an engine process dies, but not
+#: through ``AsyncLLM.shutdown``: a died engine is never taken for a stopped one.
+_STOPPED = "_vllm_lens_stopped"
+
+
+def shut_down(engine: AsyncLLM) -> bool:
+    """Whether ``engine`` was shut down on purpose (``AsyncLLM.shutdown`` was called)."""
+    return bool(engine.__dict__.get(_STOPPED, False))
 
 
 def _released(task: asyncio.Task) -> None:

@@ -428,7 +428,9 @@ def _keep_heads(acts: dict[str, Any], heads: tuple[int, ...]) -> None:
     """``output_qk`` with ``heads``: Q of those query heads only, and beside each the key
     head it reads (a key head two chosen heads share is sent twice), so that query head ``i``
     of ``attn_q`` reads key head ``i`` of ``attn_k``; each layer's per-head values (ALiBi
-    slopes, sinks) narrowed alike and the heads listed in ``qk_heads``."""
+    slopes, sinks) narrowed alike, its head counts those of the tensors sent (the layer's
+    kept as ``layer_num_heads`` / ``layer_num_kv_heads``), and the heads listed in
+    ``qk_heads``."""
     q, k = acts["attn_q"], acts["attn_k"]
     group = q.shape[2] // k.shape[2]
     chosen = torch.tensor(heads, dtype=torch.long)
@@ -439,6 +441,10 @@ def _keep_heads(acts: dict[str, Any], heads: tuple[int, ...]) -> None:
         for name in ("alibi_slopes", "sinks"):
             if meta.get(name) is not None:
                 meta[name] = [meta[name][h] for h in heads]
+        # The counts describe the tensors sent; the layer's own are kept beside them.
+        meta["layer_num_heads"] = meta["num_heads"]
+        meta["layer_num_kv_heads"] = meta["num_kv_heads"]
+        meta["num_heads"] = meta["num_kv_heads"] = len(heads)
         meta["heads"] = list(heads)
 
 

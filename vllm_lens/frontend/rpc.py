@@ -8,10 +8,6 @@ vllm-lens asks every engine and joins their workers' answers.
 ``pipelined`` is the same call routed through the engine core's ``lens_pipelined_rpc``
 (``vllm_lens.engine_core.pipelined_rpc``), which does not make the engine wait for the answer before its
 next step: for calls made once per step.
-
-``shut_down`` tells an engine stopped on purpose (a server's Ctrl-C) from one that died: a
-call that finds it stopped on purpose ends the way vLLM's own waiting requests end then,
-cancelled, instead of as an engine failure with a traceback.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ from typing import Any
 
 from vllm_lens.engine_core import pipelined_rpc
 
-__all__ = ["all_workers", "pipelined", "shut_down"]
+__all__ = ["all_workers", "pipelined"]
 
 
 async def all_workers(engine: Any, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
@@ -57,9 +53,3 @@ async def pipelined(engine: Any, method: str, args: tuple[Any, ...] = ()) -> lis
 
 _DEAD_CHECK_S = 1.0
 
-
-def shut_down(engine: Any) -> bool:
-    """Whether ``engine``'s core was shut down on purpose (``MPClient.shutdown`` detaches its
-    finalizer); ``False`` for a core that died, one still running, or an in-process core."""
-    finalizer = getattr(getattr(engine, "engine_core", None), "_finalizer", None)
-    return finalizer is not None and not finalizer.alive

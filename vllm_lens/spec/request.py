@@ -357,6 +357,10 @@ def parse_extra_args(
     features = () if raw_saes is None else parse_sae_features(raw_saes, facts, saes, request_id)
     sink = None if raw_sink is None else parse_sink(raw_sink, captures, facts, request_id,
                                                     saes=features)
+    if qk_heads is not None and sink is not None:
+        raise LensRequestError(f"{QK_KEY}.heads", f"chooses the heads a response returns; "
+                               f"{SINK_KEY} writes every head of the layer (ask for all heads "
+                               "there, or return the rows)", request_id=request_id)
     stream = parse_stream(raw_stream, captures, sink, request_id, saes=features)
     logits = None if raw_logits is None else parse_logit_attribution(raw_logits, facts,
                                                                      request_id)

@@ -14,8 +14,10 @@ Nothing to configure: when the plugin loads in a process that builds the API ser
   laid end to end they are the whole capture;
 - with ``"activations_transport": "binary"`` a choice carries a handle instead of the tensors
   (see ``vllm_lens.activations``); the bytes are served by ``GET /v1/lens/activations/{handle}``
-  and freed by ``DELETE`` on the same path or when they expire;
-- adds ``GET /v1/lens/stats`` (bytes waiting in the binary store and on each worker; the
+  and freed by ``DELETE`` on the same path or when they expire; with ``"lists"`` every
+  tensor of the response is plain numbers (``wire.tensor_to_lists``);
+- adds ``GET /v1/lens/model`` (what a lens request can ask of the served model),
+  ``GET /v1/lens/stats`` (bytes waiting in the binary store and on each worker; the
   workers' figures are at most a second old, one worker call serving every GET meanwhile) and the
   persistent-hook routes ``/v1/hooks/{register, collect, clear, clear_results, prefetch,
   clear_prefetched}`` (``frontend.persistent_hooks``), which answer 403 unless the operator
@@ -26,7 +28,12 @@ Nothing to configure: when the plugin loads in a process that builds the API ser
   ``VLLM_LENS_ALLOW_PICKLED_HOOKS=1``; named hooks need no opt-in. A hook that raises fails its
   HTTP request with a 500 whose message carries the hook's error and traceback summary.
 
-All routes live under ``/v1``, so ``--api-key`` guards them like vLLM's own.
+- with ``VLLM_LENS_PAGE=1``, serves the lens page at ``/lens`` (``routes_page``: three static
+  files, which call the routes above like any client).
+
+The API routes live under ``/v1``, so ``--api-key`` guards them like vLLM's own; the page's
+static files under ``/lens`` are not guarded (they hold no data; the page sends the key the
+user types with its API calls).
 
 One job per module: ``install`` (wiring into vLLM's server), ``endpoints`` (the completions
 and chat wrapper), ``results`` (a choice's lens results as JSON fields), ``streaming`` (the

@@ -99,7 +99,9 @@ def wrap_endpoint(endpoint: Endpoint):
                             for name, value in (await asyncio.to_thread(
                                     encode_results, results, encode)).items():
                                 setattr(choice, name, value)
-                except CapacityError as exc:  # refused, not someone else's evicted
+                # Refused (a full store: not someone else's evicted; too many values for
+                # the lists transport): nothing of the response is sent.
+                except (CapacityError, LensRequestError) as exc:
                     for choice in result.choices:  # the choices stored already are freed
                         acts = getattr(choice, "activations", None)
                         if isinstance(acts, dict) and acts.get("transport") == "binary":

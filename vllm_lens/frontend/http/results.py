@@ -23,13 +23,16 @@ from vllm_lens.activations import (
     binary_descriptor,
     hook_results_to_json,
 )
+from vllm_lens import envs
 from vllm_lens.common import wire
+from vllm_lens.errors import LensRequestError
 from vllm_lens.frontend.merge import join_streamed
 from vllm_lens.frontend.http.blob_store import store
 from vllm_lens.frontend.response_scope import ResponseScope
+from vllm_lens.spec.keys import TRANSPORT_KEY
 
-__all__ = ["Transport", "encode_binary", "encode_results", "monitors_to_json", "transport",
-           "with_partials"]
+__all__ = ["TRANSPORTS", "Transport", "check_size", "encode_binary", "encode_results",
+           "monitors_to_json", "transport", "with_partials"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,14 @@ def transport(name: str | None) -> Transport:
 
 
 def encode_results(results: Mapping[str, Any], encode: Transport) -> dict[str, Any]:
-    """One choice's lens results as the JSON fields it gets."""
+    """One choice's lens results as the JSON fields it gets.
+
+    Raises:
+        LensRequestError: the ``lists`` transport's values would exceed
+            ``VLLM_LENS_MAX_LIST_VALUES`` (each value is a Python object and JSON text on the
+            way); the client is told to use ``json`` or ``binary``.
+    """
+    check_size(results, encode)
     fields = {}
     if results.get("activations") is not None:
         fields["activations"] = encode.activations(results["activations"])
@@ -81,6 +91,30 @@ def encode_results(results: Mapping[str, Any], encode: Transport) -> dict[str, A
     if results.get("logit_attribution") is not None:  # [layers, positions]: JSON in each
         fields["logit_attribution"] = encode.results(results["logit_attribution"])
     return fields
+
+
+def check_size(results: Any, encode: Transport) -> None:
+    """Refuse results the ``lists`` transport would send as more than
+    ``VLLM_LENS_MAX_LIST_VALUES`` numbers (``LensRequestError`` naming
+    ``activations_transport``); the other transports take any size admission allowed."""
+    if encode is not TRANSPORTS["lists"]:
+        return
+    count, most = _values(results), envs.max_list_values()
+    if count > most:
+        raise LensRequestError(
+            TRANSPORT_KEY, f"'lists' would send {count:,} values, above this server's {most:,} "
+            "(VLLM_LENS_MAX_LIST_VALUES); use 'json' or 'binary' for answers this large")
+
+
+def _values(value: Any) -> int:
+    """How many numbers the tensors in ``value`` hold (containers searched)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, Mapping):
+        return sum(_values(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_values(v) for v in value)
+    return 0
 
 
 def monitors_to_json(records: Any) -> list[dict[str, Any]]:

@@ -12,10 +12,15 @@ from typing import Any
 
 import torch
 
-from vllm_lens.errors import CapacityError
+from vllm_lens.errors import CapacityError, LensRequestError
 from vllm_lens.frontend.merge import join_streamed
 from vllm_lens.frontend.http.errors import error_event
-from vllm_lens.frontend.http.results import Transport, encode_results, with_partials
+from vllm_lens.frontend.http.results import (
+    Transport,
+    check_size,
+    encode_results,
+    with_partials,
+)
 from vllm_lens.frontend.response_scope import ResponseScope
 
 __all__ = ["CHAT", "COMPLETIONS", "DONE", "Endpoint", "Started", "with_activation_chunks"]
@@ -81,7 +86,9 @@ async def with_activation_chunks(
                         and item.startswith("data: {")):
                     try:
                         item = await _with_rows(item, scope, header["id"], encode)
-                    except CapacityError as exc:  # rows it cannot hold: say so and stop
+                    # Rows it cannot hold, or too many values for the lists transport: say
+                    # so and stop.
+                    except (CapacityError, LensRequestError) as exc:
                         yield error_event(exc)
                         yield DONE
                         return  # closing vLLM's stream aborts the request
@@ -90,7 +97,7 @@ async def with_activation_chunks(
                                                                n).items()):
                         try:
                             fields = await asyncio.to_thread(encode_results, results, encode)
-                        except CapacityError as exc:
+                        except (CapacityError, LensRequestError) as exc:
                             yield error_event(exc)
                             continue
                         choice = {"index": index, **endpoint.empty_choice,
@@ -112,6 +119,7 @@ async def _with_rows(item: str, scope: ResponseScope, response_id: str,
         early = scope.take_partial(response_id, choice.get("index", 0))
         if early:
             joined = join_streamed(early)
+            check_size(joined, encode)
             for name, encoder in (("activations", encode.activations),
                                   ("sae_features", encode.results)):
                 if (value := joined.get(name)) is not None:

@@ -23,6 +23,7 @@ async function api(path, body) {
   const response = await fetch(path, init);
   let data = null;
   try { data = await response.json(); } catch (_) { /* not JSON */ }
+  if (response.ok && data === null) throw new Error(`${path}: HTTP ${response.status}: the answer is not JSON`);
   if (!response.ok) {
     const err = data && data.error;
     const message = err ? (err.message || JSON.stringify(err)) : (data && data.detail) || response.statusText;
@@ -118,6 +119,7 @@ async function start() {
     state.model = models.data[0].id;
     state.facts = await api("/v1/lens/model");
     $("model").textContent = `${state.model} · ${state.facts.model_class} · ${state.facts.n_layers} layers`;
+    if (state.facts.unsupported) throw new Error(`This engine refuses lens requests: ${state.facts.unsupported}`);
     for (let l = 0; l < state.facts.n_layers; l++) option($("attn-layer"), l, l);
     for (let h = 0; h < state.facts.n_heads; h++) option($("attn-head"), h, h);
     state.saes = (await api("/v1/lens/saes")).data;
@@ -133,6 +135,7 @@ async function start() {
 async function run() {
   clearError();
   $("status").textContent = "running…";
+  $("run").disabled = true;  // one run at a time
   try {
     const prompt = $("prompt").value;
     const maxTokens = +$("max-tokens").value;
@@ -155,6 +158,8 @@ async function run() {
     $("status").textContent = `${choice.prompt_token_ids.length} prompt tokens, ${choice.token_ids.length} generated: ${JSON.stringify(choice.text)}`;
   } catch (error) {
     showError(error);
+  } finally {
+    $("run").disabled = false;
   }
 }
 
@@ -202,15 +207,27 @@ function renderLogitLens() {
 
 // ---- attention -------------------------------------------------------------------------
 
+// Most positions the attention grid draws (a table of n × n cells).
+const MAX_ATTENTION_POSITIONS = 256;
+let attentionCalls = 0;  // layer or head changed again meanwhile: only the latest is drawn
+
 async function runAttention() {
   if (!state.run) return;
+  const call = ++attentionCalls;
   const layer = +$("attn-layer").value, head = +$("attn-head").value;
-  const choice = await complete(state.run.prompt, state.run.maxTokens, {
+  // The run's own tokens as the prompt (all but the last, which the model never read), so
+  // the pattern is of exactly the positions the other views show.
+  const ids = state.run.ids.slice(0, -1);
+  if (ids.length > MAX_ATTENTION_POSITIONS) {
+    throw new Error(`Attention: ${ids.length} positions; the page draws at most ${MAX_ATTENTION_POSITIONS} (use vllm_lens.plot for more)`);
+  }
+  const choice = await complete(ids, 1, {
     activations_transport: "lists", output_qk: { layers: [layer], heads: [head] } });
+  if (call !== attentionCalls) return;
   const acts = choice.activations;
   const q = tensor(acts.attn_q), k = tensor(acts.attn_k);
   const weights = attentionWeights(q, k, acts.qk_meta[0]);
-  state.attention = { layer, head, weights, positions: tensor(acts.attn_q_positions).values };
+  state.attention = { layer, head, ids, weights, positions: tensor(acts.attn_q_positions).values };
   renderAttention();
 }
 

@@ -89,8 +89,8 @@ def activations_to_lists(acts: Mapping[str, Any]) -> dict[str, Any]:
     Examples:
         >>> import torch
         >>> from vllm_lens.activations import activations_to_lists
-        >>> activations_to_lists({"positions": torch.arange(3)})["positions"]
-        {'dtype': 'int64', 'shape': [3], 'values': [0, 1, 2]}
+        >>> activations_to_lists({"positions": torch.arange(3)})["positions"]["values"]
+        [0, 1, 2]
     """
     return {k: wire.tensor_to_lists(v) if isinstance(v, torch.Tensor) else v
             for k, v in acts.items()}

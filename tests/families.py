@@ -88,6 +88,13 @@ DERIVED_FAMILIES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
         "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
         "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    # BLOOM: ALiBi instead of rotary positions, LayerNorm, GELU MLP of 4 x hidden.
+    "bloom": ("BloomConfig", "BloomForCausalLM", {
+        "shape": {"hidden_size": 128, "n_layer": 4, "n_head": 2, "tie_word_embeddings": True}}),
+    # GPT-J: attention and MLP side by side on one LayerNorm (parallel blocks), partial rotary.
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", {
+        "shape": {"n_embd": 128, "n_inner": 256, "n_layer": 4, "n_head": 2, "rotary_dim": 32,
+                  "n_positions": 2048, "tie_word_embeddings": False}}),
     # Refused (tests/integration/test_derived_layouts.py, REFUSED): parallel attention + MLP;
     # multi-head latent attention (vLLM's MLA module, not its Attention); an MLP of loose
     # fc1 / activation / fc2 children called from the layer.

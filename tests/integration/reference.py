@@ -39,6 +39,11 @@ _MODULES["deepseek_v2"] = _MODULES["qwen3_moe"]
 _MODULES["granitemoe"] = {**_LLAMA_MODULES, "mlp_out": "block_sparse_moe",
                            "mlp": "block_sparse_moe", "down": None}
 _MODULES["idefics3"] = {**_LLAMA_MODULES, "layers": "model.text_model.layers"}
+# transformers' BLOOM adds the residual inside its attention and MLP modules: what each
+# sublayer adds is its output projection's (dropout is off in eval).
+_MODULES["bloom"] = dict(layers="transformer.h", attn_out="self_attention.dense",
+                         mlp_out="mlp.dense_4h_to_h", mlp="mlp", down="mlp.dense_4h_to_h",
+                         o_proj="self_attention.dense", router=None)
 
 
 def _get(root, path: str):

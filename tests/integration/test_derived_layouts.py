@@ -46,12 +46,14 @@ DERIVED = {
     "gemma4": {"attn_out": "attention adds attn_out", "resid_mid": "attention adds attn_out",
                "mlp_out": "the MLP adds mlp_out"},
     "stablelm": {},  # LayerNorm, the residual added inside the layer
+    "bloom": {},  # ALiBi, LayerNorm, GELU
 }
 #: Families whose layout is not derived, or derived and not proven: every lens request is
 #: refused with the reason (what the start-up found), and plain requests serve.
 REFUSED = {
     "falcon": "no norm before self.mlp takes the residual stream",  # parallel blocks
     "cohere2": "no norm before self.mlp takes the residual stream",  # parallel blocks
+    "gptj": "no norm before self.mlp takes the residual stream",  # parallel blocks
     # Hybrid: linear-attention layers hold no vLLM Attention module.
     "qwen3_next": "no list of decoder layers each holding one vLLM attention module",
     "deepseek_v2": "no list of decoder layers each holding one vLLM attention module",  # MLA

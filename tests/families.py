@@ -85,9 +85,11 @@ DERIVED_FAMILIES = {
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {
         "num_local_experts": 4, "num_experts_per_tok": 2}),
     "apertus": ("ApertusConfig", "ApertusForCausalLM", {"head_dim": 64}),
+    # Untied: vLLM's gpt-oss loads no LM head from a tied checkpoint (every token 0).
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
         "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
-        "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2}),
+        "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "tie_word_embeddings": False}),
     # BLOOM: ALiBi instead of rotary positions, LayerNorm, GELU MLP of 4 x hidden.
     "bloom": ("BloomConfig", "BloomForCausalLM", {
         "shape": {"hidden_size": 128, "n_layer": 4, "n_head": 2, "tie_word_embeddings": True}}),

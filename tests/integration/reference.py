@@ -36,6 +36,7 @@ _MODULES["qwen3_moe"] = {**_LLAMA_MODULES, "down": None}
 _MODULES["olmoe"] = _MODULES["qwen3_moe"]
 _MODULES["glm4_moe"] = _MODULES["qwen3_moe"]  # a dense first layer, MoE after
 _MODULES["deepseek_v2"] = _MODULES["qwen3_moe"]
+_MODULES["gpt_oss"] = _MODULES["qwen3_moe"]  # experts, no single down projection
 _MODULES["granitemoe"] = {**_LLAMA_MODULES, "mlp_out": "block_sparse_moe",
                            "mlp": "block_sparse_moe", "down": None}
 _MODULES["idefics3"] = {**_LLAMA_MODULES, "layers": "model.text_model.layers"}

@@ -47,6 +47,9 @@ DERIVED = {
                "mlp_out": "the MLP adds mlp_out"},
     "stablelm": {},  # LayerNorm, the residual added inside the layer
     "bloom": {},  # ALiBi, LayerNorm, GELU
+    "ernie4_5": {},
+    "granitemoe": {},  # MoE (its multipliers at their defaults here)
+    "gpt_oss": {},  # attention sinks, alternating sliding windows, MoE
 }
 #: Families whose layout is not derived, or derived and not proven: every lens request is
 #: refused with the reason (what the start-up found), and plain requests serve.

@@ -39,7 +39,13 @@ from typing import Any
 
 from vllm_lens.errors import LensRequestError, UnsupportedConfigError, UnsupportedModelError
 from vllm_lens.spec.facts import ModelFacts
-from vllm_lens.spec.fields import check_site, json_value, position_rule, sorted_indices
+from vllm_lens.spec.fields import (
+    check_site,
+    json_value,
+    parse_heads,
+    position_rule,
+    sorted_indices,
+)
 from vllm_lens.spec.keys import ATTENTION_STEER_KEY
 
 __all__ = ["MAX_ALPHA", "MAX_BIAS", "MAX_EDITS", "MAX_KEY_POSITIONS", "AttentionEdit",
@@ -142,7 +148,9 @@ def _parse_one(item: Any, i: int, facts: ModelFacts, request_id: str | None) -> 
         raise LensRequestError(f"{where}.{unknown[0]}", f"unknown field; this edit has "
                                f"{', '.join(sorted(allowed))}", request_id=request_id)
     layers = _layers(item.get("layers"), facts, f"{where}.layers", request_id)
-    heads = _heads(item.get("heads"), facts, f"{where}.heads", request_id)
+    raw_heads = item.get("heads")
+    heads = (None if raw_heads is None  # null: every head
+             else parse_heads(raw_heads, facts, f"{where}.heads", request_id))
     if emphasis:
         span = _span(item["emphasize"], facts, f"{where}.emphasize", request_id)
         if "alpha" not in item:
@@ -209,20 +217,6 @@ def _layers(raw: Any, facts: ModelFacts, field: str,
                                         "attention steering does not handle yet (untested)",
                                         request_id=request_id)
     return layers
-
-
-def _heads(raw: Any, facts: ModelFacts, field: str,
-           request_id: str | None) -> tuple[int, ...] | None:
-    if raw is None:
-        return None
-    if hasattr(raw, "tolist") and not isinstance(raw, (str, bytes)):
-        raw = raw.tolist()
-    if not isinstance(raw, (list, tuple)) or not raw:
-        raise LensRequestError(field, "expected a non-empty list of query heads, or null for "
-                               "every head", request_id=request_id)
-    return sorted_indices(raw, field, ("head", facts.n_heads,
-                                       f"is not a query head of the model "
-                                       f"(0..{facts.n_heads - 1})"), request_id)
 
 
 def _span(raw: Any, facts: ModelFacts, field: str, request_id: str | None) -> tuple[int, int]:

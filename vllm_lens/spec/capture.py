@@ -19,6 +19,7 @@ from vllm_lens.spec.fields import (
     check_site,
     checked_item,
     json_value,
+    parse_heads,
     parse_layers,
     position_rule,
     sorted_indices,
@@ -214,25 +215,6 @@ def parse_qk(raw: Any, facts: ModelFacts, request_id: str | None
                                     "captured", request_id=request_id)
     return (CaptureSpec(layers=layers, signal="attn_q"),
             CaptureSpec(layers=layers, signal="attn_k")), heads
-
-
-def parse_heads(raw: Any, facts: ModelFacts, field: str,
-                request_id: str | None) -> tuple[int, ...]:
-    """A list of query-head indices of the whole layer (every TP rank's heads)."""
-    raw = json_value(raw, field, request_id)
-    if hasattr(raw, "tolist") and not isinstance(raw, (str, bytes)):
-        raw = raw.tolist()
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        raw = [raw]
-    if not isinstance(raw, (list, tuple)) or not raw:
-        raise LensRequestError(field, f"expected a non-empty list of head indices, got "
-                               f"{raw!r}", request_id=request_id)
-    if facts.n_heads <= 0:
-        raise UnsupportedModelError(field, "this model's head count is not known, so heads "
-                                    "cannot be chosen", request_id=request_id)
-    return sorted_indices(raw, field, ("head index", facts.n_heads,
-                                       f"is out of range; the model has heads "
-                                       f"0..{facts.n_heads - 1}"), request_id)
 
 
 def parse_positions(

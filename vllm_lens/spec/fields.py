@@ -68,6 +68,26 @@ def parse_layers(raw: Any, facts: ModelFacts, field: str, request_id: str | None
     return sorted_indices(raw, field, layer_rule(facts), request_id)
 
 
+def parse_heads(raw: Any, facts: ModelFacts, field: str,
+                request_id: str | None) -> tuple[int, ...]:
+    """Query heads of the whole layer (every TP rank's), sorted, repeats dropped: a non-empty
+    list, one index, a tensor or array, or (over HTTP) a JSON string of them."""
+    raw = json_value(raw, field, request_id)
+    if hasattr(raw, "tolist") and not isinstance(raw, (str, bytes)):
+        raw = raw.tolist()
+    if isinstance(raw, numbers.Integral) and not isinstance(raw, bool):
+        raw = [raw]
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise LensRequestError(field, f"expected a non-empty list of query heads, got {raw!r}",
+                               request_id=request_id)
+    if facts.n_heads <= 0:
+        raise UnsupportedModelError(field, "this model's head count is not known, so heads "
+                                    "cannot be chosen", request_id=request_id)
+    return sorted_indices(raw, field, ("head index", facts.n_heads,
+                                       f"is out of range; the model has query heads "
+                                       f"0..{facts.n_heads - 1}"), request_id)
+
+
 def layer_rule(facts: ModelFacts) -> tuple[str, int, str]:
     return ("layer index", facts.n_layers,
             f"is out of range; the model has layers 0..{facts.n_layers - 1}")

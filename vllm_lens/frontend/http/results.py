@@ -11,7 +11,7 @@ zstandard such as the lens page).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,7 @@ from vllm_lens.frontend.response_scope import ResponseScope
 from vllm_lens.spec.keys import TRANSPORT_KEY
 
 __all__ = ["TRANSPORTS", "Transport", "check_size", "encode_binary", "encode_results",
-           "monitors_to_json", "transport", "with_partials"]
+           "monitors_to_json", "tensors_in", "transport", "with_partials"]
 
 
 @dataclass(frozen=True)
@@ -106,15 +106,21 @@ def check_size(results: Any, encode: Transport) -> None:
             "(VLLM_LENS_MAX_LIST_VALUES); use 'json' or 'binary' for answers this large")
 
 
-def _values(value: Any) -> int:
-    """How many numbers the tensors in ``value`` hold (containers searched)."""
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value`` (a tensor, or dicts, lists and tuples holding them)."""
     if isinstance(value, torch.Tensor):
-        return value.numel()
-    if isinstance(value, Mapping):
-        return sum(_values(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_values(v) for v in value)
-    return 0
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from tensors_in(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensors_in(v)
+
+
+def _values(value: Any) -> int:
+    """How many numbers the tensors in ``value`` hold."""
+    return sum(t.numel() for t in tensors_in(value))
 
 
 def monitors_to_json(records: Any) -> list[dict[str, Any]]:

@@ -10,8 +10,6 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from vllm_lens.errors import CapacityError, LensRequestError
 from vllm_lens.frontend.merge import join_streamed
 from vllm_lens.frontend.http.errors import error_event
@@ -19,6 +17,7 @@ from vllm_lens.frontend.http.results import (
     Transport,
     check_size,
     encode_results,
+    tensors_in,
     with_partials,
 )
 from vllm_lens.frontend.response_scope import ResponseScope
@@ -132,13 +131,7 @@ async def _with_rows(item: str, scope: ResponseScope, response_id: str,
 
 def _nbytes(value: Any) -> int:
     """Bytes of the tensors in ``value`` (a dict of them, or a list of such dicts)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, Mapping):
-        return sum(_nbytes(v) for v in value.values())
-    if isinstance(value, list):
-        return sum(_nbytes(v) for v in value)
-    return 0
+    return sum(t.numel() * t.element_size() for t in tensors_in(value))
 
 
 def _chunk_header(item: str) -> dict[str, Any] | None:

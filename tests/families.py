@@ -106,8 +106,9 @@ DERIVED_FAMILIES = {
         "new_decoder_architecture": True, "parallel_attn": True, "bias": False}),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
         **_MOE, "n_routed_experts": 4, "first_k_dense_replace": 1, "n_shared_experts": 1,
-        "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32,
-        "v_head_dim": 64, "n_group": 1, "topk_group": 1}),
+        "num_key_value_heads": 2, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 64, "v_head_dim": 64, "n_group": 1, "topk_group": 1,
+        "tie_word_embeddings": False}),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {
         "head_dim": 64, "sliding_window": 16,
         "layer_types": ["sliding_attention"] * 3 + ["full_attention"], "logit_scale": 0.5,
@@ -138,6 +139,34 @@ DERIVED_FAMILIES = {
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {
         "head_dim": 64, "sliding_window": 16,
         "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}),
+    # DeepSeek-V3: latent attention with a query LoRA; the latent cache 512 + 64 wide, the
+    # only size vLLM's CPU MLA kernel compiles for.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        **_MOE, "n_routed_experts": 4, "first_k_dense_replace": 1, "n_shared_experts": 1,
+        "num_key_value_heads": 2, "kv_lora_rank": 512, "q_lora_rank": 64, "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 64, "v_head_dim": 64, "n_group": 1, "topk_group": 1,
+        "num_nextn_predict_layers": 0, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        "tie_word_embeddings": False}),
+    # Attention + Mamba-2 hybrids: layers 1 and 3 attention, 0 and 2 Mamba.
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {
+        "layer_types": ["mamba", "attention"] * 2, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "shared_intermediate_size": 128, "mamba_n_heads": 4,
+        "mamba_d_head": 64, "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_chunk_size": 16,
+        "position_embedding_type": "rope", "tie_word_embeddings": False}),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", {
+        "head_dim": 64, "layers_block_type": ["mamba", "mlp", "attention", "mlp"],
+        "mamba_num_heads": 4, "mamba_head_dim": 64, "ssm_state_size": 16, "n_groups": 1,
+        "chunk_size": 16, "tie_word_embeddings": False}),
+    # Qwen3.5: gated delta-net (linear attention) layers, every fourth full attention.
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {
+        "head_dim": 64, "linear_num_value_heads": 2, "linear_num_key_heads": 1,
+        "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"]}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {
+        **_MOE, "head_dim": 64, "num_experts": 4, "shared_expert_intermediate_size": 64,
+        "linear_num_value_heads": 2, "linear_num_key_heads": 1, "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"]}),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", {
         "head_dim": 64, "num_local_experts": 4, "num_experts_per_tok": 1,
         "intermediate_size_mlp": 256, "interleave_moe_layer_step": 2}),

@@ -43,6 +43,7 @@ COLUMNS = {  # column -> the tests behind it (per family)
     "plain tokens = no plugin": ["test_plain_requests_are_token_identical_to_vllm_without_plugin"],
 }
 REFUSED_TEST = "test_a_layout_not_derived_or_not_proven_is_refused_with_why"
+IMPORT_TEST = "test_an_architecture_the_cpu_build_cannot_import_fails_for_the_measured_reason"
 TP_TESTS = ["test_tp2_every_point_and_attention_match_transformers",
             "test_tp2_steering_matches_transformers",
             "test_tp2_a_stop_monitor_stops_where_the_transformers_scores_cross",
@@ -129,6 +130,8 @@ def render_architectures(results: dict) -> str:
     written = {key.split(":")[-1]: key for key in LAYOUTS}
     proven = {DERIVED_FAMILIES[f][1]: f for f in derived.DERIVED}
     refused = {DERIVED_FAMILIES[f][1]: f for f in derived.REFUSED}
+    unimportable = {DERIVED_FAMILIES[f][1]: f for f in derived.NOT_IMPORTABLE}
+    apart = {DERIVED_FAMILIES[f][1]: f for f in derived.MEASURED_APART}
     by_class = {model_class: family for family, (_, model_class, _) in FAMILIES.items()}
     lines = ["| architecture | vLLM class | status |", "|---|---|---|"]
     for arch, (_, vllm_class) in sorted(_TEXT_GENERATION_MODELS.items()):
@@ -140,12 +143,25 @@ def render_architectures(results: dict) -> str:
             family = proven[arch]
             ok = all(cell(results, family, t) == "tested" for t in DERIVED_COLUMNS.values())
             status = (f"derived at load, proven against transformers (`{family}` above)"
-                      if ok else f"derived at load; its tests did not all pass in this run")
+                      if ok else "derived at load; its tests did not all pass in this run")
         elif arch in refused:
             family = refused[arch]
             ok = results.get((REFUSED_TEST, family)) == "passed"
             status = (f"refused, measured (`{family}`): {derived.REFUSED[family]}" if ok
                       else f"refused (`{family}`); its test did not pass in this run")
+        elif arch in apart:
+            family = apart[arch]
+            status = (f"derived at load and proven by its start-up check, but measured apart "
+                      f"from transformers (`{family}`: {derived.MEASURED_APART[family]}; cause "
+                      "not known), so not listed as proven")
+        elif arch in unimportable:
+            family = unimportable[arch]
+            module, error = derived.NOT_IMPORTABLE[family]
+            ok = results.get((IMPORT_TEST, family)) == "passed"
+            status = (f"not runnable on the CPU build, measured (`{family}`): `{module}` fails "
+                      f"to import ({error}); a layout is derived at load elsewhere, and only "
+                      "what its start-up check proves is served" if ok
+                      else f"not importable (`{family}`); its test did not pass in this run")
         else:
             status = ("not measured on the CPU build: a layout is derived at load where the "
                       "module tree allows, and only what its start-up check proves is served")

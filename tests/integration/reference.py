@@ -39,6 +39,11 @@ _MODULES["deepseek_v2"] = _MODULES["qwen3_moe"]
 _MODULES["gpt_oss"] = _MODULES["qwen3_moe"]  # experts, no single down projection
 _MODULES["granitemoe"] = {**_LLAMA_MODULES, "mlp_out": "block_sparse_moe",
                            "mlp": "block_sparse_moe", "down": None}
+# Llama 4: the MLP (dense or MoE) is ``feed_forward``.
+_MODULES["llama4_text"] = {**_LLAMA_MODULES, "mlp_out": "feed_forward", "mlp": "feed_forward",
+                           "down": None}
+_MODULES["deepseek_v3"] = _MODULES["qwen3_moe"]
+_MODULES["exaone4"] = _MODULES["olmo2"]  # post-norm
 _MODULES["idefics3"] = {**_LLAMA_MODULES, "layers": "model.text_model.layers"}
 # transformers' BLOOM adds the residual inside its attention and MLP modules: what each
 # sublayer adds is its output projection's (dropout is off in eval).
@@ -179,6 +184,9 @@ class HFReference:
 
             def mlp(_m, _inp, out, i=i):
                 value = out[0] if isinstance(out, tuple) else out
+                if value.dim() == 2:  # Llama 4's MoE returns its rows flattened: [T, d]
+                    new = put("mlp_out", i, value)
+                    return (new, *out[1:]) if isinstance(out, tuple) else new
                 new = put("mlp_out", i, value[0])[None]
                 return (new, *out[1:]) if isinstance(out, tuple) else new
 
@@ -209,9 +217,9 @@ class HFReference:
             where = self.modules
             handles += [
                 layer.register_forward_pre_hook(pre, with_kwargs=True),
+                layer.register_forward_hook(post),
                 _get(layer, where["attn_out"]).register_forward_hook(attn),
                 _get(layer, where["mlp_out"]).register_forward_hook(mlp),
-                layer.register_forward_hook(post),
                 _get(layer, where["o_proj"]).register_forward_pre_hook(o_proj),
             ]
             mlp_module = getattr(layer, where.get("mlp", "mlp"), None)

@@ -29,7 +29,7 @@ from vllm_lens.demo_models import tiny_llama_dir
 PROMPT = ("Once upon a time in a quiet village by the sea, an old fisherman mended his nets "
           "and told the children stories about the storms he had seen.")
 STREAM = ["resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post"]
-#: Family -> the points its start-up check refuses, and the invariant named.
+#: Family -> the points its start-up check refuses, and (part of) the reason given.
 DERIVED = {
     # vLLM's Granite layer adds residual_multiplier * block(x): the attention and MLP blocks'
     # outputs are not what is added to the stream, so attn_out and mlp_out (and resid_mid,
@@ -50,6 +50,23 @@ DERIVED = {
     "ernie4_5": {},
     "granitemoe": {},  # MoE (its multipliers at their defaults here)
     "gpt_oss": {},  # attention sinks, alternating sliding windows, MoE
+    # Chunked local attention on the RoPE layers, NoPE every fourth, MoE every other layer.
+    "llama4": {},
+    "exaone4": {},  # post-norm layers handed a residual they do not add
+}
+#: Families whose Q/K (and ``attn_z``) are refused by name, and why: Llama 4's RoPE layers run
+#: vLLM's chunked local attention, whose chunks the patterns would not know (Q/K are offered
+#: only where every layer runs the plain kernel).
+QK_REFUSED = {"llama4": "its attention is not vLLM's plain attention kernel",
+}
+#: Families whose derived layout passes its start-up check but whose stream was measured apart
+#: from transformers' (tiny models of ``tests/families.py``; the cause is not known): not
+#: listed as proven. Measured with this module's tests on vLLM 0.32's CPU build.
+MEASURED_APART = {
+    "apertus": "the stream after layer 0 differed by a relative 3.9e-4",
+    # Multi-head latent attention (vLLM's MLAAttention; Q/K refused: not the plain kernel).
+    "deepseek_v2": "the stream after layer 0 differed by a relative 4.6e-2",
+    "deepseek_v3": "the stream after layer 0 differed by a relative 2.1e-2",
 }
 #: Families whose layout is not derived, or derived and not proven: every lens request is
 #: refused with the reason (what the start-up found), and plain requests serve.
@@ -57,22 +74,29 @@ REFUSED = {
     "falcon": "no norm before self.mlp takes the residual stream",  # parallel blocks
     "cohere2": "no norm before self.mlp takes the residual stream",  # parallel blocks
     "gptj": "no norm before self.mlp takes the residual stream",  # parallel blocks
-    # Hybrid: linear-attention layers hold no vLLM Attention module.
-    "qwen3_next": "no list of decoder layers each holding one vLLM attention module",
-    "deepseek_v2": "no list of decoder layers each holding one vLLM attention module",  # MLA
+    # Hybrids (gated delta-net or Mamba-2 layers among attention layers): a stream-only
+    # layout is derived, and the start-up check does not run a dummy pass over recurrent
+    # state (measured: NaN from a Granite 4 Mamba layer in it), so nothing is proven.
+    "qwen3_next": "its layers keep a recurrent state",
+    "granitemoehybrid": "its layers keep a recurrent state",
+    "nemotron_h": "its layers keep a recurrent state",
     # The derived MLP block is fc1 alone (OPT calls fc1, the activation and fc2 itself): the
     # check's sums fail to run, and nothing is served as proven.
     "opt": "the start-up check could not run",
     # AltUp: the layers hand on several streams; the check proves continuity only.
     "gemma3n": "the invariant 'final norm' failed",
-    # Post-norm layers whose output the derived taps do not read as the stream handed on.
-    "exaone4": "the invariant 'continuity' failed",
 }
 #: Families whose forward pass vLLM 0.32's CPU build cannot run at these tiny sizes (measured:
-#: "CPU GDN attention requires BF16", then "Unexpected head dim size, 32"; "Head dimension 64
-#: is not supported by MLA"): the refusal comes before any forward pass, and no plain
-#: request is run on them here.
-PLAIN_ON_CPU = {"qwen3_next": None, "deepseek_v2": None}
+#: "CPU GDN attention requires BF16", then "Unexpected head dim size, 32"): the refusal comes
+#: before any forward pass, and no plain request is run on them here.
+PLAIN_ON_CPU = {"qwen3_next": None}
+#: Architectures vLLM 0.32's CPU build cannot import (measured): the module vLLM loads them
+#: from, and the error. Their layouts would be derived at load elsewhere (Qwen3.5 is a hybrid
+#: like Qwen3-Next), unmeasured here.
+NOT_IMPORTABLE = {
+    "qwen3_5": ("vllm.model_executor.models.qwen3_5", "No module named 'torchvision'"),
+    "qwen3_5_moe": ("vllm.model_executor.models.qwen3_5", "No module named 'torchvision'"),
+}
 MODE = dict(enforce_eager=True, max_num_batched_tokens=16, max_num_seqs=8)
 TOL = 1e-4
 
@@ -94,7 +118,9 @@ def test_the_layout_is_derived_and_proven_at_start_up(derived):
     check = described.layout_check
     assert check.ran and check.error is None, name
     refused = {p: why for p, why in described.refused_points.items() if p in STREAM}
-    assert {p: why.split("'")[1] for p, why in refused.items()} == DERIVED[name]
+    assert set(refused) == set(DERIVED[name]), (name, refused)
+    for point, why in DERIVED[name].items():
+        assert why in refused[point], (name, point, refused[point])
     assert "continuity" in check.passed and "final norm" in check.passed
 
 
@@ -102,9 +128,10 @@ def test_the_layout_is_derived_and_proven_at_start_up(derived):
 def test_proven_points_match_transformers_and_refused_ones_name_the_invariant(derived):
     name, _, llm, ref = derived
     served = [p for p in STREAM if p not in DERIVED[name]]
+    qk = {} if name in QK_REFUSED else {"output_qk": [0]}
     sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
         "output_residual_stream": True,
-        "output_activations": {p: [1, 3] for p in served}, "output_qk": [0]})
+        "output_activations": {p: [1, 3] for p in served}, **qk})
     out = llm.generate([PROMPT], sp)[0]
     assert out.lens_error is None
     ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
@@ -119,8 +146,14 @@ def test_proven_points_match_transformers_and_refused_ones_name_the_invariant(de
             assert err <= TOL, (name, point, layer, err)
     for point, invariant in DERIVED[name].items():
         sp = SamplingParams(max_tokens=1, extra_args={"output_activations": {point: [0]}})
-        with pytest.raises(UnsupportedModelError, match=f"{point} is refused .*{invariant}"):
+        with pytest.raises(UnsupportedModelError,
+                           match=f"{point} is refused .*{re.escape(invariant)}"):
             llm.generate([PROMPT], sp)
+    if name in QK_REFUSED:
+        for extra in ({"output_qk": [0]}, {"output_activations": {"attn_z": [0]}}):
+            sp = SamplingParams(max_tokens=1, extra_args=extra)
+            with pytest.raises(UnsupportedModelError, match=re.escape(QK_REFUSED[name])):
+                llm.generate([PROMPT], sp)
     for point in ("mlp_post", "router_logits"):  # no invariant proves them on a derived layout
         sp = SamplingParams(max_tokens=1, extra_args={"output_activations": {point: [0]}})
         with pytest.raises(UnsupportedModelError, match=point):
@@ -193,3 +226,15 @@ def test_a_layout_not_derived_or_not_proven_is_refused_with_why(family):
         if plain_on_cpu is not None:
             plain = llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0))[0]
             assert len(plain.outputs[0].token_ids) == 3
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("family", sorted(NOT_IMPORTABLE))
+def test_an_architecture_the_cpu_build_cannot_import_fails_for_the_measured_reason(family):
+    """No engine can start on these here: vLLM's module for them fails to import. Should a
+    later build import it, this fails, and the family is measured like the others."""
+    import importlib
+
+    module, error = NOT_IMPORTABLE[family]
+    with pytest.raises(ImportError, match=re.escape(error)):
+        importlib.import_module(module)

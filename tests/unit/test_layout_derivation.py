@@ -115,3 +115,78 @@ def test_trees_without_a_layout_are_refused_with_a_reason():
     found = derive_layout(nn.Linear(2, 2), Kernel)
     assert found.layout is None and "no list of decoder layers" in found.reason
 
+
+
+class TwoCalls(nn.Module):  # DeepSeek-V2: attention called from two branches
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm, self.self_attn = RMSNorm(), Attn()
+        self.post_attention_layernorm, self.mlp = RMSNorm(), MLP()
+
+    def forward(self, positions, hidden_states, residual, scaling=None):
+        hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if scaling is None:
+            hidden_states = self.self_attn(hidden_states)
+        else:
+            hidden_states = self.self_attn(hidden_states, scaling)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+def test_attention_called_from_two_branches_is_one_block():
+    layout = derive_layout(_model(TwoCalls), Kernel).layout
+    assert layout is not None
+    assert (layout.mid, layout.fused_residual, layout.attention) == (
+        "post_attention_layernorm", True, "self_attn.attn")
+
+
+class Mixer(nn.Module):  # a Mamba layer's mixer: no attention kernel
+    def forward(self, x):
+        return x
+
+
+class MambaLayer(nn.Module):  # Nemotron-H: one norm, one mixer, the residual fused
+    def __init__(self):
+        super().__init__()
+        self.norm, self.mixer = RMSNorm(), Mixer()
+
+    def forward(self, hidden_states, residual):
+        hidden_states, residual = self.norm(hidden_states, residual)
+        return self.mixer(hidden_states), residual
+
+
+class AttentionLayer(MambaLayer):
+    def __init__(self):
+        super().__init__()
+        self.mixer = Attn()
+
+
+class SplitMambaLayer(nn.Module):  # adds to the stream itself
+    def __init__(self):
+        super().__init__()
+        self.norm, self.mixer = RMSNorm(), Mixer()
+
+    def forward(self, hidden_states, residual):
+        return hidden_states + self.mixer(self.norm(hidden_states)), None
+
+
+def _hybrid(*classes: type) -> nn.Module:
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList(cls() for cls in classes)
+    return model
+
+
+def test_a_hybrid_gets_the_stream_between_layers_only():
+    layout = derive_layout(_hybrid(MambaLayer, AttentionLayer, MambaLayer), Kernel).layout
+    assert layout is not None and layout.stream_only is not None
+    assert "Mamba" in layout.stream_only
+    assert (layout.layers, layout.fused_residual, layout.mid) == ("model.layers", True, None)
+    assert layout.attention == "mixer.attn"
+
+
+def test_a_hybrid_whose_layers_hand_the_stream_on_differently_is_refused():
+    found = derive_layout(_hybrid(SplitMambaLayer, AttentionLayer), Kernel)
+    assert found.layout is None and "different" in found.reason
+    found = derive_layout(_hybrid(MambaLayer, MambaLayer), Kernel)  # no attention at all
+    assert found.layout is None and "no list of decoder layers" in found.reason

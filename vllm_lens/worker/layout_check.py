@@ -102,6 +102,7 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
     """Run the forward pass and evaluate the invariants. ``can_run``: why the pass may not run
     on this engine (then nothing is proven). Never raises."""
     start = time.perf_counter()
+    can_run = can_run or _stateful(model)
     if can_run is not None:
         return _unproven(info, derived, can_run, start)
     recorder = _Recorder()
@@ -110,10 +111,13 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
     try:
         taps.set_tap_handler(recorder)
         try:
-            with _attention_output(info.attention, kernel_out):
+            with _attention_output(_kernels(model, info), kernel_out):
                 hidden = _forward(runner)
         finally:
             taps.set_tap_handler(previous)
+        if not all(bool(torch.isfinite(t).all()) for pair in recorder.rows.values()
+                   for t in pair if t is not None):
+            raise ValueError("the check's pass gave non-finite values")
         final = final_norm(model, info)
         result = evaluate(recorder.rows, info, hidden=hidden, final_norm=final,
                           last_stage=_last_stage(), dtype=recorder.dtype)
@@ -128,8 +132,25 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
     if not derived:
         result.refused = {p: why for p, why in result.refused.items()
                           if not why.startswith("unproven:")}
+    _refuse_inner(result, info)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _stateful(model: torch.nn.Module) -> str | None:
+    """Why the check's pass may not run on ``model``'s layers, if it has state-space or
+    linear-attention layers (Mamba, gated delta-net): vLLM's dummy pass reads their cached
+    state (measured: a Granite 4 model's Mamba layer gave NaN in it, now and then), and it
+    could write to the state of requests in flight."""
+    try:
+        from vllm.model_executor.layers.mamba.abstract import MambaBase
+    except ImportError:
+        return None
+    kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, MambaBase)})
+    if not kinds:
+        return None
+    return (f"its layers keep a recurrent state ({', '.join(kinds)}), which vLLM's dummy "
+            "forward pass would read and write")
 
 
 def _check_projections(result: LayoutCheck, model: torch.nn.Module, info: Any,
@@ -145,6 +166,8 @@ def _check_projections(result: LayoutCheck, model: torch.nn.Module, info: Any,
     if "attn_out" in result.refused:
         result.heads_refused = f"attn_out is refused: {result.refused['attn_out']}"
         return
+    tapped = dict(info.attention)
+    kernel_out = {layer: z for layer, z in kernel_out.items() if layer in tapped}
     if not info.attention or not kernel_out:
         result.heads_refused = "no attention kernel output was recorded"
         return
@@ -171,8 +194,21 @@ def _check_projections(result: LayoutCheck, model: torch.nn.Module, info: Any,
 
 def _unproven(info: Any, derived: bool, why: str, start: float) -> LayoutCheck:
     refused = {p: f"unproven: {why}" for p in _offered(info)} if derived else {}
-    return LayoutCheck(ran=False, refused=refused, error=why,
-                       seconds=time.perf_counter() - start)
+    result = LayoutCheck(ran=False, refused=refused, error=why,
+                         seconds=time.perf_counter() - start)
+    _refuse_inner(result, info)
+    return result
+
+
+def _refuse_inner(result: LayoutCheck, info: Any) -> None:
+    """A stream-only layout (a hybrid's, ``Layout.stream_only``) refuses every point inside
+    the layers with its reason, so that a request for one is told why."""
+    why = getattr(info, "stream_only", None)
+    if why is None:
+        return
+    for point in (*POINTS, "attn_q", "attn_k"):
+        if point not in ("resid_pre", "resid_post"):
+            result.refused[point] = why
 
 
 def _forward(runner: Any) -> torch.Tensor:
@@ -193,17 +229,21 @@ def _attention_output(modules: tuple[tuple[int, torch.nn.Module], ...],
     may come without attention metadata; the kernel then leaves its output zero) writes
     seeded noise instead: the invariants relate where attention's output goes, not what the
     kernel computed, and a zero output would make ``attention adds attn_out`` prove nothing.
-    Without ``Attention`` modules to reach, a zero ``attn_out`` leaves the invariant unrun
+    Without kernel modules to reach, a zero ``attn_out`` leaves the invariant unrun
     (``evaluate``). Each layer's kernel output is kept in ``seen`` (float32, one row per
-    token)."""
+    token).
+
+    The kernel is reached where vLLM's attention op looks it up at run time: ``Attention``'s
+    ``impl.forward(layer, query, key, value, kv_cache, metadata, output)``, and
+    ``MLAAttention``'s own ``forward_impl(q, kv_c, k_pe, kv_cache, metadata, output)``."""
     generators: dict[torch.device, torch.Generator] = {}
 
-    def wrap(original, layer):
-        def forward(attn_layer, query, key, value, kv_cache, attn_metadata, output=None,
-                    **kwargs):
-            result = original(attn_layer, query, key, value, kv_cache, attn_metadata,
-                              output=output, **kwargs)
-            z = output if output is not None else result
+    def wrap(original, layer, output_at: int):
+        def forward(*args, **kwargs):
+            result = original(*args, **kwargs)
+            z = kwargs.get("output")
+            if z is None:
+                z = args[output_at] if len(args) > output_at else result
             if isinstance(z, torch.Tensor) and z.numel() and not bool(z.any()):
                 g = generators.get(z.device)
                 if g is None:
@@ -215,17 +255,44 @@ def _attention_output(modules: tuple[tuple[int, torch.nn.Module], ...],
 
         return forward
 
-    wrapped = []
+    wrapped: list[tuple[object, str]] = []
     try:
         for layer, module in modules:
-            impl = module.impl
-            if "forward" not in impl.__dict__:
-                impl.forward = wrap(type(impl).forward.__get__(impl), layer)
-                wrapped.append(impl)
+            impl = getattr(module, "impl", None)
+            if hasattr(module, "forward_impl"):  # latent attention: the module computes
+                owner, name, output_at = module, "forward_impl", 5
+            elif impl is not None:
+                owner, name, output_at = impl, "forward", 6
+            else:
+                continue
+            if name not in owner.__dict__:
+                setattr(owner, name, wrap(getattr(type(owner), name).__get__(owner), layer,
+                                          output_at))
+                wrapped.append((owner, name))
         yield
     finally:
-        for impl in wrapped:
-            del impl.forward
+        for owner, name in wrapped:
+            delattr(owner, name)
+
+
+def _kernels(model: torch.nn.Module, info: Any) -> tuple[tuple[int, torch.nn.Module], ...]:
+    """Every local layer's attention kernel module (vLLM's ``Attention`` or a subclass:
+    chunked local attention; ``MLAAttention``), also where Q/K are not tapped (``info
+    .attention`` holds only plain ``Attention`` modules): each must write in the check's pass
+    for ``attention adds attn_out`` to prove anything."""
+    from vllm_lens.worker.layout_derivation import attention_kernels
+
+    kinds = attention_kernels()
+    found = dict(info.attention)
+    if info.layers_path:
+        layers = model.get_submodule(info.layers_path)
+        for index in info.local_layers:
+            if index in found:
+                continue
+            kernel = next((m for m in layers[index].modules() if isinstance(m, kinds)), None)
+            if kernel is not None:
+                found[index] = kernel
+    return tuple(sorted(found.items(), key=lambda item: item[0]))
 
 
 def _last_stage() -> bool:

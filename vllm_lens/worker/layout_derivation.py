@@ -4,7 +4,7 @@ row (runs in: worker).
 What is derived, from the constructed model (before its weights load):
 
 - the decoder layers: the longest ``nn.ModuleList`` whose every entry holds exactly one of
-  vLLM's ``Attention`` modules;
+  vLLM's attention kernel modules (``Attention``, or ``MLAAttention`` for latent attention);
 - the attention block: the child of the layer that holds that ``Attention`` module;
 - whether the layers pass a separate residual along (``fused_residual``): their ``forward``
   takes a ``residual`` argument and hands it to a norm before the MLP;
@@ -16,11 +16,18 @@ What is derived, from the constructed model (before its weights load):
   OLMo 2, EXAONE 4) the MLP itself reads ``resid_mid`` and the two norms' outputs are what is
   added (``attn_out``, ``mlp_out``).
 
+A hybrid (Granite 4, Nemotron-H: attention layers among Mamba or MLP-only layers, of several
+classes) has no list whose every entry holds attention; the longest list whose entries each
+hold at most one kernel, some none, gets a stream-only layout (``Layout.stream_only``): the
+layers' inputs and outputs, handed on fused where every class passes the residual to a norm.
+
 Nothing derived is trusted: ``worker.layout_check`` proves the layout on the model's own
 weights before a lens request is served, and refuses what it cannot prove. A derived layout
 offers the stream points (``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out``,
 ``resid_post``) and the attention kernel's Q/K/``attn_z``; it offers no ``mlp_post`` and no
-``router_logits`` (no invariant proves an activation or a router module yet).
+``router_logits`` (no invariant proves an activation or a router module yet). Q/K and
+``attn_z`` are tapped only at vLLM's plain ``Attention`` kernel (not latent or chunked
+attention).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from torch import nn
 
 from vllm_lens.worker.layouts import Layout
 
-__all__ = ["Derivation", "derive_layout"]
+__all__ = ["Derivation", "attention_kernels", "derive_layout"]
 
 
 @dataclass(frozen=True)
@@ -45,20 +52,38 @@ class Derivation:
     reason: str | None = None
 
 
-def derive_layout(model: nn.Module, attention_cls: type | None = None) -> Derivation:
+def derive_layout(model: nn.Module, attention_cls: type | tuple[type, ...] | None = None
+                  ) -> Derivation:
     """``model``'s layout as far as its module tree shows it (never raises).
-    ``attention_cls``: the attention kernel's module class (vLLM's ``Attention``)."""
+    ``attention_cls``: the attention kernel's module classes (``attention_kernels()``)."""
     try:
-        if attention_cls is None:
-            from vllm.model_executor.layers.attention.attention import Attention as attention_cls
-        return _derive(model, attention_cls)
+        return _derive(model, attention_cls or attention_kernels())
     except Exception as exc:  # noqa: BLE001 -- an unusual tree is a refusal, not a crash
         return Derivation(None, f"its layout could not be derived ({exc!r})")
 
 
-def _derive(model: nn.Module, Attention: type) -> Derivation:  # noqa: N803 -- a class
+def attention_kernels() -> tuple[type, ...]:
+    """vLLM's attention kernel modules a decoder layer may hold: ``Attention`` (and its
+    subclasses: chunked local attention) and ``MLAAttention`` (multi-head latent attention:
+    DeepSeek-V2/V3, Kimi). Only plain ``Attention`` gets Q/K and ``attn_z`` taps
+    (``worker.taps``); the others locate the attention block, and its sums are proven like any
+    other."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    kernels: tuple[type, ...] = (Attention,)
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    except ImportError:  # a vLLM without latent attention
+        return kernels
+    return (*kernels, MLAAttention)
+
+
+def _derive(model: nn.Module, Attention: type | tuple[type, ...]) -> Derivation:  # noqa: N803 -- a class
     found = _decoder_layers(model, Attention)
     if found is None:
+        hybrid = _decoder_layers(model, Attention, hybrid=True)
+        if hybrid is not None:
+            return _stream_only(*hybrid, Attention)
         return Derivation(None, "no list of decoder layers each holding one vLLM attention "
                                 "module was found")
     path, layers = found
@@ -73,7 +98,10 @@ def _derive(model: nn.Module, Attention: type) -> Derivation:  # noqa: N803 -- a
     names = [name for name, _ in calls]
     if attn_child not in names:
         return Derivation(None, f"{cls.__name__}.forward does not call self.{attn_child}")
-    before_attn, after = calls[:names.index(attn_child)], calls[names.index(attn_child) + 1:]
+    # A layer may call its attention block from two branches (DeepSeek-V2: with and without
+    # a scaling argument): what follows the last call is what follows attention.
+    last = len(names) - 1 - names[::-1].index(attn_child)
+    before_attn, after = calls[:names.index(attn_child)], calls[last + 1:]
     children = dict(layer.named_children())
     norm = {name for name, module in children.items() if _is_norm(module)}
     mlp = next((name for name, _ in after if name in children and name not in norm), None)
@@ -110,25 +138,71 @@ def _derive(model: nn.Module, Attention: type) -> Derivation:  # noqa: N803 -- a
     return Derivation(layout)
 
 
-def _decoder_layers(model: nn.Module, attention_cls: type) -> tuple[str, nn.ModuleList] | None:
+def _stream_only(path: str, layers: nn.ModuleList, Attention) -> Derivation:  # noqa: N803
+    """A hybrid's layout (attention layers among Mamba, linear-attention or MLP-only layers,
+    often of several classes): the stream at the layer boundaries only. Every layer class must
+    hand the stream on the same way: as ``(hidden, residual)`` added in the next layer's norm
+    (``fused_residual``: each calls a norm with the residual), or whole."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    classes = {type(m) for m in layers if not isinstance(m, PPMissingLayer)}
+    fused = set()
+    for cls in classes:
+        params = list(inspect.signature(cls.forward).parameters)
+        if "hidden_states" not in params:
+            return Derivation(None, f"{cls.__name__}.forward takes no hidden_states")
+        norms = {name for name, module in _children_of(layers, cls) if _is_norm(module)}
+        fused.add("residual" in params and any(name in norms and n_args >= 2
+                                               for name, n_args in _self_calls(cls)))
+    if len(fused) != 1:
+        return Derivation(None, "its layer classes hand the residual stream on in different "
+                                "ways")
+    layer = next(m for m in layers if _attention_path(m, Attention) is not None)
+    return Derivation(Layout(
+        layers=path, block="sequential", norms="pre", fused_residual=fused.pop(), mid=None,
+        attention=_attention_path(layer, Attention), act=None, down_proj=None, derived=True,
+        stream_only=HYBRID))
+
+
+#: Why a hybrid's layout offers only the stream between layers.
+HYBRID = ("its decoder layers mix attention with other mixers (Mamba, linear attention or "
+          "MLP-only layers): only the stream between layers (resid_pre, resid_post) is derived")
+
+
+def _children_of(layers: nn.ModuleList, cls: type) -> list[tuple[str, nn.Module]]:
+    return list(next(m for m in layers if type(m) is cls).named_children())
+
+
+def _decoder_layers(model: nn.Module, attention_cls: type | tuple[type, ...], *,
+                    hybrid: bool = False) -> tuple[str, nn.ModuleList] | None:
+    """The longest module list whose every entry holds one attention kernel module; with
+    ``hybrid``, whose entries hold at most one, some none and some one (a hybrid's layers)."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
     best: tuple[str, nn.ModuleList] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or not len(module):
             continue
-        from vllm.model_executor.models.utils import PPMissingLayer
-
-        owned = [m for m in module if not isinstance(m, PPMissingLayer)]
-        if owned and all(_attention_count(m, attention_cls) == 1 for m in owned):
-            if best is None or len(module) > len(best[1]):
-                best = (name, module)
+        counts = [_attention_count(m, attention_cls) for m in module
+                  if not isinstance(m, PPMissingLayer)]
+        if not counts:
+            continue
+        if hybrid:
+            fits = set(counts) == {0, 1} and all(
+                "hidden_states" in inspect.signature(type(m).forward).parameters
+                for m in module if not isinstance(m, PPMissingLayer))
+        else:
+            fits = set(counts) == {1}
+        if fits and (best is None or len(module) > len(best[1])):
+            best = (name, module)
     return best
 
 
-def _attention_count(layer: nn.Module, attention_cls: type) -> int:
+def _attention_count(layer: nn.Module, attention_cls: type | tuple[type, ...]) -> int:
     return sum(isinstance(m, attention_cls) for m in layer.modules())
 
 
-def _attention_path(layer: nn.Module, attention_cls: type) -> str | None:
+def _attention_path(layer: nn.Module, attention_cls: type | tuple[type, ...]) -> str | None:
     return next((name for name, m in layer.named_modules() if isinstance(m, attention_cls)),
                 None)
 

@@ -65,6 +65,10 @@ class Layout:
     reads: ``mlp_in`` is tapped there. Written rows only, each proven against transformers
     (``tests/integration/test_families.py``); not where the MLP reads ``resid_mid`` itself
     (post-norm layers) or there is no ``mid`` module (parallel blocks)."""
+    stream_only: str | None = None
+    """Why only the stream between layers (``resid_pre``, ``resid_post``) is offered, if so:
+    a hybrid's layers (attention among Mamba or linear-attention layers) are derived no
+    further; every inner point is refused with this reason."""
     derived: bool = False
     """Derived from the module tree (``worker.layout_derivation``), not written here: served
     only once ``worker.layout_check`` proved it on the model's weights."""

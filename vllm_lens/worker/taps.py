@@ -143,6 +143,8 @@ class TapInfo:
     """The layout was derived from the module tree (``worker.layout_derivation``)."""
     layers_path: str = ""
     """``Layout.layers``: where the decoder layers are, from the model."""
+    stream_only: str | None = None
+    """``Layout.stream_only``: why only the stream between layers is offered, if so."""
 
 
 # Where unmapped models usually keep their layers: found only to report their depth.
@@ -216,6 +218,8 @@ def _tapped_class(cls: type[nn.Module], fused: bool = True, batched: bool = Fals
         def forward(self, *args, **kwargs):
             if slots is not None:
                 hidden_in, residual_in = _inputs(args, kwargs, slots)
+                if not fused:  # a split layer's input is the whole stream: a residual it
+                    residual_in = None  # is handed (and ignores: EXAONE 4) is not added
                 if isinstance(hidden_in, torch.Tensor):
                     torch.ops.vllm_lens.pre_tap(rows(hidden_in), rows(residual_in),
                                                 self._vllm_lens_layer)
@@ -421,7 +425,7 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
             _claim_forward(layer)
             layer.__class__ = _tapped_class(original, fused, layout.batched)
             layer._vllm_lens_layer = index
-        if layout is not None:
+        if layout is not None and layout.stream_only is None:
             sites, attn, d_mlp, n_experts = _install_inner(layer, index, layout, tap, inner_ops,
                                                            claimed)
             inner = sites if inner is None else inner & sites
@@ -443,7 +447,8 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
                        derivation.reason if derivation is not None and derivation.reason
                        else unmapped_reason(model)),
                    derived=layout is not None and layout.derived,
-                   layers_path=layout.layers if layout else "")
+                   layers_path=layout.layers if layout else "",
+                   stream_only=layout.stream_only if layout else None)
     setattr(model, _INFO_ATTR, info)
     return info
 

@@ -130,11 +130,13 @@ def render_architectures(results: dict) -> str:
     written = {key.split(":")[-1]: key for key in LAYOUTS}
     proven = {DERIVED_FAMILIES[f][1]: f for f in derived.DERIVED}
     refused = {DERIVED_FAMILIES[f][1]: f for f in derived.REFUSED}
-    unimportable = {DERIVED_FAMILIES[f][1]: f for f in derived.NOT_IMPORTABLE}
+    unimportable = {arch: f for f, (arch, _, _) in derived.NOT_IMPORTABLE.items()}
     apart = {DERIVED_FAMILIES[f][1]: f for f in derived.MEASURED_APART}
     by_class = {model_class: family for family, (_, model_class, _) in FAMILIES.items()}
     lines = ["| architecture | vLLM class | status |", "|---|---|---|"]
-    for arch, (_, vllm_class) in sorted(_TEXT_GENERATION_MODELS.items()):
+    wrappers = [(arch, (None, arch)) for arch in sorted(unimportable)
+                if arch not in _TEXT_GENERATION_MODELS]  # multimodal ones measured
+    for arch, (_, vllm_class) in [*sorted(_TEXT_GENERATION_MODELS.items()), *wrappers]:
         if arch in written or vllm_class in written:
             family = by_class.get(arch)
             status = (f"written row, proven against transformers (`{family}` above)" if family
@@ -156,7 +158,7 @@ def render_architectures(results: dict) -> str:
                       "not known), so not listed as proven")
         elif arch in unimportable:
             family = unimportable[arch]
-            module, error = derived.NOT_IMPORTABLE[family]
+            _, module, error = derived.NOT_IMPORTABLE[family]
             ok = results.get((IMPORT_TEST, family)) == "passed"
             status = (f"not runnable on the CPU build, measured (`{family}`): `{module}` fails "
                       f"to import ({error}); a layout is derived at load elsewhere, and only "
@@ -206,7 +208,8 @@ offered on a derived layout.
 ARCHITECTURES_PREAMBLE = """## Every architecture vLLM registers
 
 vLLM 0.32 registers these text-generation architectures
-(`vllm.model_executor.models.registry._TEXT_GENERATION_MODELS`).
+(`vllm.model_executor.models.registry._TEXT_GENERATION_MODELS`); the multimodal wrappers
+measured follow them (their text models are the families above).
 
 """
 

@@ -739,7 +739,8 @@ class LensClient:
                 ``layer_indices=[-1]``), or an item steering by a served SAE's feature;
                 default ``None``: no corruption.
             point: the tap point written (default ``"resid_post"``; any point steering may
-                write: ``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_in``, ``mlp_out``).
+                write: ``resid_pre``, ``attn_in``, ``attn_out``, ``resid_mid``, ``mlp_in``,
+                ``mlp_out``).
 
         Returns:
             ``{"grid": float64 tensor [len(layers), len(positions)], "corrupted": the metric

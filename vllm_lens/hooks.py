@@ -7,8 +7,9 @@ A hook is ``fn(ctx, hidden) -> Tensor | None``, called once per hooked layer per
 for that request only. ``hidden`` is the request's rows of the **full** residual stream in this
 step, ``(n_tokens_in_step, hidden_size)``: after the layer (``pre=False``) or entering it
 (``pre=True``); for fused-residual models (Llama, Qwen2) that is ``hidden + residual``, never
-half of it. ``hook_point`` picks another point of the layer (``attn_out``, ``resid_mid``,
-``mlp_in``, ``mlp_out``; see ``vllm_lens.common.points``): the hook then sees and replaces that signal; at
+half of it. ``hook_point`` picks another point of the layer (``attn_in``, ``attn_out``,
+``resid_mid``, ``mlp_in``, ``mlp_out``; see ``vllm_lens.common.points``): the hook then sees and
+replaces that signal; at
 ``attn_qk`` it reads the attention kernel's Q (``hidden``) and K (``ctx.key``) and replaces
 nothing. ``hidden`` is a copy: returning a tensor of the same shape and dtype replaces the
 request's rows, returning ``None`` leaves them. At each tap the order is: steering, then

@@ -219,7 +219,7 @@ class SteeringVector(BaseModel):
     """Absolute token positions for 3D activations (default ``0 .. n_positions - 1``)."""
     hook_point: str = "resid_post"
     """The tap point the vectors are added at: ``resid_pre``, ``attn_out``, ``resid_mid``,
-    ``mlp_in`` (what the MLP reads, where the model has it), ``mlp_out`` or ``resid_post`` (``vllm_lens.common.points``), or ``embed`` (with
+    ``attn_in`` and ``mlp_in`` (what attention and the MLP read, where the model has them), ``mlp_out`` or ``resid_post`` (``vllm_lens.common.points``), or ``embed`` (with
     ``layer_indices=[-1]``); ``norm_match`` measures the signal at that point."""
     mode: Literal["add", "replace", "ablate", "cap"] = "add"
     """``add``: the stream gets ``scale * v`` added; ``replace``: the stream at those layers,

@@ -12,19 +12,22 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 #: from the model, the rest from a layer): ``attn_out`` / ``mlp_out`` are the outputs of the
 #: modules whose results are added to the stream, ``mlp_post`` / ``attn_z`` the inputs of the
 #: MLP's and attention's output projections, ``router`` an MoE gate (logits, scores, indices).
-_LLAMA_MODULES = dict(layers="model.layers", attn_out="self_attn", mlp_out="mlp", mlp="mlp",
+_LLAMA_MODULES = dict(layers="model.layers", attn_in="input_layernorm", attn_out="self_attn",
+                      mlp_out="mlp", mlp="mlp",
                       down="mlp.down_proj", o_proj="self_attn.o_proj", router=None)
 _MODULES = {
     "gemma2": {**_LLAMA_MODULES, "attn_out": "post_attention_layernorm",
                "mlp_out": "post_feedforward_layernorm"},
-    "gpt2": dict(layers="transformer.h", attn_out="attn", mlp_out="mlp", mlp="mlp",
+    "gpt2": dict(layers="transformer.h", attn_in="ln_1", attn_out="attn", mlp_out="mlp",
+                 mlp="mlp",
                  down="mlp.c_proj",
                  o_proj="attn.c_proj", router=None),
     "mixtral": {**_LLAMA_MODULES, "down": None, "router": "mlp.gate"},
     "qwen2_moe": {**_LLAMA_MODULES, "down": None, "router": "mlp.gate"},
-    "gpt_neox": dict(layers="gpt_neox.layers", attn_out="attention", mlp_out="mlp", mlp="mlp",
+    "gpt_neox": dict(layers="gpt_neox.layers", attn_in="input_layernorm",
+                     attn_out="attention", mlp_out="mlp", mlp="mlp",
                      down="mlp.dense_4h_to_h", o_proj="attention.dense", router=None),
-    "olmo2": {**_LLAMA_MODULES, "attn_out": "post_attention_layernorm",
+    "olmo2": {**_LLAMA_MODULES, "attn_in": None, "attn_out": "post_attention_layernorm",
               "mlp_out": "post_feedforward_layernorm"},
 }
 _MODULES["gemma3_text"] = _MODULES["gemma2"]
@@ -47,7 +50,8 @@ _MODULES["exaone4"] = _MODULES["olmo2"]  # post-norm
 _MODULES["idefics3"] = {**_LLAMA_MODULES, "layers": "model.text_model.layers"}
 # transformers' BLOOM adds the residual inside its attention and MLP modules: what each
 # sublayer adds is its output projection's (dropout is off in eval).
-_MODULES["bloom"] = dict(layers="transformer.h", attn_out="self_attention.dense",
+_MODULES["bloom"] = dict(layers="transformer.h", attn_in="input_layernorm",
+                         attn_out="self_attention.dense",
                          mlp_out="mlp.dense_4h_to_h", mlp="mlp", down="mlp.dense_4h_to_h",
                          o_proj="self_attention.dense", router=None)
 
@@ -152,7 +156,8 @@ class HFReference:
         """Record every tap point of every layer into the yielded dict
         ``{(point, layer): [T, ...]}``; ``edits[(point, layer)](value [T, d]) -> value``
         replaces a stream point (``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out``,
-        ``resid_post``, and ``mlp_in``: the MLP's input) as vllm-lens does. MoE layers also
+        ``resid_post``, and ``attn_in``/``mlp_in``: what attention and the MLP read) as
+        vllm-lens does. MoE layers also
         record ``router_logits`` and ``router_experts`` (the experts chosen per token)."""
         edits = edits or {}
         seen: dict = {}
@@ -181,6 +186,11 @@ class HFReference:
                 if new_mid is not mid:
                     attn_out = new_mid - seen[("resid_pre", i)]
                 return (attn_out[None], *out[1:]) if isinstance(out, tuple) else attn_out[None]
+
+            def attn_in(_m, _inp, out, i=i):  # what attention reads: its norm's output
+                value = out[0] if isinstance(out, tuple) else out
+                new = put("attn_in", i, value[0])[None]
+                return (new, *out[1:]) if isinstance(out, tuple) else new
 
             def mlp(_m, _inp, out, i=i):
                 value = out[0] if isinstance(out, tuple) else out
@@ -222,6 +232,8 @@ class HFReference:
                 _get(layer, where["mlp_out"]).register_forward_hook(mlp),
                 _get(layer, where["o_proj"]).register_forward_pre_hook(o_proj),
             ]
+            if where.get("attn_in"):
+                handles.append(_get(layer, where["attn_in"]).register_forward_hook(attn_in))
             mlp_module = getattr(layer, where.get("mlp", "mlp"), None)
             if isinstance(mlp_module, torch.nn.Module):  # what the MLP reads: mlp_in
                 handles.append(mlp_module.register_forward_pre_hook(mlp_in, with_kwargs=True))

@@ -90,12 +90,19 @@ REFUSED = {
 #: "CPU GDN attention requires BF16", then "Unexpected head dim size, 32"): the refusal comes
 #: before any forward pass, and no plain request is run on them here.
 PLAIN_ON_CPU = {"qwen3_next": None}
-#: Architectures vLLM 0.32's CPU build cannot import (measured): the module vLLM loads them
-#: from, and the error. Their layouts would be derived at load elsewhere (Qwen3.5 is a hybrid
-#: like Qwen3-Next), unmeasured here.
+#: Architectures vLLM 0.32's CPU build cannot import (measured): the architecture, the module
+#: vLLM loads it from, and the error. Their layouts would be derived at load elsewhere (Qwen3.5
+#: is a hybrid like Qwen3-Next), unmeasured here; the multimodal wrappers' text models are
+#: the ``gemma3`` and ``llama4`` families.
+_NO_TORCHVISION = "No module named 'torchvision'"
 NOT_IMPORTABLE = {
-    "qwen3_5": ("vllm.model_executor.models.qwen3_5", "No module named 'torchvision'"),
-    "qwen3_5_moe": ("vllm.model_executor.models.qwen3_5", "No module named 'torchvision'"),
+    "qwen3_5": ("Qwen3_5ForCausalLM", "vllm.model_executor.models.qwen3_5", _NO_TORCHVISION),
+    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "vllm.model_executor.models.qwen3_5",
+                    _NO_TORCHVISION),
+    "gemma3_mm": ("Gemma3ForConditionalGeneration", "vllm.model_executor.models.gemma3_mm",
+                  _NO_TORCHVISION),
+    "llama4_mm": ("Llama4ForConditionalGeneration", "vllm.model_executor.models.mllama4",
+                  _NO_TORCHVISION),
 }
 MODE = dict(enforce_eager=True, max_num_batched_tokens=16, max_num_seqs=8)
 TOL = 1e-4
@@ -235,6 +242,6 @@ def test_an_architecture_the_cpu_build_cannot_import_fails_for_the_measured_reas
     later build import it, this fails, and the family is measured like the others."""
     import importlib
 
-    module, error = NOT_IMPORTABLE[family]
+    _, module, error = NOT_IMPORTABLE[family]
     with pytest.raises(ImportError, match=re.escape(error)):
         importlib.import_module(module)

@@ -24,8 +24,8 @@ from vllm_lens.attention import attention_patterns
 
 PROMPT = ("Once upon a time in a quiet village by the sea, an old fisherman mended his nets "
           "and told the children stories about the storms he had seen.")
-POINTS = ["resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out", "resid_post", "mlp_post",
-          "attn_z"]
+POINTS = ["resid_pre", "attn_in", "attn_out", "resid_mid", "mlp_in", "mlp_out", "resid_post",
+          "mlp_post", "attn_z"]
 #: MoE layers have no single MLP activation; they have a router.
 MOE = {"mixtral", "qwen2_moe"}
 
@@ -34,7 +34,8 @@ MOE = {"mixtral", "qwen2_moe"}
 MULTIMODAL = {"idefics3"}
 #: Parallel blocks (attention and MLP both read resid_pre) have no resid_mid (nor mlp_in).
 PARALLEL = {"gpt_neox"}
-#: Post-norm layers: the MLP reads resid_mid itself, so no mlp_in is offered.
+#: Post-norm layers: attention reads resid_pre and the MLP resid_mid themselves, so no
+#: attn_in or mlp_in is offered.
 POST_NORM = {"olmo2", "olmo3"}
 
 
@@ -44,7 +45,7 @@ def points_of(family: str) -> list[str]:
     if family in PARALLEL:
         return [p for p in POINTS if p not in ("resid_mid", "mlp_in")]
     if family in POST_NORM:
-        return [p for p in POINTS if p != "mlp_in"]
+        return [p for p in POINTS if p not in ("attn_in", "mlp_in")]
     return POINTS
 CHUNKED = dict(max_num_batched_tokens=16, max_num_seqs=8)
 #: Families run in vLLM's default compiled mode; the rest with ``enforce_eager``.
@@ -111,6 +112,11 @@ def test_2d_and_3d_steering_match_transformers(family):
     vectors = [flat, placed]
     edits = {("attn_out", 1): lambda h: h + _steering_delta(flat, 0, h),
              ("resid_post", 2): lambda h: h + _steering_delta(placed, 0, h)}
+    if "attn_in" in points_of(name):  # what attention reads, at layer 3
+        into_attn = SteeringVector(activations=torch.randn(1, 128, generator=g),
+                                   layer_indices=[3], scale=1.5, hook_point="attn_in")
+        vectors.append(into_attn)
+        edits[("attn_in", 3)] = lambda h: h + _steering_delta(into_attn, 0, h)
     if "mlp_in" in points_of(name):  # what the MLP reads, at layer 0
         into_mlp = SteeringVector(activations=torch.randn(1, 128, generator=g),
                                   layer_indices=[0], scale=1.5, hook_point="mlp_in")

@@ -29,6 +29,7 @@ def parse(extra, facts=FACTS):
     ("blocks.2.mlp.hook_post", ("mlp_post", 2)), ("pre_attn", ("resid_pre", None)),
     ("post_attn", ("resid_mid", None)), ("post_block", ("resid_post", None)),
     ("hook_z", ("attn_z", None)), ("blocks.4.hook_mlp_in", ("mlp_in", 4)),
+    ("blocks.2.hook_attn_in", ("attn_in", 2)),
 ])
 def test_names_and_aliases(name, expected):
     assert resolve(name) == expected
@@ -37,12 +38,12 @@ def test_names_and_aliases(name, expected):
 @pytest.mark.parametrize("name", ["attn", "blocks.x.hook_attn_out", "hook_", "resid", 3, None,
                                   "blocks.1.ln2.hook_normalized"])
 def test_unknown_names_list_the_points(name):
-    with pytest.raises(KeyError, match="resid_pre, attn_out"):
+    with pytest.raises(KeyError, match="resid_pre, attn_in, attn_out"):
         resolve(name)
 
 
 def test_steerable_points_are_the_stream_points():
-    assert STEERABLE == ("resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out",
+    assert STEERABLE == ("resid_pre", "attn_in", "attn_out", "resid_mid", "mlp_in", "mlp_out",
                          "resid_post")
     assert not POINTS["mlp_post"].steerable and not POINTS["attn_z"].steerable
 

@@ -5,7 +5,7 @@ The front end validates requests with it; workers route taps.
 
 Per decoder layer ``L`` (TransformerLens names)::
 
-    resid_pre -> attention (attn_q, attn_k, attn_z) -> attn_out -> resid_mid
+    resid_pre -> norm -> attn_in -> attention (attn_q, attn_k, attn_z) -> attn_out -> resid_mid
               -> norm -> mlp_in -> MLP (mlp_post) -> mlp_out -> resid_post
 
 A point is read at one of the *sites* inside the traced model, each a tap op that receives
@@ -16,6 +16,7 @@ Qwen2, Gemma), else ``None``. A point's value is ``a`` or ``a + b``:
 point      site   value                            what it is
 ========== ====== ================================ ===========================================
 resid_pre  pre    ``a + b``                        the stream entering the layer
+attn_in    attn_in ``a``                           what attention reads (after its norm)
 attn_out   mid    ``a``                            what attention adds (after o_proj)
 resid_mid  mid    ``a + b``                        ``resid_pre + attn_out``
 mlp_in     mlp_in ``a``                            what the MLP reads (after its norm)
@@ -32,6 +33,11 @@ have no fused residual to read ``attn_out`` and ``mlp_out`` beside: there they a
 the outputs of the attention block (``attn_block``) and of the MLP (``mlp_block``), and the
 ``mid`` site is the MLP's input (``resid_mid`` alone). Parallel blocks (GPT-NeoX) have no
 ``mid`` site: attention and the MLP both read ``resid_pre``, so there is no ``resid_mid``.
+``attn_in`` is read at the output of the norm before attention, where a written layout names
+it (``Layout.attn_in``): TransformerLens' ``hook_attn_in`` is the stream before that norm (per
+head, with ``use_attn_in``); here, as nnsight's ``input_layernorm.output`` and sae-lens'
+attention-input SAEs trained on it, it is the norm's output, with its weight. Post-norm layers
+(OLMo 2) have no norm before attention: their attention reads ``resid_pre``.
 ``mlp_in`` is read at the output of the module the ``mid`` site taps the input of (the norm
 before the MLP), where a written layout says that output is what the MLP reads
 (``Layout.mlp_in``). ``hook_mlp_in`` names it as sae-lens' transcoders (Gemma Scope 2's)
@@ -52,7 +58,7 @@ __all__ = [
 ]
 
 #: Where taps run, in the order a layer reaches them.
-SITES = ("pre", "attn", "attn_block", "mid", "mlp_in", "router", "act", "mlp_block", "post")
+SITES = ("pre", "attn_in", "attn", "attn_block", "mid", "mlp_in", "router", "act", "mlp_block", "post")
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,7 @@ class Point:
 
 POINTS: dict[str, Point] = {p.name: p for p in (
     Point("resid_pre", "pre", True, True),
+    Point("attn_in", "attn_in", False, True),
     Point("attn_out", "mid", False, True, split_site="attn_block"),
     Point("resid_mid", "mid", True, True),
     Point("mlp_in", "mlp_in", False, True),

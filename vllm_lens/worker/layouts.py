@@ -69,6 +69,10 @@ class Layout:
     """Why only the stream between layers (``resid_pre``, ``resid_post``) is offered, if so:
     a hybrid's layers (attention among Mamba or linear-attention layers) are derived no
     further; every inner point is refused with this reason."""
+    attn_in: str | None = None
+    """The norm before attention, whose output (its first element, in a fused layout) is what
+    attention reads: ``attn_in`` is tapped there. Written rows only, each proven against
+    transformers; not on post-norm layers (their attention reads ``resid_pre``)."""
     derived: bool = False
     """Derived from the module tree (``worker.layout_derivation``), not written here: served
     only once ``worker.layout_check`` proved it on the model's weights."""
@@ -81,34 +85,36 @@ class Layout:
 #: Llama and the families that share its layer: pre-norm, fused residual, gated MLP.
 _LLAMA = Layout(layers="model.layers", block="sequential", norms="pre", fused_residual=True,
                 mid="post_attention_layernorm", attention="self_attn.attn",
-                act="mlp.act_fn", down_proj="mlp.down_proj", mlp_in=True)
+                act="mlp.act_fn", down_proj="mlp.down_proj", mlp_in=True,
+                attn_in="input_layernorm")
 #: Gemma 2 / 3: a norm before and after each sublayer; ``attn_out`` and ``mlp_out`` are what
 #: is added to the stream, after the post-norms (as in transformers and TransformerLens).
 _GEMMA = Layout(layers="model.layers", block="sequential", norms="sandwich",
                 fused_residual=True, mid="pre_feedforward_layernorm",
                 attention="self_attn.attn", act="mlp.act_fn", down_proj="mlp.down_proj",
-                mlp_in=True)
+                mlp_in=True, attn_in="input_layernorm")
 #: GPT-2: LayerNorm before each sublayer, the residual added inside the block.
 _GPT2 = Layout(layers="transformer.h", block="sequential", norms="pre", fused_residual=False,
                mid="ln_2", attention="attn.attn", act="mlp.act", down_proj="mlp.c_proj",
-               attn_block="attn", mlp_block="mlp", mlp_in=True)
+               attn_block="attn", mlp_block="mlp", mlp_in=True, attn_in="ln_1")
 #: Mixtral: Llama's layer with a sparse MoE block (no single activation: no ``mlp_post``).
 _MIXTRAL = Layout(layers="model.layers", block="sequential", norms="pre", fused_residual=True,
                   mid="post_attention_layernorm", attention="self_attn.attn", act=None,
                   down_proj=None, router="block_sparse_moe.gate", routing="softmax_topk",
-                  mlp_in=True)
+                  mlp_in=True, attn_in="input_layernorm")
 #: Qwen2-MoE: routed experts plus a gated shared expert (``mlp_out`` is their sum).
 _QWEN2_MOE = Layout(layers="model.layers", block="sequential", norms="pre",
                     fused_residual=True, mid="post_attention_layernorm",
                     attention="self_attn.attn", act=None, down_proj=None, router="mlp.gate",
-                    routing="softmax_topk", mlp_in=True)
+                    routing="softmax_topk", mlp_in=True, attn_in="input_layernorm")
 
 #: GPT-NeoX (Pythia), transformers' modules: attention and the MLP both read the layer's
 #: input and are added to it together (``use_parallel_residual``).
 _GPT_NEOX = Layout(layers="model.layers", block="parallel", norms="pre", fused_residual=False,
                    mid=None, attention="attention.attn", act="mlp.act",
                    down_proj="mlp.dense_4h_to_h", attn_block="attention", mlp_block="mlp",
-                   requires=("use_parallel_residual", True), batched=True)
+                   requires=("use_parallel_residual", True), batched=True,
+                   attn_in="input_layernorm")
 #: OLMo 2, transformers' modules: each sublayer's output is normed before it is added.
 _OLMO2 = Layout(layers="model.layers", block="sequential", norms="post", fused_residual=False,
                 mid="mlp", attention="self_attn.attn", act="mlp.act_fn",
@@ -119,7 +125,7 @@ _OLMO2 = Layout(layers="model.layers", block="sequential", norms="post", fused_r
 _SMOLLM3 = Layout(layers="model.layers", block="sequential", norms="pre", fused_residual=False,
                   mid="post_attention_layernorm", attention="self_attn.attn",
                   act="mlp.act_fn", down_proj="mlp.down_proj", attn_block="self_attn",
-                  mlp_block="mlp", batched=True, mlp_in=True)
+                  mlp_block="mlp", batched=True, mlp_in=True, attn_in="input_layernorm")
 
 LAYOUTS: dict[str, Layout] = {
     "LlamaForCausalLM": _LLAMA,

@@ -314,10 +314,13 @@ def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inne
 
     sites: set[str] = set()
     down = _submodule(layer, layout.down_proj) if layout.down_proj else None
-    paths = {"mid": layout.mid, "act": layout.act, "attn_block": layout.attn_block,
+    reads_norms = _reads_norm_outputs(layer)
+    paths = {"attn_in": layout.attn_in if reads_norms else None, "mid": layout.mid,
+             "act": layout.act, "attn_block": layout.attn_block,
              "mlp_block": layout.mlp_block, "router": layout.router}
     n_experts = 0
-    mlp_in = layout.mlp_in and _mlp_reads_mid_output(layer)
+    mlp_in = (layout.mlp_in and reads_norms
+              and getattr(layer, "ada_rms_norm_t_cond", None) is None)
     for site, path in paths.items() if inner else ():
         module = _submodule(layer, path) if path else None
         if module is None or (site == "act" and _quantized_input(down)):
@@ -360,14 +363,12 @@ def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inne
     return sites, attention, d_mlp, n_experts
 
 
-def _mlp_reads_mid_output(layer: nn.Module) -> bool:
-    """Whether this layer's MLP reads what its ``mid`` module returns, as its written layout
-    says (``Layout.mlp_in``), unchanged: not with a time-conditioned norm scaling it first
-    (vLLM's Mistral with ``ada_rms_norm_t_cond``), nor on a quantized model, where vLLM may
-    fuse the norm with the quantization of the MLP's input (a tap between them would split
-    the fusion, and the MLP reads the quantized tensor)."""
-    if getattr(layer, "ada_rms_norm_t_cond", None) is not None:
-        return False
+def _reads_norm_outputs(layer: nn.Module) -> bool:
+    """Whether this layer's attention and MLP read what their norms return, as its written
+    layout says (``Layout.attn_in``, ``Layout.mlp_in``; the MLP also needs no time-conditioned
+    norm scaling it first: vLLM's Mistral with ``ada_rms_norm_t_cond``): not on a quantized
+    model, where vLLM may fuse a norm with the quantization of what follows (a tap between
+    them would split the fusion, and the sublayer reads the quantized tensor)."""
     return not any(type(m.quant_method).__name__ not in _UNQUANTIZED for m in layer.modules()
                    if getattr(m, "quant_method", None) is not None)
 

@@ -4,9 +4,10 @@
 
 The throughput benchmark compares whole engines, so on a shared machine its plain-traffic ratio
 carries run-to-run noise of several percent. This measures the one thing the plugin adds to a
-step without lens requests — five tap calls per Llama-style decoder layer
-(``vllm_lens::pre_tap`` at its input, ``mid_tap`` between attention and MLP, ``mlp_in_tap`` at
-the MLP's input, ``act_tap`` after the MLP's activation, ``vllm_lens::tap`` at its output;
+step without lens requests — six tap calls per Llama-style decoder layer
+(``vllm_lens::pre_tap`` at its input, ``attn_in_tap`` at attention's input, ``mid_tap`` between
+attention and MLP, ``mlp_in_tap`` at the MLP's input, ``act_tap`` after the MLP's activation,
+``vllm_lens::tap`` at its output;
 GPT-2-style layers add two, an MoE router one; all are registered the same way and cost the same; the
 attention wrappers are not installed while no step reads Q/K) — and prints it next to the duration of a decode step (``--step-ms``: pass the one throughput.py
 implies on your machine, e.g. 64 tokens / (tokens/s) for the 64-request case, or
@@ -40,8 +41,8 @@ def main() -> None:
                         help="duration of the decode step to compare with (default: 64 "
                              "requests at 300 tokens/s)")
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--taps", type=int, default=5,
-                        help="tap calls per layer (default 5: a Llama-style layer)")
+    parser.add_argument("--taps", type=int, default=6,
+                        help="tap calls per layer (default 6: a Llama-style layer)")
     args = parser.parse_args()
 
     hidden, residual = torch.randn(64, 576), torch.randn(64, 576)

@@ -44,6 +44,8 @@ COLUMNS = {  # column -> the tests behind it (per family)
 }
 REFUSED_TEST = "test_a_layout_not_derived_or_not_proven_is_refused_with_why"
 IMPORT_TEST = "test_an_architecture_the_cpu_build_cannot_import_fails_for_the_measured_reason"
+APART_TEST = ("test_a_layout_measured_apart_passes_its_check_serves_plain_tokens_and_is_still_"
+              "apart")
 TP_TESTS = ["test_tp2_every_point_and_attention_match_transformers",
             "test_tp2_steering_matches_transformers",
             "test_tp2_a_stop_monitor_stops_where_the_transformers_scores_cross",
@@ -153,16 +155,20 @@ def render_architectures(results: dict) -> str:
                       else f"refused (`{family}`); its test did not pass in this run")
         elif arch in apart:
             family = apart[arch]
-            status = (f"derived at load and proven by its start-up check, but measured apart "
-                      f"from transformers (`{family}`: {derived.MEASURED_APART[family]}; cause "
-                      "not known), so not listed as proven")
+            ok = results.get((APART_TEST, family)) == "passed"
+            status = (f"derived at load and proven by its start-up check, plain tokens = no "
+                      f"plugin, but measured apart from transformers (`{family}`: "
+                      f"{derived.MEASURED_APART[family]}; cause not known), so not listed as "
+                      "proven" if ok else f"measured apart (`{family}`); its test did not pass "
+                      "in this run")
         elif arch in unimportable:
             family = unimportable[arch]
             _, module, error = derived.NOT_IMPORTABLE[family]
             ok = results.get((IMPORT_TEST, family)) == "passed"
             status = (f"not runnable on the CPU build, measured (`{family}`): `{module}` fails "
-                      f"to import ({error}); a layout is derived at load elsewhere, and only "
-                      "what its start-up check proves is served" if ok
+                      f"to import ({error}); elsewhere its layout is derived at load where its "
+                      "layers allow (not over recurrent state), and only what the start-up "
+                      "check proves is served" if ok
                       else f"not importable (`{family}`); its test did not pass in this run")
         else:
             status = ("not measured on the CPU build: a layout is derived at load where the "

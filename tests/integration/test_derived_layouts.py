@@ -58,7 +58,8 @@ DERIVED = {
 #: vLLM's chunked local attention, whose chunks the patterns would not know (Q/K are offered
 #: only where every layer runs the plain kernel).
 QK_REFUSED = {"llama4": "its attention is not vLLM's plain attention kernel",
-}
+              "deepseek_v2": "its attention is not vLLM's plain attention kernel",
+              "deepseek_v3": "its attention is not vLLM's plain attention kernel"}
 #: Families whose derived layout passes its start-up check but whose stream was measured apart
 #: from transformers' (tiny models of ``tests/families.py``; the cause is not known): not
 #: listed as proven. Measured with this module's tests on vLLM 0.32's CPU build.
@@ -245,3 +246,33 @@ def test_an_architecture_the_cpu_build_cannot_import_fails_for_the_measured_reas
     _, module, error = NOT_IMPORTABLE[family]
     with pytest.raises(ImportError, match=re.escape(error)):
         importlib.import_module(module)
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("family", sorted(MEASURED_APART))
+def test_a_layout_measured_apart_passes_its_check_serves_plain_tokens_and_is_still_apart(family):
+    """What the matrix says of these: derived, every invariant proven at start-up, plain
+    requests token-identical to vLLM without the plugin, Q/K refused where the kernel is not
+    the plain one, and the stream still apart from transformers' (should it meet 1e-4, this
+    fails, and the family moves to ``DERIVED``)."""
+    path = tiny_family_dir(family)
+    with running_llm(path, **MODE) as llm:
+        described = read(DescribeAnswer, llm.collective_rpc("lens_describe")[0])
+        assert described.derived_layout and described.layout_check.ran, family
+        assert set(described.layout_check.passed) >= {
+            "continuity", "final norm", "attention adds attn_out", "the MLP adds mlp_out"}
+        if family in QK_REFUSED:
+            sp = SamplingParams(max_tokens=1, extra_args={"output_qk": [0]})
+            with pytest.raises(UnsupportedModelError, match=re.escape(QK_REFUSED[family])):
+                llm.generate([PROMPT], sp)
+        sp = SamplingParams(max_tokens=1, temperature=0,
+                            extra_args={"output_residual_stream": [0]})
+        out = llm.generate([PROMPT], sp)[0]
+        ids = list(out.prompt_token_ids)
+        expected = HFReference(path).residual_stream(ids, [0])
+        err = max_relative_error(out.activations["residual_stream"], expected)
+        assert err > TOL, (family, err)
+        prompts = [PROMPT, "The capital of France is"]
+        plain = [list(o.outputs[0].token_ids) for o in llm.generate(
+            prompts, SamplingParams(max_tokens=8, temperature=0))]
+    assert plain == generate_without_plugin(path, prompts, 8, **MODE), family

@@ -110,3 +110,30 @@ def test_a_sublayer_too_small_to_tell_from_rounding_proves_nothing():
                       dtype=torch.bfloat16)
     assert result.refused["attn_out"].startswith(
         "unproven: the invariant 'attention adds attn_out' could not run")
+
+
+def test_a_non_finite_value_an_invariant_reads_is_found_and_others_are_not():
+    from vllm_lens.worker.layout_check import _non_finite
+
+    rows, last = _fused_rows()
+    assert _non_finite(rows, last) is None
+    rows[(1, "act")] = (torch.tensor([[float("nan")]]), None)  # no invariant reads mlp_post
+    assert _non_finite(rows, last) is None
+    a, b = rows[(2, "mid")]
+    rows[(2, "mid")] = (a, b.clone().fill_(float("inf")))
+    assert _non_finite(rows, last) == "layer 2, site mid"
+    rows[(2, "mid")] = (a, b)
+    assert _non_finite(rows, last * float("nan")) == "the model's output"
+
+
+def test_a_stream_only_layout_refuses_every_inner_point_with_its_reason():
+    from vllm_lens.worker.layout_check import LayoutCheck, _refuse_inner
+
+    result = LayoutCheck(ran=True, refused={"mlp_out": "unproven: something else"})
+    _refuse_inner(result, SimpleNamespace(stream_only="hybrid layers"))
+    assert "resid_pre" not in result.refused and "resid_post" not in result.refused
+    assert result.refused["mlp_out"] == "hybrid layers"
+    assert {"attn_in", "attn_out", "resid_mid", "attn_z", "attn_q"} <= set(result.refused)
+    untouched = LayoutCheck(ran=True)
+    _refuse_inner(untouched, SimpleNamespace(stream_only=None))
+    assert untouched.refused == {}

@@ -11,7 +11,7 @@ from vllm_lens import (LensRequestError, SteeringVector, UnsupportedConfigError,
                        UnsupportedModelError)
 from vllm_lens.frontend.admission import check_capture_size
 from vllm_lens.attention import attention_patterns, compute_attention_weights
-from vllm_lens.common.points import POINTS, STEERABLE, resolve
+from vllm_lens.common.points import POINTS, STEERABLE, hook_name, resolve
 from vllm_lens.spec import LensRequest, ModelFacts, parse_extra_args
 
 FACTS = ModelFacts(model_class="LlamaForCausalLM", n_layers=4, hidden_size=8, max_model_len=64,
@@ -29,7 +29,7 @@ def parse(extra, facts=FACTS):
     ("blocks.2.mlp.hook_post", ("mlp_post", 2)), ("pre_attn", ("resid_pre", None)),
     ("post_attn", ("resid_mid", None)), ("post_block", ("resid_post", None)),
     ("hook_z", ("attn_z", None)), ("blocks.4.hook_mlp_in", ("mlp_in", 4)),
-    ("blocks.2.hook_attn_in", ("attn_in", 2)),
+    ("blocks.2.attn_in", ("attn_in", 2)),
 ])
 def test_names_and_aliases(name, expected):
     assert resolve(name) == expected
@@ -40,6 +40,14 @@ def test_names_and_aliases(name, expected):
 def test_unknown_names_list_the_points(name):
     with pytest.raises(KeyError, match="resid_pre, attn_in, attn_out"):
         resolve(name)
+
+
+@pytest.mark.parametrize("name", ["hook_attn_in", "blocks.2.hook_attn_in"])
+def test_transformer_lens_attn_in_is_refused_not_read_as_another_tensor(name):
+    with pytest.raises(KeyError, match="before ln1.*resid_pre"):
+        resolve(name)
+    assert hook_name("attn_in", 2) == "blocks.2.attn_in"
+    assert resolve(hook_name("attn_in", 2)) == ("attn_in", 2)
 
 
 def test_steerable_points_are_the_stream_points():

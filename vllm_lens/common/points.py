@@ -34,9 +34,9 @@ the outputs of the attention block (``attn_block``) and of the MLP (``mlp_block`
 ``mid`` site is the MLP's input (``resid_mid`` alone). Parallel blocks (GPT-NeoX) have no
 ``mid`` site: attention and the MLP both read ``resid_pre``, so there is no ``resid_mid``.
 ``attn_in`` is read at the output of the norm before attention, where a written layout names
-it (``Layout.attn_in``): TransformerLens' ``hook_attn_in`` is the stream before that norm (per
-head, with ``use_attn_in``); here, as nnsight's ``input_layernorm.output`` and sae-lens'
-attention-input SAEs trained on it, it is the norm's output, with its weight. Post-norm layers
+it (``Layout.attn_in``): the norm's output, with its weight (nnsight's
+``input_layernorm.output``). TransformerLens' ``hook_attn_in`` is another tensor (the stream
+before that norm, per head, with ``use_attn_in``), so that name is refused, not aliased. Post-norm layers
 (OLMo 2) have no norm before attention: their attention reads ``resid_pre``.
 ``mlp_in`` is read at the output of the module the ``mid`` site taps the input of (the norm
 before the MLP), where a written layout says that output is what the MLP reads
@@ -129,6 +129,11 @@ _ALIASES = {
     "mlp.hook_post": "mlp_post", "hook_mlp_post": "mlp_post",
 }
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
+#: TransformerLens names that would resolve to a point reading another tensor.
+_NOT_OURS = {
+    "hook_attn_in": "TransformerLens' stream before ln1, copied per head (use resid_pre); "
+                    "vllm-lens' attn_in is the pre-attention norm's output: name it attn_in",
+}
 
 
 def resolve(name: str) -> tuple[str, int | None]:
@@ -146,6 +151,8 @@ def resolve(name: str) -> tuple[str, int | None]:
     text = name.strip() if isinstance(name, str) else name
     if isinstance(text, str) and (m := _BLOCK.match(text)):
         layer, text = int(m.group(1)), m.group(2)
+    if text in _NOT_OURS:
+        raise KeyError(f"{name!r} is {_NOT_OURS[text]}")
     if isinstance(text, str):
         text = _ALIASES.get(text, text)
         if text.startswith("hook_"):
@@ -158,13 +165,16 @@ def resolve(name: str) -> tuple[str, int | None]:
 
 
 def hook_name(point: str, layer: int) -> str:
-    """TransformerLens' (and so sae-lens') name of ``point`` at ``layer``.
+    """TransformerLens' (and so sae-lens') name of ``point`` at ``layer`` (``attn_in``, which
+    TransformerLens has no hook for, keeps its own name: ``blocks.L.attn_in``).
 
     >>> hook_name("resid_post", 12), hook_name("attn_z", 3), hook_name("mlp_post", 0)
     ('blocks.12.hook_resid_post', 'blocks.3.attn.hook_z', 'blocks.0.mlp.hook_post')
     """
     inner = {"attn_z": "attn.hook_z", "attn_q": "attn.hook_q", "attn_k": "attn.hook_k",
-             "mlp_post": "mlp.hook_post"}.get(point, f"hook_{point}")
+             "mlp_post": "mlp.hook_post",
+             # TransformerLens' hook_attn_in reads another tensor (``_NOT_OURS``).
+             "attn_in": "attn_in"}.get(point, f"hook_{point}")
     return f"blocks.{layer}.{inner}"
 
 

@@ -381,7 +381,8 @@ REGISTRY: tuple[Need, ...] = (
        "the latent kernel's output in the start-up check's pass (wrapped per instance)",
        "q k_c_normed k_pe kv_cache attn_metadata output"),
     _n("vllm.model_executor.layers.mamba.abstract:MambaBase", "class", "import",
-       "worker.layout_check", "layers with recurrent state: the start-up check does not run"),
+       "worker.layout_derivation",
+       "layers with recurrent state: no layout derived, the start-up check does not run"),
     *(_n(f"{_ATTN}.{name}", "instance attribute", "read", "worker.taps worker.attention_taps",
          "the kernel, K sharing, query quantization, layer name, KV cache dtype")
       for name in ("impl", "kv_sharing_target_layer_name", "query_quant", "layer_name",

@@ -144,12 +144,13 @@ _MISSING_SITE = {
     "router": "its layers have no MoE router",
     "act": "its layers have no single MLP activation to read: MoE experts, or a down "
            "projection taking quantized input",
-    "attn": "its attention is not vLLM's plain attention kernel (MLA, shared KV, or a query "
-            "quantized first)",
+    "attn": "its attention is not vLLM's plain attention kernel (MLA, chunked local attention, "
+            "shared KV, or a query quantized first)",
     "pre": "its layers' inputs cannot be tapped",
     "attn_in": "its layout does not prove what its attention reads: offered on the written "
-               "layouts with a norm before attention, not on derived layouts or post-norm layers "
-               "(their attention reads resid_pre: use it)",
+               "layouts with a norm before attention, not on derived layouts, post-norm layers "
+               "(their attention reads resid_pre: use it) or quantized models (vLLM may fuse "
+               "the norm with the quantization of attention's input)",
     "mlp_in": "its layout does not prove what its MLP reads: offered on the written layouts "
               "whose pre-MLP norm feeds the MLP, not on derived layouts, post-norm layers "
               "(their MLP reads resid_mid: use it) or parallel blocks",

@@ -38,6 +38,7 @@ import torch
 
 from vllm_lens.common.points import POINTS, operands, tap_key
 from vllm_lens.worker import head_projection, taps
+from vllm_lens.worker.layout_derivation import attention_kernels, recurrent_state_reason
 
 __all__ = ["INVARIANTS", "LayoutCheck", "check_layout", "evaluate", "final_norm", "tolerance"]
 
@@ -102,7 +103,7 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
     """Run the forward pass and evaluate the invariants. ``can_run``: why the pass may not run
     on this engine (then nothing is proven). Never raises."""
     start = time.perf_counter()
-    can_run = can_run or _stateful(model)
+    can_run = can_run or recurrent_state_reason(model)
     if can_run is not None:
         return _unproven(info, derived, can_run, start)
     recorder = _Recorder()
@@ -115,9 +116,9 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
                 hidden = _forward(runner)
         finally:
             taps.set_tap_handler(previous)
-        if not all(bool(torch.isfinite(t).all()) for pair in recorder.rows.values()
-                   for t in pair if t is not None):
-            raise ValueError("the check's pass gave non-finite values")
+        if (where := _non_finite(recorder.rows, hidden)) is not None:
+            return _unproven(info, derived, f"the start-up check's pass gave non-finite "
+                             f"values ({where}), which prove nothing", start)
         final = final_norm(model, info)
         result = evaluate(recorder.rows, info, hidden=hidden, final_norm=final,
                           last_stage=_last_stage(), dtype=recorder.dtype)
@@ -137,20 +138,20 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
     return result
 
 
-def _stateful(model: torch.nn.Module) -> str | None:
-    """Why the check's pass may not run on ``model``'s layers, if it has state-space or
-    linear-attention layers (Mamba, gated delta-net): vLLM's dummy pass reads their cached
-    state (measured: a Granite 4 model's Mamba layer gave NaN in it, now and then), and it
-    could write to the state of requests in flight."""
-    try:
-        from vllm.model_executor.layers.mamba.abstract import MambaBase
-    except ImportError:
-        return None
-    kinds = sorted({type(m).__name__ for m in model.modules() if isinstance(m, MambaBase)})
-    if not kinds:
-        return None
-    return (f"its layers keep a recurrent state ({', '.join(kinds)}), which vLLM's dummy "
-            "forward pass would read and write")
+#: The sites the invariants read (``evaluate``).
+_STREAM_SITES = ("pre", "mid", "attn_block", "mlp_block", "post")
+
+
+def _non_finite(rows: dict, hidden: torch.Tensor | None) -> str | None:
+    """Where the check's pass gave a non-finite value that an invariant would read, if
+    anywhere: ``layer L, site S`` or ``the model's output``."""
+    for (layer, site), pair in sorted(rows.items(), key=lambda item: item[0]):
+        if site in _STREAM_SITES and not all(bool(torch.isfinite(t).all())
+                                            for t in pair if t is not None):
+            return f"layer {layer}, site {site}"
+    if hidden is not None and not bool(torch.isfinite(hidden).all()):
+        return "the model's output"
+    return None
 
 
 def _check_projections(result: LayoutCheck, model: torch.nn.Module, info: Any,
@@ -169,7 +170,8 @@ def _check_projections(result: LayoutCheck, model: torch.nn.Module, info: Any,
     tapped = dict(info.attention)
     kernel_out = {layer: z for layer, z in kernel_out.items() if layer in tapped}
     if not info.attention or not kernel_out:
-        result.heads_refused = "no attention kernel output was recorded"
+        result.heads_refused = ("no plain attention kernel's output was recorded (latent or "
+                                "chunked attention has no per-head taps)")
         return
     attn_out = {layer: _value(recorder.rows, "attn_out", layer, info.split)
                 for layer, _ in info.attention}
@@ -280,8 +282,6 @@ def _kernels(model: torch.nn.Module, info: Any) -> tuple[tuple[int, torch.nn.Mod
     chunked local attention; ``MLAAttention``), also where Q/K are not tapped (``info
     .attention`` holds only plain ``Attention`` modules): each must write in the check's pass
     for ``attention adds attn_out`` to prove anything."""
-    from vllm_lens.worker.layout_derivation import attention_kernels
-
     kinds = attention_kernels()
     found = dict(info.attention)
     if info.layers_path:

@@ -20,6 +20,9 @@ A hybrid (Granite 4, Nemotron-H: attention layers among Mamba or MLP-only layers
 classes) has no list whose every entry holds attention; the longest list whose entries each
 hold at most one kernel, some none, gets a stream-only layout (``Layout.stream_only``): the
 layers' inputs and outputs, handed on fused where every class passes the residual to a norm.
+Where those layers keep a recurrent state (Mamba, gated delta-net) no layout is derived: the
+start-up check cannot run over it, so the model stays untapped and its plain traffic pays
+nothing.
 
 Nothing derived is trusted: ``worker.layout_check`` proves the layout on the model's own
 weights before a lens request is served, and refuses what it cannot prove. A derived layout
@@ -41,7 +44,7 @@ from torch import nn
 
 from vllm_lens.worker.layouts import Layout
 
-__all__ = ["Derivation", "attention_kernels", "derive_layout"]
+__all__ = ["Derivation", "attention_kernels", "derive_layout", "recurrent_state_reason"]
 
 
 @dataclass(frozen=True)
@@ -145,13 +148,16 @@ def _stream_only(path: str, layers: nn.ModuleList, Attention) -> Derivation:  # 
     (``fused_residual``: each calls a norm with the residual), or whole."""
     from vllm.model_executor.models.utils import PPMissingLayer
 
+    if (why := recurrent_state_reason(layers)) is not None:
+        return Derivation(None, f"{why}, so no layout of it can be proven at start-up")
     classes = {type(m) for m in layers if not isinstance(m, PPMissingLayer)}
     fused = set()
     for cls in classes:
         params = list(inspect.signature(cls.forward).parameters)
         if "hidden_states" not in params:
             return Derivation(None, f"{cls.__name__}.forward takes no hidden_states")
-        norms = {name for name, module in _children_of(layers, cls) if _is_norm(module)}
+        norms = {name for layer in layers if type(layer) is cls
+                 for name, module in layer.named_children() if _is_norm(module)}
         fused.add("residual" in params and any(name in norms and n_args >= 2
                                                for name, n_args in _self_calls(cls)))
     if len(fused) != 1:
@@ -169,8 +175,20 @@ HYBRID = ("its decoder layers mix attention with other mixers (Mamba, linear att
           "MLP-only layers): only the stream between layers (resid_pre, resid_post) is derived")
 
 
-def _children_of(layers: nn.ModuleList, cls: type) -> list[tuple[str, nn.Module]]:
-    return list(next(m for m in layers if type(m) is cls).named_children())
+def recurrent_state_reason(modules: nn.Module) -> str | None:
+    """Why a start-up check's pass may not run over ``modules``, if they hold layers with
+    recurrent state (vLLM's ``MambaBase``: Mamba, gated delta-net, linear attention): vLLM's
+    dummy pass reads their cached state (measured: a Granite 4 Mamba layer gave NaN in it, on
+    some starts) and could write to the state of requests in flight."""
+    try:
+        from vllm.model_executor.layers.mamba.abstract import MambaBase
+    except ImportError:
+        return None
+    kinds = sorted({type(m).__name__ for m in modules.modules() if isinstance(m, MambaBase)})
+    if not kinds:
+        return None
+    return (f"its layers keep a recurrent state ({', '.join(kinds)}), which vLLM's dummy "
+            "forward pass would read and write")
 
 
 def _decoder_layers(model: nn.Module, attention_cls: type | tuple[type, ...], *,

@@ -3,8 +3,8 @@
 and hooked signal (runs in: worker).
 
 One ``LensRuntime`` exists per worker process once the front end has asked for lens features
-(``lens_describe``); until then the taps have no handler and cost one Python call each (four
-per layer on Llama-style layers, six where attention and the MLP are tapped apart).
+(``lens_describe``); until then the taps have no handler and cost one Python call each (six
+per layer on Llama-style layers, eight where attention and the MLP are tapped apart).
 
 Nothing raised here may leave the tap: the tap runs inside the model's forward pass, and an
 exception there would kill the engine. A failure while handling a request fails that request

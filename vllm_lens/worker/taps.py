@@ -75,7 +75,8 @@ def current_tap_handler() -> TapHandler | None:
 # Registered directly on a Library rather than with ``torch.library.custom_op``: the latter's
 # dispatch wrappers cost ~15 us per call, the direct registration ~2.5 us (measured on the CI
 # kind; ``benchmarks/tap_overhead.py``), and plain traffic pays this call at every tap op
-# of every layer per step (five on Llama-style layers, with ``mlp_in``). vLLM registers its own ops the same way (``direct_register_custom_op``). One
+# of every layer per step (six on Llama-style layers, with ``attn_in`` and ``mlp_in``). vLLM
+# registers its own ops the same way (``direct_register_custom_op``). One
 # ``CompositeExplicitAutograd`` kernel serves every device; the fake kernel lets Dynamo trace it.
 _LIBRARY = torch.library.Library("vllm_lens", "FRAGMENT")
 

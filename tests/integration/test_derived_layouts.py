@@ -200,9 +200,10 @@ def test_plain_requests_are_token_identical_to_vllm_without_plugin(derived):
 
 def test_a_wrong_layout_is_refused_by_name_and_the_rest_serves(tiny_ref):
     """Llama's written row with the norm before attention named as the one before the MLP
-    (a test-only override): the sums that read it break, their points are refused, and the
+    (a test-only override; ``attn_in``, which taps that norm, left out so that the ``mid``
+    site may claim it): the sums that read it break, their points are refused, and the
     stream, whose invariants hold, is still exact."""
-    wrong = {"LlamaForCausalLM": {"mid": "input_layernorm"}}
+    wrong = {"LlamaForCausalLM": {"mid": "input_layernorm", "attn_in": None}}
     with env(VLLM_LENS_TEST_FAULTS="1", VLLM_LENS_TEST_LAYOUT=json.dumps(wrong)), \
             running_llm(tiny_llama_dir(), **MODE) as llm:
         described = read(DescribeAnswer, llm.collective_rpc("lens_describe")[0])

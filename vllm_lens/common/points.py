@@ -36,8 +36,8 @@ the outputs of the attention block (``attn_block``) and of the MLP (``mlp_block`
 ``attn_in`` is read at the output of the norm before attention, where a written layout names
 it (``Layout.attn_in``): the norm's output, with its weight (nnsight's
 ``input_layernorm.output``). TransformerLens' ``hook_attn_in`` is another tensor (the stream
-before that norm, per head, with ``use_attn_in``), so that name is refused, not aliased. Post-norm layers
-(OLMo 2) have no norm before attention: their attention reads ``resid_pre``.
+before that norm, per head, with ``use_attn_in``), so that name is refused, not aliased.
+Post-norm layers (OLMo 2) have no norm before attention: their attention reads ``resid_pre``.
 ``mlp_in`` is read at the output of the module the ``mid`` site taps the input of (the norm
 before the MLP), where a written layout says that output is what the MLP reads
 (``Layout.mlp_in``). ``hook_mlp_in`` names it as sae-lens' transcoders (Gemma Scope 2's)
@@ -58,7 +58,8 @@ __all__ = [
 ]
 
 #: Where taps run, in the order a layer reaches them.
-SITES = ("pre", "attn_in", "attn", "attn_block", "mid", "mlp_in", "router", "act", "mlp_block", "post")
+SITES = ("pre", "attn_in", "attn", "attn_block", "mid", "mlp_in", "router", "act", "mlp_block",
+         "post")
 
 
 @dataclass(frozen=True)

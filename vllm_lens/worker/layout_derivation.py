@@ -81,7 +81,8 @@ def attention_kernels() -> tuple[type, ...]:
     return (*kernels, MLAAttention)
 
 
-def _derive(model: nn.Module, Attention: type | tuple[type, ...]) -> Derivation:  # noqa: N803 -- a class
+def _derive(model: nn.Module,
+            Attention: type | tuple[type, ...]) -> Derivation:  # noqa: N803 -- classes
     found = _decoder_layers(model, Attention)
     if found is None:
         hybrid = _decoder_layers(model, Attention, hybrid=True)

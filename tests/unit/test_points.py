@@ -36,7 +36,7 @@ def test_names_and_aliases(name, expected):
 
 
 @pytest.mark.parametrize("name", ["attn", "blocks.x.hook_attn_out", "hook_", "resid", 3, None,
-                                  "blocks.1.ln2.hook_normalized"])
+                                  "blocks.1.ln2.hook_normalized", ["resid_pre"], {"a": 1}])
 def test_unknown_names_list_the_points(name):
     with pytest.raises(KeyError, match="resid_pre, attn_in, attn_out"):
         resolve(name)

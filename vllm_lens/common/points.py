@@ -152,13 +152,13 @@ def resolve(name: str) -> tuple[str, int | None]:
     text = name.strip() if isinstance(name, str) else name
     if isinstance(text, str) and (m := _BLOCK.match(text)):
         layer, text = int(m.group(1)), m.group(2)
-    if text in _NOT_OURS:
+    if isinstance(text, str) and text in _NOT_OURS:
         raise KeyError(f"{name!r} is {_NOT_OURS[text]}")
     if isinstance(text, str):
         text = _ALIASES.get(text, text)
         if text.startswith("hook_"):
             text = _ALIASES.get(text, text.removeprefix("hook_"))
-    if text not in POINTS:
+    if not isinstance(text, str) or text not in POINTS:
         raise KeyError(f"unknown tap point {name!r}; use one of {', '.join(POINTS)} (or "
                        "hook_<point>, blocks.<layer>.hook_<point>, pre_attn, post_attn, "
                        "post_block)")

@@ -53,7 +53,10 @@ _MODULES["idefics3"] = {**_LLAMA_MODULES, "layers": "model.text_model.layers"}
 _MODULES["bloom"] = dict(layers="transformer.h", attn_in="input_layernorm",
                          attn_out="self_attention.dense",
                          mlp_out="mlp.dense_4h_to_h", mlp="mlp", down="mlp.dense_4h_to_h",
-                         o_proj="self_attention.dense", router=None)
+                         o_proj="self_attention.dense", router=None,
+                         # no eager_attention_forward: V from the fused projection, whose
+                         # columns run per head (query, key, value), as its _reshape reads them
+                         qkv_per_head="self_attention.query_key_value")
 
 
 def _get(root, path: str):
@@ -158,10 +161,13 @@ class HFReference:
         replaces a stream point (``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out``,
         ``resid_post``, and ``attn_in``/``mlp_in``: what attention and the MLP read) as
         vllm-lens does. MoE layers also
-        record ``router_logits`` and ``router_experts`` (the experts chosen per token)."""
+        record ``router_logits`` and ``router_experts`` (the experts chosen per token), and
+        every layer whose attention calls its module's ``eager_attention_forward`` records
+        ``value``: the V that function receives, ``[T, kv_heads, head_dim]``."""
         edits = edits or {}
         seen: dict = {}
         handles = []
+        layer_of = {id(m): i for i, layer in enumerate(self.layers) for m in layer.modules()}
 
         def put(point, i, value):
             edit = edits.get((point, i))
@@ -224,6 +230,10 @@ class HFReference:
                 z = inp[0][0]
                 seen[("attn_z", i)] = z.reshape(z.shape[0], -1, self.head_dim)
 
+            def qkv_per_head(_m, _inp, out, i=i):
+                fused = out[0]
+                seen[("value", i)] = fused.view(fused.shape[0], -1, 3, self.head_dim)[:, :, 2]
+
             where = self.modules
             handles += [
                 layer.register_forward_pre_hook(pre, with_kwargs=True),
@@ -241,11 +251,42 @@ class HFReference:
                 handles.append(_get(layer, where["down"]).register_forward_pre_hook(down))
             if where["router"]:
                 handles.append(_get(layer, where["router"]).register_forward_hook(router))
+            if where.get("qkv_per_head"):
+                handles.append(_get(layer, where["qkv_per_head"]).register_forward_hook(
+                    qkv_per_head))
+        with self._recorded_values(layer_of, seen):
+            try:
+                yield seen
+            finally:
+                for h in handles:
+                    h.remove()
+
+    @contextlib.contextmanager
+    def _recorded_values(self, layer_of: dict, seen: dict):
+        """Within the block, each decoder layer's eager attention function records the value
+        it is handed as ``seen[("value", layer)]`` (and otherwise runs as it was)."""
+        import sys
+
+        modules = {sys.modules[type(m).__module__] for m in self.model.modules()
+                   if id(m) in layer_of and hasattr(sys.modules[type(m).__module__],
+                                                    "eager_attention_forward")}
+        originals = {m: m.eager_attention_forward for m in modules}
+
+        def recording(original):
+            def forward(module, query, key, value, *args, **kwargs):
+                layer = layer_of.get(id(module))
+                if layer is not None:  # [1, kv_heads, T, d] -> [T, kv_heads, d]
+                    seen[("value", layer)] = value[0].transpose(0, 1)
+                return original(module, query, key, value, *args, **kwargs)
+            return forward
+
+        for m, original in originals.items():
+            m.eager_attention_forward = recording(original)
         try:
-            yield seen
+            yield
         finally:
-            for h in handles:
-                h.remove()
+            for m, original in originals.items():
+                m.eager_attention_forward = original
 
     @torch.no_grad()
     def points(self, token_ids: list[int], edits: dict | None = None,

@@ -1,8 +1,9 @@
 """Model classes without a written row, served through a layout derived from vLLM's module tree
 and proven at start-up on the model's own weights (``worker.layout_derivation``,
 ``worker.layout_check``), each a tiny random model (``tests/families.py``) against
-transformers: the residual stream at every layer, every point the check proved, steering, and
-plain requests token-identical to vLLM without the plugin. A point the check refused is refused
+transformers: the residual stream at every layer, every point the check proved, the attention
+kernel's points (``attn_z``, ``value``, and Q/K through the patterns they give) where they are
+served, steering, and plain requests token-identical to vLLM without the plugin. A point the check refused is refused
 by name with its invariant; a written layout made wrong on purpose (two norms swapped) is
 caught the same way while the rest of the model serves.
 
@@ -23,6 +24,7 @@ from tests.families import tiny_family_dir
 from tests.integration.engines import env, generate_without_plugin, running_llm
 from tests.integration.reference import HFReference, _steering_delta, max_relative_error
 from vllm_lens import SteeringVector, UnsupportedModelError
+from vllm_lens.attention import attention_patterns
 from vllm_lens.common.messages import DescribeAnswer, read
 from vllm_lens.demo_models import tiny_llama_dir
 
@@ -135,23 +137,29 @@ def test_the_layout_is_derived_and_proven_at_start_up(derived):
 @pytest.mark.families
 def test_proven_points_match_transformers_and_refused_ones_name_the_invariant(derived):
     name, _, llm, ref = derived
-    served = [p for p in STREAM if p not in DERIVED[name]]
-    qk = {} if name in QK_REFUSED else {"output_qk": [0]}
+    # The attention kernel's points where its Q/K are served: compared like the stream's.
+    served = [p for p in STREAM if p not in DERIVED[name]] + (
+        [] if name in QK_REFUSED else ["attn_z", "value"])
+    qk = {} if name in QK_REFUSED else {"output_qk": [0, 3]}
     sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
         "output_residual_stream": True,
         "output_activations": {p: [1, 3] for p in served}, **qk})
     out = llm.generate([PROMPT], sp)[0]
     assert out.lens_error is None
     ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-    expected = ref.points(ids[:-1])
+    expected = ref.points(ids[:-1], attentions=True)
     for layer in range(4):
         err = max_relative_error(out.activations["residual_stream"][layer],
                                  expected[("resid_post", layer)])
         assert err <= TOL, (name, layer, err)
     for point in served:
         for i, layer in enumerate((1, 3)):
-            err = max_relative_error(out.activations[point][i], expected[(point, layer)])
+            err = max_relative_error(out.activations[point][i].flatten(1),
+                                     expected[(point, layer)].flatten(1))
             assert err <= TOL, (name, point, layer, err)
+    for layer in (0, 3) if qk else ():  # Q/K, through the patterns they give
+        pattern = attention_patterns(out.activations, layer)
+        assert (pattern - expected[("attn", layer)]).abs().max() < 1e-5, (name, layer)
     for point, invariant in DERIVED[name].items():
         sp = SamplingParams(max_tokens=1, extra_args={"output_activations": {point: [0]}})
         with pytest.raises(UnsupportedModelError,

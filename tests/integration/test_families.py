@@ -25,7 +25,7 @@ from vllm_lens.attention import attention_patterns
 PROMPT = ("Once upon a time in a quiet village by the sea, an old fisherman mended his nets "
           "and told the children stories about the storms he had seen.")
 POINTS = ["resid_pre", "attn_in", "attn_out", "resid_mid", "mlp_in", "mlp_out", "resid_post",
-          "mlp_post", "attn_z"]
+          "mlp_post", "attn_z", "value"]
 #: MoE layers have no single MLP activation; they have a router.
 MOE = {"mixtral", "qwen2_moe"}
 

@@ -29,7 +29,8 @@ def parse(extra, facts=FACTS):
     ("blocks.2.mlp.hook_post", ("mlp_post", 2)), ("pre_attn", ("resid_pre", None)),
     ("post_attn", ("resid_mid", None)), ("post_block", ("resid_post", None)),
     ("hook_z", ("attn_z", None)), ("blocks.4.hook_mlp_in", ("mlp_in", 4)),
-    ("blocks.2.attn_in", ("attn_in", 2)),
+    ("blocks.2.attn_in", ("attn_in", 2)), ("blocks.5.attn.hook_v", ("value", 5)),
+    ("hook_v", ("value", None)), ("value", ("value", None)), ("hook_value", ("value", None)),
 ])
 def test_names_and_aliases(name, expected):
     assert resolve(name) == expected
@@ -54,6 +55,27 @@ def test_steerable_points_are_the_stream_points():
     assert STEERABLE == ("resid_pre", "attn_in", "attn_out", "resid_mid", "mlp_in", "mlp_out",
                          "resid_post")
     assert not POINTS["mlp_post"].steerable and not POINTS["attn_z"].steerable
+    assert not POINTS["value"].steerable
+
+
+def test_value_is_read_beside_q_and_k_one_row_per_key_value_head():
+    from vllm_lens.common.points import tap_key
+
+    assert hook_name("value", 4) == "blocks.4.attn.hook_v"
+    assert resolve(hook_name("value", 4)) == ("value", 4)
+    assert tap_key("value", split=True) == "attn_v" and tap_key("attn_q", split=False) == "attn"
+    extra = {"output_activations": {"blocks.1.attn.hook_v": True, "value": [2]}}
+    (spec,) = parse(extra).captures
+    assert (spec.signal, spec.layers) == ("value", (1, 2))
+    assert FACTS.row_shape("value") == (FACTS.n_kv_heads, FACTS.head_dim)
+    with pytest.raises(LensRequestError, match="cannot be written to"):
+        parse({"apply_steering_vectors": [SteeringVector(
+            activations=torch.zeros(1, FACTS.hidden_size), layer_indices=[1],
+            hook_point="value")]})
+    outer_only = dataclasses.replace(FACTS, sites=("pre", "post", "mid"))
+    with pytest.raises(UnsupportedModelError, match="plain attention kernel") as info:
+        parse({"output_activations": {"value": [1]}}, outer_only)
+    assert info.value.field == "output_activations.value"
 
 
 def test_output_activations_merges_names_of_one_point():
@@ -218,6 +240,11 @@ def test_replicated_key_heads_are_kept_once():
     assert torch.equal(joined, torch.cat([k + 1, k]))
     with pytest.raises(ValueError, match="different positions"):
         merge_rank_payloads([_part("attn_q", (0,), 0, k), _part("attn_q", (0,), 1, k, (0, 1, 3))])
+    v = torch.randn(1, 3, 2, 4)  # values: one per key/value head, replicated like keys
+    parts = [_part("value", (5,), r, v[:, :, r // 2 : r // 2 + 1]) for r in range(4)]
+    assert torch.equal(merge_rank_payloads(parts, n_kv_heads=2)[0], v)
+    parts = [_part("value", (5,), r, v[:, :, r : r + 1]) for r in range(2)]  # one head a rank
+    assert torch.equal(merge_rank_payloads(parts, n_kv_heads=2)[0], v)
 
 
 def test_attention_metadata_joins_per_head_values_once_per_rank():

@@ -5,7 +5,8 @@ The front end validates requests with it; workers route taps.
 
 Per decoder layer ``L`` (TransformerLens names)::
 
-    resid_pre -> norm -> attn_in -> attention (attn_q, attn_k, attn_z) -> attn_out -> resid_mid
+    resid_pre -> norm -> attn_in -> attention (attn_q, attn_k, value, attn_z) -> attn_out
+              -> resid_mid
               -> norm -> mlp_in -> MLP (mlp_post) -> mlp_out -> resid_post
 
 A point is read at one of the *sites* inside the traced model, each a tap op that receives
@@ -25,6 +26,7 @@ resid_post post   ``a + b``                        the stream leaving the layer
 mlp_post   act    ``a``                            the MLP's activation, input of down_proj
 attn_z     attn   the attention kernel's output    per head, input of o_proj
 attn_q/k   attn   the attention kernel's inputs    per head, post-RoPE
+value      attn   the attention kernel's input     V per key/value head
 router_... router the MoE router's output          ``router_logits``, per expert
 ========== ====== ================================ ===========================================
 
@@ -44,6 +46,12 @@ before the MLP), where a written layout says that output is what the MLP reads
 use the name: the norm's output, with its weight; TransformerLens' own ``hook_mlp_in`` is the
 block's input before ``ln2`` (that is ``resid_mid`` here), and ``ln2.hook_normalized`` (before
 the norm's weight) is not a point here.
+``value`` is V exactly as the attention kernel receives it, ``[key/value heads, head_dim]``
+per row (after a family's V norm, where it has one): TransformerLens'
+``blocks.L.attn.hook_v`` (per key/value head, as TransformerLens keeps it for grouped-query
+attention), nnsight's ``v_proj`` output viewed per head. It is read where Q and K are
+(tap key ``attn_v``, before the kernel runs), so attention probabilities from ``attn_q`` and
+``attn_k`` times ``value`` give ``attn_z``.
 """
 
 from __future__ import annotations
@@ -52,9 +60,9 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
-    "ATTENTION_SIGNALS", "DLA_PREFIX", "POINTS", "QK_HOOK_POINT", "RESIDUAL_SIGNAL", "SHARDED",
-    "SITES", "STEERABLE", "Point", "hook_name", "hook_site", "operands", "resolve", "shard_dim",
-    "site_of", "tap_key",
+    "ATTENTION_SIGNALS", "ATTENTION_TAP_KEYS", "DLA_PREFIX", "KV_HEAD_SIGNALS", "POINTS",
+    "QK_HOOK_POINT", "RESIDUAL_SIGNAL", "SHARDED", "SITES", "STEERABLE", "Point", "hook_name",
+    "hook_site", "operands", "resolve", "shard_dim", "site_of", "tap_key",
 ]
 
 #: Where taps run, in the order a layer reaches them.
@@ -83,6 +91,7 @@ POINTS: dict[str, Point] = {p.name: p for p in (
     Point("resid_post", "post", True, True),
     Point("mlp_post", "act", False, False),
     Point("attn_z", "attn", False, False),
+    Point("value", "attn", False, False),
     Point("router_logits", "router", False, False),
 )}
 #: Points steering vectors and hooks may write to (each is a ``[n_tokens, hidden]`` stream).
@@ -96,7 +105,10 @@ RESIDUAL_SIGNAL = "residual_stream"
 ATTENTION_SIGNALS = ("attn_q", "attn_k")
 #: Signals each tensor-parallel rank holds a part of (heads, or MLP columns): every rank
 #: captures its part, and the front end joins them in rank order.
-SHARDED = ("attn_q", "attn_k", "attn_z", "mlp_post")
+SHARDED = ("attn_q", "attn_k", "attn_z", "value", "mlp_post")
+#: Signals with one row part per key/value head: under tensor parallelism with fewer key/value
+#: heads than ranks, several ranks hold the same head (kept once when the parts join).
+KV_HEAD_SIGNALS = ("attn_k", "value")
 
 
 #: The signal of an SAE's feature capture: ``sae:<ident>:<point>`` (``spec.saes``).
@@ -128,6 +140,7 @@ _ALIASES = {
     "pre_attn": "resid_pre", "post_attn": "resid_mid", "post_block": "resid_post",
     "attn.hook_z": "attn_z", "hook_z": "attn_z", "z": "attn_z",
     "mlp.hook_post": "mlp_post", "hook_mlp_post": "mlp_post",
+    "attn.hook_v": "value", "hook_v": "value", "v": "value", "attn_v": "value",
 }
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
 #: TransformerLens names that would resolve to a point reading another tensor.
@@ -142,8 +155,8 @@ def resolve(name: str) -> tuple[str, int | None]:
 
     >>> resolve("attn_out"), resolve("hook_resid_mid"), resolve("blocks.3.hook_attn_out")
     (('attn_out', None), ('resid_mid', None), ('attn_out', 3))
-    >>> resolve("post_block"), resolve("blocks.0.attn.hook_z")
-    (('resid_post', None), ('attn_z', 0))
+    >>> resolve("post_block"), resolve("blocks.0.attn.hook_z"), resolve("blocks.2.attn.hook_v")
+    (('resid_post', None), ('attn_z', 0), ('value', 2))
 
     Raises:
         KeyError: not a tap point (the message lists them).
@@ -171,9 +184,11 @@ def hook_name(point: str, layer: int) -> str:
 
     >>> hook_name("resid_post", 12), hook_name("attn_z", 3), hook_name("mlp_post", 0)
     ('blocks.12.hook_resid_post', 'blocks.3.attn.hook_z', 'blocks.0.mlp.hook_post')
+    >>> hook_name("value", 2)
+    'blocks.2.attn.hook_v'
     """
     inner = {"attn_z": "attn.hook_z", "attn_q": "attn.hook_q", "attn_k": "attn.hook_k",
-             "mlp_post": "mlp.hook_post",
+             "value": "attn.hook_v", "mlp_post": "mlp.hook_post",
              # TransformerLens' hook_attn_in reads another tensor (``_NOT_OURS``).
              "attn_in": "attn_in"}.get(point, f"hook_{point}")
     return f"blocks.{layer}.{inner}"
@@ -187,9 +202,19 @@ def hook_site(point: str, *, split: bool) -> str:
 
 def tap_key(signal: str, *, split: bool) -> str:
     """Which tap call reads ``signal``: its site, except that ``attn_z`` is read after the
-    attention kernel ran (``"attn_z"``) and Q/K before (``"attn"``)."""
+    attention kernel ran (``"attn_z"``), Q/K before (``"attn"``) and ``value`` beside them
+    (``"attn_v"``).
+
+    >>> tap_key("value", split=False), tap_key("attn_k", split=True)
+    ('attn_v', 'attn')
+    """
     signal = base_signal(signal)
-    return "attn_z" if signal == "attn_z" else site_of(signal, split=split)
+    return _ATTENTION_KEYS.get(signal) or site_of(signal, split=split)
+
+
+#: The attention wrappers' tap keys (``worker.attention_taps``), each read on the ``attn`` site.
+_ATTENTION_KEYS = {"attn_z": "attn_z", "value": "attn_v"}
+ATTENTION_TAP_KEYS = ("attn", *_ATTENTION_KEYS.values())
 
 
 def operands(signal: str, a, b):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from vllm_lens.common.points import shard_dim
+from vllm_lens.common.points import KV_HEAD_SIGNALS, shard_dim
 from vllm_lens.hooks import HookError
 
 __all__ = ["join_features", "join_rows", "join_streamed", "merge_hook_results",
@@ -44,7 +44,7 @@ def merge_rank_payloads(
             tensors.append(shards[0][1])
             continue
         signal = shards[0][0]["signal"]
-        if signal == "attn_k" and 0 < n_kv_heads < len(shards):
+        if signal in KV_HEAD_SIGNALS and 0 < n_kv_heads < len(shards):
             replicas = len(shards) // n_kv_heads  # ranks r holds key head r // replicas
             shards = shards[::replicas]
         tensors.append(torch.cat([t for _, t in shards], dim=shard_dim(signal)))

@@ -98,7 +98,7 @@ class ModelFacts:
         attribution's ``dla:<point>``: the point's)."""
         signal = tap_points.base_signal(signal) if signal.startswith(
             tap_points.DLA_PREFIX) else signal
-        if signal == "attn_k":
+        if signal in tap_points.KV_HEAD_SIGNALS:
             return (self.n_kv_heads, self.head_dim)
         if signal in ("attn_q", "attn_z"):
             return (self.n_heads, self.head_dim)

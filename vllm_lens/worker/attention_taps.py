@@ -4,12 +4,13 @@ vLLM runs attention as one opaque custom op (``unified_attention_with_output``, 
 CUDA alike), outside the compiled graph and outside CUDA graphs; its body looks up
 ``layer.impl.forward`` at run time. Wrapping that bound method therefore sees the post-RoPE
 query ``[tokens, heads, head_dim]`` and key ``[tokens, kv_heads, head_dim]`` exactly as the
-kernel receives them, and the kernel's output (``attn_z``), with no change to the traced graph.
+kernel receives them, the value ``[tokens, kv_heads, head_dim]`` beside them, and the kernel's
+output (``attn_z``), with no change to the traced graph.
 Attention steering (``worker.attention_steering``) rewrites rows of that output there, before
 ``attn_z`` is read.
 
-The wrappers are dormant: they are installed only for the steps that capture Q/K or
-``attn_z`` or steer attention, and removed when no step needs them, so plain traffic pays
+The wrappers are dormant: they are installed only for the steps that capture Q/K, ``value``
+or ``attn_z`` or steer attention, and removed when no step needs them, so plain traffic pays
 nothing.
 """
 
@@ -23,8 +24,8 @@ from torch import nn
 
 __all__ = ["AttentionTaps", "attention_meta"]
 
-#: handler(a, b, layer, site): ``("attn", q, k)`` before the kernel, ``("attn_z", out, None)``
-#: after it.
+#: handler(a, b, layer, site): ``("attn", q, k)`` and ``("attn_v", v, None)`` before the
+#: kernel, ``("attn_z", out, None)`` after it.
 Handler = Callable[[torch.Tensor, "torch.Tensor | None", int, str], None]
 #: editor(query, key, value, output, layer): after the kernel, may rewrite rows of ``output``
 #: (``None`` when the kernel's output cannot be rewritten: quantized).
@@ -69,6 +70,8 @@ def _wrapped(original: Callable[..., Any], layer: int, handler: Handler,
                 **kwargs):
         if key is not None:
             handler(query, key, layer, "attn")
+            if value is not None:
+                handler(value, None, layer, "attn_v")
         result = original(attn_layer, query, key, value, kv_cache, attn_metadata,
                           output=output, **kwargs)
         z = output if output is not None else result

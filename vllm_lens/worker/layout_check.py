@@ -21,7 +21,7 @@ with that invariant, and the rest of the model serves. A derived layout
 dummy run fails) its points are refused. Written rows are proven by the test suite against
 transformers; they face the same check, and a failure refuses their points the same way.
 
-Q/K and ``attn_z`` are the attention kernel's own inputs and output (``worker.attention_taps``
+Q/K, ``value`` and ``attn_z`` are the attention kernel's own inputs and output (``worker.attention_taps``
 reads them at vLLM's ``Attention`` module, found by its class), so no invariant is needed for
 them; they are refused with the stream when ``continuity`` fails.
 """
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from vllm_lens.common.points import POINTS, operands, tap_key
+from vllm_lens.common.points import POINTS, operands, site_of, tap_key
 from vllm_lens.worker import head_projection, taps
 from vllm_lens.worker.layout_derivation import attention_kernels, recurrent_state_reason
 
@@ -317,8 +317,7 @@ def final_norm(model: torch.nn.Module, info: Any) -> torch.nn.Module | None:
 def _offered(info: Any) -> list[str]:
     """The points the layout offers (before the check)."""
     split = info.split
-    offered = [p for p in POINTS if tap_key(p, split=split).replace("attn_z", "attn")
-               in info.sites]
+    offered = [p for p in POINTS if site_of(p, split=split) in info.sites]
     return offered + (["attn_q", "attn_k"] if "attn" in info.sites else [])
 
 

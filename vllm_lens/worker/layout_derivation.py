@@ -27,9 +27,9 @@ nothing.
 Nothing derived is trusted: ``worker.layout_check`` proves the layout on the model's own
 weights before a lens request is served, and refuses what it cannot prove. A derived layout
 offers the stream points (``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out``,
-``resid_post``) and the attention kernel's Q/K/``attn_z``; it offers no ``mlp_post`` and no
-``router_logits`` (no invariant proves an activation or a router module yet). Q/K and
-``attn_z`` are tapped only at vLLM's plain ``Attention`` kernel (not latent or chunked
+``resid_post``) and the attention kernel's Q/K, ``value`` and ``attn_z``; it offers no
+``mlp_post`` and no ``router_logits`` (no invariant proves an activation or a router module
+yet). Q/K, ``value`` and ``attn_z`` are tapped only at vLLM's plain ``Attention`` kernel (not latent or chunked
 attention).
 """
 
@@ -68,7 +68,7 @@ def derive_layout(model: nn.Module, attention_cls: type | tuple[type, ...] | Non
 def attention_kernels() -> tuple[type, ...]:
     """vLLM's attention kernel modules a decoder layer may hold: ``Attention`` (and its
     subclasses: chunked local attention) and ``MLAAttention`` (multi-head latent attention:
-    DeepSeek-V2/V3, Kimi). Only plain ``Attention`` gets Q/K and ``attn_z`` taps
+    DeepSeek-V2/V3, Kimi). Only plain ``Attention`` gets Q/K, ``value`` and ``attn_z`` taps
     (``worker.taps``); the others locate the attention block, and its sums are proven like any
     other."""
     from vllm.model_executor.layers.attention.attention import Attention

@@ -24,7 +24,13 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 
 from vllm_lens import envs
 from vllm_lens.common import faults
-from vllm_lens.common.points import SAE_PREFIX, hook_site, site_of, tap_key
+from vllm_lens.common.points import (
+    ATTENTION_TAP_KEYS,
+    SAE_PREFIX,
+    hook_site,
+    site_of,
+    tap_key,
+)
 from vllm_lens.saes import SAE
 from vllm_lens.spec import HookSpec, SteerSpec
 from vllm_lens.worker.attention_steering import AttentionSteering
@@ -98,8 +104,8 @@ class LensRuntime:
         """The requests ``stop`` monitors end, and those ending because their lens work
         failed (a guardrail fails closed)."""
         self.attention = AttentionTaps(attention, self.on_tap, self.on_attention)
-        """Wrappers around the attention kernels, on only for steps that read Q/K/attn_z or
-        steer attention."""
+        """Wrappers around the attention kernels, on only for steps that read Q/K, value or
+        attn_z, or steer attention."""
         self.attention_steering = AttentionSteering(
             self.attention.meta, tp_rank, self.shard_layers, envs.attention_steer_max_bytes())
         """Attention-steered requests' states and the edit after each kernel."""
@@ -350,7 +356,7 @@ class LensRuntime:
             except Exception as exc:
                 self._fail_step(exc)
             self.attention.enable(
-                any(key[1] in ("attn", "attn_z") for key in self._plan.capture)
+                any(key[1] in ATTENTION_TAP_KEYS for key in self._plan.capture)
                 or any(site == "attn" for _, site in self._plan.hook_layers)
                 or bool(self._plan.attention))
         return self._plan

@@ -55,8 +55,8 @@ from vllm_lens.worker.layouts import (
 __all__ = ["TAP_OPS", "TapInfo", "current_tap_handler", "install_taps", "set_tap_handler", "tap_info"]
 
 #: handler(a, b, layer_index, site): ``site`` is one of ``points.SITES`` but ``attn`` here
-#: (``worker.attention_taps`` calls it with ``attn`` / ``attn_z``); ``b`` is the fused
-#: residual (None for layers without one, and entering the first layer).
+#: (``worker.attention_taps`` calls it with ``attn`` / ``attn_v`` / ``attn_z``); ``b`` is the
+#: fused residual (None for layers without one, and entering the first layer).
 TapHandler = Callable[[torch.Tensor, "torch.Tensor | None", int, str], None]
 _handler: TapHandler | None = None
 

@@ -163,7 +163,8 @@ class HFReference:
         vllm-lens does. MoE layers also
         record ``router_logits`` and ``router_experts`` (the experts chosen per token), and
         every layer whose attention calls its module's ``eager_attention_forward`` records
-        ``value``: the V that function receives, ``[T, kv_heads, head_dim]``."""
+        ``value``: the V that function receives, ``[T, kv_heads, head_dim]``; and
+        ``final_norm`` (at the last layer): what the LM head reads."""
         edits = edits or {}
         seen: dict = {}
         handles = []
@@ -254,6 +255,10 @@ class HFReference:
             if where.get("qkv_per_head"):
                 handles.append(_get(layer, where["qkv_per_head"]).register_forward_hook(
                     qkv_per_head))
+        def lm_head(_m, inp):  # what the LM head reads: the final norm's output
+            seen[("final_norm", len(self.layers) - 1)] = inp[0][0]
+
+        handles.append(self.model.get_output_embeddings().register_forward_pre_hook(lm_head))
         with self._recorded_values(layer_of, seen):
             try:
                 yield seen

@@ -23,7 +23,7 @@ from vllm import SamplingParams
 from tests.families import tiny_family_dir
 from tests.integration.engines import env, generate_without_plugin, running_llm
 from tests.integration.reference import HFReference, _steering_delta, max_relative_error
-from vllm_lens import SteeringVector, UnsupportedModelError
+from vllm_lens import LensRequestError, SteeringVector, UnsupportedModelError
 from vllm_lens.attention import attention_patterns
 from vllm_lens.common.messages import DescribeAnswer, read
 from vllm_lens.demo_models import tiny_llama_dir
@@ -107,6 +107,10 @@ NOT_IMPORTABLE = {
     "llama4_mm": ("Llama4ForConditionalGeneration", "vllm.model_executor.models.mllama4",
                   _NO_TORCHVISION),
 }
+#: Families whose attention heads differ in size by layer (Gemma 4: 64 on its sliding-window
+#: layers 0-2, global_head_dim 512 on layer 3): per-head points are compared at layers of one
+#: size, and a capture mixing sizes is refused by name.
+MIXED_HEAD_SIZES = {"gemma4": (0, 2)}
 MODE = dict(enforce_eager=True, max_num_batched_tokens=16, max_num_seqs=8)
 TOL = 1e-4
 
@@ -137,13 +141,15 @@ def test_the_layout_is_derived_and_proven_at_start_up(derived):
 @pytest.mark.families
 def test_proven_points_match_transformers_and_refused_ones_name_the_invariant(derived):
     name, _, llm, ref = derived
+    served = [p for p in STREAM if p not in DERIVED[name]]
     # The attention kernel's points where its Q/K are served: compared like the stream's.
-    served = [p for p in STREAM if p not in DERIVED[name]] + (
-        [] if name in QK_REFUSED else ["attn_z", "value"])
-    qk = {} if name in QK_REFUSED else {"output_qk": [0, 3]}
+    heads = [] if name in QK_REFUSED else ["attn_z", "value"]
+    at = MIXED_HEAD_SIZES.get(name, (0, 3))  # layers of those, with heads of one size
+    qk = {} if name in QK_REFUSED else {"output_qk": list(at)}
     sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
-        "output_residual_stream": True,
-        "output_activations": {p: [1, 3] for p in served}, **qk})
+        "output_residual_stream": True, **qk, "output_activations": {
+            **{p: [1, 3] for p in served}, **{p: list(at) for p in heads},
+            "final_norm": True}})
     out = llm.generate([PROMPT], sp)[0]
     assert out.lens_error is None
     ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
@@ -152,14 +158,21 @@ def test_proven_points_match_transformers_and_refused_ones_name_the_invariant(de
         err = max_relative_error(out.activations["residual_stream"][layer],
                                  expected[("resid_post", layer)])
         assert err <= TOL, (name, layer, err)
-    for point in served:
-        for i, layer in enumerate((1, 3)):
+    for point in served + heads:
+        for i, layer in enumerate(at if point in heads else (1, 3)):
             err = max_relative_error(out.activations[point][i].flatten(1),
                                      expected[(point, layer)].flatten(1))
             assert err <= TOL, (name, point, layer, err)
-    for layer in (0, 3) if qk else ():  # Q/K, through the patterns they give
+    err = max_relative_error(out.activations["final_norm"][0], expected[("final_norm", 3)])
+    assert err <= TOL, (name, "final_norm", err)
+    for layer in at if qk else ():  # Q/K, through the patterns they give
         pattern = attention_patterns(out.activations, layer)
         assert (pattern - expected[("attn", layer)]).abs().max() < 1e-5, (name, layer)
+    if name in MIXED_HEAD_SIZES:
+        for extra in ({"output_qk": [0, 3]}, {"output_activations": {"value": [2, 3]}}):
+            sp = SamplingParams(max_tokens=1, extra_args=extra)
+            with pytest.raises(LensRequestError, match="attention heads differ in size"):
+                llm.generate([PROMPT], sp)
     for point, invariant in DERIVED[name].items():
         sp = SamplingParams(max_tokens=1, extra_args={"output_activations": {point: [0]}})
         with pytest.raises(UnsupportedModelError,

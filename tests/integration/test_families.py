@@ -74,7 +74,7 @@ def test_every_layer_every_point_and_attention_match_transformers(family):
     name, path, llm, ref = family
     sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
         "output_residual_stream": True,
-        "output_activations": {p: [1, 3] for p in points_of(name)},
+        "output_activations": {**{p: [1, 3] for p in points_of(name)}, "final_norm": True},
         "output_qk": [0, 3]})
     out = llm.generate([PROMPT], sp)[0]
     assert out.lens_error is None
@@ -90,6 +90,9 @@ def test_every_layer_every_point_and_attention_match_transformers(family):
             err = max_relative_error(acts[point][i].flatten(1),
                                      expected[(point, layer)].flatten(1))
             assert err <= TOL, (name, point, layer, err)
+    assert acts["final_norm"].shape[0] == 1  # once, after the last layer
+    err = max_relative_error(acts["final_norm"][0], expected[("final_norm", 3)])
+    assert err <= TOL, (name, "final_norm", err)
     for layer in (0, 3):
         pattern = attention_patterns(acts, layer)
         assert (pattern - expected[("attn", layer)]).abs().max() < 1e-5, (name, layer)

@@ -11,7 +11,7 @@ from torch import nn
 
 from vllm_lens.worker.layout_check import INVARIANTS, evaluate
 
-SITES = ("pre", "attn", "mid", "act", "post")
+SITES = ("pre", "attn", "mid", "act", "post", "final")
 LAYERS = (0, 1, 2)
 
 
@@ -36,6 +36,7 @@ def _fused_rows(n_tokens=5, hidden=8, seed=0):
         rows[(layer, "post")] = (mlp_out, resid_mid)
         hidden_prev, residual_prev = mlp_out, resid_mid
     last = hidden_prev + residual_prev
+    rows[(LAYERS[-1], "final")] = (2.0 * last, None)  # the final norm (_Scale) of it
     return rows, last
 
 
@@ -49,6 +50,19 @@ def test_a_correct_layer_passes_every_invariant():
     result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True)
     assert sorted(result.passed) == sorted(INVARIANTS)
     assert result.refused == {}
+
+
+def test_a_final_norm_tap_off_the_lm_heads_input_refuses_final_norm_alone():
+    rows, last = _fused_rows()
+    rows[(LAYERS[-1], "final")] = (last, None)  # the norm's input, not its output
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True)
+    assert result.refused == {"final_norm": "the invariant 'the LM head reads final_norm' failed"}
+    del rows[(LAYERS[-1], "final")]  # the tap did not run: unproven, named
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True)
+    assert set(result.refused) == {"final_norm"}
+    assert "the final norm's tap did not run" in result.refused["final_norm"]
+    result = evaluate(rows, _info(), hidden=None, final_norm=_Scale(), last_stage=False)
+    assert "does not end the model" in result.refused["final_norm"]
 
 
 def test_a_wrong_mid_module_refuses_the_points_it_reads_and_keeps_the_stream():

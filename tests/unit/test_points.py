@@ -51,6 +51,40 @@ def test_transformer_lens_attn_in_is_refused_not_read_as_another_tensor(name):
     assert resolve(hook_name("attn_in", 2)) == ("attn_in", 2)
 
 
+def test_per_head_captures_over_heads_of_two_sizes_are_refused():
+    mixed = dataclasses.replace(FACTS, qk_meta=({"scale": 0.5, "head_size": 4},) * 3 + (
+        {"scale": 0.5, "head_size": 16},))
+    for extra, field in (({"output_qk": [0, 3]}, "output_qk"),
+                         ({"output_activations": {"attn_z": [1, 3]}}, "output_activations.attn_z"),
+                         ({"output_activations": {"value": True}}, "output_activations.value")):
+        with pytest.raises(LensRequestError, match="4 at layers \\[[01].*16 at layers \\[3\\]") \
+                as info:
+            parse(extra, mixed)
+        assert info.value.field == field
+    assert parse({"output_qk": [0, 2], "output_activations": {"value": [3]}}, mixed)
+
+
+def test_final_norm_is_read_once_after_the_last_layer():
+    with_final = dataclasses.replace(FACTS, sites=(*FACTS.sites, "final"))
+    for raw in (True, [3], {"layers": True, "positions": "last_prompt"}):
+        (spec,) = parse({"output_activations": {"final_norm": raw}}, with_final).captures
+        assert (spec.signal, spec.layers) == ("final_norm", (3,))
+    (spec,) = parse({"output_activations": {"hook_final_norm": True}}, with_final).captures
+    assert spec.layers == (3,) and hook_name("final_norm", 3) == "final_norm"
+    with pytest.raises(LensRequestError, match="after the last layer: give true or \\[3\\]") \
+            as info:
+        parse({"output_activations": {"final_norm": [1, 3]}}, with_final)
+    assert info.value.field == "output_activations.final_norm"
+    with pytest.raises(UnsupportedModelError, match="no final norm was found") as info:
+        parse({"output_activations": {"final_norm": True}})  # a model without the site
+    with pytest.raises(KeyError, match="before its weight"):
+        resolve("ln_final.hook_normalized")
+    with pytest.raises(LensRequestError, match="cannot be written to"):
+        parse({"apply_steering_vectors": [SteeringVector(
+            activations=torch.zeros(1, FACTS.hidden_size), layer_indices=[3],
+            hook_point="final_norm")]}, with_final)
+
+
 def test_steerable_points_are_the_stream_points():
     assert STEERABLE == ("resid_pre", "attn_in", "attn_out", "resid_mid", "mlp_in", "mlp_out",
                          "resid_post")
@@ -270,6 +304,22 @@ def test_attention_metadata_joins_per_head_values_once_per_rank():
     assert facts_from_describe([rank(0), rank(1)]).dp_size == 1
     staged = facts_from_describe([rank(0, pp_rank=0), rank(0, pp_rank=1)])
     assert staged.pp_size == 2 and staged.dp_size == 1
+
+
+def test_the_final_norm_site_is_the_last_stages():
+    from vllm_lens.common.messages import DescribeAnswer
+    from vllm_lens.spec.facts import facts_from_describe
+
+    def stage(pp_rank, layers, sites):
+        return msgspec.structs.replace(
+            DescribeAnswer.refused(""), unsupported=None, model_class="LlamaForCausalLM",
+            n_layers=4, local_layers=layers, hidden_size=8, max_model_len=64, mapped=True,
+            dtype="float32", pp_rank=pp_rank, sites=sites)
+
+    first, last = stage(0, [0, 1], ["pre", "post"]), stage(1, [2, 3], ["pre", "post", "final"])
+    assert facts_from_describe([first, last]).sites == ("pre", "post", "final")
+    assert facts_from_describe([first, stage(1, [2, 3], ["pre", "post"])]).sites == (
+        "pre", "post")
 
 
 def test_pipeline_parallel_is_refused_on_families_it_is_not_proven_on():

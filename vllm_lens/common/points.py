@@ -28,6 +28,7 @@ attn_z     attn   the attention kernel's output    per head, input of o_proj
 attn_q/k   attn   the attention kernel's inputs    per head, post-RoPE
 value      attn   the attention kernel's input     V per key/value head
 router_... router the MoE router's output          ``router_logits``, per expert
+final_norm final  the final norm's output          what the LM head reads (last layer only)
 ========== ====== ================================ ===========================================
 
 Blocks that add to the stream inside the layer (GPT-2, GPT-NeoX, OLMo 2: *split* layouts)
@@ -52,6 +53,10 @@ per row (after a family's V norm, where it has one): TransformerLens'
 attention), nnsight's ``v_proj`` output viewed per head. It is read where Q and K are
 (tap key ``attn_v``, before the kernel runs), so attention probabilities from ``attn_q`` and
 ``attn_k`` times ``value`` give ``attn_z``.
+``final_norm`` is read once per row, at the output of the model's final norm (site ``final``,
+with the last layer's index): what the LM head reads, nnsight's ``model.norm.output``.
+TransformerLens' ``ln_final.hook_normalized`` is that norm before its weight, so it is not an
+alias; ``run_with_cache`` names the point ``final_norm``.
 """
 
 from __future__ import annotations
@@ -60,14 +65,15 @@ import re
 from dataclasses import dataclass
 
 __all__ = [
-    "ATTENTION_SIGNALS", "ATTENTION_TAP_KEYS", "DLA_PREFIX", "KV_HEAD_SIGNALS", "POINTS",
+    "ATTENTION_SIGNALS", "ATTENTION_TAP_KEYS", "DLA_PREFIX", "FINAL_POINT", "KV_HEAD_SIGNALS",
+    "POINTS",
     "QK_HOOK_POINT", "RESIDUAL_SIGNAL", "SHARDED", "SITES", "STEERABLE", "Point", "hook_name",
     "hook_site", "operands", "resolve", "shard_dim", "site_of", "tap_key",
 ]
 
 #: Where taps run, in the order a layer reaches them.
 SITES = ("pre", "attn_in", "attn", "attn_block", "mid", "mlp_in", "router", "act", "mlp_block",
-         "post")
+         "post", "final")
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,10 @@ POINTS: dict[str, Point] = {p.name: p for p in (
     Point("attn_z", "attn", False, False),
     Point("value", "attn", False, False),
     Point("router_logits", "router", False, False),
+    Point("final_norm", "final", False, False),
 )}
+#: The point read once, after the last decoder layer (its only layer is the last).
+FINAL_POINT = "final_norm"
 #: Points steering vectors and hooks may write to (each is a ``[n_tokens, hidden]`` stream).
 STEERABLE = tuple(name for name, p in POINTS.items() if p.steerable)
 #: A hook point that reads the attention kernel's Q (as ``hidden``) and K (``ctx.key``), with
@@ -148,6 +157,12 @@ _NOT_OURS = {
     "hook_attn_in": "TransformerLens' stream before ln1, copied per head (use resid_pre); "
                     "vllm-lens' attn_in is the pre-attention norm's output: name it attn_in",
 }
+#: TransformerLens names outside the blocks that would read another tensor.
+_NOT_OURS_TOP = {
+    "ln_final.hook_normalized": "TransformerLens' final norm before its weight; vllm-lens' "
+                                "final_norm is the norm's output, with its weight: name it "
+                                "final_norm",
+}
 
 
 def resolve(name: str) -> tuple[str, int | None]:
@@ -167,6 +182,8 @@ def resolve(name: str) -> tuple[str, int | None]:
         layer, text = int(m.group(1)), m.group(2)
     if isinstance(text, str) and text in _NOT_OURS:
         raise KeyError(f"{name!r} is {_NOT_OURS[text]}")
+    if isinstance(text, str) and layer is None and text in _NOT_OURS_TOP:
+        raise KeyError(f"{name!r} is {_NOT_OURS_TOP[text]}")
     if isinstance(text, str):
         text = _ALIASES.get(text, text)
         if text.startswith("hook_"):
@@ -180,13 +197,16 @@ def resolve(name: str) -> tuple[str, int | None]:
 
 def hook_name(point: str, layer: int) -> str:
     """TransformerLens' (and so sae-lens') name of ``point`` at ``layer`` (``attn_in``, which
-    TransformerLens has no hook for, keeps its own name: ``blocks.L.attn_in``).
+    TransformerLens has no hook for, keeps its own name: ``blocks.L.attn_in``; ``final_norm``,
+    after every block, is ``final_norm``).
 
     >>> hook_name("resid_post", 12), hook_name("attn_z", 3), hook_name("mlp_post", 0)
     ('blocks.12.hook_resid_post', 'blocks.3.attn.hook_z', 'blocks.0.mlp.hook_post')
-    >>> hook_name("value", 2)
-    'blocks.2.attn.hook_v'
+    >>> hook_name("value", 2), hook_name("final_norm", 29)
+    ('blocks.2.attn.hook_v', 'final_norm')
     """
+    if point == FINAL_POINT:  # one per model: no block
+        return FINAL_POINT
     inner = {"attn_z": "attn.hook_z", "attn_q": "attn.hook_q", "attn_k": "attn.hook_k",
              "value": "attn.hook_v", "mlp_post": "mlp.hook_post",
              # TransformerLens' hook_attn_in reads another tensor (``_NOT_OURS``).

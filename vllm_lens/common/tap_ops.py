@@ -15,11 +15,13 @@ PRE_TAP_OP_NAME = "vllm_lens::pre_tap"
 MID_TAP_OP_NAME = "vllm_lens::mid_tap"
 ACT_TAP_OP_NAME = "vllm_lens::act_tap"
 #: The ops of the sites only some layouts have (``points``): what attention and the MLP
-#: return in split layouts, what attention and the MLP read, and an MoE router's logits.
+#: return in split layouts, what attention and the MLP read, an MoE router's logits, and the
+#: model's final norm (once, after the last layer).
 SITE_OP_NAMES = {"attn_in": "vllm_lens::attn_in_tap", "mid": MID_TAP_OP_NAME,
                  "mlp_in": "vllm_lens::mlp_in_tap",
                  "act": ACT_TAP_OP_NAME,
                  "attn_block": "vllm_lens::attn_block_tap",
-                 "mlp_block": "vllm_lens::mlp_block_tap", "router": "vllm_lens::router_tap"}
+                 "mlp_block": "vllm_lens::mlp_block_tap", "router": "vllm_lens::router_tap",
+                 "final": "vllm_lens::final_norm_tap"}
 #: Every custom op vllm-lens puts in the traced graph.
 TAP_OPS = (PRE_TAP_OP_NAME, *SITE_OP_NAMES.values(), TAP_OP_NAME)

@@ -177,6 +177,10 @@ def parse_points(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[C
             value = {**value, "layers": [layer]}
         spec = dataclasses.replace(parse_capture(value, facts, request_id, field=where),
                                    signal=point)
+        if point == tap_points.FINAL_POINT:
+            spec = _after_the_last_layer(spec, facts, where, request_id)
+        if point in HEAD_POINTS:
+            check_one_head_size(spec.layers, facts, where, request_id)
         if (old := merged.get(point)) is not None:
             if (old.positions, old.reduce) != (spec.positions, spec.reduce):
                 raise LensRequestError(where, f"names the point {point} again with other "
@@ -185,6 +189,41 @@ def parse_points(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[C
             spec = dataclasses.replace(old, layers=tuple(sorted(set(old.layers + spec.layers))))
         merged[point] = spec
     return tuple(merged.values())
+
+
+#: Points read per attention head (rows ``[heads, head_dim]``).
+HEAD_POINTS = ("attn_z", "value")
+
+
+def check_one_head_size(layers: tuple[int, ...], facts: ModelFacts, where: str,
+                        request_id: str | None) -> None:
+    """Refuse per-head captures over layers whose heads differ in size (Gemma 4: 64 on its
+    sliding-window layers, 512 on its global ones): one capture is one ``[layers, rows,
+    heads, head_dim]`` tensor."""
+    sizes: dict[int, list[int]] = {}
+    for layer in layers:
+        meta = facts.qk_meta[layer] if layer < len(facts.qk_meta) else {}
+        if meta.get("head_size"):
+            sizes.setdefault(int(meta["head_size"]), []).append(layer)
+    if len(sizes) > 1:
+        found = "; ".join(f"{size} at layers {found}" for size, found in sorted(sizes.items()))
+        raise LensRequestError(where, f"these layers' attention heads differ in size ({found}): "
+                               "one capture holds heads of one size; capture the layers of "
+                               "each size in a request of their own", request_id=request_id)
+
+
+def _after_the_last_layer(spec: CaptureSpec, facts: ModelFacts, where: str,
+                          request_id: str | None) -> CaptureSpec:
+    """``final_norm`` is read once, after the last layer: ``true`` (every layer) means that
+    one, and any other layer is refused."""
+    last = facts.n_layers - 1
+    if spec.layers == tuple(range(facts.n_layers)):
+        return dataclasses.replace(spec, layers=(last,))
+    if spec.layers != (last,):
+        raise LensRequestError(where, f"final_norm is read once, after the last layer: give "
+                               f"true or [{last}], not {list(spec.layers)}",
+                               request_id=request_id)
+    return spec
 
 
 def parse_qk(raw: Any, facts: ModelFacts, request_id: str | None
@@ -213,6 +252,7 @@ def parse_qk(raw: Any, facts: ModelFacts, request_id: str | None
         raise UnsupportedModelError(QK_KEY, f"the attention of layers {blind} cannot be "
                                     "described (scale, window ...), so their Q/K are not "
                                     "captured", request_id=request_id)
+    check_one_head_size(layers, facts, QK_KEY, request_id)
     return (CaptureSpec(layers=layers, signal="attn_q"),
             CaptureSpec(layers=layers, signal="attn_k")), heads
 

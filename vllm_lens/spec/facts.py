@@ -47,6 +47,7 @@ class ModelFacts:
     n_heads: int = 0
     n_kv_heads: int = 0
     head_dim: int = 0
+    """Size of an attention head (the largest, where layers differ: ``qk_meta`` per layer)."""
     tp_size: int = 1
     qk_meta: tuple[Mapping[str, Any], ...] = ()
     """Per layer: what ``vllm_lens.attention`` needs to rebuild the attention pattern
@@ -121,6 +122,10 @@ def facts_from_describe(answers: Sequence[Any]) -> ModelFacts:
     results = read_all(DescribeAnswer, answers)
     first = results[0]
     sites = set.intersection(*(set(r.sites) for r in results))
+    # The final norm is on the ranks holding the last layer alone (the last pipeline stage).
+    last = [r for r in results if first.n_layers - 1 in r.local_layers]
+    if last and all("final" in r.sites for r in last):
+        sites.add("final")
     meta = _join_qk_meta(results)
     return ModelFacts(
         model_class=first.model_class,
@@ -136,7 +141,8 @@ def facts_from_describe(answers: Sequence[Any]) -> ModelFacts:
         d_mlp=first.d_mlp,
         n_heads=first.num_heads_total,
         n_kv_heads=first.num_kv_heads_total,
-        head_dim=int(next(iter(meta.values()), {}).get("head_size", 0)),
+        # The largest (Gemma 4's heads differ in size by layer): admission counts no less.
+        head_dim=max((int(m.get("head_size", 0)) for m in meta.values()), default=0),
         tp_size=first.tp_size,
         qk_meta=tuple(meta.get(layer, {}) for layer in range(first.n_layers)),
         split=first.split,

@@ -141,6 +141,8 @@ def check_site(point: str, facts: ModelFacts, where: str, request_id: str | None
 
 #: Why a model offers no tap at a site (the engine's inner taps on).
 _MISSING_SITE = {
+    "final": "no final norm was found beside its layers, its LM head is quantized, or the "
+             "engine's inner taps are off",
     "router": "its layers have no MoE router",
     "act": "its layers have no single MLP activation to read: MoE experts, or a down "
            "projection taking quantized input",

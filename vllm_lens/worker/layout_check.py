@@ -12,7 +12,9 @@ wrong one breaks:
 - ``the MLP adds mlp_out``: ``resid_post = resid_mid + mlp_out`` (sequential) or
   ``resid_post = resid_pre + attn_out + mlp_out`` (parallel blocks);
 - ``final norm``: the last layer's ``resid_post`` through the model's final norm is the
-  hidden state vLLM itself hands to the LM head (on the last pipeline stage).
+  hidden state vLLM itself hands to the LM head (on the last pipeline stage);
+- ``the LM head reads final_norm``: the final norm's tap (``final_norm``) holds that hidden
+  state.
 
 Each invariant names the points it proves; a point whose invariant fails is refused by name
 with that invariant, and the rest of the model serves. A derived layout
@@ -21,9 +23,9 @@ with that invariant, and the rest of the model serves. A derived layout
 dummy run fails) its points are refused. Written rows are proven by the test suite against
 transformers; they face the same check, and a failure refuses their points the same way.
 
-Q/K, ``value`` and ``attn_z`` are the attention kernel's own inputs and output (``worker.attention_taps``
-reads them at vLLM's ``Attention`` module, found by its class), so no invariant is needed for
-them; they are refused with the stream when ``continuity`` fails.
+Q/K, ``value`` and ``attn_z`` are the attention kernel's own inputs and output
+(``worker.attention_taps`` reads them at vLLM's ``Attention`` module, found by its class), so
+no invariant is needed for them; they are refused with the stream when ``continuity`` fails.
 """
 
 from __future__ import annotations
@@ -39,13 +41,15 @@ import torch
 from vllm_lens.common.points import POINTS, operands, site_of, tap_key
 from vllm_lens.worker import head_projection, taps
 from vllm_lens.worker.layout_derivation import attention_kernels, recurrent_state_reason
+from vllm_lens.worker.layouts import final_norm_of
 
 __all__ = ["INVARIANTS", "LayoutCheck", "check_layout", "evaluate", "final_norm", "tolerance"]
 
 logger = logging.getLogger(__name__)
 
 #: The invariants, each proving the points ``_requires`` lists it for.
-INVARIANTS = ("continuity", "final norm", "attention adds attn_out", "the MLP adds mlp_out")
+INVARIANTS = ("continuity", "final norm", "attention adds attn_out", "the MLP adds mlp_out",
+              "the LM head reads final_norm")
 _STREAM = ("continuity", "final norm")
 _SUMS = ("attention adds attn_out", "the MLP adds mlp_out")
 
@@ -60,6 +64,8 @@ def _requires(point: str, info: Any) -> tuple[str, ...]:
         sums = {"attn_out": ("attention adds attn_out",),
                 "resid_mid": ("attention adds attn_out", "the MLP adds mlp_out"),
                 "mlp_out": ("the MLP adds mlp_out",)}
+    if point == "final_norm":
+        return (*_STREAM, "the LM head reads final_norm")
     return _STREAM + sums.get(point, ())
 
 
@@ -139,7 +145,7 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
 
 
 #: The sites the invariants read (``evaluate``).
-_STREAM_SITES = ("pre", "mid", "attn_block", "mlp_block", "post")
+_STREAM_SITES = ("pre", "mid", "attn_block", "mlp_block", "post", "final")
 
 
 def _non_finite(rows: dict, hidden: torch.Tensor | None) -> str | None:
@@ -302,16 +308,8 @@ def _last_stage() -> bool:
 
 
 def final_norm(model: torch.nn.Module, info: Any) -> torch.nn.Module | None:
-    """The norm vLLM applies after the last decoder layer: the module beside the layer list
-    named like one."""
-    parent_path = info.layers_path.rpartition(".")[0]
-    parent = model.get_submodule(parent_path) if parent_path else model
-    for name in ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f",
-                 "final_norm"):
-        module = getattr(parent, name, None)
-        if isinstance(module, torch.nn.Module):
-            return module
-    return None
+    """The norm vLLM applies after the last decoder layer (``layouts.final_norm_of``)."""
+    return final_norm_of(model, info.layers_path)
 
 
 def _offered(info: Any) -> list[str]:
@@ -411,8 +409,17 @@ def evaluate(rows: dict, info: Any, *, hidden: torch.Tensor | None,
             expected = hidden.detach().float().reshape(-1, hidden.shape[-1])[: len(actual)]
         judge("final norm", [(actual, None, expected)],
               "no final norm was found beside the layers")
+        # The final norm's own tap (``final_norm``) holds what the LM head reads.
+        found = rows.get((layers[-1], "final"))
+        tapped = full = None
+        if found is not None and hidden is not None:
+            tapped = found[0].reshape(-1, found[0].shape[-1])
+            full = hidden.detach().float().reshape(-1, hidden.shape[-1])[: len(tapped)]
+        judge("the LM head reads final_norm", [(tapped, None, full)],
+              "the final norm's tap did not run")
     else:
         unrun["final norm"] = "this pipeline stage does not end the model"
+        unrun["the LM head reads final_norm"] = "this pipeline stage does not end the model"
 
     refused: dict[str, str] = {}
     for point in _offered(info):

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["LAYOUTS", "Layout", "derivable", "layout_of", "model_key", "unmapped_reason"]
+__all__ = ["LAYOUTS", "Layout", "derivable", "final_norm_of", "layout_of", "model_key",
+           "unmapped_reason"]
 
 
 @dataclass(frozen=True)
@@ -190,3 +192,22 @@ def derivable(model: object) -> bool:
     modules, whose calling convention the derivation does not read)."""
     key = model_key(model)
     return key not in LAYOUTS and not key.startswith("Transformers")
+
+
+#: What models name the norm after their last decoder layer (beside the layer list).
+_FINAL_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f",
+                     "final_norm")
+
+
+def final_norm_of(model: Any, layers_path: str) -> Any:
+    """The norm vLLM applies after the last decoder layer: the module beside the layer list
+    (``layers_path``) named like one, or ``None``."""
+    from torch import nn
+
+    parent_path = layers_path.rpartition(".")[0]
+    parent = model.get_submodule(parent_path) if parent_path else model
+    for name in _FINAL_NORM_NAMES:
+        module = getattr(parent, name, None)
+        if isinstance(module, nn.Module):
+            return module
+    return None

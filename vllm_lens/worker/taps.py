@@ -47,6 +47,7 @@ from vllm_lens.worker.layout_derivation import derive_layout
 from vllm_lens.worker.layouts import (
     Layout,
     derivable,
+    final_norm_of,
     layout_of,
     model_key,
     unmapped_reason,
@@ -364,6 +365,34 @@ def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inne
     return sites, attention, d_mlp, n_experts
 
 
+def _install_final(model: nn.Module, layout: Layout, last: int, tap: bool,
+                   claimed: dict[int, tuple[str, int]]) -> bool:
+    """Tap the output of the model's final norm (``final_norm``, with the last layer's index)
+    on the stage that holds it; returns whether the site exists. Not where the LM head is
+    quantized (vLLM may fuse the norm with the quantization of its input), nor where a
+    layer's tap already claimed the module."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    module = final_norm_of(model, layout.layers)
+    head = getattr(model, "lm_head", None)
+    if (module is None or isinstance(module, PPMissingLayer)
+            or (isinstance(head, nn.Module) and not _reads_norm_outputs(head))):
+        return False
+    cls = type(module)
+    if getattr(cls, "_vllm_lens_site", None) is not None:  # tapped by an earlier call
+        if (cls._vllm_lens_site, module._vllm_lens_layer) != ("final", last):
+            return False
+        cls = cls.__mro__[1]
+    if claimed.setdefault(id(module), ("final", last)) != ("final", last):
+        return False
+    if tap:
+        _claim_forward(module)
+        module.__class__ = _inner_tapped_class(cls, "final", layout.fused_residual,
+                                               layout.batched)
+        module._vllm_lens_layer = last
+    return True
+
+
 def _reads_norm_outputs(layer: nn.Module) -> bool:
     """Whether this layer's attention and MLP read what their norms return, as its written
     layout says (``Layout.attn_in``, ``Layout.mlp_in``; the MLP also needs no time-conditioned
@@ -435,6 +464,10 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
                 attention.append((index, attn))
         local.append(index)
     sites = {"post"} | ({"pre"} if pre_taps else set()) | (inner or set())
+    if (layout is not None and layout.stream_only is None and inner_ops
+            and len(layers) - 1 in local
+            and _install_final(model, layout, len(layers) - 1, tap, claimed)):
+        sites.add("final")
     if "attn" not in sites:
         attention = []
     info = TapInfo(model_class=model_key(model), n_layers=len(layers),

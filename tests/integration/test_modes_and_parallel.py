@@ -55,11 +55,11 @@ GATED = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args=
 
 
 #: Every tap point and Q/K at every layer: under TP the heads and MLP columns come from both
-#: ranks, under PP the layers from both stages.
+#: ranks, under PP the layers from both stages (and final_norm from the last).
 SIGNALS = ["resid_pre", "attn_out", "resid_mid", "mlp_in", "mlp_out", "resid_post", "mlp_post",
-           "attn_z", "attn_q", "attn_k"]
+           "attn_z", "value", "final_norm", "attn_q", "attn_k"]
 POINTS = SamplingParams(max_tokens=6, temperature=0, extra_args={
-    "output_activations": {p: True for p in SIGNALS[:8]}, "output_qk": True,
+    "output_activations": {p: True for p in SIGNALS[:-2]}, "output_qk": True,
     "output_residual_stream": [1]})
 
 

@@ -31,7 +31,7 @@ from vllm_lens.worker.layouts import LAYOUTS  # noqa: E402
 OUT = ROOT / "docs" / "model_families.md"
 TESTS = ["tests/integration/test_families.py", "tests/integration/test_families_tp.py",
          "tests/integration/test_derived_layouts.py"]
-ALL_POINTS = [*single.POINTS, "router_logits"]
+ALL_POINTS = [*single.POINTS, "final_norm", "router_logits"]
 EVERY_POINT = "test_every_layer_every_point_and_attention_match_transformers"
 LACKING = "test_points_a_family_lacks_are_refused_by_name"
 COLUMNS = {  # column -> the tests behind it (per family)
@@ -92,7 +92,7 @@ def render(results: dict) -> str:
         name, layout = runs_as(family)
         shape = f"{layout.block}, {layout.norms}-norm" if layout else "unmapped"
         every = cell(results, family, [EVERY_POINT])
-        points = [every if p in single.points_of(family)
+        points = [every if p in single.points_of(family) or p == "final_norm"  # every family's
                   else cell(results, family, [LACKING], ok="refused") for p in ALL_POINTS]
         extra = [cell(results, family, tests) for tests in COLUMNS.values()]
         tp = cell(results, family, TP_TESTS) if family in TP_FAMILIES else "not run"
@@ -205,9 +205,10 @@ Model classes without a written row get a layout derived from vLLM's module tree
 the model's own weights when the engine serves its first lens request
 ([Model families](families.md#models-without-a-row-a-layout-derived-from-the-model-proven-on-its-own-weights)).
 These are compared with transformers by `tests/integration/test_derived_layouts.py`: the
-residual stream at every layer, every point the check proved at two layers, steering, and plain
-requests token-identical to vLLM without the plugin. `mlp_post` and `router_logits` are not
-offered on a derived layout.
+residual stream at every layer, every point the check proved at two layers, `final_norm`, the
+attention kernel's points where they are served (Q/K patterns, `attn_z` and `value` at two
+layers), steering, and plain requests token-identical to vLLM without the plugin. `mlp_post`,
+`router_logits`, `attn_in` and `mlp_in` are not offered on a derived layout.
 
 """
 

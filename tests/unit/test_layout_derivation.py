@@ -190,3 +190,15 @@ def test_a_hybrid_whose_layers_hand_the_stream_on_differently_is_refused():
     assert found.layout is None and "different" in found.reason
     found = derive_layout(_hybrid(MambaLayer, MambaLayer), Kernel)  # no attention at all
     assert found.layout is None and "no list of decoder layers" in found.reason
+
+
+def test_a_hybrids_stack_is_found_beside_a_shorter_all_attention_list():
+    model = _hybrid(MambaLayer, AttentionLayer, MambaLayer, AttentionLayer)
+    model.mtp = nn.Module()  # a prediction head of one attention layer
+    model.mtp.layers = nn.ModuleList([AttentionLayer()])
+    layout = derive_layout(model, Kernel).layout
+    assert layout is not None and layout.layers == "model.layers"
+    assert layout.stream_only is not None
+    model.mtp.layers = nn.ModuleList(Fused() for _ in range(5))  # now the longer one
+    layout = derive_layout(model, Kernel).layout
+    assert layout.layers == "mtp.layers" and layout.stream_only is None

@@ -84,10 +84,12 @@ def attention_kernels() -> tuple[type, ...]:
 def _derive(model: nn.Module,
             Attention: type | tuple[type, ...]) -> Derivation:  # noqa: N803 -- classes
     found = _decoder_layers(model, Attention)
+    hybrid = _decoder_layers(model, Attention, hybrid=True)
+    # The decoder is the longer list: a short all-attention list beside a hybrid's (a
+    # multi-token-prediction head's layers, say) is not the model's stack.
+    if hybrid is not None and (found is None or len(hybrid[1]) > len(found[1])):
+        return _stream_only(*hybrid, Attention)
     if found is None:
-        hybrid = _decoder_layers(model, Attention, hybrid=True)
-        if hybrid is not None:
-            return _stream_only(*hybrid, Attention)
         return Derivation(None, "no list of decoder layers each holding one vLLM attention "
                                 "module was found")
     path, layers = found

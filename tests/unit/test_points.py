@@ -62,6 +62,13 @@ def test_per_head_captures_over_heads_of_two_sizes_are_refused():
             parse(extra, mixed)
         assert info.value.field == field
     assert parse({"output_qk": [0, 2], "output_activations": {"value": [3]}}, mixed)
+    # two names of one point join first, then the sizes are checked
+    with pytest.raises(LensRequestError, match="differ in size"):
+        parse({"output_activations": {"value": [0], "blocks.3.attn.hook_v": True}}, mixed)
+    # rows are as wide as the layers' heads: admission, empty results, SAE widths
+    assert mixed.row_shape("value", (0, 1)) == (1, 4) and mixed.row_shape("attn_z", (3,)) == (
+        2, 16)
+    assert mixed.head_size() == mixed.head_dim
 
 
 def test_final_norm_is_read_once_after_the_last_layer():
@@ -79,6 +86,12 @@ def test_final_norm_is_read_once_after_the_last_layer():
         parse({"output_activations": {"final_norm": True}})  # a model without the site
     with pytest.raises(KeyError, match="before its weight"):
         resolve("ln_final.hook_normalized")
+    from vllm_lens.spec.saes import check_description
+
+    sae = {"point": "final_norm", "layer": 1, "d_sae": 16, "d_in": FACTS.hidden_size}
+    with pytest.raises(LensRequestError, match="after the last layer \\(3\\)"):
+        check_description(sae, with_final, "output_sae_features[0]")
+    assert check_description({**sae, "layer": 3}, with_final, "f")[:2] == ("final_norm", 3)
     with pytest.raises(LensRequestError, match="cannot be written to"):
         parse({"apply_steering_vectors": [SteeringVector(
             activations=torch.zeros(1, FACTS.hidden_size), layer_indices=[3],

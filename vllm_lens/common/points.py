@@ -50,7 +50,8 @@ the norm's weight) is not a point here.
 ``value`` is V exactly as the attention kernel receives it, ``[key/value heads, head_dim]``
 per row (after a family's V norm, where it has one): TransformerLens'
 ``blocks.L.attn.hook_v`` (per key/value head, as TransformerLens keeps it for grouped-query
-attention), nnsight's ``v_proj`` output viewed per head. It is read where Q and K are
+attention); in nnsight, the V the attention function receives, viewed per head (``v_proj``'s
+output where V is not fused with Q/K and not normed). It is read where Q and K are
 (tap key ``attn_v``, before the kernel runs), so attention probabilities from ``attn_q`` and
 ``attn_k`` times ``value`` give ``attn_z``.
 ``final_norm`` is read once per row, at the output of the model's final norm (site ``final``,

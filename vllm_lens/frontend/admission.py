@@ -78,7 +78,7 @@ def capture_bound(spec: CaptureSpec, facts: ModelFacts, prompt_len: int | None,
         assert selector is not None, spec.positions  # validated by spec
         rows = selector.held_bound(lengths[selector.base])
     if row_bytes is None:
-        row_bytes = facts.row_width(spec.signal) * _ITEMSIZE.get(facts.dtype, 4)
+        row_bytes = facts.row_width(spec.signal, spec.layers) * _ITEMSIZE.get(facts.dtype, 4)
     return rows, len(spec.layers) * rows * row_bytes
 
 
@@ -115,8 +115,9 @@ def check_capture_size(specs: CaptureSpec | Sequence[CaptureSpec], facts: ModelF
     field = (CAPTURE_KEY if spec.signal == RESIDUAL_SIGNAL
              else QK_KEY if spec.signal in ATTENTION_SIGNALS
              else f"{ACTIVATIONS_KEY}.{spec.signal}")
-    width = (f"hidden {facts.hidden_size}" if facts.row_width(spec.signal) == facts.hidden_size
-             else f"{facts.row_width(spec.signal)} values")
+    row_width = facts.row_width(spec.signal, spec.layers)
+    width = (f"hidden {facts.hidden_size}" if row_width == facts.hidden_size
+             else f"{row_width} values")
     together = f"; {len(specs)} signals together" if len(specs) > 1 else ""
     raise LensRequestError(
         field,

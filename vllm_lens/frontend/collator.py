@@ -451,7 +451,7 @@ def _keep_heads(acts: dict[str, Any], heads: tuple[int, ...]) -> None:
 def _empty(spec: CaptureSpec, facts: ModelFacts) -> tuple[torch.Tensor, torch.Tensor]:
     """A signal no position of which was selected."""
     dtype = getattr(torch, facts.dtype)
-    row = facts.row_shape(spec.signal)
+    row = facts.row_shape(spec.signal, spec.layers)
     n_layers = len(spec.layers)
     if spec.reduce is not None:  # a reduction over no position: NaN rows
         tensor = torch.full((n_layers, *row), float("nan"), dtype=dtype)

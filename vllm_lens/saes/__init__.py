@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from vllm_lens.common.points import resolve
+from vllm_lens.common.points import FINAL_POINT, resolve
 from vllm_lens.saes.formats import LAYOUTS, SAEFormatError, detect_layout, read_sae
 from vllm_lens.saes.model import ARCHITECTURES, SAE, TRANSCODERS
 
@@ -78,8 +78,9 @@ def load_sae(path: str | Path, hook_point: str | None = None) -> SAE:
     except KeyError as exc:
         raise SAEFormatError(f"{path}: hook point {name!r}: {exc.args[0]}") from None
     if layer is None:
-        raise SAEFormatError(f"{path}: hook point {name!r} names no layer; use "
-                             f"'blocks.<layer>.hook_{point}'")
+        where = ("'blocks.<last layer>.final_norm'" if point == FINAL_POINT
+                 else f"'blocks.<layer>.hook_{point}'")
+        raise SAEFormatError(f"{path}: hook point {name!r} names no layer; use {where}")
     sae.hook_name, sae.point, sae.layer = name, point, layer
     if sae.is_transcoder:
         sae.out_point = _output_point(sae, path)

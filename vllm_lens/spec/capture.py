@@ -179,8 +179,6 @@ def parse_points(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[C
                                    signal=point)
         if point == tap_points.FINAL_POINT:
             spec = _after_the_last_layer(spec, facts, where, request_id)
-        if point in HEAD_POINTS:
-            check_one_head_size(spec.layers, facts, where, request_id)
         if (old := merged.get(point)) is not None:
             if (old.positions, old.reduce) != (spec.positions, spec.reduce):
                 raise LensRequestError(where, f"names the point {point} again with other "
@@ -188,6 +186,8 @@ def parse_points(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[C
                                        request_id=request_id)
             spec = dataclasses.replace(old, layers=tuple(sorted(set(old.layers + spec.layers))))
         merged[point] = spec
+        if point in HEAD_POINTS:  # (on the merged layers: names of one point join)
+            check_one_head_size(spec.layers, facts, where, request_id)
     return tuple(merged.values())
 
 

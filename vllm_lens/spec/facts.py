@@ -94,22 +94,31 @@ class ModelFacts:
             return f"the last layer's stream (resid_post) is refused: {why}"
         return None
 
-    def row_shape(self, signal: str) -> tuple[int, ...]:
+    def row_shape(self, signal: str, layers: Sequence[int] = ()) -> tuple[int, ...]:
         """The shape of one captured row (one position, one layer) of ``signal`` (a logit
-        attribution's ``dla:<point>``: the point's)."""
+        attribution's ``dla:<point>``: the point's) at ``layers`` (per-head signals: heads of
+        those layers' size, see ``head_size``)."""
         signal = tap_points.base_signal(signal) if signal.startswith(
             tap_points.DLA_PREFIX) else signal
         if signal in tap_points.KV_HEAD_SIGNALS:
-            return (self.n_kv_heads, self.head_dim)
+            return (self.n_kv_heads, self.head_size(layers))
         if signal in ("attn_q", "attn_z"):
-            return (self.n_heads, self.head_dim)
+            return (self.n_heads, self.head_size(layers))
         if signal == "router_logits":
             return (self.n_experts,)
         return (self.d_mlp if signal == "mlp_post" else self.hidden_size,)
 
-    def row_width(self, signal: str) -> int:
-        """Elements per captured row of ``signal``."""
-        return math.prod(self.row_shape(signal))
+    def row_width(self, signal: str, layers: Sequence[int] = ()) -> int:
+        """Elements per captured row of ``signal`` at ``layers``."""
+        return math.prod(self.row_shape(signal, layers))
+
+    def head_size(self, layers: Sequence[int] = ()) -> int:
+        """The size of an attention head at ``layers`` (``qk_meta``; a capture over heads of
+        two sizes is refused, ``spec.capture.check_one_head_size``), the largest where they
+        differ or are not known (``head_dim``)."""
+        sizes = {int(self.qk_meta[layer].get("head_size") or 0) for layer in layers
+                 if 0 <= layer < len(self.qk_meta)} - {0}
+        return max(sizes) if sizes else self.head_dim
 
 
 def facts_from_describe(answers: Sequence[Any]) -> ModelFacts:

@@ -28,7 +28,7 @@ import torch
 
 from vllm_lens.common import points as tap_points
 from vllm_lens.errors import LensRequestError, UnsupportedConfigError
-from vllm_lens.spec.capture import CaptureSpec, parse_positions
+from vllm_lens.spec.capture import CaptureSpec, check_one_head_size, parse_positions
 from vllm_lens.spec.facts import ModelFacts
 from vllm_lens.spec.fields import (
     check_site,
@@ -142,5 +142,6 @@ def parse_logit_attribution(raw: Any, facts: ModelFacts,
             raise UnsupportedConfigError(f"{LOGIT_KEY}.heads", f"per-head attribution is "
                                          f"refused on this engine: {facts.heads_refused}",
                                          request_id=request_id)
+        check_one_head_size(layers, facts, f"{LOGIT_KEY}.heads", request_id)
     return LogitAttributionSpec(layers=layers, positions=positions, token=token,
                                 n_layers=facts.n_layers, heads=facts.n_heads if heads else 0)

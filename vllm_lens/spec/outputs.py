@@ -63,7 +63,7 @@ def parse_sink(raw: Any, captures: tuple[CaptureSpec, ...], facts: ModelFacts,
     sink = dataclasses.replace(sink, shared=facts.dp_size > 1 or facts.pp_size > 1)
     if facts.pp_size > 1:
         sink = dataclasses.replace(sink, dtype=facts.dtype, row_shapes={
-            c.signal: facts.row_shape(c.signal) for c in captures})
+            c.signal: facts.row_shape(c.signal, c.layers) for c in captures})
     return sink
 
 

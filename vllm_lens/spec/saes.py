@@ -187,6 +187,10 @@ def check_description(info: Mapping[str, Any], facts: ModelFacts, field: str,
     if layer >= facts.n_layers:
         raise LensRequestError(field, f"reads layer {layer}, but the model has "
                                f"{facts.n_layers} layers", request_id=request_id)
+    if point == tap_points.FINAL_POINT and layer != facts.n_layers - 1:
+        raise LensRequestError(field, f"reads final_norm at layer {layer}, but final_norm is "
+                               f"read once, after the last layer ({facts.n_layers - 1})",
+                               request_id=request_id)
     check_site(point, facts, field, request_id)
     if facts.tp_size > 1 and point in tap_points.SHARDED:
         # Each rank holds a part of each row there; an SAE reads whole rows.
@@ -195,14 +199,14 @@ def check_description(info: Mapping[str, Any], facts: ModelFacts, field: str,
             f"(tensor_parallel_size={facts.tp_size}); under TP SAEs are served at points "
             "every rank holds whole (the residual stream, attn_out, mlp_out)",
             request_id=request_id)
-    width = facts.row_width(point)
+    width = facts.row_width(point, (layer,))
     if int(info["d_in"]) != width:
         raise LensRequestError(field, f"reads {point} rows of {info['d_in']} values, but this "
                                f"model's {point} rows have {width}", request_id=request_id)
     out_point = info.get("out_point")
     if out_point is not None:  # a transcoder: what it predicts must be here too
         check_site(str(out_point), facts, field, request_id)
-        out_width = facts.row_width(str(out_point))
+        out_width = facts.row_width(str(out_point), (layer,))
         if int(info.get("d_out", -1)) != out_width:
             raise LensRequestError(field, f"predicts {out_point} rows of {info.get('d_out')} "
                                    f"values, but this model's {out_point} rows have "

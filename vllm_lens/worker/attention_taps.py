@@ -42,6 +42,8 @@ class AttentionTaps:
         self.handler = handler
         self.editor = editor
         self.enabled = False
+        self.values = False
+        """Whether the step reads ``value`` (else the wrappers do not hand it on)."""
         self.meta: dict[int, dict[str, Any]] = {}
         """Layer -> ``attention_meta`` (for hooks at ``attn_qk``), where it can be read."""
         for layer, module in modules:
@@ -50,7 +52,9 @@ class AttentionTaps:
             except Exception:  # noqa: BLE001 - such a layer's hooks get no metadata
                 pass
 
-    def enable(self, on: bool) -> None:
+    def enable(self, on: bool, values: bool = False) -> None:
+        """Install the wrappers (``on``) or remove them; ``values``: hand ``value`` on too."""
+        self.values = on and values
         if on == self.enabled:
             return
         for layer, module in self.modules:
@@ -58,19 +62,19 @@ class AttentionTaps:
             wrapped = "forward" in impl.__dict__  # judged per module: a failure part-way
             if on and not wrapped:               # leaves nothing wrapped twice or forgotten
                 impl.forward = _wrapped(type(impl).forward.__get__(impl), layer,
-                                        self.handler, self.editor)
+                                        self.handler, self.editor, self)
             elif not on and wrapped:
                 del impl.forward  # back to the class's method
         self.enabled = on  # after the loop: a failure part-way is retried next step
 
 
 def _wrapped(original: Callable[..., Any], layer: int, handler: Handler,
-             editor: Editor | None) -> Callable[..., Any]:
+             editor: Editor | None, taps: AttentionTaps) -> Callable[..., Any]:
     def forward(attn_layer, query, key, value, kv_cache, attn_metadata, output=None,
                 **kwargs):
         if key is not None:
             handler(query, key, layer, "attn")
-            if value is not None:
+            if value is not None and taps.values:
                 handler(value, None, layer, "attn_v")
         result = original(attn_layer, query, key, value, kv_cache, attn_metadata,
                           output=output, **kwargs)

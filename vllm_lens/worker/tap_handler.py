@@ -358,7 +358,8 @@ class LensRuntime:
             self.attention.enable(
                 any(key[1] in ATTENTION_TAP_KEYS for key in self._plan.capture)
                 or any(site == "attn" for _, site in self._plan.hook_layers)
-                or bool(self._plan.attention))
+                or bool(self._plan.attention),
+                values=any(key[1] == "attn_v" for key in self._plan.capture))
         return self._plan
 
     def _fail_step(self, exc: BaseException) -> None:

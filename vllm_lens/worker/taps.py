@@ -355,9 +355,11 @@ def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inne
     attention = _submodule(layer, layout.attention)
     # The kernel must see the query as the model computed it: not quantized first (an fp8 KV
     # cache with a backend taking fp8 queries), and K of its own (no KV sharing).
+    # And V heads the size of Q/K's: the rows ``value`` and ``attn_z`` are read as.
     if (type(attention) is Attention
             and getattr(attention, "kv_sharing_target_layer_name", None) is None
-            and getattr(attention, "query_quant", None) is None):
+            and getattr(attention, "query_quant", None) is None
+            and getattr(attention, "head_size_v", None) in (None, attention.head_size)):
         sites.add("attn")
     else:
         attention = None

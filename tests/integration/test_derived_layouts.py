@@ -3,9 +3,10 @@ and proven at start-up on the model's own weights (``worker.layout_derivation``,
 ``worker.layout_check``), each a tiny random model (``tests/families.py``) against
 transformers: the residual stream at every layer, every point the check proved, the attention
 kernel's points (``attn_z``, ``value``, and Q/K through the patterns they give) where they are
-served, steering, and plain requests token-identical to vLLM without the plugin. A point the check refused is refused
-by name with its invariant; a written layout made wrong on purpose (two norms swapped) is
-caught the same way while the rest of the model serves.
+served, ``final_norm``, steering, and plain requests token-identical to vLLM without the
+plugin. A point the check refused is refused by name with its invariant; a written layout made
+wrong on purpose (two norms swapped) is caught the same way while the rest of the model
+serves.
 
 ``tools/family_matrix.py`` reads this module's results for the matrix too.
 

@@ -409,14 +409,14 @@ def evaluate(rows: dict, info: Any, *, hidden: torch.Tensor | None,
             expected = hidden.detach().float().reshape(-1, hidden.shape[-1])[: len(actual)]
         judge("final norm", [(actual, None, expected)],
               "no final norm was found beside the layers")
-        # The final norm's own tap (``final_norm``) holds what the LM head reads.
-        found = rows.get((layers[-1], "final"))
-        tapped = full = None
-        if found is not None and hidden is not None:
-            tapped = found[0].reshape(-1, found[0].shape[-1])
-            full = hidden.detach().float().reshape(-1, hidden.shape[-1])[: len(tapped)]
-        judge("the LM head reads final_norm", [(tapped, None, full)],
-              "the final norm's tap did not run")
+        if "final" in info.sites:  # the final norm's own tap holds what the LM head reads
+            found = rows.get((layers[-1], "final"))
+            tapped = full = None
+            if found is not None and hidden is not None:
+                tapped = found[0].reshape(-1, found[0].shape[-1])
+                full = hidden.detach().float().reshape(-1, hidden.shape[-1])[: len(tapped)]
+            judge("the LM head reads final_norm", [(tapped, None, full)],
+                  "the final norm's tap did not run")
     else:
         unrun["final norm"] = "this pipeline stage does not end the model"
         unrun["the LM head reads final_norm"] = "this pipeline stage does not end the model"

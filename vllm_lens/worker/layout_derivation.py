@@ -27,10 +27,10 @@ nothing.
 Nothing derived is trusted: ``worker.layout_check`` proves the layout on the model's own
 weights before a lens request is served, and refuses what it cannot prove. A derived layout
 offers the stream points (``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out``,
-``resid_post``) and the attention kernel's Q/K, ``value`` and ``attn_z``; it offers no
-``mlp_post`` and no ``router_logits`` (no invariant proves an activation or a router module
-yet). Q/K, ``value`` and ``attn_z`` are tapped only at vLLM's plain ``Attention`` kernel (not latent or chunked
-attention).
+``resid_post``), ``final_norm`` and the attention kernel's Q/K, ``value`` and ``attn_z``; it
+offers no ``mlp_post`` and no ``router_logits`` (no invariant proves an activation or a router
+module yet). Q/K, ``value`` and ``attn_z`` are tapped only at vLLM's plain ``Attention``
+kernel (not latent or chunked attention).
 """
 
 from __future__ import annotations

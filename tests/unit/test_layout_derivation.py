@@ -202,3 +202,18 @@ def test_a_hybrids_stack_is_found_beside_a_shorter_all_attention_list():
     model.mtp.layers = nn.ModuleList(Fused() for _ in range(5))  # now the longer one
     layout = derive_layout(model, Kernel).layout
     assert layout.layers == "mtp.layers" and layout.stream_only is None
+
+
+def test_padded_or_narrower_v_heads_get_no_per_head_taps():
+    from types import SimpleNamespace
+
+    from vllm_lens.worker.taps import _v_heads_whole
+
+    kernel = SimpleNamespace(head_size=64, head_size_v=64)
+    assert _v_heads_whole(nn.Module(), kernel)
+    assert not _v_heads_whole(nn.Module(), SimpleNamespace(head_size=64, head_size_v=32))
+    minicpm3 = nn.Module()  # pads V with zeros up to Q/K's head size before the kernel
+    minicpm3.v_head_dim = 32
+    assert not _v_heads_whole(minicpm3, kernel)
+    minicpm3.v_head_dim = 64
+    assert _v_heads_whole(minicpm3, kernel) and _v_heads_whole(None, kernel)

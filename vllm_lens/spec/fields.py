@@ -147,7 +147,8 @@ _MISSING_SITE = {
     "act": "its layers have no single MLP activation to read: MoE experts, or a down "
            "projection taking quantized input",
     "attn": "its attention is not vLLM's plain attention kernel (MLA, chunked local attention, "
-            "shared KV, a query quantized first, or V heads of another size than Q/K)",
+            "shared KV, a query quantized first, or V heads of another size than Q/K or padded "
+            "to it)",
     "pre": "its layers' inputs cannot be tapped",
     "attn_in": "its layout does not prove what its attention reads: offered on the written "
                "layouts with a norm before attention, not on derived layouts, post-norm layers "

@@ -353,13 +353,15 @@ def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inne
         if site == "mid" and mlp_in:
             sites.add("mlp_in")
     attention = _submodule(layer, layout.attention)
+    block_path = layout.attention.rpartition(".")[0]
     # The kernel must see the query as the model computed it: not quantized first (an fp8 KV
     # cache with a backend taking fp8 queries), and K of its own (no KV sharing).
     # And V heads the size of Q/K's: the rows ``value`` and ``attn_z`` are read as.
     if (type(attention) is Attention
             and getattr(attention, "kv_sharing_target_layer_name", None) is None
             and getattr(attention, "query_quant", None) is None
-            and getattr(attention, "head_size_v", None) in (None, attention.head_size)):
+            and _v_heads_whole(_submodule(layer, block_path) if block_path else layer,
+                               attention)):
         sites.add("attn")
     else:
         attention = None
@@ -393,6 +395,17 @@ def _install_final(model: nn.Module, layout: Layout, last: int, tap: bool,
                                                layout.batched)
         module._vllm_lens_layer = last
     return True
+
+
+def _v_heads_whole(block: nn.Module | None, kernel: nn.Module) -> bool:
+    """Whether the kernel's V heads are the model's whole V heads, the size of Q/K's: not of
+    another size (``head_size_v``), nor padded up to Q/K's size by the attention block (an
+    attention block naming a ``v_head_dim`` of its own: MiniCPM3 pads V with zeros)."""
+    size_v = getattr(kernel, "head_size_v", None)
+    if size_v is not None and size_v != kernel.head_size:
+        return False
+    own = getattr(block, "v_head_dim", None)
+    return not isinstance(own, int) or own == kernel.head_size
 
 
 def _reads_norm_outputs(layer: nn.Module) -> bool:

@@ -65,6 +65,21 @@ def test_a_final_norm_tap_off_the_lm_heads_input_refuses_final_norm_alone():
     assert "does not end the model" in result.refused["final_norm"]
 
 
+def test_a_final_norm_run_twice_in_a_pass_refuses_final_norm():
+    from vllm_lens.worker.layout_check import LayoutCheck, _Recorder, _refuse_repeated_final
+
+    recorder, result = _Recorder(), LayoutCheck(ran=True)
+    x = torch.ones(3, 4)
+    recorder(x, None, 2, "final")
+    recorder(x, None, 2, "post")
+    _refuse_repeated_final(result, recorder)
+    assert result.refused == {}
+    recorder(x[:1], None, 2, "final")  # a second call in the same step (fewer rows)
+    _refuse_repeated_final(result, recorder)
+    assert "ran 2 times" in result.refused["final_norm"]
+    assert recorder.rows[(2, "final")][0].shape == (3, 4)  # the first call's rows are kept
+
+
 def test_a_wrong_mid_module_refuses_the_points_it_reads_and_keeps_the_stream():
     rows, last = _fused_rows()
     attn_out, resid_pre = rows[(1, "mid")]

@@ -96,10 +96,14 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.rows: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.calls: dict[tuple[int, str], int] = {}
+        """Calls per (layer, site) in the pass: a tap run twice per step would have its
+        second call overwrite the rows captured at the first."""
         self.dtype = torch.float32
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor | None, layer: int, site: str) -> None:
         self.dtype = a.dtype
+        self.calls[(layer, site)] = self.calls.get((layer, site), 0) + 1
         self.rows.setdefault((layer, site), (
             a.detach().float().clone(), None if b is None else b.detach().float().clone()))
 
@@ -128,6 +132,7 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
         final = final_norm(model, info)
         result = evaluate(recorder.rows, info, hidden=hidden, final_norm=final,
                           last_stage=_last_stage(), dtype=recorder.dtype)
+        _refuse_repeated_final(result, recorder)
         try:
             _check_projections(result, model, info, recorder, kernel_out)
         except Exception as exc:  # noqa: BLE001 -- only per-head attribution is refused
@@ -142,6 +147,15 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
     _refuse_inner(result, info)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _refuse_repeated_final(result: LayoutCheck, recorder: _Recorder) -> None:
+    """A model that calls its final norm more than once in a step (on other rows too) would
+    have ``final_norm`` overwritten by the later call: refused then, on written layouts too."""
+    repeated = [n for (_, site), n in recorder.calls.items() if site == "final" and n > 1]
+    if repeated:
+        result.refused["final_norm"] = (f"the final norm ran {repeated[0]} times in one "
+                                        "forward pass, so its rows are not one per token")
 
 
 #: The sites the invariants read (``evaluate``).

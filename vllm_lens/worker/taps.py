@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,8 @@ from vllm_lens.worker.layouts import (
 )
 
 __all__ = ["TAP_OPS", "TapInfo", "current_tap_handler", "install_taps", "set_tap_handler", "tap_info"]
+
+logger = logging.getLogger(__name__)
 
 #: handler(a, b, layer_index, site): ``site`` is one of ``points.SITES`` but ``attn`` here
 #: (``worker.attention_taps`` calls it with ``attn`` / ``attn_v`` / ``attn_z``); ``b`` is the
@@ -369,6 +372,18 @@ def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inne
     return sites, attention, d_mlp, n_experts
 
 
+def _final_installed(model: nn.Module, layout: Layout, last: int, tap: bool,
+                     claimed: dict[int, tuple[str, int]]) -> bool:
+    """``_install_final``, never raising: a final norm that cannot be tapped leaves the model
+    without ``final_norm`` (refused by name), not unable to load."""
+    try:
+        return _install_final(model, layout, last, tap, claimed)
+    except Exception:  # noqa: BLE001 -- the model must load; the point is just not offered
+        logger.warning("vllm-lens: the final norm could not be tapped; final_norm is not "
+                       "offered", exc_info=True)
+        return False
+
+
 def _install_final(model: nn.Module, layout: Layout, last: int, tap: bool,
                    claimed: dict[int, tuple[str, int]]) -> bool:
     """Tap the output of the model's final norm (``final_norm``, with the last layer's index)
@@ -481,7 +496,7 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
     sites = {"post"} | ({"pre"} if pre_taps else set()) | (inner or set())
     if (layout is not None and layout.stream_only is None and inner_ops
             and len(layers) - 1 in local
-            and _install_final(model, layout, len(layers) - 1, tap, claimed)):
+            and _final_installed(model, layout, len(layers) - 1, tap, claimed)):
         sites.add("final")
     if "attn" not in sites:
         attention = []

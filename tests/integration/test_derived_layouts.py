@@ -57,6 +57,9 @@ DERIVED = {
     "llama4": {},
     "exaone4": {},  # post-norm layers handed a residual they do not add
 }
+#: Post-norm families: attention reads resid_pre and the MLP resid_mid, so no attn_in or
+#: mlp_in is offered (asking for one is refused by name).
+POST_NORM = {"exaone4"}
 #: Families whose Q/K (and ``attn_z``) are refused by name, and why: Llama 4's RoPE layers run
 #: vLLM's chunked local attention, whose chunks the patterns would not know (Q/K are offered
 #: only where every layer runs the plain kernel).
@@ -137,12 +140,15 @@ def test_the_layout_is_derived_and_proven_at_start_up(derived):
     for point, why in DERIVED[name].items():
         assert why in refused[point], (name, point, refused[point])
     assert "continuity" in check.passed and "final norm" in check.passed
+    if name not in POST_NORM:  # what attention and the MLP read, proven on a second pass
+        assert {"attention reads attn_in", "the MLP reads mlp_in"} <= set(check.passed), name
 
 
 @pytest.mark.families
 def test_proven_points_match_transformers_and_refused_ones_name_the_invariant(derived):
     name, _, llm, ref = derived
     served = [p for p in STREAM if p not in DERIVED[name]]
+    served += [] if name in POST_NORM else ["attn_in", "mlp_in"]
     # The attention kernel's points where its Q/K are served: compared like the stream's.
     heads = [] if name in QK_REFUSED else ["attn_z", "value"]
     at = MIXED_HEAD_SIZES.get(name, (0, 3))  # layers of those, with heads of one size
@@ -184,7 +190,10 @@ def test_proven_points_match_transformers_and_refused_ones_name_the_invariant(de
             sp = SamplingParams(max_tokens=1, extra_args=extra)
             with pytest.raises(UnsupportedModelError, match=re.escape(QK_REFUSED[name])):
                 llm.generate([PROMPT], sp)
-    for point in ("mlp_post", "router_logits"):  # no invariant proves them on a derived layout
+    for point in ("mlp_post", "router_logits", *(("attn_in", "mlp_in")
+                                                   if name in POST_NORM else ())):
+        # no invariant proves the first two on a derived layout; post-norm layers have no
+        # attn_in or mlp_in of their own
         sp = SamplingParams(max_tokens=1, extra_args={"output_activations": {point: [0]}})
         with pytest.raises(UnsupportedModelError, match=point):
             llm.generate([PROMPT], sp)
@@ -196,11 +205,17 @@ def test_steering_a_derived_layout_matches_transformers(derived):
     g = torch.Generator().manual_seed(3)
     vector = SteeringVector(activations=torch.randn(1, 128, generator=g) * 2,
                             layer_indices=[1])
+    vectors = [vector]
+    edits = {("resid_post", 1): lambda h: h + _steering_delta(vector, 0, h)}
+    if name not in POST_NORM:  # and what attention reads at layer 2
+        into_attn = SteeringVector(activations=torch.randn(1, 128, generator=g),
+                                   layer_indices=[2], hook_point="attn_in")
+        vectors.append(into_attn)
+        edits[("attn_in", 2)] = lambda h: h + _steering_delta(into_attn, 0, h)
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, extra_args={
-        "apply_steering_vectors": [vector], "output_residual_stream": [3]})
+        "apply_steering_vectors": vectors, "output_residual_stream": [3]})
     out = llm.generate([PROMPT], sp)[0]
     assert out.lens_error is None
-    edits = {("resid_post", 1): lambda h: h + _steering_delta(vector, 0, h)}
     assert list(out.outputs[0].token_ids) == ref.point_greedy(
         list(out.prompt_token_ids), 6, edits), name
     ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
@@ -244,6 +259,32 @@ def test_a_wrong_layout_is_refused_by_name_and_the_rest_serves(tiny_ref):
         ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
         expected = tiny_ref.residual_stream(ids[:-1], [0, 1, 2, 3])
         assert max_relative_error(out.activations["residual_stream"], expected) <= TOL
+
+
+@pytest.mark.families
+def test_a_derived_input_point_its_block_does_not_read_is_refused_by_name():
+    """Qwen3-MoE's derived layout with ``attn_in`` moved to the query's norm inside the
+    attention block (a test-only override): attention does not read that norm's output, so
+    "attention reads attn_in" fails and ``attn_in`` alone is refused; ``mlp_in`` and the
+    stream are still exact."""
+    path = tiny_family_dir("qwen3_moe")
+    wrong = {"Qwen3MoeForCausalLM": {"attn_in": "self_attn.q_norm"}}
+    with env(VLLM_LENS_TEST_FAULTS="1", VLLM_LENS_TEST_LAYOUT=json.dumps(wrong)), \
+            running_llm(path, **MODE) as llm:
+        described = read(DescribeAnswer, llm.collective_rpc("lens_describe")[0])
+        assert described.derived_layout
+        assert "'attention reads attn_in' failed" in described.refused_points["attn_in"]
+        assert "the MLP reads mlp_in" in described.layout_check.passed
+        sp = SamplingParams(max_tokens=1, extra_args={"output_activations": {"attn_in": [1]}})
+        with pytest.raises(UnsupportedModelError, match="attn_in is refused"):
+            llm.generate([PROMPT], sp)
+        sp = SamplingParams(max_tokens=1, temperature=0, extra_args={
+            "output_residual_stream": [2], "output_activations": {"mlp_in": [2]}})
+        out = llm.generate([PROMPT], sp)[0]
+        expected = HFReference(path).points(list(out.prompt_token_ids))
+        for got, point in ((out.activations["residual_stream"][0], "resid_post"),
+                           (out.activations["mlp_in"][0], "mlp_in")):
+            assert max_relative_error(got, expected[(point, 2)]) <= TOL, point
 
 
 @pytest.mark.families

@@ -11,7 +11,7 @@ from torch import nn
 
 from vllm_lens.worker.layout_check import INVARIANTS, evaluate
 
-SITES = ("pre", "attn", "mid", "act", "post", "final")
+SITES = ("pre", "attn_in", "attn", "mid", "mlp_in", "act", "post", "final")
 LAYERS = (0, 1, 2)
 
 
@@ -29,6 +29,8 @@ def _fused_rows(n_tokens=5, hidden=8, seed=0):
     for layer in LAYERS:
         rows[(layer, "pre")] = (hidden_prev, residual_prev)
         resid_pre = hidden_prev if residual_prev is None else hidden_prev + residual_prev
+        rows[(layer, "attn_in")] = (torch.randn(n_tokens, hidden, generator=g), None)
+        rows[(layer, "mlp_in")] = (torch.randn(n_tokens, hidden, generator=g), None)
         attn_out = torch.randn(n_tokens, hidden, generator=g)
         rows[(layer, "mid")] = (attn_out, resid_pre)
         resid_mid = attn_out + resid_pre
@@ -40,6 +42,12 @@ def _fused_rows(n_tokens=5, hidden=8, seed=0):
     return rows, last
 
 
+def _reads(rows):
+    """What a correct layout's blocks read: the tapped ``attn_in`` and ``mlp_in``."""
+    return {point: [(rows[(layer, point)][0], rows[(layer, point)][0].clone())
+                    for layer in LAYERS] for point in ("attn_in", "mlp_in")}
+
+
 class _Scale(nn.Module):
     def forward(self, x):
         return 2.0 * x
@@ -47,21 +55,48 @@ class _Scale(nn.Module):
 
 def test_a_correct_layer_passes_every_invariant():
     rows, last = _fused_rows()
-    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True)
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
+                      reads=_reads(rows))
     assert sorted(result.passed) == sorted(INVARIANTS)
     assert result.refused == {}
+
+
+def test_a_block_that_reads_another_tensor_refuses_its_input_point_alone():
+    """A derived ``attn_in`` tapped at a norm whose output attention does not read (here: the
+    block reads the stream before the norm) is refused by name; ``mlp_in`` and the rest
+    stand. Without recorded inputs (a written row) the points are unproven, with why."""
+    rows, last = _fused_rows()
+    reads = _reads(rows)
+    reads["attn_in"][1] = (reads["attn_in"][1][0], rows[(1, "pre")][0])
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
+                      reads=reads)
+    assert result.refused == {"attn_in": "the invariant 'attention reads attn_in' failed"}
+    assert "the MLP reads mlp_in" in result.passed
+    reads["mlp_in"][2] = (reads["mlp_in"][2][0], None)  # that layer's MLP was not called
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
+                      reads=reads)
+    assert "was not called in the check's pass" in result.refused["mlp_in"]
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
+                      reads="the pass recording the blocks' inputs failed (boom)")
+    assert set(result.refused) == {"attn_in", "mlp_in"}
+    assert "(boom)" in result.refused["mlp_in"]
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True)
+    assert result.refused["attn_in"].startswith("unproven: the invariant 'attention reads")
 
 
 def test_a_final_norm_tap_off_the_lm_heads_input_refuses_final_norm_alone():
     rows, last = _fused_rows()
     rows[(LAYERS[-1], "final")] = (last, None)  # the norm's input, not its output
-    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True)
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
+                      reads=_reads(rows))
     assert result.refused == {"final_norm": "the invariant 'the LM head reads final_norm' failed"}
     del rows[(LAYERS[-1], "final")]  # the tap did not run: unproven, named
-    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True)
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
+                      reads=_reads(rows))
     assert set(result.refused) == {"final_norm"}
     assert "the final norm's tap did not run" in result.refused["final_norm"]
-    result = evaluate(rows, _info(), hidden=None, final_norm=_Scale(), last_stage=False)
+    result = evaluate(rows, _info(), hidden=None, final_norm=_Scale(), last_stage=False,
+                      reads=_reads(rows))
     assert "does not end the model" in result.refused["final_norm"]
 
 
@@ -84,7 +119,8 @@ def test_a_wrong_mid_module_refuses_the_points_it_reads_and_keeps_the_stream():
     rows, last = _fused_rows()
     attn_out, resid_pre = rows[(1, "mid")]
     rows[(1, "mid")] = (attn_out, 0.5 * resid_pre)  # the norm before attention, not the MLP's
-    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True)
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
+                      reads=_reads(rows))
     assert "continuity" in result.passed and "final norm" in result.passed
     assert set(result.refused) == {"attn_out", "resid_mid", "mlp_out"}
     assert "'attention adds attn_out' failed" in result.refused["attn_out"]

@@ -94,12 +94,15 @@ def test_a_fused_pre_norm_layer():
     assert (layout.layers, layout.fused_residual, layout.mid, layout.attention, layout.norms) \
         == ("model.layers", True, "post_attention_layernorm", "self_attn.attn", "pre")
     assert layout.attn_block is None and layout.mlp_block is None
+    # What attention and the MLP read: proposed here, proven by the start-up check.
+    assert (layout.attn_in, layout.mlp_in, layout.mlp_reader) == ("input_layernorm", True, "mlp")
 
 
 def test_a_split_pre_norm_layer():
     layout = derive_layout(_model(Split), Kernel).layout
     assert (layout.fused_residual, layout.mid, layout.attn_block, layout.mlp_block) \
         == (False, "ln_2", "attn", "mlp")
+    assert (layout.attn_in, layout.mlp_in, layout.mlp_reader) == ("ln_1", True, "mlp")
 
 
 def test_a_post_norm_layer_adds_its_norms_outputs():
@@ -107,6 +110,8 @@ def test_a_post_norm_layer_adds_its_norms_outputs():
     assert (layout.fused_residual, layout.norms, layout.mid, layout.attn_block,
             layout.mlp_block) == (False, "post", "mlp", "post_attention_layernorm",
                                   "post_feedforward_layernorm")
+    # Its attention reads resid_pre and its MLP resid_mid: no attn_in / mlp_in of their own.
+    assert (layout.attn_in, layout.mlp_in) == (None, False)
 
 
 def test_trees_without_a_layout_are_refused_with_a_reason():

@@ -14,7 +14,11 @@ wrong one breaks:
 - ``final norm``: the last layer's ``resid_post`` through the model's final norm is the
   hidden state vLLM itself hands to the LM head (on the last pipeline stage);
 - ``the LM head reads final_norm``: the final norm's tap (``final_norm``) holds that hidden
-  state.
+  state;
+- ``attention reads attn_in`` and ``the MLP reads mlp_in`` (derived layouts): the input the
+  attention block and the MLP are called with is the tapped ``attn_in`` / ``mlp_in``, on a
+  second pass that runs the model's Python code (``worker.block_inputs``; written rows have
+  these points proven against transformers by the test suite instead).
 
 Each invariant names the points it proves; a point whose invariant fails is refused by name
 with that invariant, and the rest of the model serves. A derived layout
@@ -39,7 +43,7 @@ from typing import Any
 import torch
 
 from vllm_lens.common.points import POINTS, operands, site_of, tap_key
-from vllm_lens.worker import head_projection, taps
+from vllm_lens.worker import block_inputs, head_projection, taps
 from vllm_lens.worker.layout_derivation import attention_kernels, recurrent_state_reason
 from vllm_lens.worker.layouts import final_norm_of
 
@@ -49,9 +53,12 @@ logger = logging.getLogger(__name__)
 
 #: The invariants, each proving the points ``_requires`` lists it for.
 INVARIANTS = ("continuity", "final norm", "attention adds attn_out", "the MLP adds mlp_out",
-              "the LM head reads final_norm")
+              "the LM head reads final_norm", "attention reads attn_in",
+              "the MLP reads mlp_in")
 _STREAM = ("continuity", "final norm")
 _SUMS = ("attention adds attn_out", "the MLP adds mlp_out")
+#: Point -> the invariant that its block reads it (``block_inputs``).
+_READERS = {"attn_in": "attention reads attn_in", "mlp_in": "the MLP reads mlp_in"}
 
 
 def _requires(point: str, info: Any) -> tuple[str, ...]:
@@ -66,6 +73,8 @@ def _requires(point: str, info: Any) -> tuple[str, ...]:
                 "mlp_out": ("the MLP adds mlp_out",)}
     if point == "final_norm":
         return (*_STREAM, "the LM head reads final_norm")
+    if point in _READERS:
+        return (*_STREAM, _READERS[point])
     return _STREAM + sums.get(point, ())
 
 
@@ -130,8 +139,9 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
             return _unproven(info, derived, f"the start-up check's pass gave non-finite "
                              f"values ({where}), which prove nothing", start)
         final = final_norm(model, info)
+        reads = _block_inputs(runner, model, info) if info.readers else None
         result = evaluate(recorder.rows, info, hidden=hidden, final_norm=final,
-                          last_stage=_last_stage(), dtype=recorder.dtype)
+                          last_stage=_last_stage(), dtype=recorder.dtype, reads=reads)
         _refuse_repeated_final(result, recorder)
         try:
             _check_projections(result, model, info, recorder, kernel_out)
@@ -147,6 +157,35 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
     _refuse_inner(result, info)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _block_inputs(runner: Any, model: torch.nn.Module, info: Any
+                  ) -> dict[str, list[tuple[torch.Tensor | None, torch.Tensor | None]]] | str:
+    """``evaluate``'s ``reads``: per point of ``info.readers``, ``(tapped, read)`` per local
+    layer from one more pass, run eagerly; or why that pass could not run."""
+    recorder, seen = _Recorder(), {}
+    previous = taps.current_tap_handler()
+    layers = model.get_submodule(info.layers_path)
+    try:
+        taps.set_tap_handler(recorder)
+        try:
+            with block_inputs.eager(model), block_inputs.recording_inputs(
+                    layers, info.local_layers, info.readers, seen):
+                _forward(runner)
+        finally:
+            taps.set_tap_handler(previous)
+    except Exception as exc:  # noqa: BLE001 -- only the points it proves are refused
+        logger.warning("vllm-lens: the pass recording the blocks' inputs failed: %r", exc)
+        return f"the pass recording the blocks' inputs failed ({exc!r})"
+    reads = {}
+    for point, _ in info.readers:
+        rows = []
+        for layer in info.local_layers:
+            tapped = recorder.rows.get((layer, tap_key(point, split=info.split)))
+            rows.append((None if tapped is None else tapped[0].reshape(-1, tapped[0].shape[-1]),
+                         seen.get((layer, point))))
+        reads[point] = rows
+    return reads
 
 
 def _refuse_repeated_final(result: LayoutCheck, recorder: _Recorder) -> None:
@@ -368,10 +407,13 @@ def _telling(base: torch.Tensor, delta: torch.Tensor, eps: float) -> bool:
 
 def evaluate(rows: dict, info: Any, *, hidden: torch.Tensor | None,
              final_norm: torch.nn.Module | None, last_stage: bool,
-             dtype: torch.dtype | None = None, tol: float | None = None) -> LayoutCheck:
+             dtype: torch.dtype | None = None, tol: float | None = None,
+             reads: dict[str, list[tuple[Any, Any]]] | str | None = None) -> LayoutCheck:
     """The invariants over ``rows`` (``(layer, tap key) -> (a, b)``), for ``info`` (a
     ``TapInfo``); ``hidden``: what the model returned, ``final_norm`` the norm before the LM
-    head. Points of a failed or unrunnable invariant are refused."""
+    head; ``reads``: point -> ``(tapped, what its block read)`` per layer (``attn_in``,
+    ``mlp_in``), or why they were not recorded. Points of a failed or unrunnable invariant are
+    refused."""
     dtype = dtype or torch.float32
     tol = tol if tol is not None else tolerance(dtype)
     eps = torch.finfo(dtype).eps
@@ -434,6 +476,14 @@ def evaluate(rows: dict, info: Any, *, hidden: torch.Tensor | None,
     else:
         unrun["final norm"] = "this pipeline stage does not end the model"
         unrun["the LM head reads final_norm"] = "this pipeline stage does not end the model"
+    for point, name in _READERS.items():
+        if isinstance(reads, dict) and point in reads:
+            judge(name, [(tapped, None, read) for tapped, read in reads[point]],
+                  "the block that reads it was not called in the check's pass")
+        else:
+            unrun[name] = (reads if isinstance(reads, str) else
+                           "no block that reads it is known (written rows are proven by the "
+                           "test suite)")
 
     refused: dict[str, str] = {}
     for point in _offered(info):

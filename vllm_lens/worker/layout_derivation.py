@@ -27,9 +27,11 @@ nothing.
 Nothing derived is trusted: ``worker.layout_check`` proves the layout on the model's own
 weights before a lens request is served, and refuses what it cannot prove. A derived layout
 offers the stream points (``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out``,
-``resid_post``), ``final_norm`` and the attention kernel's Q/K, ``value`` and ``attn_z``; it
-offers no ``mlp_post`` and no ``router_logits`` (no invariant proves an activation or a router
-module yet). Q/K, ``value`` and ``attn_z`` are tapped only at vLLM's plain ``Attention``
+``resid_post``), ``final_norm``, the attention kernel's Q/K, ``value`` and ``attn_z``, and on
+pre-norm and sandwich layers ``attn_in`` (the output of the last norm called before the
+attention block) and ``mlp_in`` (the output of ``mid``), each proven to be what its block
+reads; it offers no ``mlp_post`` and no ``router_logits`` (no invariant proves an activation or
+a router module yet). Q/K, ``value`` and ``attn_z`` are tapped only at vLLM's plain ``Attention``
 kernel (not latent or chunked attention).
 """
 
@@ -136,11 +138,14 @@ def _derive(model: nn.Module,
     if mid is None:
         return Derivation(None, f"no norm before self.{mlp} takes the residual stream")
     sandwich = any(name in norm and name != mid for name, _ in before_mlp)
+    # What attention reads: the output of the last norm called before it (the start-up check
+    # compares it with the attention block's input); what the MLP reads: ``mid``'s output.
+    attn_in = next((name for name, _ in reversed(before_attn) if name in norm), None)
     layout = Layout(
         layers=path, block="sequential", norms="sandwich" if sandwich else "pre",
         fused_residual=fused, mid=mid, attention=attention, act=None, down_proj=None,
         attn_block=None if fused else attn_child, mlp_block=None if fused else mlp,
-        derived=True)
+        attn_in=attn_in, mlp_in=True, mlp_reader=mlp, derived=True)
     return Derivation(layout)
 
 

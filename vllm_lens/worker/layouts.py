@@ -64,8 +64,9 @@ class Layout:
     """(config attribute, value) the layout holds for; other configs are unmapped."""
     mlp_in: bool = False
     """The ``mid`` module's output (its first element, in a fused layout) is what the MLP
-    reads: ``mlp_in`` is tapped there. Written rows only, each proven against transformers
-    (``tests/integration/test_families.py``); not where the MLP reads ``resid_mid`` itself
+    reads: ``mlp_in`` is tapped there. Written rows are proven against transformers
+    (``tests/integration/test_families.py``); a derived layout's by the start-up check ("the
+    MLP reads mlp_in", at ``mlp_reader``). Not where the MLP reads ``resid_mid`` itself
     (post-norm layers) or there is no ``mid`` module (parallel blocks)."""
     stream_only: str | None = None
     """Why only the stream between layers (``resid_pre``, ``resid_post``) is offered, if so:
@@ -73,8 +74,14 @@ class Layout:
     further; every inner point is refused with this reason."""
     attn_in: str | None = None
     """The norm before attention, whose output (its first element, in a fused layout) is what
-    attention reads: ``attn_in`` is tapped there. Written rows only, each proven against
-    transformers; not on post-norm layers (their attention reads ``resid_pre``)."""
+    attention reads: ``attn_in`` is tapped there. Written rows are proven against
+    transformers; a derived layout's by the start-up check ("attention reads attn_in": the
+    attention block's input is the tapped tensor). Not on post-norm layers (their attention
+    reads ``resid_pre``)."""
+    mlp_reader: str | None = None
+    """Derived layouts: the MLP block, the module that should read ``mlp_in`` (the start-up
+    check compares its input with the tap). Written rows leave it unset: their ``mlp_in`` is
+    proven by the test suite."""
     derived: bool = False
     """Derived from the module tree (``worker.layout_derivation``), not written here: served
     only once ``worker.layout_check`` proved it on the model's weights."""

@@ -150,6 +150,9 @@ class TapInfo:
     """``Layout.layers``: where the decoder layers are, from the model."""
     stream_only: str | None = None
     """``Layout.stream_only``: why only the stream between layers is offered, if so."""
+    readers: tuple[tuple[str, str], ...] = ()
+    """Derived layouts: ``(point, path in a layer)`` of the block that should read ``attn_in``
+    or ``mlp_in``, for the start-up check to compare its input with the tap."""
 
 
 # Where unmapped models usually keep their layers: found only to report their depth.
@@ -513,9 +516,19 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
                        else unmapped_reason(model)),
                    derived=layout is not None and layout.derived,
                    layers_path=layout.layers if layout else "",
-                   stream_only=layout.stream_only if layout else None)
+                   stream_only=layout.stream_only if layout else None,
+                   readers=_readers(layout, sites))
     setattr(model, _INFO_ATTR, info)
     return info
+
+
+def _readers(layout: Layout | None, sites: set[str]) -> tuple[tuple[str, str], ...]:
+    """``TapInfo.readers``: on a derived layout, the attention block (the parent of its
+    kernel module) for ``attn_in`` and ``Layout.mlp_reader`` for ``mlp_in``, where tapped."""
+    if layout is None or not layout.derived:
+        return ()
+    found = {"attn_in": layout.attention.rpartition(".")[0], "mlp_in": layout.mlp_reader}
+    return tuple((point, path) for point, path in found.items() if point in sites and path)
 
 
 def tap_info(model: nn.Module) -> TapInfo | None:

@@ -1,0 +1,105 @@
+"""What a derived layout's attention and MLP blocks read, recorded for the start-up check
+(runs in: worker).
+
+``attn_in`` and ``mlp_in`` are tapped at a norm's output; on a derived layout nothing but the
+module tree says that the attention block and the MLP read that output. The start-up check
+(``worker.layout_check``) settles it on one more forward pass of vLLM's dummy run: each
+block's input is recorded beside the taps, and the invariants "attention reads attn_in" and
+"the MLP reads mlp_in" hold where the two are the same rows.
+
+The blocks are reached by wrapping their ``forward`` for that pass, so the pass runs the
+model's Python code (``eager``): a compiled graph would replay without calling a wrapper. The
+taps hold the same tensors in both modes (they are splitting ops of the compiled graph), and
+the first pass of the check keeps proving the stream as it is served, compiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["eager", "recording_inputs"]
+
+#: Names a block's input goes by, most likely first; otherwise its first floating tensor.
+_INPUT_NAMES = ("hidden_states", "x", "hidden", "input_", "input")
+
+
+@contextlib.contextmanager
+def eager(model: nn.Module) -> Iterator[None]:
+    """While inside, the modules vLLM compiles (``support_torch_compile``, which skips its
+    compiled graph where ``do_not_compile`` is set) run their Python ``forward``."""
+    switched = [m for m in model.modules() if getattr(m, "do_not_compile", None) is False]
+    try:
+        for module in switched:
+            module.do_not_compile = True
+        yield
+    finally:
+        for module in switched:
+            module.do_not_compile = False
+
+
+@contextlib.contextmanager
+def recording_inputs(layers: nn.Module, local_layers: tuple[int, ...],
+                     readers: tuple[tuple[str, str], ...],
+                     seen: dict[tuple[int, str], torch.Tensor]) -> Iterator[None]:
+    """While inside, each ``(point, path)`` block of ``readers`` in every local layer of
+    ``layers`` records the input it is called with into ``seen[(layer, point)]`` (float32,
+    one row per token; its first call in the pass)."""
+    wrapped: list[tuple[nn.Module, object]] = []
+    try:
+        for index in local_layers:
+            for point, path in readers:
+                try:
+                    block = layers[index].get_submodule(path)
+                except AttributeError:
+                    continue
+                wrapped.append((block, block.__dict__.get("forward")))
+                block.forward = _recording(block, (index, point), seen)
+        yield
+    finally:
+        for block, own in reversed(wrapped):
+            if own is None:
+                del block.forward
+            else:
+                block.forward = own
+
+
+def _recording(block: nn.Module, key: tuple[int, str],
+               seen: dict[tuple[int, str], torch.Tensor]):
+    forward = block.forward
+    signature = inspect.signature(_model_forward(type(block)))
+
+    def record(*args, **kwargs):
+        if key not in seen:
+            found = _input(signature, block, args, kwargs)
+            if found is not None:
+                seen[key] = found.detach().float().reshape(-1, found.shape[-1]).clone()
+        return forward(*args, **kwargs)
+
+    return record
+
+
+def _model_forward(cls: type) -> object:
+    """The model's own ``forward`` of ``cls``: past the subclasses ``worker.taps`` makes."""
+    for klass in cls.__mro__:
+        if "_vllm_lens_site" not in klass.__dict__ and "forward" in klass.__dict__:
+            return klass.__dict__["forward"]
+    return cls.forward
+
+
+def _input(signature: inspect.Signature, block: nn.Module, args: tuple,
+           kwargs: dict) -> torch.Tensor | None:
+    try:
+        bound = signature.bind(block, *args, **kwargs).arguments
+    except TypeError:
+        return None
+    for name in _INPUT_NAMES:
+        if isinstance(bound.get(name), torch.Tensor):
+            return bound[name]
+    return next((v for v in bound.values()
+                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 2),
+                None)

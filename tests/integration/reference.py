@@ -15,9 +15,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 _LLAMA_MODULES = dict(layers="model.layers", attn_in="input_layernorm", attn_out="self_attn",
                       mlp_out="mlp", mlp="mlp",
                       down="mlp.down_proj", o_proj="self_attn.o_proj", router=None)
+#: Sandwich and post-norm families: the attention block's and the MLP's own outputs, before
+#: the norm after each (``attn_out_pre_norm``, ``mlp_out_pre_norm``).
+_RAW = dict(attn_raw="self_attn", mlp_raw="mlp")
 _MODULES = {
     "gemma2": {**_LLAMA_MODULES, "attn_out": "post_attention_layernorm",
-               "mlp_out": "post_feedforward_layernorm"},
+               "mlp_out": "post_feedforward_layernorm", **_RAW},
     "gpt2": dict(layers="transformer.h", attn_in="ln_1", attn_out="attn", mlp_out="mlp",
                  mlp="mlp",
                  down="mlp.c_proj",
@@ -28,13 +31,14 @@ _MODULES = {
                      attn_out="attention", mlp_out="mlp", mlp="mlp",
                      down="mlp.dense_4h_to_h", o_proj="attention.dense", router=None),
     "olmo2": {**_LLAMA_MODULES, "attn_in": None, "attn_out": "post_attention_layernorm",
-              "mlp_out": "post_feedforward_layernorm"},
+              "mlp_out": "post_feedforward_layernorm", **_RAW},
 }
 _MODULES["gemma3_text"] = _MODULES["gemma2"]
 _MODULES["olmo3"] = _MODULES["olmo2"]
 # Families served through derived layouts (``tests/integration/test_derived_layouts.py``).
 _MODULES["glm4"] = {**_LLAMA_MODULES, "attn_out": "post_self_attn_layernorm",
-                    "mlp_out": "post_mlp_layernorm"}
+                    "mlp_out": "post_mlp_layernorm", **_RAW}
+_MODULES["gemma4_text"] = {**_MODULES["gemma2"], "mlp": "mlp"}  # sandwich, layers scaled
 _MODULES["qwen3_moe"] = {**_LLAMA_MODULES, "down": None}
 _MODULES["olmoe"] = _MODULES["qwen3_moe"]
 _MODULES["glm4_moe"] = _MODULES["qwen3_moe"]  # a dense first layer, MoE after
@@ -215,6 +219,12 @@ class HFReference:
                 first = next(iter(kwargs))
                 return args, {**kwargs, first: new}
 
+            def raw(point, i=i):  # a block's own output, before the norm after it
+                def hook(_m, _inp, out):
+                    value = out[0] if isinstance(out, tuple) else out
+                    seen[(point, i)] = value.reshape(-1, value.shape[-1])
+                return hook
+
             def router(_m, _inp, out, i=i):
                 seen[("router_logits", i)] = out[0].reshape(-1, out[0].shape[-1])
                 seen[("router_experts", i)] = out[2].reshape(-1, out[2].shape[-1])
@@ -248,6 +258,9 @@ class HFReference:
             mlp_module = getattr(layer, where.get("mlp", "mlp"), None)
             if isinstance(mlp_module, torch.nn.Module):  # what the MLP reads: mlp_in
                 handles.append(mlp_module.register_forward_pre_hook(mlp_in, with_kwargs=True))
+            for point, key in (("attn_out_pre_norm", "attn_raw"), ("mlp_out_pre_norm", "mlp_raw")):
+                if where.get(key):
+                    handles.append(_get(layer, where[key]).register_forward_hook(raw(point)))
             if where["down"]:
                 handles.append(_get(layer, where["down"]).register_forward_pre_hook(down))
             if where["router"]:

@@ -43,11 +43,10 @@ DERIVED = {
     "olmoe": {},  # MoE with q/k norms
     "qwen3_moe": {},
     "glm4_moe": {},  # a dense first layer, then MoE with a shared expert
-    # Gemma 4's layers scale what they add (and feed per-layer inputs): the sublayers'
-    # outputs are not what the stream receives, so only the stream at the layer boundaries
-    # is proven.
-    "gemma4": {"attn_out": "attention adds attn_out", "resid_mid": "attention adds attn_out",
-               "mlp_out": "the MLP adds mlp_out"},
+    # Gemma 4's layers add per-layer inputs after the MLP and scale their output: what the
+    # MLP adds is not what the stream receives, so mlp_out and resid_mid (which the same sum
+    # relates) are refused; attention adds its post-norm's output (attn_out) as it is.
+    "gemma4": {"resid_mid": "the MLP adds mlp_out", "mlp_out": "the MLP adds mlp_out"},
     "stablelm": {},  # LayerNorm, the residual added inside the layer
     "bloom": {},  # ALiBi, LayerNorm, GELU
     "ernie4_5": {},
@@ -60,6 +59,11 @@ DERIVED = {
 #: Post-norm families: attention reads resid_pre and the MLP resid_mid, so no attn_in or
 #: mlp_in is offered (asking for one is refused by name).
 POST_NORM = {"exaone4"}
+#: Families with a norm after each sublayer (sandwich or post-norm): the blocks' own outputs
+#: before it are served as attn_out_pre_norm and mlp_out_pre_norm, proven at start-up to be
+#: what the blocks return; the other families refuse those points by name.
+AFTER_NORMS = {"glm4", "gemma4", "exaone4"}
+_PRE_NORM = ("attn_out_pre_norm", "mlp_out_pre_norm")
 #: Families whose Q/K (and ``attn_z``) are refused by name, and why: Llama 4's RoPE layers run
 #: vLLM's chunked local attention, whose chunks the patterns would not know (Q/K are offered
 #: only where every layer runs the plain kernel).
@@ -142,6 +146,9 @@ def test_the_layout_is_derived_and_proven_at_start_up(derived):
     assert "continuity" in check.passed and "final norm" in check.passed
     if name not in POST_NORM:  # what attention and the MLP read, proven on a second pass
         assert {"attention reads attn_in", "the MLP reads mlp_in"} <= set(check.passed), name
+    if name in AFTER_NORMS:  # and what they return, before the norms after them
+        assert {"attention returns attn_out_pre_norm",
+                "the MLP returns mlp_out_pre_norm"} <= set(check.passed), name
 
 
 @pytest.mark.families
@@ -149,6 +156,7 @@ def test_proven_points_match_transformers_and_refused_ones_name_the_invariant(de
     name, _, llm, ref = derived
     served = [p for p in STREAM if p not in DERIVED[name]]
     served += [] if name in POST_NORM else ["attn_in", "mlp_in"]
+    served += list(_PRE_NORM) if name in AFTER_NORMS else []
     # The attention kernel's points where its Q/K are served: compared like the stream's.
     heads = [] if name in QK_REFUSED else ["attn_z", "value"]
     at = MIXED_HEAD_SIZES.get(name, (0, 3))  # layers of those, with heads of one size
@@ -191,9 +199,11 @@ def test_proven_points_match_transformers_and_refused_ones_name_the_invariant(de
             with pytest.raises(UnsupportedModelError, match=re.escape(QK_REFUSED[name])):
                 llm.generate([PROMPT], sp)
     for point in ("mlp_post", "router_logits", *(("attn_in", "mlp_in")
-                                                   if name in POST_NORM else ())):
+                                                   if name in POST_NORM else ()),
+                  *(() if name in AFTER_NORMS else _PRE_NORM)):
         # no invariant proves the first two on a derived layout; post-norm layers have no
-        # attn_in or mlp_in of their own
+        # attn_in or mlp_in of their own, and layers without norms after their sublayers no
+        # points before them
         sp = SamplingParams(max_tokens=1, extra_args={"output_activations": {point: [0]}})
         with pytest.raises(UnsupportedModelError, match=point):
             llm.generate([PROMPT], sp)

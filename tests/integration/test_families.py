@@ -25,7 +25,7 @@ from vllm_lens.attention import attention_patterns
 PROMPT = ("Once upon a time in a quiet village by the sea, an old fisherman mended his nets "
           "and told the children stories about the storms he had seen.")
 POINTS = ["resid_pre", "attn_in", "attn_out", "resid_mid", "mlp_in", "mlp_out", "resid_post",
-          "mlp_post", "attn_z", "value"]
+          "mlp_post", "attn_z", "value", "attn_out_pre_norm", "mlp_out_pre_norm"]
 #: MoE layers have no single MLP activation; they have a router.
 MOE = {"mixtral", "qwen2_moe"}
 
@@ -37,16 +37,21 @@ PARALLEL = {"gpt_neox"}
 #: Post-norm layers: attention reads resid_pre and the MLP resid_mid themselves, so no
 #: attn_in or mlp_in is offered.
 POST_NORM = {"olmo2", "olmo3"}
+#: Layers with a norm after each sublayer (sandwich or post-norm): the blocks' own outputs
+#: before it are points of their own; elsewhere they would be attn_out and mlp_out.
+AFTER_NORMS = {"gemma2", "gemma3", "olmo2", "olmo3"}
+_PRE_NORM = ("attn_out_pre_norm", "mlp_out_pre_norm")
 
 
 def points_of(family: str) -> list[str]:
+    points = POINTS if family in AFTER_NORMS else [p for p in POINTS if p not in _PRE_NORM]
     if family in MOE:
-        return [p for p in POINTS if p != "mlp_post"] + ["router_logits"]
+        return [p for p in points if p != "mlp_post"] + ["router_logits"]
     if family in PARALLEL:
-        return [p for p in POINTS if p not in ("resid_mid", "mlp_in")]
+        return [p for p in points if p not in ("resid_mid", "mlp_in")]
     if family in POST_NORM:
-        return [p for p in POINTS if p not in ("attn_in", "mlp_in")]
-    return POINTS
+        return [p for p in points if p not in ("attn_in", "mlp_in")]
+    return points
 CHUNKED = dict(max_num_batched_tokens=16, max_num_seqs=8)
 #: Families run in vLLM's default compiled mode; the rest with ``enforce_eager``.
 COMPILED = {"gpt2", "gpt_neox", "olmo2", "gemma2", "gemma3", "mixtral", "qwen2_moe"}

@@ -11,7 +11,8 @@ from torch import nn
 
 from vllm_lens.worker.layout_check import INVARIANTS, evaluate
 
-SITES = ("pre", "attn_in", "attn", "mid", "mlp_in", "act", "post", "final")
+SITES = ("pre", "attn_in", "attn", "attn_post_norm", "mid", "mlp_in", "act", "mlp_post_norm",
+         "post", "final")
 LAYERS = (0, 1, 2)
 
 
@@ -31,6 +32,8 @@ def _fused_rows(n_tokens=5, hidden=8, seed=0):
         resid_pre = hidden_prev if residual_prev is None else hidden_prev + residual_prev
         rows[(layer, "attn_in")] = (torch.randn(n_tokens, hidden, generator=g), None)
         rows[(layer, "mlp_in")] = (torch.randn(n_tokens, hidden, generator=g), None)
+        for site in ("attn_post_norm", "mlp_post_norm"):
+            rows[(layer, site)] = (torch.randn(n_tokens, hidden, generator=g), None)
         attn_out = torch.randn(n_tokens, hidden, generator=g)
         rows[(layer, "mid")] = (attn_out, resid_pre)
         resid_mid = attn_out + resid_pre
@@ -43,9 +46,12 @@ def _fused_rows(n_tokens=5, hidden=8, seed=0):
 
 
 def _reads(rows):
-    """What a correct layout's blocks read: the tapped ``attn_in`` and ``mlp_in``."""
-    return {point: [(rows[(layer, point)][0], rows[(layer, point)][0].clone())
-                    for layer in LAYERS] for point in ("attn_in", "mlp_in")}
+    """What a correct layout's blocks read and return: the tapped ``attn_in`` and
+    ``mlp_in``, and the inputs of the norms after them."""
+    sites = {"attn_in": "attn_in", "mlp_in": "mlp_in", "attn_out_pre_norm": "attn_post_norm",
+             "mlp_out_pre_norm": "mlp_post_norm"}
+    return {point: [(rows[(layer, site)][0], rows[(layer, site)][0].clone())
+                    for layer in LAYERS] for point, site in sites.items()}
 
 
 class _Scale(nn.Module):
@@ -78,7 +84,7 @@ def test_a_block_that_reads_another_tensor_refuses_its_input_point_alone():
     assert "was not called in the check's pass" in result.refused["mlp_in"]
     result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
                       reads="the pass recording the blocks' inputs failed (boom)")
-    assert set(result.refused) == {"attn_in", "mlp_in"}
+    assert set(result.refused) == {"attn_in", "mlp_in", "attn_out_pre_norm", "mlp_out_pre_norm"}
     assert "(boom)" in result.refused["mlp_in"]
     result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True)
     assert result.refused["attn_in"].startswith("unproven: the invariant 'attention reads")

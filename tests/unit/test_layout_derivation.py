@@ -95,14 +95,14 @@ def test_a_fused_pre_norm_layer():
         == ("model.layers", True, "post_attention_layernorm", "self_attn.attn", "pre")
     assert layout.attn_block is None and layout.mlp_block is None
     # What attention and the MLP read: proposed here, proven by the start-up check.
-    assert (layout.attn_in, layout.mlp_in, layout.mlp_reader) == ("input_layernorm", True, "mlp")
+    assert (layout.attn_in, layout.mlp_in, layout.mlp_module) == ("input_layernorm", True, "mlp")
 
 
 def test_a_split_pre_norm_layer():
     layout = derive_layout(_model(Split), Kernel).layout
     assert (layout.fused_residual, layout.mid, layout.attn_block, layout.mlp_block) \
         == (False, "ln_2", "attn", "mlp")
-    assert (layout.attn_in, layout.mlp_in, layout.mlp_reader) == ("ln_1", True, "mlp")
+    assert (layout.attn_in, layout.mlp_in, layout.mlp_module) == ("ln_1", True, "mlp")
 
 
 def test_a_post_norm_layer_adds_its_norms_outputs():
@@ -112,6 +112,56 @@ def test_a_post_norm_layer_adds_its_norms_outputs():
                                   "post_feedforward_layernorm")
     # Its attention reads resid_pre and its MLP resid_mid: no attn_in / mlp_in of their own.
     assert (layout.attn_in, layout.mlp_in) == (None, False)
+
+
+class FusedSandwich(nn.Module):  # GLM-4 in vLLM: a norm after each sublayer, fused residual
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm, self.self_attn = RMSNorm(), Attn()
+        self.post_self_attn_layernorm, self.post_attention_layernorm = RMSNorm(), RMSNorm()
+        self.mlp, self.post_mlp_layernorm = MLP(), RMSNorm()
+
+    def forward(self, positions, hidden_states, residual):
+        hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.post_self_attn_layernorm(self.self_attn(hidden_states))
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states = self.post_mlp_layernorm(self.mlp(hidden_states))
+        return hidden_states, residual
+
+
+class SplitSandwich(nn.Module):  # Gemma 4 in vLLM: sandwich norms, the residual added here
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm, self.self_attn = RMSNorm(), Attn()
+        self.post_attention_layernorm, self.pre_feedforward_layernorm = RMSNorm(), RMSNorm()
+        self.mlp, self.post_feedforward_layernorm = MLP(), RMSNorm()
+
+    def forward(self, positions, hidden_states, residual):
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(residual))) + residual
+        residual = hidden_states
+        hidden_states = self.mlp(self.pre_feedforward_layernorm(hidden_states))
+        return self.post_feedforward_layernorm(hidden_states) + residual, None
+
+
+def test_sandwich_layers_name_the_norms_after_their_sublayers():
+    layout = derive_layout(_model(FusedSandwich), Kernel).layout
+    assert (layout.norms, layout.mid, layout.attn_post_norm, layout.mlp_post_norm) == (
+        "sandwich", "post_attention_layernorm", "post_self_attn_layernorm", "post_mlp_layernorm")
+    # A split sandwich adds what the norms after its blocks return: attn_out, mlp_out there.
+    layout = derive_layout(_model(SplitSandwich), Kernel).layout
+    assert (layout.fused_residual, layout.mid, layout.attn_block, layout.mlp_block) == (
+        False, "pre_feedforward_layernorm", "post_attention_layernorm",
+        "post_feedforward_layernorm")
+    assert (layout.attn_post_norm, layout.mlp_post_norm, layout.attn_in) == (
+        "post_attention_layernorm", "post_feedforward_layernorm", "input_layernorm")
+    # Post-norm layers: the norms that follow the blocks; pre-norm ones have none.
+    layout = derive_layout(_model(PostNorm), Kernel).layout
+    assert (layout.attn_post_norm, layout.mlp_post_norm, layout.mlp_module) == (
+        "post_attention_layernorm", "post_feedforward_layernorm", "mlp")
+    layout = derive_layout(_model(Fused), Kernel).layout
+    assert (layout.attn_post_norm, layout.mlp_post_norm) == (None, None)
 
 
 def test_trees_without_a_layout_are_refused_with_a_reason():

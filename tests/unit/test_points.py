@@ -31,6 +31,8 @@ def parse(extra, facts=FACTS):
     ("hook_z", ("attn_z", None)), ("blocks.4.hook_mlp_in", ("mlp_in", 4)),
     ("blocks.2.attn_in", ("attn_in", 2)), ("blocks.5.attn.hook_v", ("value", 5)),
     ("hook_v", ("value", None)), ("value", ("value", None)), ("hook_value", ("value", None)),
+    ("blocks.1.hook_attn_out_pre_norm", ("attn_out_pre_norm", 1)),
+    ("mlp_out_pre_norm", ("mlp_out_pre_norm", None)),
 ])
 def test_names_and_aliases(name, expected):
     assert resolve(name) == expected

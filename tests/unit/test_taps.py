@@ -142,3 +142,49 @@ def test_unmapped_models_and_unmet_config_gates_are_left_alone(calls, monkeypatc
     assert not info.tapped and "parallel=True" in info.unmapped
     model.model.layers[0](torch.randn(2, 4))
     assert calls == []
+
+
+class PostNormBlock(nn.Module):
+    """OLMo 2's shape: each sublayer's output is normed, then added inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn, self.attn_norm = nn.Linear(4, 4), nn.LayerNorm(4)
+        self.mlp, self.mlp_norm = Mlp(nn.GELU()), nn.LayerNorm(4)
+
+    def forward(self, hidden_states):
+        h = hidden_states + self.attn_norm(self.attn(hidden_states))
+        return h + self.mlp_norm(self.mlp(h))
+
+
+def test_the_norms_after_the_sublayers_are_read_at_their_inputs(calls, monkeypatch):
+    """``attn_out_pre_norm`` / ``mlp_out_pre_norm``: the inputs of the norms after attention
+    and the MLP, tapped before they run; where such a norm is also the split layout's block
+    (its output is ``attn_out``), one tapped class reads both, input first."""
+    import dataclasses
+
+    post = Layout(layers="model.layers", block="sequential", norms="post", fused_residual=False,
+                  mid="mlp", attention="attn.attn", act=None, down_proj=None,
+                  attn_block="attn_norm", mlp_block="mlp_norm", attn_post_norm="attn_norm",
+                  mlp_post_norm="mlp_norm")
+    monkeypatch.setitem(layouts.LAYOUTS, "ToyForCausalLM", post)
+    model = toy("ToyForCausalLM", [PostNormBlock()])
+    info = taps.install_taps(model)
+    assert info.sites == ("pre", "attn_post_norm", "attn_block", "mid", "mlp_post_norm",
+                          "mlp_block", "post")
+    rows = {}
+    taps.set_tap_handler(lambda a, b, layer, site: rows.setdefault(site, a.clone()))
+    x = torch.randn(3, 4)
+    model.model.layers[0](x)
+    taps.set_tap_handler(None)
+    block = model.model.layers[0]
+    torch.testing.assert_close(rows["attn_post_norm"], block.attn(x))
+    torch.testing.assert_close(rows["attn_block"], block.attn_norm(block.attn(x)))
+    h = x + block.attn_norm(block.attn(x))
+    torch.testing.assert_close(rows["mlp_post_norm"], block.mlp(h))
+    # A norm after a sublayer that no other site taps gets an input tap of its own.
+    monkeypatch.setitem(layouts.LAYOUTS, "ToyForCausalLM", dataclasses.replace(
+        post, attn_block=None, mlp_block=None))
+    alone = toy("ToyForCausalLM", [PostNormBlock()])
+    assert taps.install_taps(alone).sites == ("pre", "attn_post_norm", "mid", "mlp_post_norm",
+                                              "post")

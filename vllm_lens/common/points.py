@@ -5,9 +5,10 @@ The front end validates requests with it; workers route taps.
 
 Per decoder layer ``L`` (TransformerLens names)::
 
-    resid_pre -> norm -> attn_in -> attention (attn_q, attn_k, value, attn_z) -> attn_out
-              -> resid_mid
-              -> norm -> mlp_in -> MLP (mlp_post) -> mlp_out -> resid_post
+    resid_pre -> norm -> attn_in -> attention (attn_q, attn_k, value, attn_z)
+              [-> attn_out_pre_norm -> post-norm] -> attn_out -> resid_mid
+              -> norm -> mlp_in -> MLP (mlp_post) [-> mlp_out_pre_norm -> post-norm]
+              -> mlp_out -> resid_post
 
 A point is read at one of the *sites* inside the traced model, each a tap op that receives
 two tensors ``(a, b)``: ``b`` is the fused residual where the model keeps one apart (Llama,
@@ -58,6 +59,13 @@ output where V is not fused with Q/K and not normed). It is read where Q and K a
 with the last layer's index): what the LM head reads, nnsight's ``model.norm.output``.
 TransformerLens' ``ln_final.hook_normalized`` is that norm before its weight, so it is not an
 alias; ``run_with_cache`` names the point ``final_norm``.
+``attn_out_pre_norm`` and ``mlp_out_pre_norm`` are the attention block's and the MLP's own
+outputs where a norm follows them before the stream receives them (sandwich layers: Gemma 2/3,
+GLM-4; post-norm layers: OLMo 2/3), read at that norm's input (sites ``attn_post_norm``,
+``mlp_post_norm``): nnsight's ``self_attn.output`` and ``mlp.output``. ``attn_out`` and
+``mlp_out`` stay what is added, after the norm, as in transformers and TransformerLens (which
+has no hook before the norm). Elsewhere the two would equal ``attn_out`` and ``mlp_out``, and
+they are not offered. Read-only.
 """
 
 from __future__ import annotations
@@ -73,8 +81,8 @@ __all__ = [
 ]
 
 #: Where taps run, in the order a layer reaches them.
-SITES = ("pre", "attn_in", "attn", "attn_block", "mid", "mlp_in", "router", "act", "mlp_block",
-         "post", "final")
+SITES = ("pre", "attn_in", "attn", "attn_post_norm", "attn_block", "mid", "mlp_in", "router",
+         "act", "mlp_post_norm", "mlp_block", "post", "final")
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,8 @@ POINTS: dict[str, Point] = {p.name: p for p in (
     Point("value", "attn", False, False),
     Point("router_logits", "router", False, False),
     Point("final_norm", "final", False, False),
+    Point("attn_out_pre_norm", "attn_post_norm", False, False),
+    Point("mlp_out_pre_norm", "mlp_post_norm", False, False),
 )}
 #: The point read once, after the last decoder layer (its only layer is the last).
 FINAL_POINT = "final_norm"

@@ -150,13 +150,19 @@ _MISSING_SITE = {
             "shared KV, a query quantized first, or V heads of another size than Q/K or padded "
             "to it)",
     "pre": "its layers' inputs cannot be tapped",
-    "attn_in": "its layout does not prove what its attention reads: offered on the written "
-               "layouts with a norm before attention, not on derived layouts, post-norm layers "
-               "(their attention reads resid_pre: use it) or quantized models (vLLM may fuse "
-               "the norm with the quantization of attention's input)",
-    "mlp_in": "its layout does not prove what its MLP reads: offered on the written layouts "
-              "whose pre-MLP norm feeds the MLP, not on derived layouts, post-norm layers "
-              "(their MLP reads resid_mid: use it) or parallel blocks",
+    "attn_in": "its layout does not prove what its attention reads: offered on layouts "
+               "with a norm before attention (derived ones once the start-up check proves "
+               "attention reads its output), not on post-norm layers (their attention reads "
+               "resid_pre: use it) or quantized models (vLLM may fuse the norm with the "
+               "quantization of attention's input)",
+    "mlp_in": "its layout does not prove what its MLP reads: offered on layouts whose "
+              "pre-MLP norm feeds the MLP (derived ones once the start-up check proves it), "
+              "not on post-norm layers (their MLP reads resid_mid: use it), parallel blocks "
+              "or quantized models",
+    "attn_post_norm": "its layers have no norm after attention (sandwich or post-norm layers "
+                      "have one): what attention returns is attn_out itself there",
+    "mlp_post_norm": "its layers have no norm after the MLP (sandwich or post-norm layers "
+                     "have one): what the MLP returns is mlp_out itself there",
 }
 
 

@@ -1,11 +1,13 @@
-"""What a derived layout's attention and MLP blocks read, recorded for the start-up check
-(runs in: worker).
+"""What a derived layout's attention and MLP blocks read and return, recorded for the
+start-up check (runs in: worker).
 
-``attn_in`` and ``mlp_in`` are tapped at a norm's output; on a derived layout nothing but the
-module tree says that the attention block and the MLP read that output. The start-up check
-(``worker.layout_check``) settles it on one more forward pass of vLLM's dummy run: each
-block's input is recorded beside the taps, and the invariants "attention reads attn_in" and
-"the MLP reads mlp_in" hold where the two are the same rows.
+``attn_in`` and ``mlp_in`` are tapped at a norm's output, ``attn_out_pre_norm`` and
+``mlp_out_pre_norm`` at the input of the norm after a block; on a derived layout nothing but
+the module tree says that the attention block and the MLP read the one and return the other.
+The start-up check (``worker.layout_check``) settles it on one more forward pass of vLLM's
+dummy run: each block's input and output are recorded beside the taps, and the invariants
+("attention reads attn_in", "the MLP reads mlp_in", "attention returns attn_out_pre_norm",
+"the MLP returns mlp_out_pre_norm") hold where the two are the same rows.
 
 The blocks are reached by wrapping their ``forward`` for that pass, so the pass runs the
 model's Python code (``eager``): a compiled graph would replay without calling a wrapper. The
@@ -44,21 +46,25 @@ def eager(model: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def recording_inputs(layers: nn.Module, local_layers: tuple[int, ...],
-                     readers: tuple[tuple[str, str], ...],
+                     readers: tuple[tuple[str, str, str], ...],
                      seen: dict[tuple[int, str], torch.Tensor]) -> Iterator[None]:
-    """While inside, each ``(point, path)`` block of ``readers`` in every local layer of
-    ``layers`` records the input it is called with into ``seen[(layer, point)]`` (float32,
-    one row per token; its first call in the pass)."""
+    """While inside, the ``(point, path, end)`` blocks of ``readers`` in every local layer of
+    ``layers`` record the input they are called with (``end`` "input") or what they return
+    ("output": the first element of a tuple) into ``seen[(layer, point)]`` (float32, one row
+    per token; their first call in the pass)."""
     wrapped: list[tuple[nn.Module, object]] = []
+    by_block: dict[tuple[int, str], list[tuple[str, str]]] = {}
+    for index in local_layers:
+        for point, path, end in readers:
+            by_block.setdefault((index, path), []).append((point, end))
     try:
-        for index in local_layers:
-            for point, path in readers:
-                try:
-                    block = layers[index].get_submodule(path)
-                except AttributeError:
-                    continue
-                wrapped.append((block, block.__dict__.get("forward")))
-                block.forward = _recording(block, (index, point), seen)
+        for (index, path), ends in by_block.items():
+            try:
+                block = layers[index].get_submodule(path)
+            except AttributeError:
+                continue
+            wrapped.append((block, block.__dict__.get("forward")))
+            block.forward = _recording(block, index, ends, seen)
         yield
     finally:
         for block, own in reversed(wrapped):
@@ -68,17 +74,26 @@ def recording_inputs(layers: nn.Module, local_layers: tuple[int, ...],
                 block.forward = own
 
 
-def _recording(block: nn.Module, key: tuple[int, str],
+def _recording(block: nn.Module, layer: int, ends: list[tuple[str, str]],
                seen: dict[tuple[int, str], torch.Tensor]):
     forward = block.forward
     signature = inspect.signature(_model_forward(type(block)))
 
     def record(*args, **kwargs):
-        if key not in seen:
+        first = any((layer, point) not in seen for point, _ in ends)
+        if first:
             found = _input(signature, block, args, kwargs)
-            if found is not None:
-                seen[key] = found.detach().float().reshape(-1, found.shape[-1]).clone()
-        return forward(*args, **kwargs)
+            keep(found, "input")  # before the block runs: it may write into its input
+        out = forward(*args, **kwargs)
+        if first:
+            keep(out[0] if isinstance(out, tuple) else out, "output")
+        return out
+
+    def keep(found, end: str) -> None:
+        for point, wanted in ends:
+            if wanted == end and (layer, point) not in seen and isinstance(found, torch.Tensor):
+                seen[(layer, point)] = found.detach().float().reshape(-1, found.shape[-1]
+                                                                      ).clone()
 
     return record
 

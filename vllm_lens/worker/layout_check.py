@@ -16,9 +16,11 @@ wrong one breaks:
 - ``the LM head reads final_norm``: the final norm's tap (``final_norm``) holds that hidden
   state;
 - ``attention reads attn_in`` and ``the MLP reads mlp_in`` (derived layouts): the input the
-  attention block and the MLP are called with is the tapped ``attn_in`` / ``mlp_in``, on a
-  second pass that runs the model's Python code (``worker.block_inputs``; written rows have
-  these points proven against transformers by the test suite instead).
+  attention block and the MLP are called with is the tapped ``attn_in`` / ``mlp_in``;
+  ``attention returns attn_out_pre_norm`` and ``the MLP returns mlp_out_pre_norm``: what they
+  return is the tapped input of the norm after them. On a second pass that runs the model's
+  Python code (``worker.block_inputs``; written rows have these points proven against
+  transformers by the test suite instead).
 
 Each invariant names the points it proves; a point whose invariant fails is refused by name
 with that invariant, and the rest of the model serves. A derived layout
@@ -54,11 +56,14 @@ logger = logging.getLogger(__name__)
 #: The invariants, each proving the points ``_requires`` lists it for.
 INVARIANTS = ("continuity", "final norm", "attention adds attn_out", "the MLP adds mlp_out",
               "the LM head reads final_norm", "attention reads attn_in",
-              "the MLP reads mlp_in")
+              "the MLP reads mlp_in", "attention returns attn_out_pre_norm",
+              "the MLP returns mlp_out_pre_norm")
 _STREAM = ("continuity", "final norm")
 _SUMS = ("attention adds attn_out", "the MLP adds mlp_out")
-#: Point -> the invariant that its block reads it (``block_inputs``).
-_READERS = {"attn_in": "attention reads attn_in", "mlp_in": "the MLP reads mlp_in"}
+#: Point -> the invariant that its block reads or returns it (``block_inputs``).
+_READERS = {"attn_in": "attention reads attn_in", "mlp_in": "the MLP reads mlp_in",
+            "attn_out_pre_norm": "attention returns attn_out_pre_norm",
+            "mlp_out_pre_norm": "the MLP returns mlp_out_pre_norm"}
 
 
 def _requires(point: str, info: Any) -> tuple[str, ...]:
@@ -161,8 +166,9 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
 
 def _block_inputs(runner: Any, model: torch.nn.Module, info: Any
                   ) -> dict[str, list[tuple[torch.Tensor | None, torch.Tensor | None]]] | str:
-    """``evaluate``'s ``reads``: per point of ``info.readers``, ``(tapped, read)`` per local
-    layer from one more pass, run eagerly; or why that pass could not run."""
+    """``evaluate``'s ``reads``: per point of ``info.readers``, ``(tapped, what the block
+    read or returned)`` per local layer from one more pass, run eagerly; or why that pass
+    could not run."""
     recorder, seen = _Recorder(), {}
     previous = taps.current_tap_handler()
     layers = model.get_submodule(info.layers_path)
@@ -178,7 +184,7 @@ def _block_inputs(runner: Any, model: torch.nn.Module, info: Any
         logger.warning("vllm-lens: the pass recording the blocks' inputs failed: %r", exc)
         return f"the pass recording the blocks' inputs failed ({exc!r})"
     reads = {}
-    for point, _ in info.readers:
+    for point, _, _ in info.readers:
         rows = []
         for layer in info.local_layers:
             tapped = recorder.rows.get((layer, tap_key(point, split=info.split)))
@@ -479,11 +485,11 @@ def evaluate(rows: dict, info: Any, *, hidden: torch.Tensor | None,
     for point, name in _READERS.items():
         if isinstance(reads, dict) and point in reads:
             judge(name, [(tapped, None, read) for tapped, read in reads[point]],
-                  "the block that reads it was not called in the check's pass")
+                  "its block was not called in the check's pass")
         else:
             unrun[name] = (reads if isinstance(reads, str) else
-                           "no block that reads it is known (written rows are proven by the "
-                           "test suite)")
+                           "no block that reads or returns it is known (written rows are "
+                           "proven by the test suite)")
 
     refused: dict[str, str] = {}
     for point in _offered(info):

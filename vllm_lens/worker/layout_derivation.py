@@ -14,7 +14,11 @@ What is derived, from the constructed model (before its weights load):
   last norm called between the attention block and the next non-norm child, which is the MLP;
   in a post-norm one (no norm before the attention block, one after it and one after the MLP:
   OLMo 2, EXAONE 4) the MLP itself reads ``resid_mid`` and the two norms' outputs are what is
-  added (``attn_out``, ``mlp_out``).
+  added (``attn_out``, ``mlp_out``);
+- the norms after the attention block and after the MLP, where a layer has them (sandwich:
+  a norm between attention and ``mid``, and the first norm after the MLP): their inputs are
+  ``attn_out_pre_norm`` and ``mlp_out_pre_norm``, and in a split layer their outputs are what
+  is added.
 
 A hybrid (Granite 4, Nemotron-H: attention layers among Mamba or MLP-only layers, of several
 classes) has no list whose every entry holds attention; the longest list whose entries each
@@ -30,7 +34,9 @@ offers the stream points (``resid_pre``, ``attn_out``, ``resid_mid``, ``mlp_out`
 ``resid_post``), ``final_norm``, the attention kernel's Q/K, ``value`` and ``attn_z``, and on
 pre-norm and sandwich layers ``attn_in`` (the output of the last norm called before the
 attention block) and ``mlp_in`` (the output of ``mid``), each proven to be what its block
-reads; it offers no ``mlp_post`` and no ``router_logits`` (no invariant proves an activation or
+reads, and where a norm follows a block (sandwich and post-norm layers)
+``attn_out_pre_norm`` / ``mlp_out_pre_norm`` at that norm's input, each proven to be what the
+block returned; it offers no ``mlp_post`` and no ``router_logits`` (no invariant proves an activation or
 a router module yet). Q/K, ``value`` and ``attn_z`` are tapped only at vLLM's plain ``Attention``
 kernel (not latent or chunked attention).
 """
@@ -130,7 +136,8 @@ def _derive(model: nn.Module,
         return Derivation(Layout(
             layers=path, block="sequential", norms="post", fused_residual=False, mid=mlp,
             attention=attention, act=None, down_proj=None, attn_block=attn_norm,
-            mlp_block=mlp_norm, derived=True))
+            mlp_block=mlp_norm, attn_post_norm=attn_norm, mlp_post_norm=mlp_norm,
+            mlp_module=mlp, derived=True))
     if fused:
         mid = next((name for name, n_args in before_mlp if name in norm and n_args >= 2), None)
     else:
@@ -141,11 +148,20 @@ def _derive(model: nn.Module,
     # What attention reads: the output of the last norm called before it (the start-up check
     # compares it with the attention block's input); what the MLP reads: ``mid``'s output.
     attn_in = next((name for name, _ in reversed(before_attn) if name in norm), None)
+    # The norms after attention and after the MLP, where the layer has them (sandwich): the
+    # blocks' own outputs are read at their inputs.
+    attn_post_norm = next((name for name, _ in before_mlp[:[n for n, _ in before_mlp]
+                                                         .index(mid)] if name in norm), None)
+    mlp_post_norm = next((name for name, _ in after_mlp if name in norm), None)
     layout = Layout(
         layers=path, block="sequential", norms="sandwich" if sandwich else "pre",
         fused_residual=fused, mid=mid, attention=attention, act=None, down_proj=None,
-        attn_block=None if fused else attn_child, mlp_block=None if fused else mlp,
-        attn_in=attn_in, mlp_in=True, mlp_reader=mlp, derived=True)
+        # A split layer adds what its blocks return, or (sandwich) what the norms after them
+        # return: attn_out and mlp_out are read there.
+        attn_block=None if fused else attn_post_norm or attn_child,
+        mlp_block=None if fused else mlp_post_norm or mlp,
+        attn_in=attn_in, mlp_in=True, attn_post_norm=attn_post_norm,
+        mlp_post_norm=mlp_post_norm, mlp_module=mlp, derived=True)
     return Derivation(layout)
 
 

@@ -66,7 +66,7 @@ class Layout:
     """The ``mid`` module's output (its first element, in a fused layout) is what the MLP
     reads: ``mlp_in`` is tapped there. Written rows are proven against transformers
     (``tests/integration/test_families.py``); a derived layout's by the start-up check ("the
-    MLP reads mlp_in", at ``mlp_reader``). Not where the MLP reads ``resid_mid`` itself
+    MLP reads mlp_in", at ``mlp_module``). Not where the MLP reads ``resid_mid`` itself
     (post-norm layers) or there is no ``mid`` module (parallel blocks)."""
     stream_only: str | None = None
     """Why only the stream between layers (``resid_pre``, ``resid_post``) is offered, if so:
@@ -78,10 +78,16 @@ class Layout:
     transformers; a derived layout's by the start-up check ("attention reads attn_in": the
     attention block's input is the tapped tensor). Not on post-norm layers (their attention
     reads ``resid_pre``)."""
-    mlp_reader: str | None = None
-    """Derived layouts: the MLP block, the module that should read ``mlp_in`` (the start-up
-    check compares its input with the tap). Written rows leave it unset: their ``mlp_in`` is
-    proven by the test suite."""
+    attn_post_norm: str | None = None
+    """The norm after the attention block (sandwich and post-norm layers), whose input is
+    ``attn_out_pre_norm``: written rows are proven against transformers, a derived layout's
+    by the start-up check ("attention's output is attn_out_pre_norm")."""
+    mlp_post_norm: str | None = None
+    """The norm after the MLP, whose input is ``mlp_out_pre_norm`` (as ``attn_post_norm``)."""
+    mlp_module: str | None = None
+    """Derived layouts: the MLP block, which should read ``mlp_in`` and return
+    ``mlp_out_pre_norm`` (the start-up check compares its input and output with the taps).
+    Written rows leave it unset: their points are proven by the test suite."""
     derived: bool = False
     """Derived from the module tree (``worker.layout_derivation``), not written here: served
     only once ``worker.layout_check`` proved it on the model's weights."""
@@ -101,7 +107,9 @@ _LLAMA = Layout(layers="model.layers", block="sequential", norms="pre", fused_re
 _GEMMA = Layout(layers="model.layers", block="sequential", norms="sandwich",
                 fused_residual=True, mid="pre_feedforward_layernorm",
                 attention="self_attn.attn", act="mlp.act_fn", down_proj="mlp.down_proj",
-                mlp_in=True, attn_in="input_layernorm")
+                mlp_in=True, attn_in="input_layernorm",
+                attn_post_norm="post_attention_layernorm",
+                mlp_post_norm="post_feedforward_layernorm")
 #: GPT-2: LayerNorm before each sublayer, the residual added inside the block.
 _GPT2 = Layout(layers="transformer.h", block="sequential", norms="pre", fused_residual=False,
                mid="ln_2", attention="attn.attn", act="mlp.act", down_proj="mlp.c_proj",
@@ -128,7 +136,9 @@ _GPT_NEOX = Layout(layers="model.layers", block="parallel", norms="pre", fused_r
 _OLMO2 = Layout(layers="model.layers", block="sequential", norms="post", fused_residual=False,
                 mid="mlp", attention="self_attn.attn", act="mlp.act_fn",
                 down_proj="mlp.down_proj", attn_block="post_attention_layernorm",
-                mlp_block="post_feedforward_layernorm", batched=True)
+                mlp_block="post_feedforward_layernorm", batched=True,
+                attn_post_norm="post_attention_layernorm",
+                mlp_post_norm="post_feedforward_layernorm")
 #: SmolLM3, transformers' modules: Llama's pre-norm layer (some layers without RoPE), the
 #: residual added inside the layer.
 _SMOLLM3 = Layout(layers="model.layers", block="sequential", norms="pre", fused_residual=False,

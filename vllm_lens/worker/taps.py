@@ -150,9 +150,10 @@ class TapInfo:
     """``Layout.layers``: where the decoder layers are, from the model."""
     stream_only: str | None = None
     """``Layout.stream_only``: why only the stream between layers is offered, if so."""
-    readers: tuple[tuple[str, str], ...] = ()
-    """Derived layouts: ``(point, path in a layer)`` of the block that should read ``attn_in``
-    or ``mlp_in``, for the start-up check to compare its input with the tap."""
+    readers: tuple[tuple[str, str, str], ...] = ()
+    """Derived layouts: ``(point, path in a layer, "input" or "output")``: the block whose
+    input should be ``attn_in`` / ``mlp_in``, or whose output ``attn_out_pre_norm`` /
+    ``mlp_out_pre_norm``, for the start-up check to compare with the tap."""
 
 
 # Where unmapped models usually keep their layers: found only to report their depth.
@@ -252,18 +253,24 @@ def _submodule(layer: nn.Module, path: str) -> nn.Module | None:
 
 
 def _inner_tapped_class(cls: type[nn.Module], site: str, fused: bool, batched: bool,
-                        mlp_in: bool = False) -> type[nn.Module]:
+                        mlp_in: bool = False, in_site: str | None = None) -> type[nn.Module]:
     """``cls`` with a tap on its inputs (``mid``: its first argument, and the residual beside
     it where the layout is ``fused``; with ``mlp_in`` also on its output, the first element
-    of a tuple, which the MLP reads) or on its output (every other site; the first element
-    of a tuple output). ``batched``: the tensors carry a leading batch dimension of 1."""
-    key = (cls, site, fused, batched, mlp_in)
+    of a tuple, which the MLP reads; ``_INPUT_SITES``: its first argument) or on its output
+    (every other site; the first element of a tuple output), and with ``in_site`` also on its
+    first argument before it runs (a post-norm whose output is ``attn_block``).
+    ``batched``: the tensors carry a leading batch dimension of 1."""
+    key = (cls, site, fused, batched, mlp_in, in_site)
     tapped = _INNER_CLASSES.get(key)
     if tapped is None:
         op = getattr(torch.ops.vllm_lens, SITE_OP_NAMES[site].split("::")[1])
         rows = _rows if batched else _same
-        if site == "mid":
-            first = next(iter(list(inspect.signature(cls.forward).parameters)[1:]), "x")
+        first = next(iter(list(inspect.signature(cls.forward).parameters)[1:]), "x")
+        if site in _INPUT_SITES:
+            def forward(self, *args, **kwargs):
+                op(rows(args[0] if args else kwargs.get(first)), None, self._vllm_lens_layer)
+                return _call_original(cls, self, args, kwargs)
+        elif site == "mid":
             out_op = (getattr(torch.ops.vllm_lens, SITE_OP_NAMES["mlp_in"].split("::")[1])
                       if mlp_in else None)
 
@@ -279,7 +286,13 @@ def _inner_tapped_class(cls: type[nn.Module], site: str, fused: bool, batched: b
                            self._vllm_lens_layer)
                 return out
         else:
+            in_op = (getattr(torch.ops.vllm_lens, SITE_OP_NAMES[in_site].split("::")[1])
+                     if in_site else None)
+
             def forward(self, *args, **kwargs):
+                if in_op is not None:
+                    in_op(rows(args[0] if args else kwargs.get(first)), None,
+                          self._vllm_lens_layer)
                 out = _call_original(cls, self, args, kwargs)
                 op(rows(out[0] if isinstance(out, tuple) else out), None,
                    self._vllm_lens_layer)
@@ -291,7 +304,10 @@ def _inner_tapped_class(cls: type[nn.Module], site: str, fused: bool, batched: b
     return tapped
 
 
-_INNER_CLASSES: dict[tuple[type, str, bool, bool, bool], type] = {}
+_INNER_CLASSES: dict[tuple[type, str, bool, bool, bool, str | None], type] = {}
+#: Sites read at a module's first argument: the inputs of the norms after attention and after
+#: the MLP (``attn_out_pre_norm``, ``mlp_out_pre_norm``).
+_INPUT_SITES = ("attn_post_norm", "mlp_post_norm")
 
 
 def _own_module(layer: nn.Module, path: str, module: nn.Module) -> nn.Module:
@@ -325,11 +341,19 @@ def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inne
     reads_norms = _reads_norm_outputs(layer)
     paths = {"attn_in": layout.attn_in if reads_norms else None, "mid": layout.mid,
              "act": layout.act, "attn_block": layout.attn_block,
-             "mlp_block": layout.mlp_block, "router": layout.router}
+             "mlp_block": layout.mlp_block, "router": layout.router,
+             "attn_post_norm": layout.attn_post_norm, "mlp_post_norm": layout.mlp_post_norm}
+    # A post-norm that is also a split layout's block (its output is attn_out / mlp_out) gets
+    # one tapped class reading both its input and its output.
+    joined = {block: post for block, post in (("attn_block", "attn_post_norm"),
+                                              ("mlp_block", "mlp_post_norm"))
+              if paths[post] is not None and paths[post] == paths[block]}
     n_experts = 0
     mlp_in = (layout.mlp_in and reads_norms
               and getattr(layer, "ada_rms_norm_t_cond", None) is None)
     for site, path in paths.items() if inner else ():
+        if site in joined.values():
+            continue  # tapped with its block
         module = _submodule(layer, path) if path else None
         if module is None or (site == "act" and _quantized_input(down)):
             # A quantized down_proj may take its input from a fused act+quant kernel that
@@ -353,9 +377,12 @@ def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inne
             _claim_forward(module)
             module.__class__ = _inner_tapped_class(cls, site, layout.fused_residual,
                                                    layout.batched,
-                                                   mlp_in=site == "mid" and mlp_in)
+                                                   mlp_in=site == "mid" and mlp_in,
+                                                   in_site=joined.get(site))
             module._vllm_lens_layer = index
         sites.add(site)
+        if site in joined:
+            sites.add(joined[site])
         if site == "mid" and mlp_in:
             sites.add("mlp_in")
     attention = _submodule(layer, layout.attention)
@@ -522,13 +549,19 @@ def install_taps(model: nn.Module, *, tap: bool = True) -> TapInfo | None:
     return info
 
 
-def _readers(layout: Layout | None, sites: set[str]) -> tuple[tuple[str, str], ...]:
+def _readers(layout: Layout | None, sites: set[str]) -> tuple[tuple[str, str, str], ...]:
     """``TapInfo.readers``: on a derived layout, the attention block (the parent of its
-    kernel module) for ``attn_in`` and ``Layout.mlp_reader`` for ``mlp_in``, where tapped."""
+    kernel module) and ``Layout.mlp_module``, for the points read at their input or output,
+    where tapped."""
     if layout is None or not layout.derived:
         return ()
-    found = {"attn_in": layout.attention.rpartition(".")[0], "mlp_in": layout.mlp_reader}
-    return tuple((point, path) for point, path in found.items() if point in sites and path)
+    attention = layout.attention.rpartition(".")[0]
+    found = (("attn_in", "attn_in", attention, "input"),
+             ("mlp_in", "mlp_in", layout.mlp_module, "input"),
+             ("attn_out_pre_norm", "attn_post_norm", attention, "output"),
+             ("mlp_out_pre_norm", "mlp_post_norm", layout.mlp_module, "output"))
+    return tuple((point, path, end) for point, site, path, end in found
+                 if site in sites and path)
 
 
 def tap_info(model: nn.Module) -> TapInfo | None:

@@ -78,6 +78,18 @@ def test_a_block_that_reads_another_tensor_refuses_its_input_point_alone():
                       reads=reads)
     assert result.refused == {"attn_in": "the invariant 'attention reads attn_in' failed"}
     assert "the MLP reads mlp_in" in result.passed
+    # One tensor seen twice in one pass must be equal: 1% off is not the same rows.
+    scaled = _reads(rows)
+    scaled["mlp_in"][0] = (scaled["mlp_in"][0][0], 1.01 * scaled["mlp_in"][0][0])
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
+                      reads=scaled)
+    assert result.refused == {"mlp_in": "the invariant 'the MLP reads mlp_in' failed"}
+    # Rows that are all zero prove nothing (an attention kernel that wrote nothing).
+    zero = _reads(rows)
+    zero["attn_out_pre_norm"] = [(torch.zeros(5, 8), torch.zeros(5, 8)) for _ in LAYERS]
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
+                      reads=zero)
+    assert "were all zero" in result.refused["attn_out_pre_norm"]
     reads["mlp_in"][2] = (reads["mlp_in"][2][0], None)  # that layer's MLP was not called
     result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
                       reads=reads)

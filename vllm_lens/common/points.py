@@ -60,8 +60,8 @@ with the last layer's index): what the LM head reads, nnsight's ``model.norm.out
 TransformerLens' ``ln_final.hook_normalized`` is that norm before its weight, so it is not an
 alias; ``run_with_cache`` names the point ``final_norm``.
 ``attn_out_pre_norm`` and ``mlp_out_pre_norm`` are the attention block's and the MLP's own
-outputs where a norm follows them before the stream receives them (sandwich layers: Gemma 2/3,
-GLM-4; post-norm layers: OLMo 2/3), read at that norm's input (sites ``attn_post_norm``,
+outputs where a norm follows them before the stream receives them (sandwich layers: Gemma 2/3/4,
+GLM-4; post-norm layers: OLMo 2/3, EXAONE 4), read at that norm's input (sites ``attn_post_norm``,
 ``mlp_post_norm``): nnsight's ``self_attn.output`` and ``mlp.output``. ``attn_out`` and
 ``mlp_out`` stay what is added, after the norm, as in transformers and TransformerLens (which
 has no hook before the norm). Elsewhere the two would equal ``attn_out`` and ``mlp_out``, and

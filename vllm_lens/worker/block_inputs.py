@@ -24,10 +24,23 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["eager", "recording_inputs"]
+__all__ = ["eager", "eager_reason", "recording_inputs"]
 
 #: Names a block's input goes by, most likely first; otherwise its first floating tensor.
 _INPUT_NAMES = ("hidden_states", "x", "hidden", "input_", "input")
+
+
+def eager_reason(vllm_config) -> str | None:
+    """Why ``eager`` cannot make ``vllm_config``'s model run its Python code, if so: with
+    ``STOCK_TORCH_COMPILE`` the runner compiles the whole model with ``torch.compile``
+    (``do_not_compile`` is set everywhere already), so a wrapped ``forward`` would be traced
+    into a new graph, not called."""
+    from vllm.config import CompilationMode
+
+    if vllm_config.compilation_config.mode == CompilationMode.STOCK_TORCH_COMPILE:
+        return ("the model is compiled whole by torch.compile (STOCK_TORCH_COMPILE), so its "
+                "blocks' inputs and outputs cannot be recorded")
+    return None
 
 
 @contextlib.contextmanager
@@ -63,8 +76,9 @@ def recording_inputs(layers: nn.Module, local_layers: tuple[int, ...],
                 block = layers[index].get_submodule(path)
             except AttributeError:
                 continue
-            wrapped.append((block, block.__dict__.get("forward")))
+            own = block.__dict__.get("forward")
             block.forward = _recording(block, index, ends, seen)
+            wrapped.append((block, own))  # once wrapped: the exit unwraps it
         yield
     finally:
         for block, own in reversed(wrapped):

@@ -81,7 +81,7 @@ class Layout:
     attn_post_norm: str | None = None
     """The norm after the attention block (sandwich and post-norm layers), whose input is
     ``attn_out_pre_norm``: written rows are proven against transformers, a derived layout's
-    by the start-up check ("attention's output is attn_out_pre_norm")."""
+    by the start-up check ("attention returns attn_out_pre_norm")."""
     mlp_post_norm: str | None = None
     """The norm after the MLP, whose input is ``mlp_out_pre_norm`` (as ``attn_post_norm``)."""
     mlp_module: str | None = None

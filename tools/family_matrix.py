@@ -114,12 +114,20 @@ DERIVED_COLUMNS = {  # column -> the tests behind it (per derived family)
 }
 
 
+DERIVED_TP_TESTS = ["test_tp2_the_layout_is_derived_and_proven_at_start_up",
+                    "test_tp2_proven_points_match_transformers",
+                    "test_tp2_steering_a_derived_layout_matches_transformers"]
+
+
 def render_derived(results: dict) -> str:
-    header = ["family", "vLLM runs it as", "refused by the start-up check", *DERIVED_COLUMNS]
+    header = ["family", "vLLM runs it as", "refused by the start-up check", *DERIVED_COLUMNS,
+              "TP=2"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for family in sorted(derived.DERIVED):
         refused = ", ".join(f"`{p}` ({why})" for p, why in derived.DERIVED[family].items())
         cells = [cell(results, family, tests) for tests in DERIVED_COLUMNS.values()]
+        cells.append(cell(results, family, DERIVED_TP_TESTS) if family in derived.DERIVED_TP
+                     else "not run")
         lines.append("| " + " | ".join([family, f"`{DERIVED_FAMILIES[family][1]}`",
                                          refused or "none", *cells]) + " |")
     return "\n".join(lines)
@@ -205,10 +213,13 @@ Model classes without a written row get a layout derived from vLLM's module tree
 the model's own weights when the engine serves its first lens request
 ([Model families](families.md#models-without-a-row-a-layout-derived-from-the-model-proven-on-its-own-weights)).
 These are compared with transformers by `tests/integration/test_derived_layouts.py`: the
-residual stream at every layer, every point the check proved at two layers, `final_norm`, the
-attention kernel's points where they are served (Q/K patterns, `attn_z` and `value` at two
-layers), steering, and plain requests token-identical to vLLM without the plugin. `mlp_post`,
-`router_logits`, `attn_in` and `mlp_in` are not offered on a derived layout.
+residual stream at every layer, every point the check proved at two layers (`attn_in` and
+`mlp_in` but on post-norm layers, `attn_out_pre_norm` and `mlp_out_pre_norm` where a norm
+follows the sublayers), `final_norm`, the attention kernel's points where they are served
+(Q/K patterns, `attn_z` and `value` at two layers), steering, and plain requests
+token-identical to vLLM without the plugin. `mlp_post` and `router_logits` are not offered on
+a derived layout. The TP=2 column runs the check, the point comparison and steering with two
+tensor-parallel workers.
 
 """
 

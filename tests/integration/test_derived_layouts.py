@@ -26,7 +26,7 @@ from tests.integration.engines import env, generate_without_plugin, running_llm
 from tests.integration.reference import HFReference, _steering_delta, max_relative_error
 from vllm_lens import LensRequestError, SteeringVector, UnsupportedModelError
 from vllm_lens.attention import attention_patterns
-from vllm_lens.common.messages import DescribeAnswer, read
+from vllm_lens.common.messages import DescribeAnswer, read, read_all
 from vllm_lens.demo_models import tiny_llama_dir
 
 PROMPT = ("Once upon a time in a quiet village by the sea, an old fisherman mended his nets "
@@ -129,6 +129,23 @@ pytestmark = pytest.mark.slow  # an engine per family, and a baseline without th
 def derived(request):
     path = tiny_family_dir(request.param)
     with running_llm(path, **MODE) as llm:
+        yield request.param, path, llm, HFReference(path)
+
+
+#: Derived families also run under tensor parallelism 2 (``derived_tp``): a sandwich layout
+#: with every new point, and an MoE whose experts are split across the ranks.
+DERIVED_TP = ("glm4", "qwen3_moe")
+
+
+@pytest.fixture(scope="module", params=DERIVED_TP)
+def derived_tp(request):
+    path = tiny_family_dir(request.param)
+    with env(VLLM_CPU_OMP_THREADS_BIND="0|1"), running_llm(
+            path, tensor_parallel_size=2, **MODE) as llm:
+        describe = read_all(DescribeAnswer, llm.collective_rpc("lens_describe"))
+        assert [d.tp_rank for d in describe] == [0, 1]
+        # Every rank ran the start-up check on its own shard and proved the same points.
+        assert len({tuple(sorted(d.layout_check.passed)) for d in describe}) == 1
         yield request.param, path, llm, HFReference(path)
 
 
@@ -350,3 +367,20 @@ def test_a_layout_measured_apart_passes_its_check_serves_plain_tokens_and_is_sti
         plain = [list(o.outputs[0].token_ids) for o in llm.generate(
             prompts, SamplingParams(max_tokens=8, temperature=0))]
     assert plain == generate_without_plugin(path, prompts, 8, **MODE), family
+
+
+@pytest.mark.families
+def test_tp2_the_layout_is_derived_and_proven_at_start_up(derived_tp):
+    test_the_layout_is_derived_and_proven_at_start_up(derived_tp)
+
+
+@pytest.mark.families
+def test_tp2_proven_points_match_transformers(derived_tp):
+    """Heads joined from both ranks (the single key head replicated), the stream and the
+    points the check proved whole on each."""
+    test_proven_points_match_transformers_and_refused_ones_name_the_invariant(derived_tp)
+
+
+@pytest.mark.families
+def test_tp2_steering_a_derived_layout_matches_transformers(derived_tp):
+    test_steering_a_derived_layout_matches_transformers(derived_tp)

@@ -220,3 +220,22 @@ def test_a_stream_only_layout_refuses_every_inner_point_with_its_reason():
     untouched = LayoutCheck(ran=True)
     _refuse_inner(untouched, SimpleNamespace(stream_only=None))
     assert untouched.refused == {}
+
+
+def test_a_pipeline_stage_before_the_last_hands_no_hidden_state_to_judge():
+    """Its pass returns vLLM's ``IntermediateTensors``, not a hidden state: the invariants of
+    its own layers still run, and ``final norm`` is left to the last stage."""
+    from vllm.sequence import IntermediateTensors
+
+    from vllm_lens.worker.layout_check import _forward
+
+    class Runner:
+        def _dummy_run(self, *args, **kwargs):
+            return IntermediateTensors({"hidden_states": torch.zeros(2, 4)}), None
+
+    assert _forward(Runner()) is None
+    rows, _ = _fused_rows()
+    result = evaluate(rows, _info(), hidden=None, final_norm=_Scale(), last_stage=False,
+                      reads=_reads(rows))
+    assert {"continuity", "attention adds attn_out", "the MLP adds mlp_out"} <= set(result.passed)
+    assert "does not end the model" in result.refused["resid_post"]

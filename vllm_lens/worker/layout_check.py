@@ -283,7 +283,9 @@ def _refuse_inner(result: LayoutCheck, info: Any) -> None:
             result.refused[point] = why
 
 
-def _forward(runner: Any) -> torch.Tensor:
+def _forward(runner: Any) -> torch.Tensor | None:
+    """The hidden state the pass hands to the LM head; ``None`` on a pipeline stage that
+    does not end the model (it hands ``IntermediateTensors`` to the next stage)."""
     from vllm.config import CUDAGraphMode
 
     with torch.inference_mode():
@@ -291,7 +293,7 @@ def _forward(runner: Any) -> torch.Tensor:
         hidden, _ = runner._dummy_run(N_TOKENS, cudagraph_runtime_mode=CUDAGraphMode.NONE,
                                       force_attention=True, randomize_inputs=True,
                                       skip_eplb=True)
-    return hidden
+    return hidden if isinstance(hidden, torch.Tensor) else None
 
 
 @contextlib.contextmanager

@@ -225,6 +225,16 @@ class HFReference:
                     seen[(point, i)] = value.reshape(-1, value.shape[-1])
                 return hook
 
+            def qk_norm(q_or_k, i=i):  # Q or K per head before and after a family's norm
+                def hook(_m, inp, out):
+                    n_tokens = seen[("resid_pre", i)].shape[0]
+                    for point, value in ((f"{q_or_k}_pre_norm", inp[0]), (f"{q_or_k}_normed", out)):
+                        value = value[0]  # the batch of one
+                        if value.dim() == 3 and value.shape[0] != n_tokens:  # [heads, T, d]
+                            value = value.transpose(0, 1)
+                        seen[(point, i)] = value.reshape(n_tokens, -1)
+                return hook
+
             def router(_m, _inp, out, i=i):
                 seen[("router_logits", i)] = out[0].reshape(-1, out[0].shape[-1])
                 seen[("router_experts", i)] = out[2].reshape(-1, out[2].shape[-1])
@@ -261,6 +271,11 @@ class HFReference:
             for point, key in (("attn_out_pre_norm", "attn_raw"), ("mlp_out_pre_norm", "mlp_raw")):
                 if where.get(key):
                     handles.append(_get(layer, where[key]).register_forward_hook(raw(point)))
+            attention = _get(layer, where["o_proj"].rpartition(".")[0])
+            for q_or_k in ("q", "k"):
+                norm = getattr(attention, f"{q_or_k}_norm", None)
+                if isinstance(norm, torch.nn.Module):
+                    handles.append(norm.register_forward_hook(qk_norm(q_or_k)))
             if where["down"]:
                 handles.append(_get(layer, where["down"]).register_forward_pre_hook(down))
             if where["router"]:

@@ -64,6 +64,10 @@ POST_NORM = {"exaone4"}
 #: what the blocks return; the other families refuse those points by name.
 AFTER_NORMS = {"glm4", "gemma4", "exaone4"}
 _PRE_NORM = ("attn_out_pre_norm", "mlp_out_pre_norm")
+#: Families whose attention has norms of Q and K (``q_norm``, ``k_norm``, one head at a time):
+#: Q and K before and after them are served, proven at start-up by the lengths RoPE keeps.
+QK_NORMS = {"qwen3_moe", "olmoe", "exaone4", "gemma4"}
+_QK_NORM = ("q_pre_norm", "q_normed", "k_pre_norm", "k_normed")
 #: Families whose Q/K (and ``attn_z``) are refused by name, and why: Llama 4's RoPE layers run
 #: vLLM's chunked local attention, whose chunks the patterns would not know (Q/K are offered
 #: only where every layer runs the plain kernel).
@@ -166,6 +170,8 @@ def test_the_layout_is_derived_and_proven_at_start_up(derived):
     if name in AFTER_NORMS:  # and what they return, before the norms after them
         assert {"attention returns attn_out_pre_norm",
                 "the MLP returns mlp_out_pre_norm"} <= set(check.passed), name
+    if name in QK_NORMS:
+        assert "the kernel receives the normed Q and K, rotated" in check.passed, name
 
 
 @pytest.mark.families
@@ -176,6 +182,7 @@ def test_proven_points_match_transformers_and_refused_ones_name_the_invariant(de
     served += list(_PRE_NORM) if name in AFTER_NORMS else []
     # The attention kernel's points where its Q/K are served: compared like the stream's.
     heads = [] if name in QK_REFUSED else ["attn_z", "value"]
+    heads += list(_QK_NORM) if name in QK_NORMS else []
     at = MIXED_HEAD_SIZES.get(name, (0, 3))  # layers of those, with heads of one size
     qk = {} if name in QK_REFUSED else {"output_qk": list(at)}
     sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, extra_args={
@@ -217,7 +224,8 @@ def test_proven_points_match_transformers_and_refused_ones_name_the_invariant(de
                 llm.generate([PROMPT], sp)
     for point in ("mlp_post", "router_logits", *(("attn_in", "mlp_in")
                                                    if name in POST_NORM else ()),
-                  *(() if name in AFTER_NORMS else _PRE_NORM)):
+                  *(() if name in AFTER_NORMS else _PRE_NORM),
+                  *(() if name in QK_NORMS else _QK_NORM)):
         # no invariant proves the first two on a derived layout; post-norm layers have no
         # attn_in or mlp_in of their own, and layers without norms after their sublayers no
         # points before them

@@ -11,8 +11,8 @@ from torch import nn
 
 from vllm_lens.worker.layout_check import INVARIANTS, evaluate
 
-SITES = ("pre", "attn_in", "attn", "attn_post_norm", "mid", "mlp_in", "act", "mlp_post_norm",
-         "post", "final")
+SITES = ("pre", "attn_in", "q_norm", "k_norm", "attn", "attn_post_norm", "mid", "mlp_in", "act",
+         "mlp_post_norm", "post", "final")
 LAYERS = (0, 1, 2)
 
 
@@ -34,6 +34,9 @@ def _fused_rows(n_tokens=5, hidden=8, seed=0):
         rows[(layer, "mlp_in")] = (torch.randn(n_tokens, hidden, generator=g), None)
         for site in ("attn_post_norm", "mlp_post_norm"):
             rows[(layer, site)] = (torch.randn(n_tokens, hidden, generator=g), None)
+        for site in ("q_norm", "k_norm"):  # (normed, before the norm), two heads of 4
+            rows[(layer, site)] = (torch.randn(n_tokens, 2, 4, generator=g),
+                                   torch.randn(n_tokens, 2, 4, generator=g))
         attn_out = torch.randn(n_tokens, hidden, generator=g)
         rows[(layer, "mid")] = (attn_out, resid_pre)
         resid_mid = attn_out + resid_pre
@@ -54,6 +57,26 @@ def _reads(rows):
                     for layer in LAYERS] for point, site in sites.items()}
 
 
+def _qk(rows, turn=None):
+    """The per-head lengths the check compares: the tapped normed Q/K, and the kernel's Q/K
+    (the normed ones turned by ``turn``: a rotation keeps each head's length)."""
+    found = []
+    for layer in LAYERS:
+        for site in ("q_norm", "k_norm"):
+            normed = rows[(layer, site)][0]
+            received = normed if turn is None else turn(normed)
+            found.append((normed.norm(dim=-1), received.norm(dim=-1)))
+    return found
+
+
+def _rotate(x):
+    """RoPE's turn of each pair (i, i + half) of a head, by a fixed angle per pair."""
+    half = x.shape[-1] // 2
+    angle = torch.arange(half, dtype=x.dtype) + 0.3
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos()], -1)
+
+
 class _Scale(nn.Module):
     def forward(self, x):
         return 2.0 * x
@@ -62,9 +85,24 @@ class _Scale(nn.Module):
 def test_a_correct_layer_passes_every_invariant():
     rows, last = _fused_rows()
     result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
-                      reads=_reads(rows))
+                      reads=_reads(rows), qk=_qk(rows, _rotate))
     assert sorted(result.passed) == sorted(INVARIANTS)
     assert result.refused == {}
+
+
+def test_a_q_or_k_that_is_not_the_normed_one_turned_refuses_the_qk_norm_points():
+    """Something between the norm and the kernel that changes a head's length (a scale, a
+    second norm) breaks the invariant: the four Q/K norm points are refused, the rest kept.
+    Without the kernel's Q/K recorded they are unproven, with why."""
+    rows, last = _fused_rows()
+    qk = _qk(rows, lambda x: 1.5 * _rotate(x))
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
+                      reads=_reads(rows), qk=qk)
+    assert set(result.refused) == {"q_pre_norm", "q_normed", "k_pre_norm", "k_normed"}
+    assert "normed Q and K, rotated' failed" in result.refused["k_normed"]
+    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
+                      reads=_reads(rows), qk=[(None, None)])
+    assert "was not recorded" in result.refused["q_normed"]
 
 
 def test_a_block_that_reads_another_tensor_refuses_its_input_point_alone():
@@ -75,27 +113,27 @@ def test_a_block_that_reads_another_tensor_refuses_its_input_point_alone():
     reads = _reads(rows)
     reads["attn_in"][1] = (reads["attn_in"][1][0], rows[(1, "pre")][0])
     result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
-                      reads=reads)
+                      reads=reads, qk=_qk(rows))
     assert result.refused == {"attn_in": "the invariant 'attention reads attn_in' failed"}
     assert "the MLP reads mlp_in" in result.passed
     # One tensor seen twice in one pass must be equal: 1% off is not the same rows.
     scaled = _reads(rows)
     scaled["mlp_in"][0] = (scaled["mlp_in"][0][0], 1.01 * scaled["mlp_in"][0][0])
     result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
-                      reads=scaled)
+                      reads=scaled, qk=_qk(rows))
     assert result.refused == {"mlp_in": "the invariant 'the MLP reads mlp_in' failed"}
     # Rows that are all zero prove nothing (an attention kernel that wrote nothing).
     zero = _reads(rows)
     zero["attn_out_pre_norm"] = [(torch.zeros(5, 8), torch.zeros(5, 8)) for _ in LAYERS]
     result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
-                      reads=zero)
+                      reads=zero, qk=_qk(rows))
     assert "were all zero" in result.refused["attn_out_pre_norm"]
     reads["mlp_in"][2] = (reads["mlp_in"][2][0], None)  # that layer's MLP was not called
     result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
-                      reads=reads)
+                      reads=reads, qk=_qk(rows))
     assert "was not called in the check's pass" in result.refused["mlp_in"]
     result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
-                      reads="the pass recording the blocks' inputs failed (boom)")
+                      reads="the pass recording the blocks' inputs failed (boom)", qk=_qk(rows))
     assert set(result.refused) == {"attn_in", "mlp_in", "attn_out_pre_norm", "mlp_out_pre_norm"}
     assert "(boom)" in result.refused["mlp_in"]
     result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True)
@@ -106,15 +144,15 @@ def test_a_final_norm_tap_off_the_lm_heads_input_refuses_final_norm_alone():
     rows, last = _fused_rows()
     rows[(LAYERS[-1], "final")] = (last, None)  # the norm's input, not its output
     result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
-                      reads=_reads(rows))
+                      reads=_reads(rows), qk=_qk(rows))
     assert result.refused == {"final_norm": "the invariant 'the LM head reads final_norm' failed"}
     del rows[(LAYERS[-1], "final")]  # the tap did not run: unproven, named
     result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
-                      reads=_reads(rows))
+                      reads=_reads(rows), qk=_qk(rows))
     assert set(result.refused) == {"final_norm"}
     assert "the final norm's tap did not run" in result.refused["final_norm"]
     result = evaluate(rows, _info(), hidden=None, final_norm=_Scale(), last_stage=False,
-                      reads=_reads(rows))
+                      reads=_reads(rows), qk=_qk(rows))
     assert "does not end the model" in result.refused["final_norm"]
 
 
@@ -138,7 +176,7 @@ def test_a_wrong_mid_module_refuses_the_points_it_reads_and_keeps_the_stream():
     attn_out, resid_pre = rows[(1, "mid")]
     rows[(1, "mid")] = (attn_out, 0.5 * resid_pre)  # the norm before attention, not the MLP's
     result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
-                      reads=_reads(rows))
+                      reads=_reads(rows), qk=_qk(rows))
     assert "continuity" in result.passed and "final norm" in result.passed
     assert set(result.refused) == {"attn_out", "resid_mid", "mlp_out"}
     assert "'attention adds attn_out' failed" in result.refused["attn_out"]
@@ -236,6 +274,6 @@ def test_a_pipeline_stage_before_the_last_hands_no_hidden_state_to_judge():
     assert _forward(Runner()) is None
     rows, _ = _fused_rows()
     result = evaluate(rows, _info(), hidden=None, final_norm=_Scale(), last_stage=False,
-                      reads=_reads(rows))
+                      reads=_reads(rows), qk=_qk(rows))
     assert {"continuity", "attention adds attn_out", "the MLP adds mlp_out"} <= set(result.passed)
     assert "does not end the model" in result.refused["resid_post"]

@@ -164,6 +164,25 @@ def test_sandwich_layers_name_the_norms_after_their_sublayers():
     assert (layout.attn_post_norm, layout.mlp_post_norm) == (None, None)
 
 
+class QKNormAttn(Attn):  # Qwen3-MoE: norms of Q and K inside the attention block
+    def __init__(self):
+        super().__init__()
+        self.q_norm, self.k_norm = RMSNorm(), RMSNorm()
+
+
+class QKNormLayer(Fused):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = QKNormAttn()
+
+
+def test_the_attention_blocks_q_and_k_norms_are_named_where_it_has_them():
+    layout = derive_layout(_model(QKNormLayer), Kernel).layout
+    assert (layout.q_norm, layout.k_norm) == ("self_attn.q_norm", "self_attn.k_norm")
+    layout = derive_layout(_model(Fused), Kernel).layout
+    assert (layout.q_norm, layout.k_norm) == (None, None)
+
+
 def test_trees_without_a_layout_are_refused_with_a_reason():
     found = derive_layout(_model(NoMLP), Kernel)
     assert found.layout is None and "no MLP block" in found.reason

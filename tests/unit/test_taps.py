@@ -188,3 +188,51 @@ def test_the_norms_after_the_sublayers_are_read_at_their_inputs(calls, monkeypat
     alone = toy("ToyForCausalLM", [PostNormBlock()])
     assert taps.install_taps(alone).sites == ("pre", "attn_post_norm", "mid", "mlp_post_norm",
                                               "post")
+
+
+class Kernel(nn.Module):  # stands for vLLM's Attention: what the q/k norm sites look up
+    head_size, num_kv_heads = 2, 1
+
+
+class QKAttn(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.q_norm, self.k_norm, self.attn = nn.LayerNorm(width), nn.LayerNorm(width), Kernel()
+
+    def forward(self, x):
+        q = self.q_norm(x.view(x.shape[0], 2, 2)).reshape(x.shape)
+        k = self.k_norm(x.view(x.shape[0], 2, 2)[:, :1]).reshape(x.shape[0], 2)
+        return q + k.repeat(1, 2)
+
+
+def test_q_and_k_norms_are_read_at_their_input_and_output_where_one_head_wide(
+        calls, monkeypatch):
+    """The ``q_norm`` / ``k_norm`` sites hand the norm's output and input together (``a``,
+    ``b``); a norm spanning every head is tapped only without tensor parallelism."""
+    qk = Layout(layers="model.layers", block="sequential", norms="pre", fused_residual=False,
+                mid="ln_2", attention="attn.attn", act=None, down_proj=None,
+                q_norm="attn.q_norm", k_norm="attn.k_norm")
+    monkeypatch.setitem(layouts.LAYOUTS, "ToyForCausalLM", qk)
+    block = Block(nn.GELU(), attn=QKAttn(2))
+    model = toy("ToyForCausalLM", [block])
+    info = taps.install_taps(model)
+    assert {"q_norm", "k_norm"} <= set(info.sites)
+    rows = {}
+    taps.set_tap_handler(lambda a, b, layer, site: rows.setdefault(site, (a.clone(), b.clone()))
+                         if site in ("q_norm", "k_norm") else None)
+    x = torch.randn(3, 4)
+    block(x)
+    taps.set_tap_handler(None)
+    heads = x.view(3, 2, 2)
+    torch.testing.assert_close(rows["q_norm"][1], heads)
+    torch.testing.assert_close(rows["q_norm"][0], block.attn.q_norm(heads))
+    torch.testing.assert_close(rows["k_norm"][1], heads[:, :1])
+    # One norm over every head: tapped at TP=1 only.
+    wide = Block(nn.GELU(), attn=QKAttn(4))
+    wide.attn.forward = lambda x: wide.attn.q_norm(x) + wide.attn.k_norm(x)
+    assert "q_norm" in taps.install_taps(toy("ToyForCausalLM", [wide])).sites
+    monkeypatch.setattr(taps, "_tp_size", lambda: 2)
+    wide = Block(nn.GELU(), attn=QKAttn(4))
+    assert "q_norm" not in taps.install_taps(toy("ToyForCausalLM", [wide])).sites
+    narrow = Block(nn.GELU(), attn=QKAttn(2))
+    assert "q_norm" in taps.install_taps(toy("ToyForCausalLM", [narrow])).sites

@@ -5,7 +5,8 @@ The front end validates requests with it; workers route taps.
 
 Per decoder layer ``L`` (TransformerLens names)::
 
-    resid_pre -> norm -> attn_in -> attention (attn_q, attn_k, value, attn_z)
+    resid_pre -> norm -> attn_in -> attention ([q/k_pre_norm -> q/k norm -> q/k_normed
+              -> RoPE ->] attn_q, attn_k, value, attn_z)
               [-> attn_out_pre_norm -> post-norm] -> attn_out -> resid_mid
               -> norm -> mlp_in -> MLP (mlp_post) [-> mlp_out_pre_norm -> post-norm]
               -> mlp_out -> resid_post
@@ -66,6 +67,13 @@ GLM-4; post-norm layers: OLMo 2/3, EXAONE 4), read at that norm's input (sites `
 ``mlp_out`` stay what is added, after the norm, as in transformers and TransformerLens (which
 has no hook before the norm). Elsewhere the two would equal ``attn_out`` and ``mlp_out``, and
 they are not offered. Read-only.
+``q_pre_norm`` / ``q_normed`` and ``k_pre_norm`` / ``k_normed`` are Q and K per head before
+and after the family's own norm of them (Qwen3, Gemma 3/4, OLMo 2/3, OLMoE, EXAONE 4: the
+input and output of ``q_norm`` / ``k_norm``, read at one site each), so before RoPE, where
+``attn_q`` / ``attn_k`` are what the kernel receives, after it; nnsight's
+``self_attn.q_norm.input`` and ``.output``. Read-only, split across tensor-parallel ranks by
+head like Q and K; a norm that spans every head at once (OLMo 2/3, OLMoE: vLLM gathers the
+heads of every rank for it) is tapped only without tensor parallelism.
 """
 
 from __future__ import annotations
@@ -76,13 +84,14 @@ from dataclasses import dataclass
 __all__ = [
     "ATTENTION_SIGNALS", "ATTENTION_TAP_KEYS", "DLA_PREFIX", "FINAL_POINT", "KV_HEAD_SIGNALS",
     "POINTS",
-    "QK_HOOK_POINT", "RESIDUAL_SIGNAL", "SHARDED", "SITES", "STEERABLE", "Point", "hook_name",
+    "QK_HOOK_POINT", "QK_NORM_POINTS", "RESIDUAL_SIGNAL", "SHARDED", "SITES", "STEERABLE",
+    "Point", "hook_name",
     "hook_site", "operands", "resolve", "shard_dim", "site_of", "tap_key",
 ]
 
 #: Where taps run, in the order a layer reaches them.
-SITES = ("pre", "attn_in", "attn", "attn_post_norm", "attn_block", "mid", "mlp_in", "router",
-         "act", "mlp_post_norm", "mlp_block", "post", "final")
+SITES = ("pre", "attn_in", "q_norm", "k_norm", "attn", "attn_post_norm", "attn_block", "mid",
+         "mlp_in", "router", "act", "mlp_post_norm", "mlp_block", "post", "final")
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,8 @@ class Point:
     steerable: bool
     split_site: str | None = None
     """Where the point is read in split layouts, if not at ``site``."""
+    from_input: bool = False
+    """The value is ``b``, what the site's module was called with (``a``: what it returned)."""
 
 
 POINTS: dict[str, Point] = {p.name: p for p in (
@@ -111,7 +122,13 @@ POINTS: dict[str, Point] = {p.name: p for p in (
     Point("final_norm", "final", False, False),
     Point("attn_out_pre_norm", "attn_post_norm", False, False),
     Point("mlp_out_pre_norm", "mlp_post_norm", False, False),
+    Point("q_pre_norm", "q_norm", False, False, from_input=True),
+    Point("q_normed", "q_norm", False, False),
+    Point("k_pre_norm", "k_norm", False, False, from_input=True),
+    Point("k_normed", "k_norm", False, False),
 )}
+#: Q and K before and after a family's norms of them: per head, read-only.
+QK_NORM_POINTS = ("q_pre_norm", "q_normed", "k_pre_norm", "k_normed")
 #: The point read once, after the last decoder layer (its only layer is the last).
 FINAL_POINT = "final_norm"
 #: Points steering vectors and hooks may write to (each is a ``[n_tokens, hidden]`` stream).
@@ -125,10 +142,10 @@ RESIDUAL_SIGNAL = "residual_stream"
 ATTENTION_SIGNALS = ("attn_q", "attn_k")
 #: Signals each tensor-parallel rank holds a part of (heads, or MLP columns): every rank
 #: captures its part, and the front end joins them in rank order.
-SHARDED = ("attn_q", "attn_k", "attn_z", "value", "mlp_post")
+SHARDED = ("attn_q", "attn_k", "attn_z", "value", "mlp_post", *QK_NORM_POINTS)
 #: Signals with one row part per key/value head: under tensor parallelism with fewer key/value
 #: heads than ranks, several ranks hold the same head (kept once when the parts join).
-KV_HEAD_SIGNALS = ("attn_k", "value")
+KV_HEAD_SIGNALS = ("attn_k", "value", "k_pre_norm", "k_normed")
 
 
 #: The signal of an SAE's feature capture: ``sae:<ident>:<point>`` (``spec.saes``).
@@ -252,7 +269,7 @@ def operands(signal: str, a, b):
     """The tensors whose sum is ``signal``'s value, from a tap's two (``(q, k)`` at the
     ``attn`` site): ``(a, b)``, ``(a, None)`` or ``(b, None)``."""
     signal = base_signal(signal)
-    if signal == "attn_k":
+    if signal == "attn_k" or (signal in POINTS and POINTS[signal].from_input):
         return b, None
     if signal == RESIDUAL_SIGNAL or (signal in POINTS and POINTS[signal].with_residual):
         return a, b

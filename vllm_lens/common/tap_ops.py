@@ -17,7 +17,8 @@ ACT_TAP_OP_NAME = "vllm_lens::act_tap"
 #: The ops of the sites only some layouts have (``points``): what attention and the MLP
 #: return in split layouts, what attention and the MLP read, an MoE router's logits, and the
 #: model's final norm (once, after the last layer), and the inputs of the norms after
-#: attention and after the MLP (sandwich and post-norm layers).
+#: attention and after the MLP (sandwich and post-norm layers), and a family's norms of Q and
+#: K (their inputs and outputs).
 SITE_OP_NAMES = {"attn_in": "vllm_lens::attn_in_tap", "mid": MID_TAP_OP_NAME,
                  "mlp_in": "vllm_lens::mlp_in_tap",
                  "act": ACT_TAP_OP_NAME,
@@ -25,6 +26,7 @@ SITE_OP_NAMES = {"attn_in": "vllm_lens::attn_in_tap", "mid": MID_TAP_OP_NAME,
                  "mlp_block": "vllm_lens::mlp_block_tap", "router": "vllm_lens::router_tap",
                  "final": "vllm_lens::final_norm_tap",
                  "attn_post_norm": "vllm_lens::attn_post_norm_tap",
-                 "mlp_post_norm": "vllm_lens::mlp_post_norm_tap"}
+                 "mlp_post_norm": "vllm_lens::mlp_post_norm_tap",
+                 "q_norm": "vllm_lens::q_norm_tap", "k_norm": "vllm_lens::k_norm_tap"}
 #: Every custom op vllm-lens puts in the traced graph.
 TAP_OPS = (PRE_TAP_OP_NAME, *SITE_OP_NAMES.values(), TAP_OP_NAME)

@@ -192,7 +192,7 @@ def parse_points(raw: Any, facts: ModelFacts, request_id: str | None) -> tuple[C
 
 
 #: Points read per attention head (rows ``[heads, head_dim]``).
-HEAD_POINTS = ("attn_z", "value")
+HEAD_POINTS = ("attn_z", "value", *tap_points.QK_NORM_POINTS)
 
 
 def check_one_head_size(layers: tuple[int, ...], facts: ModelFacts, where: str,

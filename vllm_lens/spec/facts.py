@@ -102,7 +102,7 @@ class ModelFacts:
             tap_points.DLA_PREFIX) else signal
         if signal in tap_points.KV_HEAD_SIGNALS:
             return (self.n_kv_heads, self.head_size(layers))
-        if signal in ("attn_q", "attn_z"):
+        if signal in ("attn_q", "attn_z", "q_pre_norm", "q_normed"):
             return (self.n_heads, self.head_size(layers))
         if signal == "router_logits":
             return (self.n_experts,)

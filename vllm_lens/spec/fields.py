@@ -163,6 +163,12 @@ _MISSING_SITE = {
                       "have one): what attention returns is attn_out itself there",
     "mlp_post_norm": "its layers have no norm after the MLP (sandwich or post-norm layers "
                      "have one): what the MLP returns is mlp_out itself there",
+    "q_norm": "its attention has no norm of Q (Qwen3, Gemma 3/4, OLMo 2/3, OLMoE and EXAONE 4 "
+              "have one), or its norm spans every head at once and tensor parallelism splits "
+              "the heads (vLLM gathers them for it on every rank)",
+    "k_norm": "its attention has no norm of K (Qwen3, Gemma 3/4, OLMo 2/3, OLMoE and EXAONE 4 "
+              "have one), or its norm spans every head at once and tensor parallelism splits "
+              "the heads (vLLM gathers them for it on every rank)",
 }
 
 

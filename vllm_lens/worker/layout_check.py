@@ -20,7 +20,11 @@ wrong one breaks:
   ``attention returns attn_out_pre_norm`` and ``the MLP returns mlp_out_pre_norm``: what they
   return is the tapped input of the norm after them. On a second pass that runs the model's
   Python code (``worker.block_inputs``; written rows have these points proven against
-  transformers by the test suite instead).
+  transformers by the test suite instead);
+- ``the kernel receives the normed Q and K, rotated``: each head's Q and K as the family's
+  norm of them returned (``q_normed``, ``k_normed``) are as long as what the attention kernel
+  receives (RoPE turns them without changing their length; anything else between, a scale or
+  another module, would), per token and head.
 
 Each invariant names the points it proves; a point whose invariant fails is refused by name
 with that invariant, and the rest of the model serves. A derived layout
@@ -44,7 +48,7 @@ from typing import Any
 
 import torch
 
-from vllm_lens.common.points import POINTS, operands, site_of, tap_key
+from vllm_lens.common.points import POINTS, QK_NORM_POINTS, operands, site_of, tap_key
 from vllm_lens.worker import block_inputs, head_projection, taps
 from vllm_lens.worker.layout_derivation import attention_kernels, recurrent_state_reason
 from vllm_lens.worker.layouts import final_norm_of
@@ -57,7 +61,10 @@ logger = logging.getLogger(__name__)
 INVARIANTS = ("continuity", "final norm", "attention adds attn_out", "the MLP adds mlp_out",
               "the LM head reads final_norm", "attention reads attn_in",
               "the MLP reads mlp_in", "attention returns attn_out_pre_norm",
-              "the MLP returns mlp_out_pre_norm")
+              "the MLP returns mlp_out_pre_norm",
+              "the kernel receives the normed Q and K, rotated")
+#: Proves Q and K before and after their norms (``QK_NORM_POINTS``).
+_QK_ROTATED = INVARIANTS[-1]
 _STREAM = ("continuity", "final norm")
 _SUMS = ("attention adds attn_out", "the MLP adds mlp_out")
 #: Point -> the invariant that its block reads or returns it (``block_inputs``).
@@ -80,6 +87,8 @@ def _requires(point: str, info: Any) -> tuple[str, ...]:
         return (*_STREAM, "the LM head reads final_norm")
     if point in _READERS:
         return (*_STREAM, _READERS[point])
+    if point in QK_NORM_POINTS:
+        return (*_STREAM, _QK_ROTATED)
     return _STREAM + sums.get(point, ())
 
 
@@ -133,10 +142,11 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
     recorder = _Recorder()
     previous = taps.current_tap_handler()
     kernel_out: dict[int, torch.Tensor] = {}
+    kernel_qk: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     try:
         taps.set_tap_handler(recorder)
         try:
-            with _attention_output(_kernels(model, info), kernel_out):
+            with _attention_output(_kernels(model, info), kernel_out, kernel_qk):
                 hidden = _forward(runner)
         finally:
             taps.set_tap_handler(previous)
@@ -146,7 +156,8 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
         final = final_norm(model, info)
         reads = _block_inputs(runner, model, info) if info.readers else None
         result = evaluate(recorder.rows, info, hidden=hidden, final_norm=final,
-                          last_stage=_last_stage(), dtype=recorder.dtype, reads=reads)
+                          last_stage=_last_stage(), dtype=recorder.dtype, reads=reads,
+                          qk=_qk_lengths(recorder.rows, info, kernel_qk))
         _refuse_repeated_final(result, recorder)
         try:
             _check_projections(result, model, info, recorder, kernel_out)
@@ -197,6 +208,27 @@ def _block_inputs(runner: Any, model: torch.nn.Module, info: Any
                          seen.get((layer, point))))
         reads[point] = rows
     return reads
+
+
+def _qk_lengths(rows: dict, info: Any, kernel_qk: dict
+                ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """``evaluate``'s ``qk``: per local layer, and for Q then K, ``(lengths of each head's
+    tapped q_normed / k_normed, lengths of each head the kernel received)``, ``[tokens,
+    heads]`` each; ``None`` where one was not recorded."""
+    kernels = dict(info.attention)
+    found = []
+    for layer in info.local_layers:
+        kernel = kernels.get(layer)
+        for index, site in enumerate(("q_norm", "k_norm")):
+            tapped, received = rows.get((layer, site)), kernel_qk.get(layer, (None, None))[index]
+            if kernel is None or tapped is None or received is None:
+                found.append((None, None))
+                continue
+            size = kernel.head_size
+            normed = tapped[0].reshape(tapped[0].shape[0], -1, size)  # [tokens, heads, size]
+            received = received.reshape(received.shape[0], -1, size)[: normed.shape[0]]
+            found.append((normed.norm(dim=-1), received.norm(dim=-1)))
+    return found
 
 
 def _refuse_repeated_final(result: LayoutCheck, recorder: _Recorder) -> None:
@@ -298,14 +330,15 @@ def _forward(runner: Any) -> torch.Tensor | None:
 
 @contextlib.contextmanager
 def _attention_output(modules: tuple[tuple[int, torch.nn.Module], ...],
-                      seen: dict[int, torch.Tensor]):
+                      seen: dict[int, torch.Tensor], qk: dict | None = None):
     """While the check's pass runs, an attention kernel that wrote nothing (vLLM's dummy run
     may come without attention metadata; the kernel then leaves its output zero) writes
     seeded noise instead: the invariants relate where attention's output goes, not what the
     kernel computed, and a zero output would make ``attention adds attn_out`` prove nothing.
     Without kernel modules to reach, a zero ``attn_out`` leaves the invariant unrun
     (``evaluate``). Each layer's kernel output is kept in ``seen`` (float32, one row per
-    token).
+    token), and with ``qk`` the Q and K a plain kernel received (float32, ``None`` for a K
+    the layer does not compute: KV sharing).
 
     The kernel is reached where vLLM's attention op looks it up at run time: ``Attention``'s
     ``impl.forward(layer, query, key, value, kv_cache, metadata, output)``, and
@@ -325,6 +358,11 @@ def _attention_output(modules: tuple[tuple[int, torch.nn.Module], ...],
                 z.copy_(torch.randn(z.shape, generator=g, device=z.device, dtype=z.dtype))
             if isinstance(z, torch.Tensor) and layer not in seen:
                 seen[layer] = z.detach().float().reshape(z.shape[0], -1).clone()
+            if qk is not None and output_at == 6 and layer not in qk and len(args) > 2:
+                query, key = args[1], args[2]  # impl.forward(layer, query, key, value, ...)
+                qk[layer] = (query.detach().float().reshape(query.shape[0], -1).clone(),
+                             None if key is None else
+                             key.detach().float().reshape(key.shape[0], -1).clone())
             return result
 
         return forward
@@ -421,12 +459,14 @@ def _telling(base: torch.Tensor, delta: torch.Tensor, eps: float) -> bool:
 def evaluate(rows: dict, info: Any, *, hidden: torch.Tensor | None,
              final_norm: torch.nn.Module | None, last_stage: bool,
              dtype: torch.dtype | None = None, tol: float | None = None,
-             reads: dict[str, list[tuple[Any, Any]]] | str | None = None) -> LayoutCheck:
+             reads: dict[str, list[tuple[Any, Any]]] | str | None = None,
+             qk: list[tuple[Any, Any]] | None = None) -> LayoutCheck:
     """The invariants over ``rows`` (``(layer, tap key) -> (a, b)``), for ``info`` (a
     ``TapInfo``); ``hidden``: what the model returned, ``final_norm`` the norm before the LM
     head; ``reads``: point -> ``(tapped, what its block read)`` per layer (``attn_in``,
-    ``mlp_in``), or why they were not recorded. Points of a failed or unrunnable invariant are
-    refused."""
+    ``mlp_in``), or why they were not recorded; ``qk``: ``(lengths of the tapped q_normed /
+    k_normed heads, of the kernel's)`` per layer (``_qk_lengths``). Points of a failed or
+    unrunnable invariant are refused."""
     dtype = dtype or torch.float32
     tol = tol if tol is not None else tolerance(dtype)
     eps = torch.finfo(dtype).eps
@@ -492,6 +532,9 @@ def evaluate(rows: dict, info: Any, *, hidden: torch.Tensor | None,
     else:
         unrun["final norm"] = "this pipeline stage does not end the model"
         unrun["the LM head reads final_norm"] = "this pipeline stage does not end the model"
+    if any(site_of(p, split=split) in info.sites for p in QK_NORM_POINTS):
+        judge(_QK_ROTATED, [(t, None, k) for t, k in qk or []],
+              "the kernel's Q or K, or a norm's tap, was not recorded in the check's pass")
     for point, name in _READERS.items():
         if isinstance(reads, dict) and point in reads:
             judge(name, [(tapped, None, read) for tapped, read in reads[point]],

@@ -36,7 +36,8 @@ pre-norm and sandwich layers ``attn_in`` (the output of the last norm called bef
 attention block) and ``mlp_in`` (the output of ``mid``), each proven to be what its block
 reads, and where a norm follows a block (sandwich and post-norm layers)
 ``attn_out_pre_norm`` / ``mlp_out_pre_norm`` at that norm's input, each proven to be what the
-block returned; it offers no ``mlp_post`` and no ``router_logits`` (no invariant proves an activation or
+block returned, and where the attention block has norms named ``q_norm`` / ``k_norm`` Q and K
+before and after them (proven by the per-head lengths RoPE keeps); it offers no ``mlp_post`` and no ``router_logits`` (no invariant proves an activation or
 a router module yet). Q/K, ``value`` and ``attn_z`` are tapped only at vLLM's plain ``Attention``
 kernel (not latent or chunked attention).
 """
@@ -137,7 +138,8 @@ def _derive(model: nn.Module,
             layers=path, block="sequential", norms="post", fused_residual=False, mid=mlp,
             attention=attention, act=None, down_proj=None, attn_block=attn_norm,
             mlp_block=mlp_norm, attn_post_norm=attn_norm, mlp_post_norm=mlp_norm,
-            mlp_module=mlp, derived=True))
+            q_norm=_child_norm(layer, attn_child, "q_norm"),
+            k_norm=_child_norm(layer, attn_child, "k_norm"), mlp_module=mlp, derived=True))
     if fused:
         mid = next((name for name, n_args in before_mlp if name in norm and n_args >= 2), None)
     else:
@@ -153,6 +155,7 @@ def _derive(model: nn.Module,
     attn_post_norm = next((name for name, _ in before_mlp[:[n for n, _ in before_mlp]
                                                          .index(mid)] if name in norm), None)
     mlp_post_norm = next((name for name, _ in after_mlp if name in norm), None)
+    q_norm, k_norm = (_child_norm(layer, attn_child, name) for name in ("q_norm", "k_norm"))
     layout = Layout(
         layers=path, block="sequential", norms="sandwich" if sandwich else "pre",
         fused_residual=fused, mid=mid, attention=attention, act=None, down_proj=None,
@@ -161,7 +164,8 @@ def _derive(model: nn.Module,
         attn_block=None if fused else attn_post_norm or attn_child,
         mlp_block=None if fused else mlp_post_norm or mlp,
         attn_in=attn_in, mlp_in=True, attn_post_norm=attn_post_norm,
-        mlp_post_norm=mlp_post_norm, mlp_module=mlp, derived=True)
+        mlp_post_norm=mlp_post_norm, q_norm=q_norm, k_norm=k_norm, mlp_module=mlp,
+        derived=True)
     return Derivation(layout)
 
 
@@ -247,6 +251,12 @@ def _attention_count(layer: nn.Module, attention_cls: type | tuple[type, ...]) -
 def _attention_path(layer: nn.Module, attention_cls: type | tuple[type, ...]) -> str | None:
     return next((name for name, m in layer.named_modules() if isinstance(m, attention_cls)),
                 None)
+
+
+def _child_norm(layer: nn.Module, block: str, name: str) -> str | None:
+    """``block.name`` where the attention block has a norm of that name (its Q or K norm)."""
+    found = getattr(getattr(layer, block, None), name, None)
+    return f"{block}.{name}" if isinstance(found, nn.Module) and _is_norm(found) else None
 
 
 def _is_norm(module: nn.Module) -> bool:

@@ -84,6 +84,13 @@ class Layout:
     by the start-up check ("attention returns attn_out_pre_norm")."""
     mlp_post_norm: str | None = None
     """The norm after the MLP, whose input is ``mlp_out_pre_norm`` (as ``attn_post_norm``)."""
+    q_norm: str | None = None
+    """The attention block's norm of Q, where a family has one (``q_pre_norm`` is its input,
+    ``q_normed`` its output); a layer without the module gets neither. Written rows are
+    proven against transformers, a derived layout's by the start-up check ("the kernel's Q and
+    K are the normed ones, rotated")."""
+    k_norm: str | None = None
+    """The attention block's norm of K (``k_pre_norm``, ``k_normed``), as ``q_norm``."""
     mlp_module: str | None = None
     """Derived layouts: the MLP block, which should read ``mlp_in`` and return
     ``mlp_out_pre_norm`` (the start-up check compares its input and output with the taps).
@@ -101,7 +108,9 @@ class Layout:
 _LLAMA = Layout(layers="model.layers", block="sequential", norms="pre", fused_residual=True,
                 mid="post_attention_layernorm", attention="self_attn.attn",
                 act="mlp.act_fn", down_proj="mlp.down_proj", mlp_in=True,
-                attn_in="input_layernorm")
+                attn_in="input_layernorm",
+                # Qwen3's q/k norms (Llama, Mistral, Phi-3 and Qwen2 have none)
+                q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
 #: Gemma 2 / 3: a norm before and after each sublayer; ``attn_out`` and ``mlp_out`` are what
 #: is added to the stream, after the post-norms (as in transformers and TransformerLens).
 _GEMMA = Layout(layers="model.layers", block="sequential", norms="sandwich",
@@ -109,7 +118,8 @@ _GEMMA = Layout(layers="model.layers", block="sequential", norms="sandwich",
                 attention="self_attn.attn", act="mlp.act_fn", down_proj="mlp.down_proj",
                 mlp_in=True, attn_in="input_layernorm",
                 attn_post_norm="post_attention_layernorm",
-                mlp_post_norm="post_feedforward_layernorm")
+                mlp_post_norm="post_feedforward_layernorm",
+                q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
 #: GPT-2: LayerNorm before each sublayer, the residual added inside the block.
 _GPT2 = Layout(layers="transformer.h", block="sequential", norms="pre", fused_residual=False,
                mid="ln_2", attention="attn.attn", act="mlp.act", down_proj="mlp.c_proj",
@@ -138,7 +148,8 @@ _OLMO2 = Layout(layers="model.layers", block="sequential", norms="post", fused_r
                 down_proj="mlp.down_proj", attn_block="post_attention_layernorm",
                 mlp_block="post_feedforward_layernorm", batched=True,
                 attn_post_norm="post_attention_layernorm",
-                mlp_post_norm="post_feedforward_layernorm")
+                mlp_post_norm="post_feedforward_layernorm",
+                q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
 #: SmolLM3, transformers' modules: Llama's pre-norm layer (some layers without RoPE), the
 #: residual added inside the layer.
 _SMOLLM3 = Layout(layers="model.layers", block="sequential", norms="pre", fused_residual=False,

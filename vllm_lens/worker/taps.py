@@ -270,6 +270,13 @@ def _inner_tapped_class(cls: type[nn.Module], site: str, fused: bool, batched: b
             def forward(self, *args, **kwargs):
                 op(rows(args[0] if args else kwargs.get(first)), None, self._vllm_lens_layer)
                 return _call_original(cls, self, args, kwargs)
+        elif site in _IN_OUT_SITES:
+            def forward(self, *args, **kwargs):
+                x = args[0] if args else kwargs.get(first)
+                out = _call_original(cls, self, args, kwargs)
+                op(rows(out[0] if isinstance(out, tuple) else out), rows(x),
+                   self._vllm_lens_layer)
+                return out
         elif site == "mid":
             out_op = (getattr(torch.ops.vllm_lens, SITE_OP_NAMES["mlp_in"].split("::")[1])
                       if mlp_in else None)
@@ -308,6 +315,9 @@ _INNER_CLASSES: dict[tuple[type, str, bool, bool, bool, str | None], type] = {}
 #: Sites read at a module's first argument: the inputs of the norms after attention and after
 #: the MLP (``attn_out_pre_norm``, ``mlp_out_pre_norm``).
 _INPUT_SITES = ("attn_post_norm", "mlp_post_norm")
+#: Sites read at a module's output and input together, after it ran (``a``, ``b``): a
+#: family's norms of Q and K (``q_normed`` and ``q_pre_norm``, ``k_normed``, ``k_pre_norm``).
+_IN_OUT_SITES = ("q_norm", "k_norm")
 
 
 def _own_module(layer: nn.Module, path: str, module: nn.Module) -> nn.Module:
@@ -342,7 +352,8 @@ def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inne
     paths = {"attn_in": layout.attn_in if reads_norms else None, "mid": layout.mid,
              "act": layout.act, "attn_block": layout.attn_block,
              "mlp_block": layout.mlp_block, "router": layout.router,
-             "attn_post_norm": layout.attn_post_norm, "mlp_post_norm": layout.mlp_post_norm}
+             "attn_post_norm": layout.attn_post_norm, "mlp_post_norm": layout.mlp_post_norm,
+             **_qk_norm_paths(layer, layout)}
     # A post-norm that is also a split layout's block (its output is attn_out / mlp_out) gets
     # one tapped class reading both its input and its output.
     joined = {block: post for block, post in (("attn_block", "attn_post_norm"),
@@ -451,6 +462,32 @@ def _v_heads_whole(block: nn.Module | None, kernel: nn.Module) -> bool:
         return False
     own = getattr(block, "v_head_dim", None)
     return not isinstance(own, int) or own == kernel.head_size
+
+
+def _qk_norm_paths(layer: nn.Module, layout: Layout) -> dict[str, str | None]:
+    """The ``q_norm`` / ``k_norm`` sites' modules in ``layer``: each where it normalises one
+    head at a time (its weight one head wide), or all heads together only without tensor
+    parallelism (vLLM gathers every rank's heads for such a norm, so each rank would read
+    them all)."""
+    kernel = next((m for m in layer.modules() if hasattr(m, "head_size")
+                   and hasattr(m, "num_kv_heads")), None)
+    found = {}
+    for site, path in (("q_norm", layout.q_norm), ("k_norm", layout.k_norm)):
+        module = _submodule(layer, path) if path else None
+        weight = getattr(module, "weight", None)
+        per_head = (kernel is not None and isinstance(weight, torch.Tensor)
+                    and weight.shape[-1] == kernel.head_size)
+        found[site] = path if module is not None and (per_head or _tp_size() == 1) else None
+    return found
+
+
+def _tp_size() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size()
+    except Exception:  # noqa: BLE001 -- no distributed state (a toy model): one rank
+        return 1
 
 
 def _reads_norm_outputs(layer: nn.Module) -> bool:

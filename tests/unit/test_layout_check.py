@@ -57,24 +57,36 @@ def _reads(rows):
                     for layer in LAYERS] for point, site in sites.items()}
 
 
-def _qk(rows, turn=None):
-    """The per-head lengths the check compares: the tapped normed Q/K, and the kernel's Q/K
-    (the normed ones turned by ``turn``: a rotation keeps each head's length)."""
-    found = []
+class _Rope:
+    """What the check reads of a layer's rotary embedding."""
+    rotary_dim, is_neox_style = 4, True
+
+
+def _qk(rows, turn=None, rope=_Rope()):
+    """What the check compares per site: what RoPE keeps of the tapped normed Q/K, and of the
+    kernel's Q/K (the normed ones turned by ``turn``)."""
+    from vllm_lens.worker.layout_check import _rope_keeps
+
+    found = {"q_norm": [], "k_norm": []}
     for layer in LAYERS:
         for site in ("q_norm", "k_norm"):
             normed = rows[(layer, site)][0]
             received = normed if turn is None else turn(normed)
-            found.append((normed.norm(dim=-1), received.norm(dim=-1)))
+            found[site].append((_rope_keeps(normed, rope), _rope_keeps(received, rope)))
     return found
 
 
-def _rotate(x):
-    """RoPE's turn of each pair (i, i + half) of a head, by a fixed angle per pair."""
+def _rotate(x, neox=True):
+    """RoPE's turn of each pair of a head (half with half, or neighbours), by a fixed angle
+    per pair."""
     half = x.shape[-1] // 2
     angle = torch.arange(half, dtype=x.dtype) + 0.3
-    a, b = x[..., :half], x[..., half:]
-    return torch.cat([a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos()], -1)
+    if neox:
+        a, b = x[..., :half], x[..., half:]
+    else:
+        a, b = x[..., 0::2], x[..., 1::2]
+    a, b = a * angle.cos() - b * angle.sin(), a * angle.sin() + b * angle.cos()
+    return torch.cat([a, b], -1) if neox else torch.stack([a, b], -1).flatten(-2)
 
 
 class _Scale(nn.Module):
@@ -90,19 +102,32 @@ def test_a_correct_layer_passes_every_invariant():
     assert result.refused == {}
 
 
-def test_a_q_or_k_that_is_not_the_normed_one_turned_refuses_the_qk_norm_points():
-    """Something between the norm and the kernel that changes a head's length (a scale, a
-    second norm) breaks the invariant: the four Q/K norm points are refused, the rest kept.
-    Without the kernel's Q/K recorded they are unproven, with why."""
+def test_a_q_or_k_that_is_not_the_normed_one_turned_refuses_its_norm_points():
+    """Something between the norm and the kernel that changes a head (a scale, heads in
+    another order, pairs turned that RoPE does not pair) breaks the invariant: that norm's two
+    points are refused, the rest kept. Without the kernel's K recorded, K's are unproven."""
     rows, last = _fused_rows()
-    qk = _qk(rows, lambda x: 1.5 * _rotate(x))
-    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
-                      reads=_reads(rows), qk=qk)
-    assert set(result.refused) == {"q_pre_norm", "q_normed", "k_pre_norm", "k_normed"}
-    assert "normed Q and K, rotated' failed" in result.refused["k_normed"]
-    result = evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
-                      reads=_reads(rows), qk=[(None, None)])
-    assert "was not recorded" in result.refused["q_normed"]
+
+    def check(qk):
+        return evaluate(rows, _info(), hidden=2.0 * last, final_norm=_Scale(), last_stage=True,
+                        reads=_reads(rows), qk=qk)
+
+    assert check(_qk(rows, _rotate)).refused == {}
+    scaled = _qk(rows, lambda x: 1.5 * _rotate(x))
+    assert set(check(scaled).refused) == {"q_pre_norm", "q_normed", "k_pre_norm", "k_normed"}
+    assert "normed Q, rotated' failed" in check(scaled).refused["q_normed"]
+    swapped = _qk(rows, lambda x: _rotate(x.flip(-2)))  # the heads in another order
+    assert "q_normed" in check(swapped).refused
+    # Neighbours turned where the rotary embedding pairs half with half: not what it keeps.
+    assert "q_normed" in check(_qk(rows, lambda x: _rotate(x, neox=False))).refused
+    gptj = _Rope()
+    gptj.is_neox_style = False
+    assert check(_qk(rows, lambda x: _rotate(x, neox=False), gptj)).refused == {}
+    without_k = _qk(rows, _rotate)
+    without_k["k_norm"] = [(None, None)]
+    refused = check(without_k).refused
+    assert set(refused) == {"k_pre_norm", "k_normed"}
+    assert "was not recorded" in refused["k_normed"]
 
 
 def test_a_block_that_reads_another_tensor_refuses_its_input_point_alone():
@@ -157,18 +182,25 @@ def test_a_final_norm_tap_off_the_lm_heads_input_refuses_final_norm_alone():
 
 
 def test_a_final_norm_run_twice_in_a_pass_refuses_final_norm():
-    from vllm_lens.worker.layout_check import LayoutCheck, _Recorder, _refuse_repeated_final
+    """A later call would overwrite the rows of the first: the final norm's point (and a Q or
+    K norm's, a module called on Q and then on K) is refused."""
+    from vllm_lens.worker.layout_check import LayoutCheck, _Recorder, _refuse_repeated
 
     recorder, result = _Recorder(), LayoutCheck(ran=True)
     x = torch.ones(3, 4)
     recorder(x, None, 2, "final")
     recorder(x, None, 2, "post")
-    _refuse_repeated_final(result, recorder)
+    recorder(x, x, 2, "q_norm")
+    _refuse_repeated(result, recorder)
     assert result.refused == {}
     recorder(x[:1], None, 2, "final")  # a second call in the same step (fewer rows)
-    _refuse_repeated_final(result, recorder)
+    _refuse_repeated(result, recorder)
     assert "ran 2 times" in result.refused["final_norm"]
     assert recorder.rows[(2, "final")][0].shape == (3, 4)  # the first call's rows are kept
+    recorder(x, x, 2, "q_norm")
+    _refuse_repeated(result, recorder)
+    assert {"q_pre_norm", "q_normed"} <= set(result.refused)
+    assert "k_normed" not in result.refused
 
 
 def test_a_wrong_mid_module_refuses_the_points_it_reads_and_keeps_the_stream():

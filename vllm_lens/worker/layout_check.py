@@ -21,10 +21,12 @@ wrong one breaks:
   return is the tapped input of the norm after them. On a second pass that runs the model's
   Python code (``worker.block_inputs``; written rows have these points proven against
   transformers by the test suite instead);
-- ``the kernel receives the normed Q and K, rotated``: each head's Q and K as the family's
-  norm of them returned (``q_normed``, ``k_normed``) are as long as what the attention kernel
-  receives (RoPE turns them without changing their length; anything else between, a scale or
-  another module, would), per token and head.
+- ``the kernel receives the normed Q, rotated`` (and ``... K, rotated``): each head's Q (K)
+  as the family's norm of it returned (``q_normed``, ``k_normed``) is what the attention
+  kernel receives up to RoPE's turns: per token, head and pair of coordinates RoPE turns
+  together (from the layer's rotary embedding: its ``rotary_dim`` and style), the pair's
+  length is the same, and coordinates RoPE leaves alone are equal (all of them on a layer
+  without RoPE). A scale, another module, or heads or tokens in another order would break it.
 
 Each invariant names the points it proves; a point whose invariant fails is refused by name
 with that invariant, and the rest of the model serves. A derived layout
@@ -61,10 +63,10 @@ logger = logging.getLogger(__name__)
 INVARIANTS = ("continuity", "final norm", "attention adds attn_out", "the MLP adds mlp_out",
               "the LM head reads final_norm", "attention reads attn_in",
               "the MLP reads mlp_in", "attention returns attn_out_pre_norm",
-              "the MLP returns mlp_out_pre_norm",
-              "the kernel receives the normed Q and K, rotated")
-#: Proves Q and K before and after their norms (``QK_NORM_POINTS``).
-_QK_ROTATED = INVARIANTS[-1]
+              "the MLP returns mlp_out_pre_norm", "the kernel receives the normed Q, rotated",
+              "the kernel receives the normed K, rotated")
+#: Site -> the invariant proving Q or K before and after its norm (``QK_NORM_POINTS``).
+_QK_ROTATED = {"q_norm": INVARIANTS[-2], "k_norm": INVARIANTS[-1]}
 _STREAM = ("continuity", "final norm")
 _SUMS = ("attention adds attn_out", "the MLP adds mlp_out")
 #: Point -> the invariant that its block reads or returns it (``block_inputs``).
@@ -88,7 +90,7 @@ def _requires(point: str, info: Any) -> tuple[str, ...]:
     if point in _READERS:
         return (*_STREAM, _READERS[point])
     if point in QK_NORM_POINTS:
-        return (*_STREAM, _QK_ROTATED)
+        return (*_STREAM, _QK_ROTATED[POINTS[point].site])
     return _STREAM + sums.get(point, ())
 
 
@@ -157,8 +159,8 @@ def check_layout(runner: Any, model: torch.nn.Module, info: Any, *, derived: boo
         reads = _block_inputs(runner, model, info) if info.readers else None
         result = evaluate(recorder.rows, info, hidden=hidden, final_norm=final,
                           last_stage=_last_stage(), dtype=recorder.dtype, reads=reads,
-                          qk=_qk_lengths(recorder.rows, info, kernel_qk))
-        _refuse_repeated_final(result, recorder)
+                          qk=_qk_lengths(recorder.rows, info, kernel_qk, model))
+        _refuse_repeated(result, recorder)
         try:
             _check_projections(result, model, info, recorder, kernel_out)
         except Exception as exc:  # noqa: BLE001 -- only per-head attribution is refused
@@ -210,34 +212,60 @@ def _block_inputs(runner: Any, model: torch.nn.Module, info: Any
     return reads
 
 
-def _qk_lengths(rows: dict, info: Any, kernel_qk: dict
-                ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-    """``evaluate``'s ``qk``: per local layer, and for Q then K, ``(lengths of each head's
-    tapped q_normed / k_normed, lengths of each head the kernel received)``, ``[tokens,
-    heads]`` each; ``None`` where one was not recorded."""
+def _qk_lengths(rows: dict, info: Any, kernel_qk: dict, model: torch.nn.Module
+                ) -> dict[str, list[tuple[torch.Tensor | None, torch.Tensor | None]]]:
+    """``evaluate``'s ``qk``: per site (``q_norm``, ``k_norm``) and local layer, ``(what RoPE
+    keeps of the tapped q_normed / k_normed, of what the kernel received)``
+    (``_rope_keeps``), one row per token; ``None`` where one was not recorded."""
     kernels = dict(info.attention)
-    found = []
+    layers = model.get_submodule(info.layers_path) if info.layers_path else None
+    found: dict[str, list] = {"q_norm": [], "k_norm": []}
     for layer in info.local_layers:
         kernel = kernels.get(layer)
+        rope = None if layers is None else next(
+            (m for m in layers[layer].modules()
+             if hasattr(m, "rotary_dim") and hasattr(m, "is_neox_style")), None)
         for index, site in enumerate(("q_norm", "k_norm")):
             tapped, received = rows.get((layer, site)), kernel_qk.get(layer, (None, None))[index]
             if kernel is None or tapped is None or received is None:
-                found.append((None, None))
+                found[site].append((None, None))
                 continue
             size = kernel.head_size
             normed = tapped[0].reshape(tapped[0].shape[0], -1, size)  # [tokens, heads, size]
             received = received.reshape(received.shape[0], -1, size)[: normed.shape[0]]
-            found.append((normed.norm(dim=-1), received.norm(dim=-1)))
+            found[site].append((_rope_keeps(normed, rope), _rope_keeps(received, rope)))
     return found
 
 
-def _refuse_repeated_final(result: LayoutCheck, recorder: _Recorder) -> None:
-    """A model that calls its final norm more than once in a step (on other rows too) would
-    have ``final_norm`` overwritten by the later call: refused then, on written layouts too."""
-    repeated = [n for (_, site), n in recorder.calls.items() if site == "final" and n > 1]
-    if repeated:
-        result.refused["final_norm"] = (f"the final norm ran {repeated[0]} times in one "
-                                        "forward pass, so its rows are not one per token")
+def _rope_keeps(x: torch.Tensor, rope: torch.nn.Module | None) -> torch.Tensor:
+    """What RoPE leaves unchanged in ``x`` (``[tokens, heads, size]``), one row per token: the
+    length of every pair of coordinates it turns together (``rotary_dim`` of them, paired
+    half with half in the NeoX style, else neighbours) and the coordinates past them."""
+    if rope is None:
+        return x.reshape(x.shape[0], -1)
+    rot = int(rope.rotary_dim)
+    turned = x[..., :rot]
+    if rope.is_neox_style:
+        a, b = turned[..., : rot // 2], turned[..., rot // 2:]
+    else:
+        a, b = turned[..., 0::2], turned[..., 1::2]
+    return torch.cat([torch.sqrt(a * a + b * b), x[..., rot:]], dim=-1).reshape(x.shape[0], -1)
+
+
+#: Sites whose module a model might call more than once per step, and the points they serve.
+_ONCE = {"final": ("final_norm",), "q_norm": ("q_pre_norm", "q_normed"),
+         "k_norm": ("k_pre_norm", "k_normed")}
+
+
+def _refuse_repeated(result: LayoutCheck, recorder: _Recorder) -> None:
+    """A model that calls its final norm (or a norm of Q or K) more than once in a step (on
+    other rows too, or on K after Q) would have the point overwritten by the later call:
+    refused then, on written layouts too."""
+    for at, points in _ONCE.items():
+        repeated = [n for (_, site), n in recorder.calls.items() if site == at and n > 1]
+        for point in points if repeated else ():
+            result.refused[point] = (f"its module ran {repeated[0]} times in one forward "
+                                     "pass, so its rows are not one per token")
 
 
 #: The sites the invariants read (``evaluate``).
@@ -480,13 +508,14 @@ def evaluate(rows: dict, info: Any, *, hidden: torch.Tensor | None,
         ``base + delta`` (``base`` None: ``actual`` should be ``delta``)."""
         needs_base = name in _SUMS
         same = name in _READERS.values()  # one tensor, seen twice in one pass: equal
+        nonzero = same or name in _QK_ROTATED.values()
         if not checks or any(a is None or d is None or (needs_base and b is None)
                              for a, b, d in checks):
             unrun[name] = missing
         elif needs_base and not any(_telling(b, d, eps) for _, b, d in checks):
             unrun[name] = ("the sublayer's output was too small beside the stream in the "
                            "check's pass to be told apart from rounding")
-        elif same and not any(bool((d.norm(dim=-1) > 0).any()) for _, _, d in checks):
+        elif nonzero and not any(bool((d.norm(dim=-1) > 0).any()) for _, _, d in checks):
             unrun[name] = "the block's rows were all zero in the check's pass"
         elif all(_close(a, b, d, 0.0 if same else tol, eps) for a, b, d in checks):
             passed.append(name)
@@ -532,9 +561,10 @@ def evaluate(rows: dict, info: Any, *, hidden: torch.Tensor | None,
     else:
         unrun["final norm"] = "this pipeline stage does not end the model"
         unrun["the LM head reads final_norm"] = "this pipeline stage does not end the model"
-    if any(site_of(p, split=split) in info.sites for p in QK_NORM_POINTS):
-        judge(_QK_ROTATED, [(t, None, k) for t, k in qk or []],
-              "the kernel's Q or K, or a norm's tap, was not recorded in the check's pass")
+    for site, name in _QK_ROTATED.items():
+        if site in info.sites:
+            judge(name, [(t, None, k) for t, k in (qk or {}).get(site, [])],
+                  "the kernel's input or the norm's tap was not recorded in the check's pass")
     for point, name in _READERS.items():
         if isinstance(reads, dict) and point in reads:
             judge(name, [(tapped, None, read) for tapped, read in reads[point]],

@@ -87,8 +87,8 @@ class Layout:
     q_norm: str | None = None
     """The attention block's norm of Q, where a family has one (``q_pre_norm`` is its input,
     ``q_normed`` its output); a layer without the module gets neither. Written rows are
-    proven against transformers, a derived layout's by the start-up check ("the kernel's Q and
-    K are the normed ones, rotated")."""
+    proven against transformers, a derived layout's by the start-up check ("the kernel receives
+    the normed Q, rotated")."""
     k_norm: str | None = None
     """The attention block's norm of K (``k_pre_norm``, ``k_normed``), as ``q_norm``."""
     mlp_module: str | None = None

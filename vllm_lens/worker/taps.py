@@ -272,11 +272,15 @@ def _inner_tapped_class(cls: type[nn.Module], site: str, fused: bool, batched: b
                 return _call_original(cls, self, args, kwargs)
         elif site in _IN_OUT_SITES:
             def forward(self, *args, **kwargs):
-                x = args[0] if args else kwargs.get(first)
-                out = _call_original(cls, self, args, kwargs)
-                op(rows(out[0] if isinstance(out, tuple) else out), rows(x),
+                x = rows(args[0] if args else kwargs.get(first))
+                result = _call_original(cls, self, args, kwargs)
+                out = rows(result[0] if isinstance(result, tuple) else result)
+                # Rows of [heads, head_size], also from a norm over every head at once
+                # (called on [tokens, heads * head_size]).
+                size = self._vllm_lens_head_size
+                op(out.reshape(out.shape[0], -1, size), x.reshape(x.shape[0], -1, size),
                    self._vllm_lens_layer)
-                return out
+                return result
         elif site == "mid":
             out_op = (getattr(torch.ops.vllm_lens, SITE_OP_NAMES["mlp_in"].split("::")[1])
                       if mlp_in else None)
@@ -360,6 +364,8 @@ def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inne
                                               ("mlp_block", "mlp_post_norm"))
               if paths[post] is not None and paths[post] == paths[block]}
     n_experts = 0
+    head_size = next((int(m.head_size) for m in layer.modules()
+                      if hasattr(m, "head_size") and hasattr(m, "num_kv_heads")), 0)
     mlp_in = (layout.mlp_in and reads_norms
               and getattr(layer, "ada_rms_norm_t_cond", None) is None)
     for site, path in paths.items() if inner else ():
@@ -391,6 +397,8 @@ def _install_inner(layer: nn.Module, index: int, layout: Layout, tap: bool, inne
                                                    mlp_in=site == "mid" and mlp_in,
                                                    in_site=joined.get(site))
             module._vllm_lens_layer = index
+            if site in _IN_OUT_SITES:
+                module._vllm_lens_head_size = head_size
         sites.add(site)
         if site in joined:
             sites.add(joined[site])
@@ -477,7 +485,8 @@ def _qk_norm_paths(layer: nn.Module, layout: Layout) -> dict[str, str | None]:
         weight = getattr(module, "weight", None)
         per_head = (kernel is not None and isinstance(weight, torch.Tensor)
                     and weight.shape[-1] == kernel.head_size)
-        found[site] = path if module is not None and (per_head or _tp_size() == 1) else None
+        found[site] = path if (module is not None and kernel is not None
+                               and (per_head or _tp_size() == 1)) else None
     return found
 
 

@@ -488,13 +488,14 @@ def evaluate(rows: dict, info: Any, *, hidden: torch.Tensor | None,
              final_norm: torch.nn.Module | None, last_stage: bool,
              dtype: torch.dtype | None = None, tol: float | None = None,
              reads: dict[str, list[tuple[Any, Any]]] | str | None = None,
-             qk: list[tuple[Any, Any]] | None = None) -> LayoutCheck:
+             qk: dict[str, list[tuple[Any, Any]]] | None = None) -> LayoutCheck:
     """The invariants over ``rows`` (``(layer, tap key) -> (a, b)``), for ``info`` (a
     ``TapInfo``); ``hidden``: what the model returned, ``final_norm`` the norm before the LM
-    head; ``reads``: point -> ``(tapped, what its block read)`` per layer (``attn_in``,
-    ``mlp_in``), or why they were not recorded; ``qk``: ``(lengths of the tapped q_normed /
-    k_normed heads, of the kernel's)`` per layer (``_qk_lengths``). Points of a failed or
-    unrunnable invariant are refused."""
+    head; ``reads``: point -> ``(tapped, what its block read or returned)`` per layer
+    (``attn_in``, ``mlp_in``, the ``_pre_norm`` points), or why they were not recorded;
+    ``qk``: site (``q_norm``, ``k_norm``) -> ``(what RoPE keeps of the tapped normed Q or K,
+    of the kernel's)`` per layer (``_qk_lengths``). Points of a failed or unrunnable invariant
+    are refused."""
     dtype = dtype or torch.float32
     tol = tol if tol is not None else tolerance(dtype)
     eps = torch.finfo(dtype).eps
@@ -516,7 +517,7 @@ def evaluate(rows: dict, info: Any, *, hidden: torch.Tensor | None,
             unrun[name] = ("the sublayer's output was too small beside the stream in the "
                            "check's pass to be told apart from rounding")
         elif nonzero and not any(bool((d.norm(dim=-1) > 0).any()) for _, _, d in checks):
-            unrun[name] = "the block's rows were all zero in the check's pass"
+            unrun[name] = "the rows it compares were all zero in the check's pass"
         elif all(_close(a, b, d, 0.0 if same else tol, eps) for a, b, d in checks):
             passed.append(name)
         else:

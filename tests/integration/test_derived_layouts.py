@@ -95,9 +95,9 @@ REFUSED = {
     "qwen3_next": "its layers keep a recurrent state",
     "granitemoehybrid": "its layers keep a recurrent state",
     "nemotron_h": "its layers keep a recurrent state",
-    # The derived MLP block is fc1 alone (OPT calls fc1, the activation and fc2 itself): the
-    # check's sums fail to run, and nothing is served as proven.
-    "opt": "the start-up check could not run",
+    # OPT's layer calls its norms before or after attention and the MLP as its config says
+    # (do_layer_norm_before), in branches of one forward: no layout is derived from that.
+    "opt": "calls self.self_attn_layer_norm both before and after self.self_attn",
     # AltUp: the layers hand on several streams; the check proves continuity only.
     "gemma3n": "the invariant 'final norm' failed",
 }

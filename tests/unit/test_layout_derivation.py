@@ -183,6 +183,32 @@ def test_the_attention_blocks_q_and_k_norms_are_named_where_it_has_them():
     assert (layout.q_norm, layout.k_norm) == (None, None)
 
 
+class Branches(nn.Module):  # OPT in vLLM: its config picks pre- or post-norm
+    def __init__(self):
+        super().__init__()
+        self.self_attn_layer_norm, self.self_attn = RMSNorm(), Attn()
+        self.final_layer_norm, self.mlp = RMSNorm(), MLP()
+        self.do_layer_norm_before = True
+
+    def forward(self, hidden_states):
+        residual = hidden_states
+        if self.do_layer_norm_before:
+            hidden_states = self.self_attn_layer_norm(hidden_states)
+        hidden_states = residual + self.self_attn(hidden_states)
+        if not self.do_layer_norm_before:
+            hidden_states = self.self_attn_layer_norm(hidden_states)
+        residual = hidden_states
+        if self.do_layer_norm_before:
+            hidden_states = self.final_layer_norm(hidden_states)
+        return residual + self.mlp(hidden_states)
+
+
+def test_a_norm_the_config_puts_before_or_after_attention_is_refused():
+    found = derive_layout(_model(Branches), Kernel)
+    assert found.layout is None
+    assert "calls self.self_attn_layer_norm both before and after self.self_attn" in found.reason
+
+
 def test_trees_without_a_layout_are_refused_with_a_reason():
     found = derive_layout(_model(NoMLP), Kernel)
     assert found.layout is None and "no MLP block" in found.reason

@@ -119,6 +119,13 @@ def _derive(model: nn.Module,
     before_attn, after = calls[:names.index(attn_child)], calls[last + 1:]
     children = dict(layer.named_children())
     norm = {name for name, module in children.items() if _is_norm(module)}
+    # A norm called before attention in one branch and after it in another (OPT: its config
+    # picks pre- or post-norm) leaves the layout to the config, which the source does not say.
+    twice = sorted({name for name, _ in before_attn if name in norm}
+                   & {name for name, _ in after if name in norm})
+    if twice:
+        return Derivation(None, f"{cls.__name__}.forward calls self.{twice[0]} both before "
+                                f"and after self.{attn_child} (branches its config picks)")
     mlp = next((name for name, _ in after if name in children and name not in norm), None)
     if mlp is None:
         return Derivation(None, f"no MLP block is called after self.{attn_child}")

@@ -202,7 +202,8 @@ each token is routed to) comes with `router_logits`. **ablate/cap**: `mode="abla
 layer with a one-sided `cap`, against hooks doing the same edits; **attention steering**:
 `steer_attention` (PASTA and a key bias) against transformers' eager attention doing the same
 edit. The TP=2 column covers every point, Q/K, steering, ablate/cap, attention steering and
-the stop monitor with two tensor-parallel workers.
+the stop monitor with two tensor-parallel workers (but Q and K around OLMo 2/3's norms, which
+span every head and are not tapped under tensor parallelism).
 
 """
 

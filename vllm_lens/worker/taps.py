@@ -158,7 +158,7 @@ class TapInfo:
 
 # Where unmapped models usually keep their layers: found only to report their depth.
 _LAYER_PATHS = ("model.layers", "language_model.model.layers", "model.language_model.layers",
-                "language_model.layers", "transformer.h")
+                "language_model.layers", "transformer.h", "model.decoder.layers")
 _TAPPED_CLASSES: dict[tuple[type, bool, bool], type] = {}
 _INFO_ATTR = "_vllm_lens_taps"
 

@@ -474,7 +474,7 @@ def _v_heads_whole(block: nn.Module | None, kernel: nn.Module) -> bool:
 
 def _qk_norm_paths(layer: nn.Module, layout: Layout) -> dict[str, str | None]:
     """The ``q_norm`` / ``k_norm`` sites' modules in ``layer``: each where it normalises one
-    head at a time (its weight one head wide), or all heads together only without tensor
+    head at a time (its weight one head wide), or whole heads together only without tensor
     parallelism (vLLM gathers every rank's heads for such a norm, so each rank would read
     them all)."""
     kernel = next((m for m in layer.modules() if hasattr(m, "head_size")
@@ -483,10 +483,13 @@ def _qk_norm_paths(layer: nn.Module, layout: Layout) -> dict[str, str | None]:
     for site, path in (("q_norm", layout.q_norm), ("k_norm", layout.k_norm)):
         module = _submodule(layer, path) if path else None
         weight = getattr(module, "weight", None)
-        per_head = (kernel is not None and isinstance(weight, torch.Tensor)
-                    and weight.shape[-1] == kernel.head_size)
-        found[site] = path if (module is not None and kernel is not None
-                               and (per_head or _tp_size() == 1)) else None
+        # Its rows are read as [heads, head_size]: a norm whose width is not a whole number of
+        # heads (or that has no weight to tell) is left untapped, never reshaped in the pass.
+        width = weight.shape[-1] if isinstance(weight, torch.Tensor) and weight.dim() else 0
+        size = kernel.head_size if kernel is not None else 0
+        whole = bool(size) and bool(width) and width % size == 0
+        found[site] = path if (module is not None and whole
+                               and (width == size or _tp_size() == 1)) else None
     return found
 
 

@@ -227,7 +227,10 @@ def test_q_and_k_norms_are_read_at_their_input_and_output_where_one_head_wide(
     torch.testing.assert_close(rows["q_norm"][1], heads)
     torch.testing.assert_close(rows["q_norm"][0], block.attn.q_norm(heads))
     torch.testing.assert_close(rows["k_norm"][1], heads[:, :1])
-    # One norm over every head: tapped at TP=1 only.
+    # One norm over every head: tapped at TP=1 only (and not where the size is unknown).
+    wide = Block(nn.GELU(), attn=QKAttn(4))
+    assert "q_norm" not in taps.install_taps(toy("ToyForCausalLM", [wide])).sites
+    monkeypatch.setattr(taps, "_tp_size", lambda: 1)
     wide = Block(nn.GELU(), attn=QKAttn(4))
     wide.attn.forward = lambda x: wide.attn.q_norm(x) + wide.attn.k_norm(x)
     assert "q_norm" in taps.install_taps(toy("ToyForCausalLM", [wide])).sites

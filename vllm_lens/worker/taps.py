@@ -494,12 +494,14 @@ def _qk_norm_paths(layer: nn.Module, layout: Layout) -> dict[str, str | None]:
 
 
 def _tp_size() -> int:
+    """The tensor-parallel size, or 0 where it cannot be read (then a norm over every head is
+    not tapped: it might be split across ranks)."""
     try:
         from vllm.distributed import get_tensor_model_parallel_world_size
 
         return get_tensor_model_parallel_world_size()
-    except Exception:  # noqa: BLE001 -- no distributed state (a toy model): one rank
-        return 1
+    except Exception:  # noqa: BLE001 -- no distributed state: unknown, never taken as one rank
+        return 0
 
 
 def _reads_norm_outputs(layer: nn.Module) -> bool:
